@@ -1,0 +1,54 @@
+"""lightning-sparse-dp: train MinkowskiEngine sparse networks on several devices with Lightning.
+
+``import lightning_sparse_dp`` registers the strategy ``"sparse_dp"``::
+
+    import lightning as L
+    import lightning_sparse_dp  # noqa: F401
+
+    trainer = L.Trainer(strategy="sparse_dp", accelerator="cpu", devices=3)
+
+The data path of one step, one module per stage:
+
+- :mod:`~lightning_sparse_dp.split`: batch -> chunks of whole samples, batch indices renumbered;
+- :mod:`~lightning_sparse_dp.place`: chunk -> its device, SparseTensor / TensorField built there;
+- :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
+- :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
+- :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
+- :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once.
+
+:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
+"""
+
+from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
+from lightning_sparse_dp.gather import chunk_weights, gather_outputs
+from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.split import (
+    BatchLayoutError,
+    SparseSpec,
+    SplitPlan,
+    contiguous_assignment,
+    merge_batch,
+    merge_chunks,
+    split_batch,
+)
+from lightning_sparse_dp.strategy import SparseDataParallelStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchLayoutError",
+    "ReplicaExecutor",
+    "SparseDataParallelStrategy",
+    "SparseSpec",
+    "SplitPlan",
+    "chunk_weights",
+    "contiguous_assignment",
+    "gather_outputs",
+    "merge_batch",
+    "merge_chunks",
+    "parallel_apply",
+    "place_chunks",
+    "replicate",
+    "split_batch",
+]

@@ -1,0 +1,60 @@
+"""Place: move each chunk to its replica's device, building SparseTensor / TensorField there.
+
+ME's ``SparseTensor(features, coordinates, device=...)`` creates a new coordinate manager on the
+coordinates' device, and its CUDA code allocates on the *current* CUDA device, so a SparseTensor
+for device ``d`` is built inside ``torch.cuda.device(d)`` (upstream MinkowskiEngine issue #535,
+"All inputs must be on the same device"). A 0.5.x SparseTensor has no ``.to()``: it is never
+built on the host first and moved, only built once where it is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_sparse_dp.split import SparseSpec
+
+
+def device_context(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device, else a no-op context."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
+    """Build the ``ME.SparseTensor`` / ``ME.TensorField`` described by ``spec`` on ``device``.
+
+    Args:
+        spec: features ``[n, C]`` and coordinates ``[n, D+1]`` (column 0 = batch index) of one chunk,
+            with the source tensor's ``tensor_stride`` / ``quantization_mode`` / ``minkowski_algorithm``.
+        device: where the tensor and its coordinate manager live.
+    """
+    with device_context(device):
+        features = spec.features.to(device, non_blocking=True)
+        coordinates = spec.coordinates.to(device, non_blocking=True)
+        return spec.cls(features=features, coordinates=coordinates, device=device, **spec.kwargs)
+
+
+def place_chunk(chunk: Any, device: torch.device) -> Any:
+    """Move every tensor of ``chunk`` to ``device`` and build its pending sparse tensors there."""
+    chunk = apply_to_collection(chunk, SparseSpec, build_sparse, device=device)
+    with device_context(device):
+        return move_data_to_device(chunk, device)
+
+
+def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list[Any]:
+    """Place chunk ``i`` on ``devices[i]``; ``len(chunks) <= len(devices)``.
+
+    Raises:
+        ValueError: more chunks than devices.
+    """
+    if len(chunks) > len(devices):
+        raise ValueError(f"{len(chunks)} chunks for {len(devices)} devices: split into at most one chunk per device.")
+    return [place_chunk(c, d) for c, d in zip(chunks, devices)]
+
+
+__all__ = ["build_sparse", "device_context", "place_chunk", "place_chunks"]

@@ -1,0 +1,220 @@
+"""The ``sparse_dp`` strategy: single-process data parallelism for MinkowskiEngine networks.
+
+A thin orchestrator over the stages of one step (see the package docstring):
+split (:mod:`.split`) -> place (:mod:`.place`) -> replicate (:mod:`.replicate`) ->
+apply (:mod:`.apply`) -> gather (:mod:`.gather`) -> log (:mod:`.log`).
+Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
+the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
+state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
+from lightning_sparse_dp.log import emit, install_recorder, reduce_log_calls
+from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.split import SplitPlan, split_batch
+
+
+def check_devices(devices: list[torch.device]) -> None:
+    """Check that ``devices`` are usable replicas: one kind, CPU or CUDA, and present on this machine.
+
+    Raises:
+        MisconfigurationException: no devices, mixed kinds, a device type other than CPU/CUDA, or a
+            CUDA index the machine does not have.
+    """
+    if not devices:
+        raise MisconfigurationException("sparse_dp needs at least one device.")
+    kinds = {d.type for d in devices}
+    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+        raise MisconfigurationException(
+            f"sparse_dp runs on CPU or CUDA devices of one kind, got {devices}. Use accelerator='cpu' or 'gpu'."
+        )
+    if kinds == {"cuda"}:
+        available = torch.cuda.device_count()
+        missing = [d for d in devices if (d.index or 0) >= available]
+        if missing:
+            raise MisconfigurationException(
+                f"sparse_dp was given devices {[str(d) for d in devices]} but this machine has {available} CUDA "
+                f"device(s), so {[str(d) for d in missing]} do not exist. Pass devices=<at most {available}>."
+            )
+
+
+class SparseDataParallelStrategy(ParallelStrategy):
+    """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
+
+    Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
+    is placed on its device (SparseTensor / TensorField built there), the LightningModule is
+    replicated onto the devices in use, the step runs on every replica at once, and the outputs are
+    gathered on the root device: the loss is ``sum_i w_i * loss_i``, exactly the whole-batch mean for
+    the chosen weighting. ``self.log`` calls in replicas are reduced and logged once.
+
+    Args:
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
+            the Trainer fills them from ``accelerator=`` and ``devices=``.
+        loss_weighting: ``"samples"`` (default; ``w_i`` = share of samples, exact for losses averaged
+            over samples), ``"points"`` (share of points, exact for losses averaged over points) or
+            ``"equal"`` (``1/k``).
+        layout: roles for batch entries that cannot be told apart, passed to
+            :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``.
+        split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` entirely:
+            ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
+
+    Raises:
+        ValueError: an unknown ``loss_weighting``.
+        MisconfigurationException: at setup, for manual optimization or unusable devices.
+    """
+
+    strategy_name = "sparse_dp"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        *,
+        loss_weighting: str = "samples",
+        layout: Mapping[Any, str] | None = None,
+        split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+        self.loss_weighting = loss_weighting
+        self.layout = dict(layout) if layout else None
+        self.split_fn = split_fn
+        self._executor: ReplicaExecutor | None = None
+
+    # --- what Lightning asks of a single-process parallel strategy -----------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        return None  # one process reads the whole batch; no DistributedSampler
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    def setup_environment(self) -> None:
+        check_devices(list(self.parallel_devices or []))
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise MisconfigurationException(
+                "sparse_dp does not support manual optimization (automatic_optimization = False): the step runs on "
+                "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
+                "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
+            )
+        super().setup(trainer)
+        if self._executor is None:
+            self._executor = ReplicaExecutor(len(self.parallel_devices or [self.root_device]))
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        return batch  # each chunk is placed on its own device in the step
+
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
+        return tensor  # one process: nothing to reduce across processes
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    def teardown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
+
+    # --- the step ------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._parallel_step("training_step", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._parallel_step("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._parallel_step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._parallel_step("predict_step", args, kwargs)
+
+    def split(self, batch: Any) -> tuple[list[Any], SplitPlan]:
+        """Split ``batch`` into at most one chunk per device (``split_fn`` or :func:`split_batch`)."""
+        num_devices = len(self.parallel_devices or [self.root_device])
+        if self.split_fn is not None:
+            return self.split_fn(batch, num_devices)
+        return split_batch(batch, num_devices, layout=self.layout)
+
+    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+        module = self.lightning_module
+        assert module is not None and self.parallel_devices is not None
+        if not args:
+            raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
+        batch, rest = args[0], args[1:]
+        chunks, plan = self.split(batch)
+        devices = self.parallel_devices[: plan.num_chunks]
+        placed = place_chunks(chunks, devices)
+        replicas = replicate(module, devices)
+        recorders = [install_recorder(r) for r in replicas]
+        steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
+        if self._executor is None:  # a step called outside fit/validate/test/predict
+            self._executor = ReplicaExecutor(len(self.parallel_devices))
+        outputs = self._executor.run(steps, devices)
+        weights = chunk_weights(plan, self.loss_weighting)
+        output = gather_outputs(outputs, plan, weights, self.root_device)
+        emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device))
+        return output
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="Single-process data parallelism for MinkowskiEngine sparse batches (lightning-sparse-dp)",
+            )
+
+
+SparseDataParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SparseDataParallelStrategy", "check_devices"]

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Build MinkowskiEngine 0.5.4 from its source distribution for the torch in a given Python
+# environment, cache the wheel outside the repository, and install it there.
+#
+# usage: scripts/build_minkowski.sh PYTHON
+#   PYTHON  the interpreter of the target environment (e.g. .venv/bin/python); it must have torch.
+#
+# What it does, and why (see shared research notes):
+#  * ME 0.5.4 is on the registry only as a source distribution. Its setup.py imports
+#    numpy.distutils unless --blas is given, and pip runs setup.py without build options to read
+#    metadata, so the sdist is fetched in a small build environment pinned to numpy 1.26.4 and
+#    setuptools 69.5.1 that sees the target's torch (the extension must match that torch's ABI).
+#  * The sources are patched for Python >= 3.10 (`from collections import Sequence` ->
+#    `collections.abc`) and, for CUDA >= 12, the missing thrust includes are added.
+#  * CPU-only unless nvcc is found and the target torch is a CUDA build.
+#  * setup.py runs `pip uninstall MinkowskiEngine` and `rm -rf build`: it runs in a scratch copy
+#    with the build environment's pip first on PATH.
+#  * The wheel is cached under ${LSDP_CACHE:-~/.cache/lightning-sparse-dp} keyed by ME version,
+#    Python, torch version and CPU/CUDA, and reused on the next run.
+set -euo pipefail
+
+PY=${1:?usage: build_minkowski.sh PYTHON}
+ME_VERSION=0.5.4
+# Bump when the recipe (patches, flags) changes, so cached wheels of an older recipe are not reused.
+RECIPE=2
+CACHE=${LSDP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-sparse-dp}
+log() { printf '[build_minkowski] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+"$PY" -c "import torch" 2>/dev/null || die "torch is not importable from $PY; install torch first"
+
+installed=$("$PY" - <<'PYEOF'
+import importlib.metadata as m
+try:
+    print(m.version("MinkowskiEngine"))
+except m.PackageNotFoundError:
+    print("")
+PYEOF
+)
+if [ "$installed" = "$ME_VERSION" ] && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
+    log "MinkowskiEngine $ME_VERSION already installed and importable"
+    exit 0
+fi
+
+read -r TORCH_VERSION TORCH_CUDA PYTAG SITE < <("$PY" - <<'PYEOF'
+import sys, sysconfig, torch
+print(torch.__version__.split("+")[0], torch.version.cuda or "none",
+      f"cp{sys.version_info.major}{sys.version_info.minor}", sysconfig.get_paths()["purelib"])
+PYEOF
+)
+VARIANT=cpu
+if [ "$TORCH_CUDA" != none ] && command -v nvcc >/dev/null 2>&1; then
+    VARIANT="cu${TORCH_CUDA//./}"
+fi
+KEY="me${ME_VERSION}-r${RECIPE}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
+WHEEL_DIR="$CACHE/wheels/$KEY"
+wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
+
+if [ -z "$wheel" ]; then
+    log "no cached wheel for $KEY: building (CPU-only takes about 8 minutes on 2 cores)"
+    case "$(uname -s)" in Linux) ;; *) die "only Linux builds are supported by this script";; esac
+    if ! { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] \
+           || ls /usr/include/*/cblas.h >/dev/null 2>&1; }; then
+        die "cblas.h not found: install Debian's libopenblas-dev (apt-get install libopenblas-dev)"
+    fi
+    BUILD_ENV="$CACHE/build-env-$PYTAG"
+    if [ ! -x "$BUILD_ENV/bin/python" ]; then
+        log "creating build environment $BUILD_ENV"
+        "$PY" -c "import sys; print(sys.base_prefix)" >/dev/null
+        BASE_PY=$("$PY" -c "import sys, os; print(os.path.join(sys.base_prefix, 'bin', 'python3'))")
+        "$BASE_PY" -m venv "$BUILD_ENV"
+        "$BUILD_ENV/bin/python" -m pip install -q --disable-pip-version-check \
+            "numpy==1.26.4" "setuptools==69.5.1" "wheel<0.46" ninja \
+            || die "could not install the build environment's tools (numpy 1.26.4, setuptools 69.5.1, wheel, ninja)"
+    fi
+    # The build environment sees the target's torch (and its dependencies) after its own pins.
+    BSITE=$("$BUILD_ENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$SITE" > "$BSITE/zz_lsdp_target_site.pth"
+    "$BUILD_ENV/bin/python" -c "import torch, numpy; assert numpy.__version__ == '1.26.4'" \
+        || die "the build environment cannot import the target's torch with numpy 1.26.4"
+
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/lsdp-me-build.XXXXXX")
+    trap 'rm -rf "$WORK"' EXIT
+    export PATH="$BUILD_ENV/bin:$PATH"
+    log "fetching the MinkowskiEngine $ME_VERSION source distribution"
+    (cd "$WORK" && python -m pip download -q --disable-pip-version-check --no-deps \
+        --no-binary :all: --no-build-isolation "MinkowskiEngine==$ME_VERSION" -d "$WORK/sdist") \
+        || die "could not download the MinkowskiEngine $ME_VERSION sdist"
+    tar -xzf "$WORK"/sdist/MinkowskiEngine-"$ME_VERSION".tar.gz -C "$WORK"
+    SRC="$WORK/MinkowskiEngine-$ME_VERSION"
+
+    log "patching sources for Python >= 3.10 (Sequence lives in collections.abc)"
+    python - "$SRC/MinkowskiEngine" <<'PYEOF' || die "the collections.abc patch did not apply"
+import collections.abc, pathlib, re, sys
+pattern = re.compile(r"^from collections import (.+)$", re.M)
+def fix(match):
+    names = [n.strip() for n in match.group(1).split(",")]
+    abc = [n for n in names if hasattr(collections.abc, n)]
+    rest = [n for n in names if n not in abc]
+    lines = ([f"from collections import {', '.join(rest)}"] if rest else []) + \
+            ([f"from collections.abc import {', '.join(abc)}"] if abc else [])
+    return "\n".join(lines)
+patched = 0
+for path in pathlib.Path(sys.argv[1]).rglob("*.py"):
+    text = path.read_text()
+    new = pattern.sub(fix, text)
+    if new != text:
+        path.write_text(new)
+        patched += 1
+left = [str(p) for p in pathlib.Path(sys.argv[1]).rglob("*.py")
+        if re.search(r"^from collections import .*\b(Sequence|Mapping|Iterable)\b", p.read_text(), re.M)]
+if patched == 0 or left:
+    sys.exit(f"patched {patched} files; still importing ABCs from collections: {left}")
+print(f"patched {patched} files", file=sys.stderr)
+PYEOF
+
+    args=(--blas=openblas)
+    if [ "$VARIANT" = cpu ]; then
+        args+=(--cpu_only)
+    else
+        args+=(--force_cuda)
+        log "CUDA build: adding thrust includes for CUDA >= 12"
+        for f in "$SRC"/src/*.cu "$SRC"/src/3rdparty/concurrent_unordered_map.cuh; do
+            sed -i '1i #include <thrust/execution_policy.h>\n#include <thrust/unique.h>\n#include <thrust/remove.h>\n#include <thrust/sort.h>\n#include <thrust/reduce.h>' "$f"
+        done
+    fi
+    log "compiling ($VARIANT, ${MAX_JOBS:-$(nproc)} jobs); log in $CACHE/build-$KEY.log"
+    mkdir -p "$CACHE"
+    if ! (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-$(nproc)} python setup.py bdist_wheel "${args[@]}" \
+            > "$CACHE/build-$KEY.log" 2>&1); then
+        tail -n 40 "$CACHE/build-$KEY.log" >&2
+        die "MinkowskiEngine build failed (full log: $CACHE/build-$KEY.log)"
+    fi
+    mkdir -p "$WHEEL_DIR"
+    cp "$SRC"/dist/MinkowskiEngine-*.whl "$WHEEL_DIR"/
+    wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl | head -n1)
+    log "cached $wheel"
+fi
+
+log "installing $(basename "$wheel")"
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+"$PY" -m pip install -q --disable-pip-version-check "numpy" >/dev/null
+"$PY" -c "import MinkowskiEngine as ME; print('MinkowskiEngine', ME.__version__, 'imports')" >&2 \
+    || die "MinkowskiEngine was installed but does not import"

@@ -1,0 +1,105 @@
+"""Shared test helpers: random sparse samples, a small ME network, one-batch loaders."""
+
+from __future__ import annotations
+
+import lightning as L
+import MinkowskiEngine as ME
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+NUM_CLASSES = 4
+IN_CHANNELS = 3
+
+
+def random_samples(num_samples: int, seed: int = 0, dim: int = 3, min_points: int = 5, max_points: int = 40):
+    """``num_samples`` samples of unique int32 coordinates ``[n_i, dim]``, features ``[n_i, 3]`` and a label."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        n = int(torch.randint(min_points, max_points + 1, (1,), generator=g))
+        coords = torch.randint(0, 8, (n * 2, dim), generator=g, dtype=torch.int32).unique(dim=0)[:n]
+        feats = torch.randn(coords.shape[0], IN_CHANNELS, generator=g)
+        label = int(torch.randint(0, NUM_CLASSES, (1,), generator=g))
+        samples.append((coords, feats, label))
+    return samples
+
+
+def collate_dict(samples):
+    """ME's Lightning-example batch: coordinates [N, D+1] (batch index in column 0), features [N, C], labels [B]."""
+    coords, feats, labels = zip(*samples)
+    coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
+    return {"coordinates": coordinates, "features": features, "labels": torch.tensor(labels)}
+
+
+class OneBatch(Dataset):
+    """A dataset whose single item is an already collated batch (use with ``batch_size=None``)."""
+
+    def __init__(self, *batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def loader(*batches) -> DataLoader:
+    return DataLoader(OneBatch(*batches), batch_size=None, shuffle=False)
+
+
+class SparseNet(L.LightningModule):
+    """Convolution, ReLU, strided convolution, (batch norm), global pooling, linear; SGD."""
+
+    def __init__(self, batch_norm: bool = False, lr: float = 0.1, fail_on_replica_with: int | None = None):
+        super().__init__()
+        layers = [
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiConvolution(8, 16, kernel_size=2, stride=2, dimension=3),
+        ]
+        if batch_norm:
+            layers.append(ME.MinkowskiBatchNorm(16))
+        layers += [ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(16, NUM_CLASSES)]
+        self.net = torch.nn.Sequential(*layers)
+        self.lr = lr
+        self.fail_on_replica_with = fail_on_replica_with
+        self.step_losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x).F
+
+    def loss(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return F.cross_entropy(self(x), batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_on_replica_with is not None and batch["labels"].shape[0] == self.fail_on_replica_with:
+            raise RuntimeError(f"boom in the chunk of {self.fail_on_replica_with} samples")
+        loss = self.loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)

@@ -1,0 +1,194 @@
+"""split / merge: property tests against the unsplit batch, and every bad input."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, merge_batch, merge_chunks, split_batch
+from tests.helpers import collate_dict, random_samples
+
+batches = st.builds(
+    lambda b, seed, k: (collate_dict(random_samples(b, seed=seed, min_points=1, max_points=12)), k),
+    st.integers(1, 9),
+    st.integers(0, 10_000),
+    st.integers(1, 5),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches)
+def test_split_then_merge_is_the_identity(batch_and_k):
+    batch, k = batch_and_k
+    chunks, plan = split_batch(batch, k)
+    merged = merge_batch(chunks, plan)
+    assert merged.keys() == batch.keys()
+    for key in batch:
+        assert torch.equal(merged[key], batch[key]), key
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches)
+def test_every_point_and_sample_lands_in_exactly_one_chunk(batch_and_k):
+    batch, k = batch_and_k
+    num_samples = len(batch["labels"])
+    chunks, plan = split_batch(batch, k)
+    assert len(chunks) == min(k, num_samples)
+    samples = torch.cat(plan.chunk_samples)
+    assert sorted(samples.tolist()) == list(range(num_samples))
+    rows = torch.cat(plan.point_rows[0])
+    assert sorted(rows.tolist()) == list(range(batch["coordinates"].shape[0]))
+    # the points of a chunk are exactly the points of its samples, in their original order
+    for chunk, ids, r in zip(chunks, plan.chunk_samples, plan.point_rows[0]):
+        expected = torch.isin(batch["coordinates"][:, 0].long(), ids).nonzero().flatten()
+        assert torch.equal(r, expected)
+        assert torch.equal(chunk["features"], batch["features"][expected])
+        assert torch.equal(chunk["coordinates"][:, 1:], batch["coordinates"][expected, 1:])
+        assert torch.equal(chunk["labels"], batch["labels"][ids])
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches)
+def test_renumbered_batch_indices_are_contiguous(batch_and_k):
+    batch, k = batch_and_k
+    chunks, plan = split_batch(batch, k)
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        col = chunk["coordinates"][:, 0]
+        assert chunk["coordinates"].dtype == batch["coordinates"].dtype
+        assert sorted(col.unique().tolist()) == list(range(len(ids)))
+        assert bool((col[1:] >= col[:-1]).all())  # sample order kept inside the chunk
+
+
+def test_uneven_split_sizes_follow_tensor_split():
+    chunks, plan = split_batch(collate_dict(random_samples(7)), 3)
+    assert plan.samples_per_chunk == [3, 2, 2]
+    assert [c["labels"].shape[0] for c in chunks] == [3, 2, 2]
+
+
+def test_fewer_samples_than_devices_gives_one_chunk_per_sample():
+    chunks, plan = split_batch(collate_dict(random_samples(2)), 3)
+    assert len(chunks) == 2 and plan.samples_per_chunk == [1, 1]
+
+
+def test_sparse_collate_tuple_is_recognised():
+    coords, feats, labels = zip(*random_samples(5))
+    c, f = ME.utils.sparse_collate(list(coords), list(feats))
+    batch = (c, f, torch.tensor(labels))
+    chunks, plan = split_batch(batch, 2)
+    assert plan.roles == ["coordinates", "points", "samples"]
+    assert isinstance(chunks[0], tuple) and chunks[0][2].shape[0] == 3
+
+
+def test_nested_namedtuple_and_non_tensor_leaves():
+    Item = namedtuple("Item", "coordinates features")
+    base = collate_dict(random_samples(4))
+    batch = {"x": Item(base["coordinates"], base["features"]), "y": base["labels"], "tag": "scenes", "scale": torch.tensor(2.0)}
+    chunks, plan = split_batch(batch, 2)
+    assert isinstance(chunks[1]["x"], Item)
+    assert chunks[1]["tag"] == "scenes" and chunks[1]["scale"] is batch["scale"]
+    assert merge_batch(chunks, plan)["y"].tolist() == base["labels"].tolist()
+
+
+def test_dense_batch_splits_along_dim_zero():
+    x = torch.arange(7 * 3).reshape(7, 3).float()
+    y = torch.arange(7)
+    chunks, plan = split_batch((x, y), 3)
+    assert [c[0].shape[0] for c in chunks] == [3, 2, 2]
+    assert torch.equal(torch.cat([c[0] for c in chunks]), x)
+    assert torch.equal(merge_chunks([c[1] for c in chunks], plan.chunk_samples), y)
+
+
+@pytest.mark.parametrize("cls", [ME.SparseTensor, ME.TensorField])
+def test_sparse_tensor_in_batch_becomes_a_spec_with_same_settings(cls):
+    base = collate_dict(random_samples(5))
+    kwargs = dict(quantization_mode=ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE)
+    coords = base["coordinates"] if cls is ME.SparseTensor else base["coordinates"].float() + 0.25 * (
+        torch.arange(base["coordinates"].shape[0])[:, None] % 2)
+    if cls is ME.TensorField:
+        coords[:, 0] = base["coordinates"][:, 0].float()
+    x = cls(base["features"], coords, **kwargs)
+    chunks, plan = split_batch({"x": x, "labels": base["labels"]}, 2)
+    spec = chunks[0]["x"]
+    assert isinstance(spec, SparseSpec) and spec.cls is cls
+    assert spec.kwargs["quantization_mode"] == x.quantization_mode
+    assert spec.kwargs["tensor_stride"] == x.tensor_stride
+    assert sorted(spec.coordinates[:, 0].unique().tolist()) == list(range(plan.samples_per_chunk[0]))
+    feats, merged_coords = merge_batch(chunks, plan)["x"]
+    assert torch.equal(feats, x.F) and torch.equal(merged_coords, x.C)
+
+
+# --- bad input: a clear error naming the problem ------------------------------------------------
+
+def _batch(n=4):
+    return collate_dict(random_samples(n))
+
+
+def test_empty_batch():
+    b = _batch()
+    b = {"coordinates": b["coordinates"][:0], "features": b["features"][:0], "labels": b["labels"][:0]}
+    with pytest.raises(BatchLayoutError, match="empty"):
+        split_batch(b, 2)
+
+
+def test_coordinates_without_batch_column():
+    b = _batch()
+    with pytest.raises(BatchLayoutError, match=r"\[N, D\+1\].*batch index"):
+        split_batch({**b, "coordinates": b["coordinates"][:, 0]}, 2)
+
+
+def test_gaps_in_batch_indices():
+    b = _batch()
+    coords = b["coordinates"].clone()
+    coords[coords[:, 0] == 1, 0] = 5
+    with pytest.raises(BatchLayoutError, match=r"gaps in its batch indices.*sample\(s\) 1, 4 of 0..5"):
+        split_batch({**b, "coordinates": coords}, 2)
+
+
+def test_negative_batch_index():
+    b = _batch()
+    coords = b["coordinates"].clone()
+    coords[0, 0] = -1
+    with pytest.raises(BatchLayoutError, match="negative batch index"):
+        split_batch({**b, "coordinates": coords}, 2)
+
+
+def test_lengths_that_disagree():
+    b = _batch()
+    with pytest.raises(BatchLayoutError, match=r"batch\['features'\] has length .* matches neither"):
+        split_batch({**b, "features": b["features"][:-1]}, 2)
+
+
+def test_non_integer_coordinates():
+    b = _batch()
+    with pytest.raises(BatchLayoutError, match="dtype torch.float32.*must be integer"):
+        split_batch({**b, "coordinates": b["coordinates"].float()}, 2)
+
+
+def test_ambiguous_per_point_or_per_sample_and_its_fix():
+    # 3 samples with one point each: N == B, so a [3] tensor could be either
+    samples = [(torch.tensor([[i, 0, 0]], dtype=torch.int32), torch.randn(1, 3), i) for i in range(3)]
+    b = collate_dict(samples)
+    with pytest.raises(BatchLayoutError, match=r"both the number of points.*layout=\{'features': 'points'\}"):
+        split_batch(b, 2)
+    chunks, plan = split_batch(b, 2, layout={"features": "points", "labels": "samples"})
+    assert plan.roles == ["coordinates", "points", "samples"]
+
+
+def test_dense_tensors_that_disagree():
+    with pytest.raises(BatchLayoutError, match="disagree on the batch size"):
+        split_batch((torch.zeros(4, 2), torch.zeros(5)), 2)
+
+
+def test_no_tensor_at_all():
+    with pytest.raises(BatchLayoutError, match="no tensor to split"):
+        split_batch({"a": 1, "b": "x"}, 2)
+
+
+def test_unknown_layout_role():
+    with pytest.raises(BatchLayoutError, match="use one of"):
+        split_batch(_batch(), 2, layout={"labels": "pixels"})

@@ -1,0 +1,139 @@
+"""replicate / apply / gather / log as plain functions, without a Trainer."""
+
+from __future__ import annotations
+
+import threading
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+
+from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
+from lightning_sparse_dp.gather import chunk_weights, gather_outputs
+from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
+from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.split import split_batch
+from tests.helpers import SparseNet, collate_dict, random_samples
+
+CPU3 = [torch.device("cpu")] * 3
+
+
+def test_me_layers_work_in_replicas_and_share_parameters():
+    torch.manual_seed(0)
+    model = SparseNet()
+    replicas = replicate(model, CPU3)
+    conv = model.net[0]
+    for r in replicas:
+        assert r.net[0].dimension == conv.dimension == 3  # a __slots__ attribute
+        assert r.net[0].kernel_generator is conv.kernel_generator
+        assert r.net[0].kernel is conv.kernel  # the same Parameter: gradients land in the root
+    batch = collate_dict(random_samples(6))
+    chunks, plan = split_batch(batch, 3)
+    losses = [r.loss(c) for r, c in zip(replicas, place_chunks(chunks, CPU3))]
+    loss = gather_outputs(losses, plan, chunk_weights(plan, "samples"), torch.device("cpu"))
+    loss.backward()
+    reference = SparseNet()
+    reference.load_state_dict(model.state_dict())
+    reference.loss(batch).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_replica_buffers_follow_data_parallel():
+    model = torch.nn.BatchNorm1d(4)
+    replicas = replicate(model, CPU3)
+    assert replicas[0].running_mean is model.running_mean
+    assert replicas[1].running_mean is not model.running_mean
+    torch.testing.assert_close(replicas[2].running_var, model.running_var)
+
+
+def test_executor_runs_concurrently_and_carries_grad_mode_and_autocast():
+    barrier = threading.Barrier(3, timeout=10)  # passes only if all three run at once
+
+    def probe():
+        barrier.wait()
+        return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+    executor = ReplicaExecutor(3)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            results = executor.run([probe] * 3, CPU3)
+        assert results == [(False, True, torch.bfloat16)] * 3
+        results = executor.run([probe] * 3, CPU3)
+        assert results == [(True, False, torch.bfloat16)] * 3 or all(r[:2] == (True, False) for r in results)
+    finally:
+        executor.shutdown()
+
+
+def test_executor_reraises_with_replica_index_after_all_finish():
+    finished = []
+
+    def ok(i):
+        def run():
+            finished.append(i)
+            return i
+        return run
+
+    def bad():
+        raise ValueError("bad chunk")
+
+    with pytest.raises(ValueError, match="bad chunk") as info:
+        parallel_apply([ok(0), bad, ok(2)], CPU3)
+    assert sorted(finished) == [0, 2]
+    assert "raised in replica 1 on device cpu" in "".join(info.value.__notes__)
+
+
+def test_gather_puts_per_sample_outputs_in_original_order():
+    batch = collate_dict(random_samples(5))
+    order = [torch.tensor([3, 0]), torch.tensor([4, 1, 2])]
+    chunks, plan = split_batch(batch, 2, assignment=lambda b, k: order)
+    outs = [{"loss": torch.tensor(float(i)), "ids": c["labels"].clone()} for i, c in enumerate(chunks)]
+    merged = gather_outputs(outs, plan, chunk_weights(plan, "samples"), torch.device("cpu"))
+    assert torch.equal(merged["ids"], batch["labels"])
+    assert merged["loss"].item() == pytest.approx(3 / 5)
+
+
+def test_chunk_weights():
+    batch = collate_dict(random_samples(7))
+    _, plan = split_batch(batch, 3)
+    assert chunk_weights(plan, "samples") == pytest.approx([3 / 7, 2 / 7, 2 / 7])
+    pts = plan.points_per_chunk
+    assert chunk_weights(plan, "points") == pytest.approx([p / sum(pts) for p in pts])
+    assert chunk_weights(plan, "equal") == pytest.approx([1 / 3] * 3)
+    with pytest.raises(ValueError, match="loss_weighting"):
+        chunk_weights(plan, "voxels")
+
+
+def test_log_reduction():
+    recs = [LogRecorder() for _ in range(3)]
+    for i, r in enumerate(recs):
+        r("m", torch.tensor(float(i)))
+        r("s", float(i), reduce_fx="sum", batch_size=2)
+        if i < 2:
+            r("x", torch.tensor(10.0 * i), reduce_fx="max")
+    calls = {c.name: c for c in reduce_log_calls(recs, [0.5, 0.25, 0.25], 7, torch.device("cpu"))}
+    assert calls["m"].value.item() == pytest.approx(0.25 * 1 + 0.25 * 2)
+    assert calls["m"].kwargs["batch_size"] == 7
+    assert calls["s"].value.item() == 3 and calls["s"].kwargs["batch_size"] == 6
+    assert calls["x"].value.item() == 10.0
+
+
+def test_logging_a_metric_object_from_a_replica_is_a_clear_error():
+    import torchmetrics
+
+    with pytest.raises(TypeError, match="torchmetrics Metric"):
+        LogRecorder()("acc", torchmetrics.Accuracy(task="binary"))
+    with pytest.raises(ValueError, match="one element"):
+        LogRecorder()("v", torch.zeros(3))
+
+
+def test_place_builds_sparse_tensors_on_the_device():
+    base = collate_dict(random_samples(4))
+    x = ME.SparseTensor(base["features"], base["coordinates"])
+    chunks, _ = split_batch({"x": x}, 2)
+    placed = place_chunks(chunks, [torch.device("cpu")] * 2)
+    assert all(isinstance(c["x"], ME.SparseTensor) for c in placed)
+    assert placed[0]["x"].coordinate_manager is not placed[1]["x"].coordinate_manager
+    with pytest.raises(ValueError, match="at most one chunk per device"):
+        place_chunks(chunks, [torch.device("cpu")])

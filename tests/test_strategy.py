@@ -1,0 +1,224 @@
+"""The sparse_dp strategy through Lightning's Trainer, against one device with the whole batch."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_sparse_dp
+from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp.strategy import check_devices
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+
+
+def _fit_one_step(model, batch, **trainer_kwargs):
+    t = trainer(**trainer_kwargs)
+    t.fit(model, loader(batch))
+    return t
+
+
+def _same_start(**kwargs):
+    torch.manual_seed(0)
+    a = SparseNet(**kwargs)
+    b = copy.deepcopy(a)
+    return a, b
+
+
+def test_strategy_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "sparse_dp" in StrategyRegistry
+    t = trainer(strategy="sparse_dp", devices=3)
+    assert isinstance(t.strategy, SparseDataParallelStrategy)
+    assert t.strategy.parallel_devices == [torch.device("cpu")] * 3
+    assert t.strategy.root_device == torch.device("cpu") and t.world_size == 1
+
+
+def test_one_step_on_three_replicas_equals_one_step_on_one_device_uneven_batch():
+    batch = collate_dict(random_samples(7, seed=1))  # chunks of 3, 2 and 2 samples
+    ours, reference = _same_start()
+    initial = [p.detach().clone() for p in ours.parameters()]
+    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
+    _fit_one_step(reference, batch, devices=1)
+    for (name, p), q, p0 in zip(ours.named_parameters(), reference.parameters(), initial):
+        assert not torch.equal(p, p0), f"{name} did not move"
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_replicas_really_run_on_several_threads_and_parameters_change():
+    batch = collate_dict(random_samples(7, seed=2))
+    model, untouched = _same_start()
+    seen = []
+
+    class Spy(SparseNet):
+        def training_step(self, batch, batch_idx):
+            seen.append((threading.get_ident(), batch["labels"].shape[0]))
+            return super().training_step(batch, batch_idx)
+
+    spy = Spy()
+    spy.load_state_dict(model.state_dict())
+    _fit_one_step(spy, batch, strategy="sparse_dp", devices=3)
+    assert sorted(n for _, n in seen) == [2, 2, 3]
+    assert len({tid for tid, _ in seen}) == 3
+    assert any(not torch.equal(p, q) for p, q in zip(spy.parameters(), untouched.parameters()))
+
+
+def test_logged_loss_equals_whole_batch_loss(tmp_path):
+    batch = collate_dict(random_samples(7, seed=3))
+    model, reference = _same_start()
+    expected = reference.loss(batch).item()
+    t = _fit_one_step(model, batch, strategy="sparse_dp", devices=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    assert t.callback_metrics["train_loss"].item() == pytest.approx(expected, rel=1e-5)
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header, row = metrics[0].split(","), metrics[1].split(",")
+    assert float(row[header.index("train_loss")]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_validation_loss_is_the_whole_batch_mean_over_an_epoch():
+    batches = [collate_dict(random_samples(7, seed=4)), collate_dict(random_samples(5, seed=5))]
+    model, reference = _same_start()
+    t = trainer(strategy="sparse_dp", devices=3)
+    t.validate(model, loader(*batches), verbose=False)
+    with torch.no_grad():
+        losses = [reference.loss(b).item() for b in batches]
+    expected = (7 * losses[0] + 5 * losses[1]) / 12  # Lightning weights epoch means by batch size in samples
+    assert t.callback_metrics["val_loss"].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_exception_in_one_replica_surfaces_without_hang():
+    batch = collate_dict(random_samples(7, seed=6))
+    model = SparseNet(fail_on_replica_with=3)  # only the first chunk (3 samples) fails
+    result = {}
+
+    def run():
+        try:
+            _fit_one_step(model, batch, strategy="sparse_dp", devices=3)
+        except BaseException as err:  # noqa: BLE001
+            result["err"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the failing step hung"
+    err = result["err"]
+    assert isinstance(err, RuntimeError) and "boom in the chunk of 3 samples" in str(err)
+    assert any("replica 0" in note for note in getattr(err, "__notes__", []))
+
+
+def test_fewer_samples_than_devices():
+    batch = collate_dict(random_samples(2, seed=7))
+    ours, reference = _same_start()
+    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
+    _fit_one_step(reference, batch, devices=1)
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_weighting_equal_differs_from_samples_on_uneven_batches():
+    batch = collate_dict(random_samples(7, seed=8))
+    equal, samples = _same_start()
+    _fit_one_step(equal, batch, strategy=SparseDataParallelStrategy(loss_weighting="equal"), devices=3)
+    _fit_one_step(samples, batch, strategy=SparseDataParallelStrategy(loss_weighting="samples"), devices=3)
+    assert any(not torch.allclose(p, q) for p, q in zip(equal.parameters(), samples.parameters()))
+
+
+def test_bad_loss_weighting():
+    with pytest.raises(ValueError, match="loss_weighting='voxels'"):
+        SparseDataParallelStrategy(loss_weighting="voxels")
+
+
+def test_more_cuda_devices_than_the_machine_has(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(MisconfigurationException, match=r"has 2 CUDA device\(s\).*cuda:2"):
+        check_devices([torch.device("cuda", i) for i in range(3)])
+    with pytest.raises(MisconfigurationException, match="one kind"):
+        check_devices([torch.device("cpu"), torch.device("cuda", 0)])
+
+
+def test_manual_optimization_is_refused_at_setup():
+    class Manual(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(MisconfigurationException, match="manual optimization"):
+        _fit_one_step(Manual(), collate_dict(random_samples(4)), strategy="sparse_dp", devices=3)
+
+
+def test_bad_batch_error_reaches_the_user():
+    batch = collate_dict(random_samples(4))
+    batch["coordinates"] = batch["coordinates"].float()
+    with pytest.raises(lightning_sparse_dp.BatchLayoutError, match="must be integer"):
+        _fit_one_step(SparseNet(), batch, strategy="sparse_dp", devices=3)
+
+
+def test_checkpoint_from_three_replicas_loads_with_one_device_and_into_the_bare_module(tmp_path):
+    batch = collate_dict(random_samples(7, seed=9))
+    model = SparseNet()
+    t = _fit_one_step(model, batch, strategy="sparse_dp", devices=3)
+    path = tmp_path / "three.ckpt"
+    t.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert set(state) == set(model.state_dict())  # no prefixes
+
+    bare = SparseNet()
+    bare.load_state_dict(state)
+    for p, q in zip(bare.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+    restored = SparseNet.load_from_checkpoint(path, map_location="cpu")
+    one = trainer(devices=1, max_steps=2)
+    one.fit(restored, loader(batch), ckpt_path=path)  # resumes from step 1 on one device
+    assert one.global_step == 2
+
+
+def test_sparse_tensor_batches_are_built_on_each_replica():
+    import MinkowskiEngine as ME
+
+    base = collate_dict(random_samples(5, seed=10))
+    batch = {"x": ME.SparseTensor(base["features"], base["coordinates"]), "labels": base["labels"]}
+    built = []
+
+    class FromSparse(SparseNet):
+        def loss(self, batch):
+            built.append(batch["x"])
+            return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
+
+    ours = FromSparse()
+    reference = copy.deepcopy(ours)
+    _fit_one_step(ours, batch, strategy="sparse_dp", devices=2)
+    assert [x.C[:, 0].max().item() for x in built] == [2, 1]
+    assert len({id(x.coordinate_manager) for x in built}) == 2
+    built.clear()
+    _fit_one_step(reference, batch, devices=1)
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_batches_split_like_data_parallel():
+    class Dense(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    torch.manual_seed(0)
+    batch = (torch.randn(7, 3), torch.randint(0, 2, (7,)))
+    ours = Dense()
+    reference = copy.deepcopy(ours)
+    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
+    _fit_one_step(reference, batch, devices=1)
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
