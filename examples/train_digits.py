@@ -79,11 +79,18 @@ class DigitNet(L.LightningModule):
             ME.MinkowskiMaxPooling(kernel_size=2, stride=2, dimension=2),
             conv_block(96, 128),
         )
-        self.pool = ME.MinkowskiGlobalAvgPooling()
+        self.pool = ME.MinkowskiGlobalAvgPooling(mode=ME.PoolingMode.GLOBAL_AVG_POOLING_KERNEL)
         self.head = ME.MinkowskiLinear(128, 10)
 
     def forward(self, x: ME.SparseTensor) -> torch.Tensor:
-        return self.head(self.pool(self.features(x))).F
+        """Logits ``[B, 10]`` in batch-index order.
+
+        ME 0.5.4's global pooling does not sort its rows by batch index, and its default average mode
+        (``GLOBAL_AVG_POOLING_PYTORCH_INDEX``) gives wrong per-sample means on CPU for such batches, so the
+        network uses ``GLOBAL_AVG_POOLING_KERNEL`` and sorts the rows by ``C[:, 0]``.
+        """
+        out = self.head(self.pool(self.features(x)))
+        return out.F[out.C[:, 0].argsort()]
 
     def _step(self, batch, stage: str):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
@@ -133,7 +140,7 @@ def main() -> None:
         accelerator=accelerator,
         devices=args.devices,
         max_epochs=args.max_epochs,
-        logger=[CSVLogger(args.out, name="digits"), TensorBoardLogger(args.out, name="digits")],
+        logger=[CSVLogger(Path(args.out) / "csv", name="digits"), TensorBoardLogger(Path(args.out) / "tensorboard", name="digits")],
         enable_checkpointing=False,
         log_every_n_steps=10,
     )

@@ -217,7 +217,9 @@ def _renumber(coordinates: Tensor, rows: Tensor, sample_rank: Tensor, batch_inde
 
 def _sparse_kwargs(x: Any) -> dict[str, Any]:
     """Constructor keywords that a rebuilt SparseTensor / TensorField must keep from ``x``."""
-    kwargs: dict[str, Any] = {"tensor_stride": x.tensor_stride, "quantization_mode": x.quantization_mode}
+    # a TensorField keeps its stride on its coordinate *field* map key (it has no coordinate_map_key)
+    key = x.coordinate_field_map_key if is_tensor_field(x) else x.coordinate_map_key
+    kwargs: dict[str, Any] = {"tensor_stride": key.get_tensor_stride(), "quantization_mode": x.quantization_mode}
     algorithm = getattr(x.coordinate_manager, "minkowski_algorithm", None)
     if algorithm is not None:
         kwargs["minkowski_algorithm"] = algorithm
@@ -360,6 +362,9 @@ def split_batch(
             continue
         length = leaf.shape[0]
         point_match = [src for src in sources if src.batch_index.numel() == length]
+        if k == 1 and (length == num_samples or point_match):
+            roles[i] = "replicate"  # one chunk holds everything: no need to tell points from samples
+            continue
         if point_match and length == num_samples:
             raise BatchLayoutError(
                 f"{names[i]} has length {length}, which is both the number of points of {point_match[0].name} and the "

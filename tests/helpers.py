@@ -61,14 +61,15 @@ class SparseNet(L.LightningModule):
         ]
         if batch_norm:
             layers.append(ME.MinkowskiBatchNorm(16))
-        layers += [ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(16, NUM_CLASSES)]
+        layers += [ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(mode=ME.PoolingMode.GLOBAL_AVG_POOLING_KERNEL), ME.MinkowskiLinear(16, NUM_CLASSES)]
         self.net = torch.nn.Sequential(*layers)
         self.lr = lr
         self.fail_on_replica_with = fail_on_replica_with
         self.step_losses: list[float] = []
 
     def forward(self, x):
-        return self.net(x).F
+        out = self.net(x)  # one row per sample, sorted by batch index (ME's pooling does not sort them)
+        return out.F[out.C[:, 0].argsort()]
 
     def loss(self, batch):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)

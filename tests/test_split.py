@@ -13,6 +13,12 @@ from hypothesis import strategies as st
 from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, merge_batch, merge_chunks, split_batch
 from tests.helpers import collate_dict, random_samples
 
+def _layout(batch):
+    """Roles only where they cannot be told apart (N == B, e.g. one sample of one point)."""
+    n, b = batch["coordinates"].shape[0], batch["labels"].shape[0]
+    return {"features": "points", "labels": "samples"} if n == b else None
+
+
 batches = st.builds(
     lambda b, seed, k: (collate_dict(random_samples(b, seed=seed, min_points=1, max_points=12)), k),
     st.integers(1, 9),
@@ -25,7 +31,7 @@ batches = st.builds(
 @given(batches)
 def test_split_then_merge_is_the_identity(batch_and_k):
     batch, k = batch_and_k
-    chunks, plan = split_batch(batch, k)
+    chunks, plan = split_batch(batch, k, layout=_layout(batch))
     merged = merge_batch(chunks, plan)
     assert merged.keys() == batch.keys()
     for key in batch:
@@ -37,7 +43,7 @@ def test_split_then_merge_is_the_identity(batch_and_k):
 def test_every_point_and_sample_lands_in_exactly_one_chunk(batch_and_k):
     batch, k = batch_and_k
     num_samples = len(batch["labels"])
-    chunks, plan = split_batch(batch, k)
+    chunks, plan = split_batch(batch, k, layout=_layout(batch))
     assert len(chunks) == min(k, num_samples)
     samples = torch.cat(plan.chunk_samples)
     assert sorted(samples.tolist()) == list(range(num_samples))
@@ -56,7 +62,7 @@ def test_every_point_and_sample_lands_in_exactly_one_chunk(batch_and_k):
 @given(batches)
 def test_renumbered_batch_indices_are_contiguous(batch_and_k):
     batch, k = batch_and_k
-    chunks, plan = split_batch(batch, k)
+    chunks, plan = split_batch(batch, k, layout=_layout(batch))
     for chunk, ids in zip(chunks, plan.chunk_samples):
         col = chunk["coordinates"][:, 0]
         assert chunk["coordinates"].dtype == batch["coordinates"].dtype
@@ -116,7 +122,8 @@ def test_sparse_tensor_in_batch_becomes_a_spec_with_same_settings(cls):
     spec = chunks[0]["x"]
     assert isinstance(spec, SparseSpec) and spec.cls is cls
     assert spec.kwargs["quantization_mode"] == x.quantization_mode
-    assert spec.kwargs["tensor_stride"] == x.tensor_stride
+    key = x.coordinate_field_map_key if cls is ME.TensorField else x.coordinate_map_key
+    assert spec.kwargs["tensor_stride"] == key.get_tensor_stride()
     assert sorted(spec.coordinates[:, 0].unique().tolist()) == list(range(plan.samples_per_chunk[0]))
     feats, merged_coords = merge_batch(chunks, plan)["x"]
     assert torch.equal(feats, x.F) and torch.equal(merged_coords, x.C)

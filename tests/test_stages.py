@@ -61,7 +61,7 @@ def test_executor_runs_concurrently_and_carries_grad_mode_and_autocast():
             results = executor.run([probe] * 3, CPU3)
         assert results == [(False, True, torch.bfloat16)] * 3
         results = executor.run([probe] * 3, CPU3)
-        assert results == [(True, False, torch.bfloat16)] * 3 or all(r[:2] == (True, False) for r in results)
+        assert all(r[:2] == (True, False) for r in results)
     finally:
         executor.shutdown()
 

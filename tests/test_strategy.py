@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import lightning as L
@@ -23,10 +22,11 @@ def _fit_one_step(model, batch, **trainer_kwargs):
     return t
 
 
-def _same_start(**kwargs):
-    torch.manual_seed(0)
-    a = SparseNet(**kwargs)
-    b = copy.deepcopy(a)
+def _same_start(cls=None, **kwargs):
+    """Two networks with the same parameters (ME modules cannot be deep-copied)."""
+    cls = cls or SparseNet
+    a, b = cls(**kwargs), cls(**kwargs)
+    b.load_state_dict(a.state_dict())
     return a, b
 
 
@@ -83,7 +83,7 @@ def test_logged_loss_equals_whole_batch_loss(tmp_path):
 def test_validation_loss_is_the_whole_batch_mean_over_an_epoch():
     batches = [collate_dict(random_samples(7, seed=4)), collate_dict(random_samples(5, seed=5))]
     model, reference = _same_start()
-    t = trainer(strategy="sparse_dp", devices=3)
+    t = trainer(strategy="sparse_dp", devices=3, limit_val_batches=1.0)
     t.validate(model, loader(*batches), verbose=False)
     with torch.no_grad():
         losses = [reference.loss(b).item() for b in batches]
@@ -190,8 +190,7 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
             built.append(batch["x"])
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
-    ours = FromSparse()
-    reference = copy.deepcopy(ours)
+    ours, reference = _same_start(FromSparse)
     _fit_one_step(ours, batch, strategy="sparse_dp", devices=2)
     assert [x.C[:, 0].max().item() for x in built] == [2, 1]
     assert len({id(x.coordinate_manager) for x in built}) == 2
@@ -216,8 +215,7 @@ def test_dense_batches_split_like_data_parallel():
 
     torch.manual_seed(0)
     batch = (torch.randn(7, 3), torch.randint(0, 2, (7,)))
-    ours = Dense()
-    reference = copy.deepcopy(ours)
+    ours, reference = _same_start(Dense)
     _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
     _fit_one_step(reference, batch, devices=1)
     for p, q in zip(ours.parameters(), reference.parameters()):
