@@ -116,6 +116,7 @@ class DigitNet(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--strategy", default="sparse_dp", help="sparse_dp, or auto for plain Lightning (one device)")
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (GPUs when at least --devices)")
     parser.add_argument("--max-epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=48)
@@ -136,7 +137,7 @@ def main() -> None:
     val = DataLoader(SparseDigits(x_val, y_val), batch_size=128, collate_fn=collate)
 
     trainer = L.Trainer(
-        strategy="sparse_dp",
+        strategy=args.strategy,
         accelerator=accelerator,
         devices=args.devices,
         max_epochs=args.max_epochs,
@@ -148,7 +149,8 @@ def main() -> None:
     trainer.fit(DigitNet(), train, val)
     wall = time.perf_counter() - start
     val_acc = float(trainer.callback_metrics["val_acc"])
-    print(f"trained {args.max_epochs} epochs on {args.devices} {accelerator} replica(s) in {wall:.1f} s; "
+    print(f"trained {args.max_epochs} epochs with strategy={args.strategy} on {args.devices} {accelerator} device(s) "
+          f"in {wall:.1f} s; "
           f"logs in {trainer.loggers[0].log_dir}")
     print(f"val_acc={val_acc:.4f}")
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_sparse_dp.apply import ReplicaExecutor
@@ -102,6 +104,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.layout = dict(layout) if layout else None
         self.split_fn = split_fn
         self._executor: ReplicaExecutor | None = None
+        self._warned_transfer_hooks = False
 
     # --- what Lightning asks of a single-process parallel strategy -----------------------------
     @property
@@ -129,6 +132,12 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
             )
+        if self._layer_sync is not None:
+            rank_zero_warn(
+                "sparse_dp does not synchronize batch norm across replicas in this version: sync_batchnorm=True is "
+                "ignored, and each replica normalizes its own chunk (as nn.DataParallel does). torch's and ME's "
+                "SyncBatchNorm need a torch.distributed process group, which one process does not have."
+            )
         super().setup(trainer)
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices or [self.root_device]))
@@ -138,7 +147,24 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        return batch  # each chunk is placed on its own device in the step
+        """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
+
+        Each chunk is placed on its own device in the step, so ``transfer_batch_to_device`` and
+        ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
+        """
+        module = self.lightning_module
+        if module is None:
+            return batch
+        if not self._warned_transfer_hooks:
+            self._warned_transfer_hooks = True
+            skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
+            if skipped:
+                rank_zero_warn(
+                    f"sparse_dp does not call {' or '.join(skipped)}: it splits the batch and places each chunk on its "
+                    "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
+                    "before the split) or into the step (runs on each chunk, on its device)."
+                )
+        return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
 
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
         return tensor  # one process: nothing to reduce across processes

@@ -220,3 +220,67 @@ def test_dense_batches_split_like_data_parallel():
     _fit_one_step(reference, batch, devices=1)
     for p, q in zip(ours.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_field_batches_quantize_on_each_replica():
+    import MinkowskiEngine as ME
+
+    base = collate_dict(random_samples(5, seed=11))
+    coords = base["coordinates"].float()
+    coords[:, 1:] += 0.3  # continuous coordinates; batch index stays in column 0
+    batch = {"x": ME.TensorField(base["features"], coords), "labels": base["labels"]}
+
+    class FromField(SparseNet):
+        def loss(self, batch):
+            return torch.nn.functional.cross_entropy(self(batch["x"].sparse()), batch["labels"])
+
+    ours, reference = _same_start(FromField)
+    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
+    _fit_one_step(reference, batch, devices=1)
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_values_show_in_tensorboard_and_the_progress_bar(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class WithBar(SparseNet):
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.log("bar_loss", loss, prog_bar=True)
+            return loss
+
+    batch = collate_dict(random_samples(7, seed=12))
+    model, reference = _same_start(WithBar)
+    expected = reference.loss(batch).item()
+    t = _fit_one_step(
+        model, batch, strategy="sparse_dp", devices=3, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1
+    )
+    assert t.progress_bar_metrics["bar_loss"] == pytest.approx(expected, rel=1e-5)
+    events = EventAccumulator(t.logger.log_dir)
+    events.Reload()
+    assert events.Scalars("bar_loss")[0].value == pytest.approx(expected, rel=1e-5)
+
+
+def test_before_transfer_hook_runs_and_skipped_hooks_warn():
+    class Hooks(SparseNet):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            batch["labels"] = torch.zeros_like(batch["labels"])
+            return batch
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+        def training_step(self, batch, batch_idx):
+            assert int(batch["labels"].sum()) == 0
+            return super().training_step(batch, batch_idx)
+
+    with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
+        _fit_one_step(Hooks(), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3)
+
+
+def test_sync_batchnorm_request_is_not_silently_ignored():
+    with pytest.warns(UserWarning, match="sync_batchnorm=True is ignored"):
+        _fit_one_step(SparseNet(batch_norm=True), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3,
+                      sync_batchnorm=True)
