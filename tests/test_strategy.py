@@ -30,6 +30,17 @@ def _same_start(cls=None, **kwargs):
     return a, b
 
 
+def _assert_same_step(ours, reference, batch, devices=3, **strategy_kwargs):
+    """One step of ``ours`` under sparse_dp equals one step of ``reference`` on one device with the whole batch."""
+    initial = [p.detach().clone() for p in ours.parameters()]
+    strategy = SparseDataParallelStrategy(**strategy_kwargs) if strategy_kwargs else "sparse_dp"
+    _fit_one_step(ours, batch, strategy=strategy, devices=devices)
+    _fit_one_step(reference, batch, devices=1)
+    for (name, p), q, p0 in zip(ours.named_parameters(), reference.parameters(), initial):
+        assert not torch.equal(p, p0), f"{name} did not move"
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_strategy_is_registered():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -42,13 +53,7 @@ def test_strategy_is_registered():
 
 def test_one_step_on_three_replicas_equals_one_step_on_one_device_uneven_batch():
     batch = collate_dict(random_samples(7, seed=1))  # chunks of 3, 2 and 2 samples
-    ours, reference = _same_start()
-    initial = [p.detach().clone() for p in ours.parameters()]
-    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
-    _fit_one_step(reference, batch, devices=1)
-    for (name, p), q, p0 in zip(ours.named_parameters(), reference.parameters(), initial):
-        assert not torch.equal(p, p0), f"{name} did not move"
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_step(*_same_start(), batch)
 
 
 def test_replicas_really_run_on_several_threads_and_parameters_change():
@@ -112,12 +117,7 @@ def test_exception_in_one_replica_surfaces_without_hang():
 
 
 def test_fewer_samples_than_devices():
-    batch = collate_dict(random_samples(2, seed=7))
-    ours, reference = _same_start()
-    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
-    _fit_one_step(reference, batch, devices=1)
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_step(*_same_start(), collate_dict(random_samples(2, seed=7)))
 
 
 def test_loss_weighting_equal_differs_from_samples_on_uneven_batches():
@@ -190,14 +190,9 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
             built.append(batch["x"])
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
-    ours, reference = _same_start(FromSparse)
-    _fit_one_step(ours, batch, strategy="sparse_dp", devices=2)
-    assert [x.C[:, 0].max().item() for x in built] == [2, 1]
-    assert len({id(x.coordinate_manager) for x in built}) == 2
-    built.clear()
-    _fit_one_step(reference, batch, devices=1)
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_step(*_same_start(FromSparse), batch, devices=2)
+    assert [x.C[:, 0].max().item() for x in built[:2]] == [2, 1]  # two replicas, batch indices renumbered
+    assert len({id(x.coordinate_manager) for x in built[:2]}) == 2
 
 
 def test_dense_batches_split_like_data_parallel():
@@ -215,11 +210,7 @@ def test_dense_batches_split_like_data_parallel():
 
     torch.manual_seed(0)
     batch = (torch.randn(7, 3), torch.randint(0, 2, (7,)))
-    ours, reference = _same_start(Dense)
-    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
-    _fit_one_step(reference, batch, devices=1)
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_step(*_same_start(Dense), batch)
 
 
 def test_tensor_field_batches_quantize_on_each_replica():
@@ -234,11 +225,7 @@ def test_tensor_field_batches_quantize_on_each_replica():
         def loss(self, batch):
             return torch.nn.functional.cross_entropy(self(batch["x"].sparse()), batch["labels"])
 
-    ours, reference = _same_start(FromField)
-    _fit_one_step(ours, batch, strategy="sparse_dp", devices=3)
-    _fit_one_step(reference, batch, devices=1)
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_step(*_same_start(FromField), batch)
 
 
 def test_values_show_in_tensorboard_and_the_progress_bar(tmp_path):
