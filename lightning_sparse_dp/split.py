@@ -104,8 +104,8 @@ class _Source:
     """A set of points with a batch index: collated coordinates or a SparseTensor / TensorField."""
 
     name: str
-    batch_index: Tensor  # int64 [N]
-    rows: list[Tensor] = field(default_factory=list)  # per chunk
+    batch_index: Tensor  # int64 [N], on the CPU
+    rows: list[Tensor] = field(default_factory=list)  # per chunk, int64 [n_j]
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -264,72 +264,105 @@ def split_batch(
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
-    leaves_with_path, spec = pytree.tree_flatten_with_path(batch, is_leaf=_is_leaf)
-    paths = [p for p, _ in leaves_with_path]
-    leaves = [x for _, x in leaves_with_path]
-    names = [_path_name(p) for p in paths]
-    roles: list[str | None] = [_layout_role(p, layout) for p in paths]
+    flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=_is_leaf)
+    t = _Leaves(flat, layout)
+    _find_sources(t)
+    num_samples = _count_samples(t)
+    chunk_samples, sample_to_chunk, sample_rank = _assign(num_samples, num_chunks, assignment)
+    k = len(chunk_samples)
+    for src in t.sources:
+        chunk_of_point = sample_to_chunk[src.batch_index]
+        order = torch.argsort(chunk_of_point, stable=True)
+        src.rows = list(order.split(torch.bincount(chunk_of_point, minlength=k).tolist()))
+    _resolve_roles(t, num_samples, k)
 
-    # 1. coordinate sources
-    sources: list[_Source] = []
-    source_of_leaf: dict[int, _Source] = {}
-    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+    chunks = []
+    for j in range(k):
+        pieces = [_cut(t, i, j, chunk_samples[j], sample_rank) for i in range(len(t.leaves))]
+        chunks.append(pytree.tree_unflatten(pieces, spec))
+    plan = SplitPlan(num_samples, chunk_samples, [s.rows for s in t.sources], [str(r) for r in t.roles], t.source)
+    return chunks, plan
+
+
+class _Leaves:
+    """The flattened batch and what the split learns about each leaf."""
+
+    def __init__(self, flat: list[tuple[Any, Any]], layout: Mapping[Any, str] | None) -> None:
+        self.paths = [p for p, _ in flat]
+        self.leaves = [x for _, x in flat]
+        self.names = [_path_name(p) for p in self.paths]
+        self.roles: list[str | None] = [_layout_role(p, layout) for p in self.paths]
+        self.source = [-1] * len(self.leaves)  # index into self.sources, for coordinates and per-point leaves
+        self.sources: list[_Source] = []
+
+    def add_source(self, i: int, batch_index: Tensor) -> None:
+        self.roles[i] = "coordinates"
+        self.source[i] = len(self.sources)
+        self.sources.append(_Source(self.names[i], batch_index.cpu()))
+
+
+def _find_sources(t: _Leaves) -> None:
+    """Mark the coordinate leaves of ``t`` and record their batch indices."""
+    for i, (path, leaf) in enumerate(zip(t.paths, t.leaves)):
         if _is_leaf(leaf):
-            coords = leaf.C
-            batch_index = coords[:, 0].long() if coords.numel() else coords.new_zeros(0, dtype=torch.long)
-            roles[i] = "coordinates"
+            t.add_source(i, leaf.C[:, 0].long())
         elif isinstance(leaf, Tensor) and (
-            roles[i] == "coordinates"
-            or (roles[i] is None and isinstance(_key_of(path), str) and _key_of(path).lower() in COORDINATE_KEYS)
+            t.roles[i] == "coordinates"
+            or (t.roles[i] is None and isinstance(_key_of(path), str) and _key_of(path).lower() in COORDINATE_KEYS)
         ):
-            batch_index = _check_coordinates(leaf, names[i])
-            roles[i] = "coordinates"
-        else:
-            continue
-        src = _Source(names[i], batch_index)
-        sources.append(src)
-        source_of_leaf[i] = src
-    if not sources:  # ME's sparse_collate tuple: find coordinates by their look
-        for i, leaf in enumerate(leaves):
-            if roles[i] is None and isinstance(leaf, Tensor) and _looks_like_collated_coordinates(leaf):
-                src = _Source(names[i], leaf[:, 0].long())
-                sources.append(src)
-                source_of_leaf[i] = src
-                roles[i] = "coordinates"
+            t.add_source(i, _check_coordinates(leaf, t.names[i]))
+        elif t.roles[i] == "coordinates":
+            raise BatchLayoutError(f"layout gives {t.names[i]} the role 'coordinates' but it is not a tensor.")
+    if not t.sources:  # ME's sparse_collate tuple: find coordinates by their look
+        for i, leaf in enumerate(t.leaves):
+            if t.roles[i] is None and isinstance(leaf, Tensor) and _looks_like_collated_coordinates(leaf):
+                t.add_source(i, leaf[:, 0].long())
 
-    # 2. the number of samples
-    if sources:
-        counts = {src.name: _check_batch_index(src.batch_index, src.name) for src in sources}
-        num_samples = next(iter(counts.values()))
-        if len(set(counts.values())) > 1:
-            raise BatchLayoutError(
-                f"coordinate sources disagree on the number of samples: {counts}. Every coordinate tensor in a "
-                "batch must number the same samples 0..B-1; give the odd one the role 'replicate' in layout= "
-                "if it is not part of the batch."
-            )
-    else:
-        lengths = {names[i]: leaf.shape[0] for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0
-                   and roles[i] != "replicate"}
-        if not lengths:
-            raise BatchLayoutError(
-                "the batch has no tensor to split (and no coordinates). A batch must hold collated coordinates "
-                "[N, D+1], an ME.SparseTensor / ME.TensorField, or tensors [B, ...]."
-            )
-        num_samples = next(iter(lengths.values()))
-        if len(set(lengths.values())) > 1:
-            raise BatchLayoutError(
-                f"dense batch tensors disagree on the batch size (dim 0): {lengths}. Without coordinates every tensor "
-                "is split along dim 0 and must have the same length; give a tensor the role 'replicate' in layout= "
-                "to pass it whole to every replica."
-            )
-        if num_samples == 0:
-            raise BatchLayoutError("the batch is empty (dim 0 has size 0).")
 
-    # 3. the chunks
+def _agreed(values: dict[str, int], problem: str, fix: str) -> int:
+    """The one value of ``values``, or a BatchLayoutError naming the problem and the fix."""
+    if len(set(values.values())) > 1:
+        raise BatchLayoutError(f"{problem}: {values}. {fix}")
+    return next(iter(values.values()))
+
+
+def _count_samples(t: _Leaves) -> int:
+    """``B``: from the batch indices of the coordinate sources, else from dim 0 of the dense tensors."""
+    if t.sources:
+        return _agreed(
+            {src.name: _check_batch_index(src.batch_index, src.name) for src in t.sources},
+            "coordinate sources disagree on the number of samples",
+            "Every coordinate tensor in a batch must number the same samples 0..B-1; give the odd one the role "
+            "'replicate' in layout= if it is not part of the batch.",
+        )
+    lengths = {
+        t.names[i]: leaf.shape[0]
+        for i, leaf in enumerate(t.leaves)
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and t.roles[i] != "replicate"
+    }
+    if not lengths:
+        raise BatchLayoutError(
+            "the batch has no tensor to split (and no coordinates). A batch must hold collated coordinates "
+            "[N, D+1], an ME.SparseTensor / ME.TensorField, or tensors [B, ...]."
+        )
+    num_samples = _agreed(
+        lengths,
+        "dense batch tensors disagree on the batch size (dim 0)",
+        "Without coordinates every tensor is split along dim 0 and must have the same length; give a tensor the "
+        "role 'replicate' in layout= to pass it whole to every replica.",
+    )
+    if num_samples == 0:
+        raise BatchLayoutError("the batch is empty (dim 0 has size 0).")
+    return num_samples
+
+
+def _assign(
+    num_samples: int, num_chunks: int, assignment: Callable[[int, int], list[Tensor]] | None
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Chunks' sample ids, each sample's chunk ``[B]`` and its position inside the chunk ``[B]``."""
     chunk_samples = (assignment or contiguous_assignment)(num_samples, num_chunks)
     chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten() for c in chunk_samples]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
-    k = len(chunk_samples)
     sample_to_chunk = torch.full((num_samples,), -1, dtype=torch.long)
     sample_rank = torch.empty(num_samples, dtype=torch.long)
     for j, ids in enumerate(chunk_samples):
@@ -339,91 +372,77 @@ def split_batch(
         sample_rank[ids] = torch.arange(ids.numel())
     if bool((sample_to_chunk == -1).any()):
         raise BatchLayoutError("the assignment leaves samples out of every chunk: every sample must go to one chunk.")
+    return chunk_samples, sample_to_chunk, sample_rank
 
-    for src in sources:
-        batch_index = src.batch_index.cpu()
-        chunk_of_point = sample_to_chunk[batch_index]
-        order = torch.argsort(chunk_of_point, stable=True)
-        src.rows = list(order.split(torch.bincount(chunk_of_point, minlength=k).tolist()))
-        src.batch_index = batch_index
 
-    # 4. the role of every other leaf
-    for i, leaf in enumerate(leaves):
-        if roles[i] is not None and roles[i] != "coordinates":
-            if roles[i] == "points" and not sources:
-                raise BatchLayoutError(f"layout gives {names[i]} the role 'points' but the batch has no coordinates.")
+def _resolve_roles(t: _Leaves, num_samples: int, num_chunks: int) -> None:
+    """Give every leaf that is not coordinates a role: points (of which source), samples or replicate."""
+    for i, leaf in enumerate(t.leaves):
+        role = t.roles[i]
+        if role == "coordinates":
             continue
-        if roles[i] == "coordinates":
-            if i not in source_of_leaf:
-                raise BatchLayoutError(f"layout gives {names[i]} the role 'coordinates' but it is not a tensor.")
+        if role is not None and role != "points":
             continue
         if not isinstance(leaf, Tensor) or leaf.dim() == 0:
-            roles[i] = "replicate"
+            if role == "points":
+                raise BatchLayoutError(f"layout gives {t.names[i]} the role 'points' but it is not a tensor [N, ...].")
+            t.roles[i] = "replicate"
             continue
         length = leaf.shape[0]
-        point_match = [src for src in sources if src.batch_index.numel() == length]
-        if k == 1 and (length == num_samples or point_match):
-            roles[i] = "replicate"  # one chunk holds everything: no need to tell points from samples
+        matches = [n for n, src in enumerate(t.sources) if src.batch_index.numel() == length]
+        if role == "points":
+            if not matches:
+                raise BatchLayoutError(
+                    f"layout gives {t.names[i]} the role 'points' but its length {length} is the number of points of "
+                    "no coordinate source in the batch."
+                )
+        elif num_chunks == 1 and (matches or length == num_samples):
+            t.roles[i] = "replicate"  # one chunk holds everything: no need to tell points from samples
             continue
-        if point_match and length == num_samples:
+        elif matches and length == num_samples:
             raise BatchLayoutError(
-                f"{names[i]} has length {length}, which is both the number of points of {point_match[0].name} and the "
-                f"number of samples, so it cannot be told whether it is per-point or per-sample. Say which with "
-                f"SparseDataParallelStrategy(layout={{{_key_of(paths[i])!r}: 'points'}}) (or 'samples'), or with "
-                "split_batch(..., layout=...)."
+                f"{t.names[i]} has length {length}, which is both the number of points of "
+                f"{t.sources[matches[0]].name} and the number of samples, so it cannot be told whether it is per-point "
+                f"or per-sample. Say which with SparseDataParallelStrategy(layout={{{_key_of(t.paths[i])!r}: "
+                "'points'}) (or 'samples'), or with split_batch(..., layout=...)."
             )
-        if len(point_match) > 1 and not all(torch.equal(point_match[0].batch_index, s.batch_index) for s in point_match):
+        elif not matches and length == num_samples:
+            t.roles[i] = "samples"
+            continue
+        elif not matches:
             raise BatchLayoutError(
-                f"{names[i]} has length {length}, the number of points of several coordinate sources "
-                f"({', '.join(s.name for s in point_match)}) with different batch indices. Give it the role 'replicate' "
-                "in layout=, or pass the sources separately."
+                f"{t.names[i]} has length {length} in dim 0, which matches neither the number of samples "
+                f"({num_samples}) nor the number of points "
+                f"({', '.join(f'{s.name}: {s.batch_index.numel()}' for s in t.sources) or 'no coordinates'}). "
+                "Per-point tensors must have one row per coordinate row, per-sample tensors one row per sample; give "
+                "it the role 'replicate' in layout= to pass it whole to every replica."
             )
-        if point_match:
-            roles[i] = "points"
-        elif length == num_samples:
-            roles[i] = "samples"
-        else:
+        first = t.sources[matches[0]].batch_index
+        if any(not torch.equal(first, t.sources[n].batch_index) for n in matches[1:]):
             raise BatchLayoutError(
-                f"{names[i]} has length {length} in dim 0, which matches neither the number of samples ({num_samples}) "
-                + (f"nor the number of points ({', '.join(f'{s.name}: {s.batch_index.numel()}' for s in sources)})"
-                   if sources else "")
-                + ". Per-point tensors must have one row per coordinate row, per-sample tensors one row per sample; "
-                "give it the role 'replicate' in layout= to pass it whole to every replica."
+                f"{t.names[i]} has length {length}, the number of points of several coordinate sources "
+                f"({', '.join(t.sources[n].name for n in matches)}) with different batch indices. Give it the role "
+                "'replicate' in layout=, or pass the sources separately."
             )
+        t.roles[i] = "points"
+        t.source[i] = matches[0]
 
-    # 5. cut every leaf
-    point_source: dict[int, _Source] = {}
-    for i, leaf in enumerate(leaves):
-        if roles[i] == "points":
-            point_source[i] = next(s for s in sources if s.batch_index.numel() == leaf.shape[0])
 
-    chunks_leaves: list[list[Any]] = [[] for _ in range(k)]
-    for i, leaf in enumerate(leaves):
-        role = roles[i]
-        for j in range(k):
-            if role == "replicate":
-                piece = leaf
-            elif role == "samples":
-                piece = leaf.index_select(0, chunk_samples[j].to(leaf.device))
-            elif role == "points":
-                piece = leaf.index_select(0, point_source[i].rows[j].to(leaf.device))
-            else:  # coordinates
-                src = source_of_leaf[i]
-                rows = src.rows[j]
-                if _is_leaf(leaf):
-                    coords = _renumber(leaf.C, rows, sample_rank, src.batch_index)
-                    features = leaf.F.index_select(0, rows.to(leaf.F.device))
-                    piece = SparseSpec(type(leaf), features, coords, _sparse_kwargs(leaf))
-                else:
-                    piece = _renumber(leaf, rows, sample_rank, src.batch_index)
-            chunks_leaves[j].append(piece)
-
-    chunks = [pytree.tree_unflatten(cl, spec) for cl in chunks_leaves]
-    source_index = {id(s): n for n, s in enumerate(sources)}
-    leaf_sources = [source_index[id((source_of_leaf.get(i) or point_source.get(i)))] if i in source_of_leaf or i in point_source
-                    else -1 for i in range(len(leaves))]
-    plan = SplitPlan(num_samples, chunk_samples, [s.rows for s in sources], [str(r) for r in roles], leaf_sources)
-    return chunks, plan
+def _cut(t: _Leaves, i: int, j: int, samples: Tensor, sample_rank: Tensor) -> Any:
+    """Leaf ``i``'s piece for chunk ``j`` (whose sample ids are ``samples``)."""
+    leaf, role = t.leaves[i], t.roles[i]
+    if role == "replicate":
+        return leaf
+    if role == "samples":
+        return leaf.index_select(0, samples.to(leaf.device))
+    src = t.sources[t.source[i]]
+    rows = src.rows[j]
+    if role == "points":
+        return leaf.index_select(0, rows.to(leaf.device))
+    if _is_leaf(leaf):
+        coordinates = _renumber(leaf.C, rows, sample_rank, src.batch_index)
+        return SparseSpec(type(leaf), leaf.F.index_select(0, rows.to(leaf.F.device)), coordinates, _sparse_kwargs(leaf))
+    return _renumber(leaf, rows, sample_rank, src.batch_index)
 
 
 def merge_chunks(pieces: Sequence[Tensor], order: Sequence[Tensor], dim: int = 0) -> Tensor:
