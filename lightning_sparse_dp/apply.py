@@ -1,10 +1,11 @@
 """Apply: run one callable per replica concurrently, each in a thread bound to its device.
 
 The same idea as ``torch.nn.parallel.parallel_apply``, with three differences: the threads are
-kept for the whole run instead of being started on every call; it runs on CPU devices too
+kept for the whole run (one per replica index) instead of being started on every call; it runs on CPU devices too
 (``parallel_apply`` asks for the current CUDA stream); and it carries the caller's thread-local
-state into each thread: grad mode, inference mode and autocast (enabled flag and dtype, per
-device type), plus ``torch.cuda.device(d)`` on CUDA. An exception in a replica is raised in the
+state into each thread: grad mode, inference mode, autocast (enabled flag and dtype, per device
+type) and the intra-op thread count (``torch.set_num_threads``, which with OpenMP is a per-thread
+setting), plus ``torch.cuda.device(d)`` on CUDA. An exception in a replica is raised in the
 calling thread, unchanged in type, with a note naming the replica and device; the other replicas
 are waited for first so nothing is left running.
 """
@@ -24,6 +25,10 @@ from lightning_sparse_dp.place import device_context
 
 T = TypeVar("T")
 
+
+class ReplicaAborted(RuntimeError):
+    """A replica stopped because another one failed (a secondary error: the other one's is raised)."""
+
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -34,6 +39,7 @@ class ThreadState:
     grad_enabled: bool
     inference_mode: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    num_threads: int  # torch's intra-op threads (OpenMP's per-thread setting, which ME's CPU kernels use too)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -44,10 +50,12 @@ class ThreadState:
             autocast.append(
                 (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             )
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast))
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads())
 
     def enter(self, stack: ExitStack) -> None:
-        """Enter this state in the current thread; ``stack`` undoes it."""
+        """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set)."""
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
         stack.enter_context(torch.inference_mode(self.inference_mode))
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for device_type, enabled, dtype in self.autocast:
@@ -55,7 +63,11 @@ class ThreadState:
 
 
 class ReplicaExecutor:
-    """A pool of persistent threads that runs one callable per replica.
+    """Persistent threads, one per replica index, that run one callable per replica.
+
+    Replica ``i`` always runs on thread ``i``, so each replica's autograd nodes are numbered by the
+    same thread every step, which keeps the order of the backward pass, and so its floating-point
+    sums, the same from run to run (``Trainer(deterministic=True)``).
 
     Args:
         num_threads: the most replicas run at once (the number of devices).
@@ -65,7 +77,9 @@ class ReplicaExecutor:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}.")
         self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sparse_dp-replica")
+        self._threads = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_threads)
+        ]
         self._lock = threading.Lock()
 
     def run(self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device]) -> list[T]:
@@ -75,8 +89,9 @@ class ReplicaExecutor:
 
         Raises:
             ValueError: more callables than threads, or lengths that differ.
-            Exception: the first failing replica's exception (lowest index), with a note
-                ``"raised in replica i on device d"``; raised after every replica has finished.
+            Exception: the first failing replica's exception (lowest index, preferring errors that are
+                not :class:`ReplicaAborted`), with a note ``"raised in replica i on device d"``; raised
+                after every replica has finished.
         """
         if len(fns) != len(devices):
             raise ValueError(f"{len(fns)} callables for {len(devices)} devices.")
@@ -87,17 +102,18 @@ class ReplicaExecutor:
             return [_call(fns[0], devices[0], 0, state)]
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
-                self._pool.submit(_call, fn, device, i, state) for i, (fn, device) in enumerate(zip(fns, devices))
+                self._threads[i].submit(_call, fn, device, i, state) for i, (fn, device) in enumerate(zip(fns, devices))
             ]
             errors = [f.exception() for f in futures]  # waits for every replica
-        for err in errors:
-            if err is not None:
-                raise err
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
         return [f.result() for f in futures]
 
     def shutdown(self) -> None:
         """Stop the threads (waits for running callables)."""
-        self._pool.shutdown(wait=True)
+        for thread in self._threads:
+            thread.shutdown(wait=True)
 
 
 def _call(fn: Callable[[], T], device: torch.device, index: int, state: ThreadState) -> T:
@@ -130,4 +146,4 @@ def parallel_apply(
         temporary.shutdown()
 
 
-__all__ = ["ReplicaExecutor", "ThreadState", "parallel_apply"]
+__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "parallel_apply"]

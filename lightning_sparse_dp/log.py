@@ -6,6 +6,9 @@ whichever GPU wrote last, Lightning issue #9839). Each replica gets a :class:`Lo
 of its ``log`` method (``log_dict`` goes through ``log``); after the step, :func:`reduce_log_calls`
 merges the replicas' calls name by name and :func:`emit` logs them through the root module.
 
+A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
+module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics` has merged.
+
 Reduction across replicas (``reduce_fx``, as in ``LightningModule.log``): ``"mean"`` is the mean
 weighted like the loss (``w_i`` of the replicas that logged the name, renormalized), so a logged
 mean over samples equals the whole-batch value; ``"sum"``, ``"max"``, ``"min"`` reduce the values
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torchmetrics import Metric
 
 _MEAN = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
@@ -41,25 +45,43 @@ class LogCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MetricRef:
+    """A logged ``torchmetrics.Metric``, by its module path (e.g. ``"val_acc"`` for ``self.val_acc``)."""
+
+    path: str
+
+
 class LogRecorder:
     """Stands in for ``LightningModule.log`` on a replica and records the calls.
 
-    Same signature as ``LightningModule.log``; the value must be a number or a one-element tensor.
+    Same signature as ``LightningModule.log``; the value is a number, a one-element tensor or a
+    ``torchmetrics.Metric`` that is a submodule of the replica.
+
+    Args:
+        metric_paths: ``id(metric) -> module path`` of the replica's metrics.
 
     Raises:
-        TypeError: a ``torchmetrics.Metric`` object or another non-scalar value is logged.
+        TypeError: a value of another type, or a metric that is not a submodule of the module.
+        ValueError: a tensor with more than one element.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, metric_paths: dict[int, str] | None = None) -> None:
         self.calls: dict[str, LogCall] = {}
+        self.metric_paths = metric_paths or {}
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
-        if not isinstance(value, (Tensor, numbers.Number)):
+        if isinstance(value, Metric):
+            if id(value) not in self.metric_paths:
+                raise TypeError(
+                    f"self.log({name!r}, <{type(value).__name__}>): the metric is not an attribute of the LightningModule, "
+                    "so sparse_dp cannot merge its state across replicas. Make it an attribute (self.metric = ...)."
+                )
+            value = MetricRef(self.metric_paths[id(value)])
+        elif not isinstance(value, (Tensor, numbers.Number)):
             raise TypeError(
-                f"self.log({name!r}, <{type(value).__name__}>) in a sparse_dp replica: only numbers and one-element "
-                "tensors can be logged from a replica's step in this version (a torchmetrics Metric object is not yet "
-                "merged across replicas). Log the metric's value for the step, e.g. self.log(name, metric(preds, "
-                "target)), or compute the metric in an epoch-end hook."
+                f"self.log({name!r}, <{type(value).__name__}>) in a sparse_dp replica: log a number, a one-element "
+                "tensor or a torchmetrics Metric."
             )
         if isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(
@@ -71,8 +93,12 @@ class LogRecorder:
 
 
 def install_recorder(replica: Any) -> LogRecorder:
-    """Replace ``replica.log`` (an instance attribute shadowing the method) with a new recorder."""
-    recorder = LogRecorder()
+    """Replace ``replica.log`` (an instance attribute shadowing the method) with a new recorder.
+
+    Remove it with ``del replica.log`` when ``replica`` is the root module itself.
+    """
+    paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
+    recorder = LogRecorder(paths)
     replica.log = recorder
     return recorder
 
@@ -91,7 +117,11 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
 
 
 def reduce_log_calls(
-    recorders: Sequence[LogRecorder], weights: Sequence[float], num_samples: int, device: torch.device
+    recorders: Sequence[LogRecorder],
+    weights: Sequence[float],
+    num_samples: int,
+    device: torch.device,
+    root: torch.nn.Module | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -100,6 +130,7 @@ def reduce_log_calls(
         weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.gather.chunk_weights`).
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
+        root: the root module, whose metrics stand for logged replica metrics.
     """
     names: list[str] = []
     for rec in recorders:
@@ -108,6 +139,12 @@ def reduce_log_calls(
     for name in names:
         present = [(i, rec.calls[name]) for i, rec in enumerate(recorders) if name in rec.calls]
         kwargs = dict(present[0][1].kwargs)
+        first = present[0][1].value
+        if isinstance(first, MetricRef):
+            if root is None:
+                raise ValueError("a metric was logged in a replica but no root module was given to resolve it.")
+            merged.append(LogCall(name, root.get_submodule(first.path), kwargs))
+            continue
         values = [torch.as_tensor(c.value).to(device) for _, c in present]
         value = _reduce(values, [weights[i] for i, _ in present], kwargs.get("reduce_fx", "mean"))
         sizes = [c.kwargs.get("batch_size") for _, c in present]
@@ -122,4 +159,4 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["LogCall", "LogRecorder", "emit", "install_recorder", "reduce_log_calls"]
+__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "reduce_log_calls"]

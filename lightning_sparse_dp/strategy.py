@@ -19,14 +19,16 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyReg
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
 from lightning_sparse_dp.log import emit, install_recorder, reduce_log_calls
+from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import replicate
 from lightning_sparse_dp.split import SplitPlan, split_batch
+from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm
 
 
 def check_devices(devices: list[torch.device]) -> None:
@@ -72,6 +74,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``.
         split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` entirely:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
+        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
+            ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
+            :class:`~lightning_sparse_dp.sync.ReplicaSyncBatchNorm`, synchronized across the
+            replicas of each step, for the run; reverted at teardown. ``Trainer(sync_batchnorm=True)``
+            turns it on too.
 
     Raises:
         ValueError: an unknown ``loss_weighting``.
@@ -90,6 +97,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         loss_weighting: str = "samples",
         layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -103,8 +111,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.loss_weighting = loss_weighting
         self.layout = dict(layout) if layout else None
         self.split_fn = split_fn
+        self.sync_batchnorm = sync_batchnorm
         self._executor: ReplicaExecutor | None = None
         self._warned_transfer_hooks = False
+        self._bn_swaps: list = []
+        self._replica_metrics = ReplicaMetrics()
 
     # --- what Lightning asks of a single-process parallel strategy -----------------------------
     @property
@@ -132,11 +143,13 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
             )
-        if self._layer_sync is not None:
+        if module is not None and (self.sync_batchnorm or self._layer_sync is not None):
+            self._bn_swaps = convert_sync_batchnorm(module)
+        elif module is not None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
             rank_zero_warn(
-                "sparse_dp does not synchronize batch norm across replicas in this version: sync_batchnorm=True is "
-                "ignored, and each replica normalizes its own chunk (as nn.DataParallel does). torch's and ME's "
-                "SyncBatchNorm need a torch.distributed process group, which one process does not have."
+                "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
+                "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
+                "synchronize them across sparse_dp replicas."
             )
         super().setup(trainer)
         if self._executor is None:
@@ -182,6 +195,9 @@ class SparseDataParallelStrategy(ParallelStrategy):
         return decision
 
     def teardown(self) -> None:
+        if self._bn_swaps:
+            revert_sync_batchnorm(self._bn_swaps)  # the user's layer types come back, holding the trained values
+            self._bn_swaps = []
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -220,15 +236,25 @@ class SparseDataParallelStrategy(ParallelStrategy):
         chunks, plan = self.split(batch)
         devices = self.parallel_devices[: plan.num_chunks]
         placed = place_chunks(chunks, devices)
-        replicas = replicate(module, devices)
+        # one chunk on the root device: run the module itself, no replica needed
+        replicas = [module] if devices == [self.root_device] else replicate(module, devices)
+        metrics = self._replica_metrics.install(module, replicas, devices)
         recorders = [install_recorder(r) for r in replicas]
+        group = join_replicas(module, replicas)
         steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
+        if group is not None:
+            steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
         if self._executor is None:  # a step called outside fit/validate/test/predict
             self._executor = ReplicaExecutor(len(self.parallel_devices))
-        outputs = self._executor.run(steps, devices)
+        try:
+            outputs = self._executor.run(steps, devices)
+        finally:
+            if replicas[0] is module:
+                del module.log  # the recorder shadowed the method
+        merge_into_root(metrics)
         weights = chunk_weights(plan, self.loss_weighting)
         output = gather_outputs(outputs, plan, weights, self.root_device)
-        emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device))
+        emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
         return output
 
     @classmethod

@@ -84,7 +84,8 @@ class SparseNet(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
-        self.log("val_loss", loss)
+        # Lightning would infer the batch size from the first tensor (the coordinates: points, not samples)
+        self.log("val_loss", loss, batch_size=batch["labels"].shape[0])
         return loss
 
     def configure_optimizers(self):
@@ -104,3 +105,55 @@ def trainer(**kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+class SegNet(L.LightningModule):
+    """Per-point segmentation: TensorField -> sparse -> (conv, batch norm, ReLU) x 2 -> slice -> linear.
+
+    ``loss`` is the cross-entropy averaged over every point of the batch.
+    """
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiConvolution(8, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(),
+        )
+        self.head = torch.nn.Linear(8, NUM_CLASSES)
+        self.lr = lr
+
+    def forward(self, field):
+        return self.head(self.net(field.sparse()).slice(field).F)
+
+    def loss(self, batch):
+        return F.cross_entropy(self(batch["x"]), batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch["x"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def field_batch(num_samples: int, seed: int = 0):
+    """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N]."""
+    samples = random_samples(num_samples, seed=seed)
+    coords, feats, _ = zip(*samples)
+    coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
+    g = torch.Generator().manual_seed(seed)
+    continuous = coordinates.float()
+    continuous[:, 1:] = (continuous[:, 1:] * 0.5).floor() + torch.rand(continuous.shape[0], 3, generator=g)
+    labels = torch.randint(0, NUM_CLASSES, (coordinates.shape[0],), generator=g)
+    return {"x": ME.TensorField(features, continuous), "labels": labels}

@@ -27,7 +27,7 @@ def test_me_layers_work_in_replicas_and_share_parameters():
     for r in replicas:
         assert r.net[0].dimension == conv.dimension == 3  # a __slots__ attribute
         assert r.net[0].kernel_generator is conv.kernel_generator
-        assert r.net[0].kernel is conv.kernel  # the same Parameter: gradients land in the root
+        assert r.net[0].kernel.data_ptr() == conv.kernel.data_ptr()  # an alias, not a copy
     batch = collate_dict(random_samples(6))
     chunks, plan = split_batch(batch, 3)
     losses = [r.loss(c) for r, c in zip(replicas, place_chunks(chunks, CPU3))]
@@ -38,6 +38,21 @@ def test_me_layers_work_in_replicas_and_share_parameters():
     reference.loss(batch).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_replica_parameters_are_aliases_whose_gradients_reach_the_root():
+    torch.manual_seed(0)
+    model = SparseNet()
+    replicas = replicate(model, CPU3)
+    names = [n for n, _ in model.named_parameters()]
+    for r in replicas:
+        assert [n for n, _ in r.named_parameters()] == names
+    penalty = sum(sum(p.pow(2).sum() for p in r.parameters()) for r in replicas)  # a weight penalty per replica
+    penalty.backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, 3 * 2 * p.detach())
+    with torch.no_grad():  # no graph to route: the root's Parameters themselves
+        assert replicate(model, CPU3)[1].net[0].kernel is model.net[0].kernel
 
 
 def test_replica_buffers_follow_data_parallel():
@@ -119,11 +134,13 @@ def test_log_reduction():
     assert calls["x"].value.item() == 10.0
 
 
-def test_logging_a_metric_object_from_a_replica_is_a_clear_error():
+def test_logging_bad_values_from_a_replica_is_a_clear_error():
     import torchmetrics
 
-    with pytest.raises(TypeError, match="torchmetrics Metric"):
+    with pytest.raises(TypeError, match="not an attribute of the LightningModule"):
         LogRecorder()("acc", torchmetrics.Accuracy(task="binary"))
+    with pytest.raises(TypeError, match="log a number, a one-element tensor or a torchmetrics Metric"):
+        LogRecorder()("acc", "high")
     with pytest.raises(ValueError, match="one element"):
         LogRecorder()("v", torch.zeros(3))
 

@@ -265,9 +265,3 @@ def test_before_transfer_hook_runs_and_skipped_hooks_warn():
 
     with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
         _fit_one_step(Hooks(), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3)
-
-
-def test_sync_batchnorm_request_is_not_silently_ignored():
-    with pytest.warns(UserWarning, match="sync_batchnorm=True is ignored"):
-        _fit_one_step(SparseNet(batch_norm=True), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3,
-                      sync_batchnorm=True)

@@ -1,0 +1,101 @@
+"""Metrics: torchmetrics state updated in replicas, merged into the root module's metrics.
+
+A replica is a shallow copy of the module, so a ``torchmetrics.Metric`` in it would share (and race
+on) the root metric's state, or lose its update (PL 1.x "dp": Lightning issue #4353); its ``update``
+and ``compute`` are even instance attributes bound to the root metric. Before the step every replica
+therefore gets its own empty copy of each metric (``Metric.clone`` of an empty template, so the
+root's accumulated state is never copied); after it, :func:`merge_into_root` merges the replicas' states into the root metric with
+``Metric.merge_state`` (torchmetrics >= 1.1), in replica order, so the root ends the step in the state
+one update with the whole batch gives. When replicas called ``forward`` (which returns the batch
+value), the root's ``_forward_cache`` is set to the whole batch's value, which is what Lightning
+logs for ``self.log(name, metric)`` on step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+
+@dataclass
+class MetricReplicas:
+    """A root metric and its copies in the replicas (replica order)."""
+
+    name: str
+    root: Metric
+    replicas: list[Metric]
+
+
+class ReplicaMetrics:
+    """Empty copies of a module's metrics for the replicas of each step.
+
+    Keeps one empty template per root metric (made on first use), so a step copies empty states only.
+    """
+
+    def __init__(self) -> None:
+        self._templates: dict[int, Metric] = {}
+
+    def _template(self, metric: Metric) -> Metric:
+        template = self._templates.get(id(metric))
+        if template is None:
+            template = metric.clone()
+            template.reset()
+            self._templates[id(metric)] = template
+        return template
+
+    def install(self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device]) -> list[MetricReplicas]:
+        """Put an empty copy of every metric of ``root`` into each replica (on its device), in place.
+
+        Returns:
+            the metrics to merge after the step (empty when ``replicas`` is ``[root]``).
+        """
+        if len(replicas) == 1 and replicas[0] is root:
+            return []
+        found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
+        merged = [MetricReplicas(name, m, []) for name, m in found]
+        for replica, device in zip(replicas, devices):
+            for entry in merged:
+                copy = self._template(entry.root).clone()
+                if device != entry.root.device:
+                    copy.to(device)
+                parent, _, attr = entry.name.rpartition(".")
+                replica.get_submodule(parent)._modules[attr] = copy
+                entry.replicas.append(copy)
+        return merged
+
+
+def merge_into_root(metrics: list[MetricReplicas]) -> None:
+    """Merge each replica metric's state into its root metric (see the module docstring).
+
+    Raises:
+        RuntimeError: a metric with ``full_state_update=True`` (or ``dist_sync_on_step=True``) was
+            updated in replicas: its state cannot be merged; says which metric and what to do.
+    """
+    for entry in metrics:
+        updated = [m for m in entry.replicas if m._update_count > 0]
+        if not updated:
+            continue
+        try:
+            if any(m._forward_cache is not None for m in updated):
+                batch = entry.root.clone()
+                batch.reset()
+                for m in updated:
+                    batch.merge_state(m)
+                batch._update_count = sum(m._update_count for m in updated)
+                entry.root._forward_cache = batch.compute()
+            for m in updated:
+                entry.root.merge_state(m)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated in sparse_dp replicas "
+                f"but its state cannot be merged across them ({err}). Use a metric with full_state_update=False, or "
+                "update it outside the step (e.g. from the gathered outputs in on_validation_batch_end)."
+            ) from err
+        entry.root._update_count += sum(m._update_count for m in updated)
+        entry.root._computed = None
+
+
+__all__ = ["MetricReplicas", "ReplicaMetrics", "merge_into_root"]
