@@ -1,0 +1,31 @@
+"""The examples run end to end (tiny settings) and end with their result line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "script, args, last_line",
+    [
+        ("train_digits.py", ["--max-epochs", "1"], r"val_acc=0\.\d{4}"),
+        ("train_segmentation.py", ["--max-epochs", "1", "--train-scenes", "6", "--val-scenes", "3"], r"val_miou=0\.\d{4}"),
+    ],
+)
+def test_example_runs(script, args, last_line, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--devices", "3", "--out", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(last_line, lines[-1]), lines[-3:]
+    assert list(tmp_path.glob("csv/*/version_0/metrics.csv")) and list(tmp_path.glob("tensorboard/*/version_0/events.*"))
