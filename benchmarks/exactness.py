@@ -1,0 +1,69 @@
+"""Print how far a sparse_dp step on 3 CPU replicas is from the one-device step with the whole batch.
+
+    .venv/bin/python benchmarks/exactness.py
+
+For each case, over every floating-point tensor of the state dict (parameters, running mean / var)
+after the same steps, sparse_dp (devices=3) vs strategy="auto": the largest absolute difference, and
+the largest relative one, taken per tensor as max |difference| / max |reference value|.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore")
+
+import lightning_sparse_dp  # noqa: E402,F401
+from lightning_sparse_dp import SparseDataParallelStrategy  # noqa: E402
+from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer  # noqa: E402
+
+
+def differences(ours, reference):
+    ref = reference.state_dict()
+    abs_diff, rel_diff = 0.0, 0.0
+    for name, value in ours.state_dict().items():
+        if not value.is_floating_point():
+            continue
+        d = (value.double() - ref[name].double()).abs()
+        abs_diff = max(abs_diff, d.max().item())
+        rel_diff = max(rel_diff, d.max().item() / max(ref[name].double().abs().max().item(), 1e-12))
+    return abs_diff, rel_diff
+
+
+def case(name, make, batches, strategy, steps=1, **kwargs):
+    ours, reference = make(), make()
+    reference.load_state_dict(ours.state_dict())
+    trainer(strategy=strategy, devices=3, max_steps=steps, **kwargs).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=steps, **{k: v for k, v in kwargs.items() if k != "sync_batchnorm"}).fit(
+        reference, loader(*batches)
+    )
+    a, r = differences(ours, reference)
+    print(f"{name:<58} max abs {a:.2e}  max rel {r:.2e}")
+
+
+def main():
+    torch.manual_seed(0)
+    uneven = [collate_dict(random_samples(7, seed=s)) for s in range(5)]
+    fields = [field_batch(7, seed=s) for s in range(5)]
+    print("sparse_dp devices=3 vs one device, batches of 7 samples (chunks 3/2/2), float32")
+    case("no batch norm, 1 step", lambda: SparseNet(), uneven[:1], "sparse_dp")
+    case("no batch norm, 5 steps", lambda: SparseNet(), uneven, "sparse_dp", steps=5)
+    case("batch norm, sync_batchnorm=True, 1 step", lambda: SparseNet(batch_norm=True), uneven[:1], "sparse_dp",
+         sync_batchnorm=True)
+    case("batch norm, sync_batchnorm=True, 5 steps", lambda: SparseNet(batch_norm=True), uneven, "sparse_dp", steps=5,
+         sync_batchnorm=True)
+    case("batch norm, no sync (per-replica statistics), 1 step", lambda: SparseNet(batch_norm=True), uneven[:1],
+         "sparse_dp")
+    case("segmentation, points weighting + sync BN, 5 steps", lambda: SegNet(), fields,
+         SparseDataParallelStrategy(loss_weighting="points", sync_batchnorm=True), steps=5)
+    case("segmentation, samples weighting + sync BN, 5 steps", lambda: SegNet(), fields,
+         SparseDataParallelStrategy(loss_weighting="samples", sync_batchnorm=True), steps=5)
+
+
+if __name__ == "__main__":
+    main()
