@@ -33,6 +33,8 @@ def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
             with the source tensor's ``tensor_stride`` / ``quantization_mode`` / ``minkowski_algorithm``.
         device: where the tensor and its coordinate manager live.
     """
+    if spec.source is not None and spec.source.device == device:
+        return spec.source  # the whole batch, already where it is needed: no second coordinate manager
     with device_context(device):
         features = spec.features.to(device, non_blocking=True)
         coordinates = spec.coordinates.to(device, non_blocking=True)

@@ -27,7 +27,7 @@ from lightning_sparse_dp.log import emit, install_recorder, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import replicate
-from lightning_sparse_dp.split import SplitPlan, split_batch
+from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
 from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm
 
 
@@ -74,6 +74,10 @@ class SparseDataParallelStrategy(ParallelStrategy):
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``.
         split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` entirely:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
+        split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
+            counts, :func:`~lightning_sparse_dp.split.balanced_assignment`) or ``"contiguous"``
+            (consecutive samples, sizes differing by at most one). Outputs come back in the original
+            order either way.
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
             ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
             :class:`~lightning_sparse_dp.sync.ReplicaSyncBatchNorm`, synchronized across the
@@ -98,6 +102,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
         sync_batchnorm: bool = False,
+        split: str = "balanced",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -108,6 +113,9 @@ class SparseDataParallelStrategy(ParallelStrategy):
         )
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+        if split not in ASSIGNMENTS:
+            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        self.assignment = split
         self.loss_weighting = loss_weighting
         self.layout = dict(layout) if layout else None
         self.split_fn = split_fn
@@ -225,7 +233,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         num_devices = len(self.parallel_devices or [self.root_device])
         if self.split_fn is not None:
             return self.split_fn(batch, num_devices)
-        return split_batch(batch, num_devices, layout=self.layout)
+        return split_batch(batch, num_devices, layout=self.layout, assignment=self.assignment)
 
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module

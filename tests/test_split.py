@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import namedtuple
 
 import MinkowskiEngine as ME
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, merge_batch, merge_chunks, split_batch
+from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, balanced_assignment, merge_batch, merge_chunks, split_batch
 from tests.helpers import collate_dict, random_samples
 
 def _layout(batch):
@@ -68,6 +69,40 @@ def test_renumbered_batch_indices_are_contiguous(batch_and_k):
         assert chunk["coordinates"].dtype == batch["coordinates"].dtype
         assert sorted(col.unique().tolist()) == list(range(len(ids)))
         assert bool((col[1:] >= col[:-1]).all())  # sample order kept inside the chunk
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=8), st.integers(1, 3))
+def test_balanced_assignment_covers_every_sample_once_within_grahams_bound(sizes, k):
+    chunks = balanced_assignment(torch.tensor(sizes), k)
+    assert len(chunks) == min(k, len(sizes)) and all(c.numel() > 0 for c in chunks)
+    assert sorted(torch.cat(chunks).tolist()) == list(range(len(sizes)))
+    assert all(bool((c[1:] > c[:-1]).all()) for c in chunks)  # sample order kept inside a chunk
+    largest = max(sum(sizes[i] for i in c.tolist()) for c in chunks)
+    # the optimum by brute force over every assignment; LPT is within 4/3 - 1/(3k) of it (Graham 1969)
+    m = len(chunks)
+    optimum = min(
+        max(sum(s for s, c in zip(sizes, labels) if c == j) for j in range(m))
+        for labels in itertools.product(range(m), repeat=len(sizes))
+    )
+    assert largest <= (4 / 3 - 1 / (3 * m)) * optimum
+
+
+def test_balanced_split_evens_points_better_than_contiguous():
+    sizes = [400, 10, 10, 10, 390, 10, 10, 10, 380]  # contiguous chunks: 420 / 410 / 400 ... but skewed below
+    samples = [(torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], 1).int(), torch.ones(n, 1), 0)
+               for n in [400, 390, 380, 10, 10, 10, 10, 10, 10]]
+    batch = collate_dict(samples)
+    _, balanced = split_batch(batch, 3, assignment="balanced")
+    _, contiguous = split_batch(batch, 3, assignment="contiguous")
+    assert max(balanced.points_per_chunk) < max(contiguous.points_per_chunk)
+    assert max(balanced.points_per_chunk) / (sum(sizes) / 3) <= 1.05
+    assert merge_batch(split_batch(batch, 3, assignment="balanced")[0], balanced)["features"].shape == batch["features"].shape
+
+
+def test_unknown_assignment():
+    with pytest.raises(ValueError, match="assignment='random'"):
+        split_batch(_batch(), 2, assignment="random")
 
 
 def test_uneven_split_sizes_follow_tensor_split():

@@ -102,7 +102,7 @@ def test_executor_reraises_with_replica_index_after_all_finish():
 def test_gather_puts_per_sample_outputs_in_original_order():
     batch = collate_dict(random_samples(5))
     order = [torch.tensor([3, 0]), torch.tensor([4, 1, 2])]
-    chunks, plan = split_batch(batch, 2, assignment=lambda b, k: order)
+    chunks, plan = split_batch(batch, 2, assignment=lambda sizes, k: order)
     outs = [{"loss": torch.tensor(float(i)), "ids": c["labels"].clone()} for i, c in enumerate(chunks)]
     merged = gather_outputs(outs, plan, chunk_weights(plan, "samples"), torch.device("cpu"))
     assert torch.equal(merged["ids"], batch["labels"])

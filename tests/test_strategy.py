@@ -68,7 +68,7 @@ def test_replicas_really_run_on_several_threads_and_parameters_change():
 
     spy = Spy()
     spy.load_state_dict(model.state_dict())
-    _fit_one_step(spy, batch, strategy="sparse_dp", devices=3)
+    _fit_one_step(spy, batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
     assert sorted(n for _, n in seen) == [2, 2, 3]
     assert len({tid for tid, _ in seen}) == 3
     assert any(not torch.equal(p, q) for p, q in zip(spy.parameters(), untouched.parameters()))
@@ -103,7 +103,7 @@ def test_exception_in_one_replica_surfaces_without_hang():
 
     def run():
         try:
-            _fit_one_step(model, batch, strategy="sparse_dp", devices=3)
+            _fit_one_step(model, batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
         except BaseException as err:  # noqa: BLE001
             result["err"] = err
 
@@ -190,7 +190,7 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
             built.append(batch["x"])
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
-    _assert_same_step(*_same_start(FromSparse), batch, devices=2)
+    _assert_same_step(*_same_start(FromSparse), batch, devices=2, split="contiguous")
     assert [x.C[:, 0].max().item() for x in built[:2]] == [2, 1]  # two replicas, batch indices renumbered
     assert len({id(x.coordinate_manager) for x in built[:2]}) == 2
 
