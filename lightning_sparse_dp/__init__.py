@@ -14,7 +14,11 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
 - :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
 - :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
-- :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once.
+- :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
+- :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
+- :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
+- :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
+- :mod:`~lightning_sparse_dp.timing`: per-stage step times.
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
 """
@@ -22,26 +26,35 @@ The data path of one step, one module per stage:
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import replicate
 from lightning_sparse_dp.split import (
     BatchLayoutError,
     SparseSpec,
     SplitPlan,
+    balanced_assignment,
     contiguous_assignment,
     merge_batch,
     merge_chunks,
     split_batch,
 )
 from lightning_sparse_dp.strategy import SparseDataParallelStrategy
+from lightning_sparse_dp.sync import ReplicaSyncBatchNorm
+from lightning_sparse_dp.timing import StageTimes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayoutError",
+    "PreSplitBatch",
+    "PreSplitCollate",
     "ReplicaExecutor",
+    "ReplicaSyncBatchNorm",
     "SparseDataParallelStrategy",
     "SparseSpec",
     "SplitPlan",
+    "StageTimes",
+    "balanced_assignment",
     "chunk_weights",
     "contiguous_assignment",
     "gather_outputs",

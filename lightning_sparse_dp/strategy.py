@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
@@ -27,8 +28,20 @@ from lightning_sparse_dp.log import emit, install_recorder, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
+from lightning_sparse_dp.timing import StageTimes
 from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm
+
+
+class _NoTimes(StageTimes):
+    """Records nothing (``record_stage_times=False``)."""
+
+    def new_step(self) -> None:
+        pass
+
+
+_NO_TIMES = _NoTimes(max_steps=1)
 
 
 def check_devices(devices: list[torch.device]) -> None:
@@ -78,6 +91,12 @@ class SparseDataParallelStrategy(ParallelStrategy):
             counts, :func:`~lightning_sparse_dp.split.balanced_assignment`) or ``"contiguous"``
             (consecutive samples, sizes differing by at most one). Outputs come back in the original
             order either way.
+        presplit: split batches in DataLoader worker processes
+            (:class:`~lightning_sparse_dp.presplit.PreSplitCollate`) for loaders with ``num_workers > 0``,
+            unless ``split_fn`` is given or the module overrides ``on_before_batch_transfer`` (which
+            must see the whole batch).
+        record_stage_times: record each step's stage durations in :attr:`stage_times`
+            (:class:`~lightning_sparse_dp.timing.StageTimes`).
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
             ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
             :class:`~lightning_sparse_dp.sync.ReplicaSyncBatchNorm`, synchronized across the
@@ -103,6 +122,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
         sync_batchnorm: bool = False,
         split: str = "balanced",
+        presplit: bool = True,
+        record_stage_times: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -116,6 +137,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
         if split not in ASSIGNMENTS:
             raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
         self.assignment = split
+        self.presplit = presplit
+        self.stage_times = StageTimes() if record_stage_times else None
         self.loss_weighting = loss_weighting
         self.layout = dict(layout) if layout else None
         self.split_fn = split_fn
@@ -228,9 +251,36 @@ class SparseDataParallelStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             return self._parallel_step("predict_step", args, kwargs)
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """Move the split into the loader's worker processes (``presplit``), when it has workers."""
+        module = self.lightning_module
+        if (
+            self.presplit
+            and self.split_fn is None
+            and isinstance(dataloader, DataLoader)
+            and dataloader.num_workers > 0
+            and not isinstance(dataloader.collate_fn, PreSplitCollate)
+            and not (module is not None and is_overridden("on_before_batch_transfer", module))
+        ):
+            dataloader.collate_fn = PreSplitCollate(
+                dataloader.collate_fn, len(self.parallel_devices or [self.root_device]), self.layout, self.assignment
+            )
+        return dataloader
+
     def split(self, batch: Any) -> tuple[list[Any], SplitPlan]:
-        """Split ``batch`` into at most one chunk per device (``split_fn`` or :func:`split_batch`)."""
+        """Split ``batch`` into at most one chunk per device (``split_fn`` or :func:`split_batch`).
+
+        Raises:
+            ValueError: a :class:`~lightning_sparse_dp.presplit.PreSplitBatch` with more chunks than devices.
+        """
         num_devices = len(self.parallel_devices or [self.root_device])
+        if isinstance(batch, PreSplitBatch):
+            if batch.plan.num_chunks > num_devices:
+                raise ValueError(
+                    f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
+                    f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
+                )
+            return batch.chunks, batch.plan
         if self.split_fn is not None:
             return self.split_fn(batch, num_devices)
         return split_batch(batch, num_devices, layout=self.layout, assignment=self.assignment)
@@ -241,29 +291,42 @@ class SparseDataParallelStrategy(ParallelStrategy):
         if not args:
             raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
         batch, rest = args[0], args[1:]
-        chunks, plan = self.split(batch)
+        times = self.stage_times or _NO_TIMES
+        times.new_step()
+        with times.stage("split"):
+            chunks, plan = self.split(batch)
         devices = self.parallel_devices[: plan.num_chunks]
-        placed = place_chunks(chunks, devices)
-        # one chunk on the root device: run the module itself, no replica needed
-        replicas = [module] if devices == [self.root_device] else replicate(module, devices)
-        metrics = self._replica_metrics.install(module, replicas, devices)
-        recorders = [install_recorder(r) for r in replicas]
-        group = join_replicas(module, replicas)
+        with times.stage("place"):
+            placed = place_chunks(chunks, devices)
+        with times.stage("replicate"):
+            # one chunk on the root device: run the module itself, no replica needed
+            replicas = [module] if devices == [self.root_device] else replicate(module, devices)
+            metrics = self._replica_metrics.install(module, replicas, devices)
+            recorders = [install_recorder(r) for r in replicas]
+            group = join_replicas(module, replicas)
         steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
         if group is not None:
             steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
+        steps = [times.timed(f"replica{i}", step) for i, step in enumerate(steps)]
         if self._executor is None:  # a step called outside fit/validate/test/predict
             self._executor = ReplicaExecutor(len(self.parallel_devices))
         try:
-            outputs = self._executor.run(steps, devices)
+            with times.stage("apply"):
+                outputs = self._executor.run(steps, devices)
         finally:
             if replicas[0] is module:
                 del module.log  # the recorder shadowed the method
-        merge_into_root(metrics)
         weights = chunk_weights(plan, self.loss_weighting)
-        output = gather_outputs(outputs, plan, weights, self.root_device)
-        emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
+        with times.stage("gather"):
+            output = gather_outputs(outputs, plan, weights, self.root_device)
+        with times.stage("log"):
+            merge_into_root(metrics)
+            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
         return output
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with (self.stage_times or _NO_TIMES).stage("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -265,3 +265,36 @@ def test_before_transfer_hook_runs_and_skipped_hooks_warn():
 
     with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
         _fit_one_step(Hooks(), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3)
+
+
+def _sample_loader(samples, **kwargs):
+    return torch.utils.data.DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
+
+
+def test_presplit_in_worker_processes_equals_one_device():
+    samples = random_samples(14, seed=13)
+    ours, reference = _same_start()
+    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    t = trainer(strategy=strategy, devices=3, max_steps=2)
+    train = _sample_loader(samples, num_workers=2)
+    t.fit(ours, train)
+    assert isinstance(train.collate_fn, lightning_sparse_dp.PreSplitCollate)  # the split ran in the workers
+    trainer(devices=1, max_steps=2).fit(reference, _sample_loader(samples))
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    steps = list(strategy.stage_times.steps)
+    assert len(steps) == 2
+    assert {"split", "place", "replicate", "apply", "replica0", "replica2", "gather", "log", "backward"} <= set(steps[0])
+    assert steps[0]["apply"] >= max(steps[0][f"replica{i}"] for i in range(3)) * 0.5
+
+
+def test_presplit_batch_with_more_chunks_than_devices_is_refused():
+    collate = lightning_sparse_dp.PreSplitCollate(collate_dict, num_chunks=3)
+    batch = collate(random_samples(6))
+    with pytest.raises(ValueError, match="split into 3 chunks in the DataLoader but the strategy has 2"):
+        _fit_one_step(SparseNet(), batch, strategy="sparse_dp", devices=2)
+
+
+def test_bad_split_option():
+    with pytest.raises(ValueError, match="split='random'"):
+        SparseDataParallelStrategy(split="random")

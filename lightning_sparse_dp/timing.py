@@ -1,0 +1,73 @@
+"""Timing: wall-clock seconds of each stage of each step, for benchmarks and tuning.
+
+Stages: ``split``, ``place``, ``replicate``, ``apply`` (all replicas' steps, wall clock),
+``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (metric merging and
+logging) and ``backward`` (the gathered loss's backward pass, all replicas at once). Timed with
+``time.perf_counter``; on CUDA the times are host-side (kernels may still run; synchronize in the
+step for device times).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class StageTimes:
+    """Per-step stage durations in seconds, the last ``max_steps`` steps.
+
+    Args:
+        max_steps: how many steps are kept.
+    """
+
+    def __init__(self, max_steps: int = 100_000) -> None:
+        self.steps: deque[dict[str, float]] = deque(maxlen=max_steps)
+        self._current: dict[str, float] | None = None
+
+    def new_step(self) -> None:
+        """Start recording a step."""
+        self._current = {}
+        self.steps.append(self._current)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Record the duration of the ``with`` body as stage ``name`` of the current step."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._current is not None:
+                self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
+
+    def timed(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` wrapped to record its duration as stage ``name`` (callable from any thread)."""
+        current = self._current
+
+        def run() -> T:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                if current is not None:
+                    current[name] = time.perf_counter() - start
+
+        return run
+
+    def medians(self, skip: int = 0) -> dict[str, float]:
+        """Median seconds of each stage over the recorded steps after the first ``skip``."""
+        steps = list(self.steps)[skip:]
+        names = sorted({n for s in steps for n in s})
+        return {n: statistics.median(s[n] for s in steps if n in s) for n in names}
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self._current = None
+
+
+__all__ = ["StageTimes"]
