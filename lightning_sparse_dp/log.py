@@ -146,7 +146,11 @@ def reduce_log_calls(
             merged.append(LogCall(name, root.get_submodule(first.path), kwargs))
             continue
         values = [torch.as_tensor(c.value).to(device) for _, c in present]
-        value = _reduce(values, [weights[i] for i, _ in present], kwargs.get("reduce_fx", "mean"))
+        reduce_fx = kwargs.get("reduce_fx", "mean")
+        if len(values) == 1 and (reduce_fx in (*_MEAN, *_NAMED) or reduce_fx in (torch.mean, *_NAMED.values())):
+            value = values[0].reshape(())  # one replica: any of these reductions is the value itself
+        else:
+            value = _reduce(values, [weights[i] for i, _ in present], reduce_fx)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         kwargs["batch_size"] = sum(sizes) if all(s is not None for s in sizes) else num_samples
         merged.append(LogCall(name, value, kwargs))

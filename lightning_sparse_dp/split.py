@@ -109,6 +109,7 @@ class _Source:
     name: str
     batch_index: Tensor  # int64 [N], on the CPU
     rows: list[Tensor] = field(default_factory=list)  # per chunk, int64 [n_j]
+    counts: Tensor | None = None  # int64 [B], points per sample
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -171,8 +172,8 @@ def _check_coordinates(t: Tensor, name: str) -> Tensor:
     return t[:, 0].long()
 
 
-def _check_batch_index(batch_index: Tensor, name: str) -> int:
-    """Check that ``batch_index`` holds every sample ``0..B-1`` and return ``B``."""
+def _check_batch_index(batch_index: Tensor, name: str) -> Tensor:
+    """Check that ``batch_index`` holds every sample ``0..B-1``; return the points per sample ``[B]``."""
     if batch_index.numel() == 0:
         raise BatchLayoutError(f"{name} is empty: the batch has no points. Filter out empty samples before collation.")
     low = int(batch_index.min())
@@ -190,7 +191,7 @@ def _check_batch_index(batch_index: Tensor, name: str) -> int:
             "Batch indices must be contiguous 0..B-1 (is column 0 really the batch index?). Drop empty samples "
             "before collation, or collate with ME.utils.sparse_collate, which numbers samples 0..B-1."
         )
-    return int(counts.numel())
+    return counts
 
 
 def contiguous_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
@@ -321,15 +322,18 @@ def split_batch(
     t = _Leaves(flat, layout)
     _find_sources(t)
     num_samples = _count_samples(t)
-    sizes = torch.bincount(t.sources[0].batch_index, minlength=num_samples) if t.sources else torch.ones(
-        num_samples, dtype=torch.long
-    )
-    chunk_samples, sample_to_chunk, sample_rank = _assign(sizes, num_chunks, assignment)
+    if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
+        chunk_samples, sample_rank = [torch.arange(num_samples)], torch.arange(num_samples)
+        for src in t.sources:
+            src.rows = [torch.arange(src.batch_index.numel())]
+    else:
+        sizes = t.sources[0].counts if t.sources else torch.ones(num_samples, dtype=torch.long)
+        chunk_samples, sample_to_chunk, sample_rank = _assign(sizes, num_chunks, assignment)
+        for src in t.sources:
+            chunk_of_point = sample_to_chunk[src.batch_index]
+            order = torch.argsort(chunk_of_point, stable=True)
+            src.rows = list(order.split(torch.bincount(chunk_of_point, minlength=len(chunk_samples)).tolist()))
     k = len(chunk_samples)
-    for src in t.sources:
-        chunk_of_point = sample_to_chunk[src.batch_index]
-        order = torch.argsort(chunk_of_point, stable=True)
-        src.rows = list(order.split(torch.bincount(chunk_of_point, minlength=k).tolist()))
     _resolve_roles(t, num_samples, k)
 
     chunks = []
@@ -385,8 +389,10 @@ def _agreed(values: dict[str, int], problem: str, fix: str) -> int:
 def _count_samples(t: _Leaves) -> int:
     """``B``: from the batch indices of the coordinate sources, else from dim 0 of the dense tensors."""
     if t.sources:
+        for src in t.sources:
+            src.counts = _check_batch_index(src.batch_index, src.name)
         return _agreed(
-            {src.name: _check_batch_index(src.batch_index, src.name) for src in t.sources},
+            {src.name: int(src.counts.numel()) for src in t.sources},
             "coordinate sources disagree on the number of samples",
             "Every coordinate tensor in a batch must number the same samples 0..B-1; give the odd one the role "
             "'replicate' in layout= if it is not part of the batch.",
