@@ -15,7 +15,7 @@ speedup over plain Lightning, ideal speedup, points per second), the median time
 sparse_dp step, and ends with one JSON line of headline figures:
 
 - ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (segmentation; the two
-  cases alternate twice and their steps are pooled);
+  cases alternate ``--pairs`` times and their steps are pooled);
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
@@ -206,9 +206,10 @@ def stage_table(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run; figures are noisier)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=3, help="alternations of plain Lightning and sparse_dp devices=1")
     parser.add_argument("--ddp-child")
     parser.add_argument("--ddp-out")
     args = parser.parse_args()
@@ -218,6 +219,8 @@ def main() -> None:
             Path(args.ddp_out).write_text(json.dumps(result))
         return
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
+    if args.quick:
+        args.pairs = 1
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} intra-op threads; "
           f"{steps} timed steps after {warmup} warm-up steps per case")
     headline = {}
@@ -231,7 +234,7 @@ def main() -> None:
         # plain Lightning and sparse_dp devices=1 alternate (A B A B) and pool their steps, so that a slow
         # spell of the machine does not land on one of them only
         pairs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup),
-                  run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(2)]
+                  run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(args.pairs)]
         results["auto-1"] = {**_pooled([a for a, _ in pairs]), "devices": 1}
         results["sparse_dp-1"] = {**_pooled([b for _, b in pairs]), "devices": 1}
         for d in (2, 3):
