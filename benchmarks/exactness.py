@@ -50,7 +50,7 @@ def main():
     torch.manual_seed(0)
     uneven = [collate_dict(random_samples(7, seed=s)) for s in range(5)]
     fields = [field_batch(7, seed=s) for s in range(5)]
-    print("sparse_dp devices=3 vs one device, batches of 7 samples (chunks 3/2/2), float32")
+    print("sparse_dp devices=3 vs one device, batches of 7 samples, balanced split (the default), float32")
     case("no batch norm, 1 step", lambda: SparseNet(), uneven[:1], "sparse_dp")
     case("no batch norm, 5 steps", lambda: SparseNet(), uneven, "sparse_dp", steps=5)
     case("batch norm, sync_batchnorm=True, 1 step", lambda: SparseNet(batch_norm=True), uneven[:1], "sparse_dp",
