@@ -194,6 +194,16 @@ def _check_batch_index(batch_index: Tensor, name: str) -> Tensor:
     return counts
 
 
+def _chunk_count(sample_sizes: Tensor, num_chunks: int) -> tuple[int, int]:
+    """``(B, min(num_chunks, B))``, or a ValueError for ``num_chunks < 1`` or no samples."""
+    num_samples = int(sample_sizes.numel())
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
+    if num_samples < 1:
+        raise ValueError("there are no samples to assign.")
+    return num_samples, min(num_chunks, num_samples)
+
+
 def contiguous_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
     """Assign samples ``0..B-1`` to ``min(num_chunks, B)`` contiguous chunks of sizes differing by at most one.
 
@@ -210,12 +220,8 @@ def contiguous_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]
     Raises:
         ValueError: ``num_chunks < 1`` or no samples.
     """
-    num_samples = int(sample_sizes.numel())
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
-    if num_samples < 1:
-        raise ValueError("there are no samples to assign.")
-    return list(torch.arange(num_samples).tensor_split(min(num_chunks, num_samples)))
+    num_samples, k = _chunk_count(sample_sizes, num_chunks)
+    return list(torch.arange(num_samples).tensor_split(k))
 
 
 def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
@@ -236,12 +242,7 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
     Raises:
         ValueError: ``num_chunks < 1`` or no samples.
     """
-    num_samples = int(sample_sizes.numel())
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
-    if num_samples < 1:
-        raise ValueError("there are no samples to assign.")
-    k = min(num_chunks, num_samples)
+    num_samples, k = _chunk_count(sample_sizes, num_chunks)
     sizes = sample_sizes.tolist()
     order = sorted(range(num_samples), key=lambda i: (-sizes[i], i))
     loads = [0] * k

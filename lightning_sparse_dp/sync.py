@@ -58,12 +58,12 @@ class SyncGroup:
         self._finished: dict[int, int] = {}
         self._error: str | None = None
 
-    def exchange(self, rank: int, value: Any, tag: Any = None, combine: Callable[[list[Any]], Any] | None = None) -> Any:
-        """Give ``value`` for this rank's next collective call; return every rank's value, by rank.
+    def exchange(self, rank: int, value: Any, combine: Callable[[list[Any]], Any], tag: Any = None) -> Any:
+        """Give ``value`` for this rank's next collective call and get ``combine(values of every rank)``.
 
-        Blocks until every rank has made the same call. ``tag`` (e.g. the layer) must be the same
-        on every rank for the same call. With ``combine``, rank 0 calls ``combine(values)`` once every
-        rank has arrived, and every rank gets its result instead of the values.
+        Blocks until every rank has made the same call; rank 0 then calls ``combine`` once, with the
+        values in rank order, and every rank gets its result. ``tag`` (e.g. the layer) must be the
+        same on every rank for the same call.
 
         Raises:
             ReplicaAborted: another replica raised, finished its step before making this call, or
@@ -76,18 +76,14 @@ class SyncGroup:
             slots[rank] = (tag, value)
             self._arrived[call] = self._arrived.get(call, 0) + 1
             self._check_finished()
-            if self._arrived[call] == self.world_size and self._error is None:
-                if len({id(t) for t, _ in slots}) > 1:
-                    self._error = (
-                        f"the replicas reached batch-norm call #{call} in different layers; sync batch norm needs every "
-                        "replica to run the same batch-norm layers in the same order"
-                    )
-                elif combine is None:
-                    self._results[call] = [v for _, v in slots]
-                self._cond.notify_all()
-            if combine is not None and rank == 0:
-                # rank 0 combines, always: the autograd node it creates is numbered by the same thread every
-                # run, which keeps the backward pass, and its floating-point sums, in the same order
+            complete = self._arrived[call] == self.world_size
+            if complete and self._error is None and len({id(t) for t, _ in slots}) > 1:
+                self._error = (
+                    f"the replicas reached batch-norm call #{call} in different layers; sync batch norm needs every "
+                    "replica to run the same batch-norm layers in the same order"
+                )
+            self._cond.notify_all()
+            if rank == 0:  # always rank 0: the autograd node it creates comes from the same thread every run
                 while self._error is None and self._arrived[call] < self.world_size:
                     self._cond.wait()
                 if self._error is None:
@@ -95,9 +91,9 @@ class SyncGroup:
                         self._results[call] = combine([v for _, v in slots])
                     except BaseException as err:
                         self._error = f"combining the statistics of call #{call} failed: {type(err).__name__}: {err}"
-                        self._cond.notify_all()
                         raise
-                    self._cond.notify_all()
+                    finally:
+                        self._cond.notify_all()
             while self._error is None and call not in self._results:
                 self._cond.wait()
             if self._error is not None:
@@ -171,7 +167,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         x = input.float()
         count = x.numel() // x.shape[1]
         local_mean, local_m2 = _LocalStats.apply(x)
-        mean, m2, total = group.exchange(rank, (count, local_mean, local_m2), tag=membership.root, combine=_combine)[rank]
+        mean, m2, total = group.exchange(rank, (count, local_mean, local_m2), _combine, tag=membership.root)[rank]
         var = m2 / total
         if rank == 0 and self.track_running_stats:
             membership.root._update_running_stats(mean.detach(), (m2 / (total - 1)).detach())
