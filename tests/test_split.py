@@ -21,18 +21,19 @@ def _layout(batch):
 
 
 batches = st.builds(
-    lambda b, seed, k: (collate_dict(random_samples(b, seed=seed, min_points=1, max_points=12)), k),
+    lambda b, seed, k, how: (collate_dict(random_samples(b, seed=seed, min_points=1, max_points=12)), k, how),
     st.integers(1, 9),
     st.integers(0, 10_000),
     st.integers(1, 5),
+    st.sampled_from(["contiguous", "balanced"]),
 )
 
 
 @settings(max_examples=60, deadline=None)
 @given(batches)
-def test_split_then_merge_is_the_identity(batch_and_k):
-    batch, k = batch_and_k
-    chunks, plan = split_batch(batch, k, layout=_layout(batch))
+def test_split_then_merge_is_the_identity(case):
+    batch, k, how = case
+    chunks, plan = split_batch(batch, k, layout=_layout(batch), assignment=how)
     merged = merge_batch(chunks, plan)
     assert merged.keys() == batch.keys()
     for key in batch:
@@ -41,10 +42,10 @@ def test_split_then_merge_is_the_identity(batch_and_k):
 
 @settings(max_examples=60, deadline=None)
 @given(batches)
-def test_every_point_and_sample_lands_in_exactly_one_chunk(batch_and_k):
-    batch, k = batch_and_k
+def test_every_point_and_sample_lands_in_exactly_one_chunk(case):
+    batch, k, how = case
     num_samples = len(batch["labels"])
-    chunks, plan = split_batch(batch, k, layout=_layout(batch))
+    chunks, plan = split_batch(batch, k, layout=_layout(batch), assignment=how)
     assert len(chunks) == min(k, num_samples)
     samples = torch.cat(plan.chunk_samples)
     assert sorted(samples.tolist()) == list(range(num_samples))
@@ -61,9 +62,9 @@ def test_every_point_and_sample_lands_in_exactly_one_chunk(batch_and_k):
 
 @settings(max_examples=60, deadline=None)
 @given(batches)
-def test_renumbered_batch_indices_are_contiguous(batch_and_k):
-    batch, k = batch_and_k
-    chunks, plan = split_batch(batch, k, layout=_layout(batch))
+def test_renumbered_batch_indices_are_contiguous(case):
+    batch, k, how = case
+    chunks, plan = split_batch(batch, k, layout=_layout(batch), assignment=how)
     for chunk, ids in zip(chunks, plan.chunk_samples):
         col = chunk["coordinates"][:, 0]
         assert chunk["coordinates"].dtype == batch["coordinates"].dtype
