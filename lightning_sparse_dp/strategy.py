@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
-from lightning_sparse_dp.log import emit, install_recorder, reduce_log_calls
+from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import replicate
@@ -104,7 +104,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
             turns it on too.
 
     Raises:
-        ValueError: an unknown ``loss_weighting``.
+        ValueError: an unknown ``loss_weighting`` or ``split``.
         MisconfigurationException: at setup, for manual optimization or unusable devices.
     """
 
@@ -298,24 +298,24 @@ class SparseDataParallelStrategy(ParallelStrategy):
         devices = self.parallel_devices[: plan.num_chunks]
         with times.stage("place"):
             placed = place_chunks(chunks, devices)
-        with times.stage("replicate"):
-            # one chunk on the root device: run the module itself, no replica needed
-            replicas = [module] if devices == [self.root_device] else replicate(module, devices)
-            metrics = self._replica_metrics.install(module, replicas, devices)
-            recorders = [install_recorder(r) for r in replicas]
-            group = join_replicas(module, replicas)
-        steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
-        if group is not None:
-            steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
-        steps = [times.timed(f"replica{i}", step) for i, step in enumerate(steps)]
         if self._executor is None:  # a step called outside fit/validate/test/predict
             self._executor = ReplicaExecutor(len(self.parallel_devices))
         try:
+            with times.stage("replicate"):
+                # one chunk on the root device: run the module itself, no replica needed
+                replicas = [module] if devices == [self.root_device] else replicate(module, devices)
+                metrics = self._replica_metrics.install(module, replicas, devices)
+                recorders = [install_recorder(r) for r in replicas]
+                group = join_replicas(module, replicas)
+            steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
+            if group is not None:
+                steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
+            steps = [times.timed(f"replica{i}", step) for i, step in enumerate(steps)]
             with times.stage("apply"):
                 outputs = self._executor.run(steps, devices)
         finally:
-            if replicas[0] is module:
-                del module.log  # the recorder shadowed the method
+            if isinstance(module.__dict__.get("log"), LogRecorder):
+                del module.__dict__["log"]  # a recorder installed on the module itself shadowed its method
         weights = chunk_weights(plan, self.loss_weighting)
         with times.stage("gather"):
             output = gather_outputs(outputs, plan, weights, self.root_device)
