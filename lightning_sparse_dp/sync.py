@@ -5,8 +5,8 @@ through a ``torch.distributed`` process group; in one process it silently runs p
 the replicas are threads of one process, so they exchange statistics through a :class:`SyncGroup`:
 
 Forward (training mode). Replica ``r`` computes, per channel, its count ``n_r``, mean ``m_r`` and
-sum of squared deviations ``M2_r`` over every dimension but the channel one; the group hands every
-replica all of them, and each combines them with Chan et al.'s parallel formula
+sum of squared deviations ``M2_r`` over every dimension but the channel one; once every replica
+has given them, replica 0 combines them, for all, with Chan et al.'s parallel formula
 (``N = sum n_r``, ``mean = sum n_r m_r / N``, ``M2 = sum M2_r + n_r (m_r - mean)^2``; T. F. Chan,
 G. H. Golub, R. J. LeVeque, "Updating formulae and a pairwise algorithm for computing sample
 variances", 1979), normalizes with the biased variance ``M2 / N`` as ``torch.nn.functional.batch_norm``
@@ -14,10 +14,11 @@ does, and the root replica updates the running statistics once, with the global 
 unbiased variance ``M2 / (N - 1)``, by the layer's momentum (or the cumulative average when
 ``momentum=None``), as ``torch.nn.modules.batchnorm._BatchNorm`` does.
 
-Backward. The combined statistics are computed from the other replicas' tensors *with their
-autograd history*, so the single backward pass of the gathered loss carries the gradient terms of
-the global mean and variance back into every replica (the ``sum(dy)`` and ``sum(dy * x_hat)`` terms
-that ``SyncBatchNorm`` all-reduces); no synchronization is needed in backward.
+Backward. The combination is one autograd node over every replica's statistics, so the single
+backward pass of the gathered loss carries the gradient terms of the global mean and variance back
+into every replica (the ``sum(dy)`` and ``sum(dy * x_hat)`` terms that ``SyncBatchNorm``
+all-reduces), adding the replicas' gradients in replica order; no synchronization is needed in
+backward.
 
 Failure. A replica that raises aborts the group, so replicas waiting in a batch-norm layer stop at
 once with :class:`ReplicaAborted`; a replica that finishes its step while others wait in a later
@@ -252,9 +253,9 @@ class _CombineStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, counts: tuple[int, ...], devices: tuple[torch.device, ...], *tensors: Tensor):
         ctx.counts, ctx.devices = counts, devices
-        ctx.save_for_backward(*tensors)
         k = len(counts)
         mean, m2 = _chan(counts, list(tensors[:k]), list(tensors[k:]), devices[0])
+        ctx.save_for_backward(*tensors[:k], mean)  # the local means and the global mean
         # a distinct tensor per replica (``.to`` to the same device would return the same one), so each
         # output has one user and its gradient slot is that replica's alone
         return tuple(t for d in devices for t in (mean.to(d, copy=True), m2.to(d, copy=True)))
@@ -263,11 +264,9 @@ class _CombineStats(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None):
         # mean = sum n_r m_r / N and M2 = sum q_r + n_r (m_r - mean)^2, so (as sum n_r (m_r - mean) = 0)
         # dmean/dm_r = n_r / N, dM2/dm_r = 2 n_r (m_r - mean), dM2/dq_r = 1
-        k, home = len(ctx.counts), ctx.devices[0]
-        tensors = ctx.saved_tensors
-        means = [m.to(home) for m in tensors[:k]]
+        home = ctx.devices[0]
+        *local_means, mean = ctx.saved_tensors
         total = sum(ctx.counts)
-        mean = sum(n * m for n, m in zip(ctx.counts, means)) / total
 
         def added(start: int) -> Tensor | None:
             parts = [g.to(home) for g in grads[start::2] if g is not None]
@@ -275,7 +274,8 @@ class _CombineStats(torch.autograd.Function):
 
         g_mean, g_m2 = added(0), added(1)
         grad_means, grad_m2s = [], []
-        for n, m, original in zip(ctx.counts, means, tensors[:k]):
+        for n, original in zip(ctx.counts, local_means):
+            m = original.to(home)
             g = torch.zeros_like(m)
             if g_mean is not None:
                 g = g + g_mean * (n / total)
