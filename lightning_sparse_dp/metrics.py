@@ -78,13 +78,14 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
         updated = [m for m in entry.replicas if m._update_count > 0]
         if not updated:
             continue
+        update_count = sum(m._update_count for m in updated)
         try:
             if any(m._forward_cache is not None for m in updated):
                 batch = entry.root.clone()
                 batch.reset()
                 for m in updated:
                     batch.merge_state(m)
-                batch._update_count = sum(m._update_count for m in updated)
+                batch._update_count = update_count
                 entry.root._forward_cache = batch.compute()
             for m in updated:
                 entry.root.merge_state(m)
@@ -94,7 +95,7 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
                 f"but its state cannot be merged across them ({err}). Use a metric with full_state_update=False, or "
                 "update it outside the step (e.g. from the gathered outputs in on_validation_batch_end)."
             ) from err
-        entry.root._update_count += sum(m._update_count for m in updated)
+        entry.root._update_count += update_count
         entry.root._computed = None
 
 
