@@ -1,0 +1,95 @@
+"""sparse_dp as a drop-in for the LightningModules ME's own examples write (see tests/clients.py).
+
+Reference: the same module, same initial weights, on one device with the whole batch (strategy="auto").
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tests.clients import CLIENTS
+from tests.helpers import trainer
+
+
+class _Batches(Dataset):
+    """Already collated batches, a fresh copy on every fetch (clients modify their batch in place)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return copy.deepcopy(self.batches[i])
+
+
+def _loader(batches) -> DataLoader:
+    return DataLoader(_Batches(batches), batch_size=None, shuffle=False)
+
+
+class _LoggedLosses(L.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+def _pair(cls):
+    torch.manual_seed(0)
+    ours, reference = cls(), cls()
+    reference.load_state_dict(ours.state_dict())
+    return ours, reference
+
+
+def _relative_differences(ours, reference) -> dict[str, float]:
+    """Per state-dict tensor: max |difference| / max |reference value| (absolute where the reference is 0)."""
+    ref = reference.state_dict()
+    out = {}
+    for name, value in ours.state_dict().items():
+        r = ref[name].double()
+        scale = r.abs().max().item() if r.numel() else 0.0
+        out[name] = (value.double() - r).abs().max().item() / (scale or 1.0) if r.numel() else 0.0
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_client_fits_and_validates_unchanged_on_three_replicas(name):
+    cls, make = CLIENTS[name]
+    train = [make(range(0, 6)), make(range(6, 13))]
+    val = [make(range(100, 105)), make(range(105, 109))]
+    model = cls()
+    fit = trainer(strategy="sparse_dp", devices=3, max_steps=2, max_epochs=1, limit_val_batches=1.0)
+    fit.fit(model, _loader(train), _loader(val))
+    ours = fit.callback_metrics["val_loss"].item()
+    # the trained weights validated on one device: eval mode is per sample, so the values agree
+    one = trainer(devices=1, limit_val_batches=1.0)
+    one.validate(model, _loader(val), verbose=False)
+    assert ours == pytest.approx(one.callback_metrics["val_loss"].item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_client_two_sync_batchnorm_steps_equal_one_device_in_float64(name):
+    cls, make = CLIENTS[name]
+    batches = [make(range(20, 27)), make(range(27, 32))]  # 7 and 5 samples on 3 replicas: uneven chunks
+    ours, reference = _pair(cls)
+    initial = copy.deepcopy(reference.state_dict())
+    logged_ours, logged_reference = _LoggedLosses(), _LoggedLosses()
+    common = dict(max_steps=2, precision="64-true")
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, callbacks=[logged_ours], **common).fit(
+        ours, _loader(batches)
+    )
+    trainer(devices=1, callbacks=[logged_reference], **common).fit(reference, _loader(batches))
+    differences = _relative_differences(ours, reference)
+    worst = max(differences, key=differences.get)
+    assert differences[worst] <= 1e-10, f"{worst}: {differences[worst]:.3g}"
+    assert len(logged_ours.losses) == 2
+    assert logged_ours.losses == pytest.approx(logged_reference.losses, rel=1e-10)
+    moved = [k for k, v in reference.state_dict().items() if v.is_floating_point() and not torch.equal(v, initial[k].to(v))]
+    assert len(moved) > len(initial) // 2  # the steps changed the weights, so agreeing is not trivial
