@@ -21,12 +21,15 @@ Every batch is generated here (no downloads): shapes sampled as point clouds wit
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import MinkowskiEngine as ME
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader, Dataset
 
 NUM_CLASSES = 4
 VOXEL_SIZE = 0.25
@@ -78,6 +81,24 @@ def field_batch(seeds) -> dict:
     )
     labels = (features[:, 2] > 0).long() + 2 * (features[:, 0] > 0).long()
     return {"coordinates": coordinates, "features": features, "labels": labels}
+
+
+class _Batches(Dataset):
+    """Already collated batches, a fresh copy on every fetch (clients modify their batch in place)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return copy.deepcopy(self.batches[i])
+
+
+def fresh_loader(batches) -> DataLoader:
+    """A loader of ``batches`` (already collated) that hands out a copy of each, so in-place edits do not stick."""
+    return DataLoader(_Batches(batches), batch_size=None, shuffle=False)
 
 
 # --- building blocks -----------------------------------------------------------------------------

@@ -10,27 +10,9 @@ import copy
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
 
-from tests.clients import CLIENTS
+from tests.clients import CLIENTS, fresh_loader
 from tests.helpers import trainer
-
-
-class _Batches(Dataset):
-    """Already collated batches, a fresh copy on every fetch (clients modify their batch in place)."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        return copy.deepcopy(self.batches[i])
-
-
-def _loader(batches) -> DataLoader:
-    return DataLoader(_Batches(batches), batch_size=None, shuffle=False)
 
 
 class _LoggedLosses(L.Callback):
@@ -66,11 +48,11 @@ def test_client_fits_and_validates_unchanged_on_three_replicas(name):
     val = [make(range(100, 105)), make(range(105, 109))]
     model = cls()
     fit = trainer(strategy="sparse_dp", devices=3, max_steps=2, max_epochs=1, limit_val_batches=1.0)
-    fit.fit(model, _loader(train), _loader(val))
+    fit.fit(model, fresh_loader(train), fresh_loader(val))
     ours = fit.callback_metrics["val_loss"].item()
     # the trained weights validated on one device: eval mode is per sample, so the values agree
     one = trainer(devices=1, limit_val_batches=1.0)
-    one.validate(model, _loader(val), verbose=False)
+    one.validate(model, fresh_loader(val), verbose=False)
     assert ours == pytest.approx(one.callback_metrics["val_loss"].item(), rel=1e-5)
 
 
@@ -83,9 +65,9 @@ def test_client_two_sync_batchnorm_steps_equal_one_device_in_float64(name):
     logged_ours, logged_reference = _LoggedLosses(), _LoggedLosses()
     common = dict(max_steps=2, precision="64-true")
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, callbacks=[logged_ours], **common).fit(
-        ours, _loader(batches)
+        ours, fresh_loader(batches)
     )
-    trainer(devices=1, callbacks=[logged_reference], **common).fit(reference, _loader(batches))
+    trainer(devices=1, callbacks=[logged_reference], **common).fit(reference, fresh_loader(batches))
     differences = _relative_differences(ours, reference)
     worst = max(differences, key=differences.get)
     assert differences[worst] <= 1e-10, f"{worst}: {differences[worst]:.3g}"
