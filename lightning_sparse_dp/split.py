@@ -491,7 +491,7 @@ def _find_sources(t: _Leaves) -> None:
             t.add_source(i, _check_coordinates(leaf, t.names[i]))
         elif named and (isinstance(leaf, np.ndarray) or t.roles[i] == "coordinates"):
             raise BatchLayoutError(
-                f"{t.names[i]} holds coordinates but is a {type(leaf).__name__}, not a torch tensor. Convert it with "
+                f"{t.names[i]} holds coordinates but is a {_kind(leaf)}, not a torch tensor. Convert it with "
                 "torch.as_tensor(...) in the collate function, or collate samples with ME.utils.sparse_collate, "
                 "which returns tensors [N, D+1] with the batch index in column 0."
             )
@@ -501,9 +501,16 @@ def _find_sources(t: _Leaves) -> None:
             for i, leaf in enumerate(t.leaves)
             if t.roles[i] is None and isinstance(leaf, Tensor) and _looks_like_collated_coordinates(leaf)
         ]
+        parents = [_path_name(t.paths[i][:-1]) for i in candidates if t.paths[i] and hasattr(t.paths[i][-1], "idx")]
+        if len(parents) != len(set(parents)):  # several in one list: per-sample coordinates, not collated
+            raise BatchLayoutError(_uncollated_hint(t))
         integer = [i for i in candidates if not t.leaves[i].dtype.is_floating_point]
         for i in integer or _float_coordinates(t, candidates):
             t.add_source(i, t.leaves[i][:, 0].long())
+
+
+def _kind(x: Any) -> str:
+    return "numpy array" if isinstance(x, np.ndarray) else type(x).__name__
 
 
 def _float_coordinates(t: _Leaves, candidates: list[int]) -> list[int]:
