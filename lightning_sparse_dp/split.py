@@ -560,7 +560,10 @@ def _count_samples(t: _Leaves) -> int:
         )
     num_samples = next(iter(lengths.values()))
     if num_samples == 0:
-        raise BatchLayoutError("the batch is empty (dim 0 has size 0).")
+        raise BatchLayoutError(
+            "the batch is empty (dim 0 has size 0): there are no samples to split. Drop empty samples and batches "
+            "before they reach the Trainer (in the Dataset, the sampler or the collate function)."
+        )
     return num_samples
 
 
