@@ -24,7 +24,7 @@ The data path of one step, one module per stage:
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
-from lightning_sparse_dp.gather import chunk_weights, gather_outputs
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import replicate
@@ -55,6 +55,7 @@ __all__ = [
     "SplitPlan",
     "StageTimes",
     "balanced_assignment",
+    "chunk_counts",
     "chunk_weights",
     "contiguous_assignment",
     "gather_outputs",

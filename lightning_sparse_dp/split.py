@@ -1,15 +1,18 @@
 """Split: one collated sparse batch into per-replica chunks of whole samples.
 
 A MinkowskiEngine batch is collated by ``ME.utils.sparse_collate`` (or ``batched_coordinates``):
-``coordinates`` is an integer tensor ``[N, D+1]`` whose column 0 is the batch index
-``0..B-1`` (ME's convention, see ``MinkowskiEngine/utils/collation.py``), per-point tensors
+``coordinates`` is a tensor ``[N, D+1]`` (int32, or float32 with ``dtype=torch.float32`` as ME's
+examples collate) whose column 0 is the batch index ``0..B-1`` (ME's convention, see
+``MinkowskiEngine/utils/collation.py``), per-point tensors
 (features, point labels) are ``[N, ...]`` and per-sample tensors (scene labels) are ``[B, ...]``.
 :func:`split_batch` assigns whole samples to chunks, takes the rows of every tensor that belong to
 each chunk (keeping sample order and point order inside a chunk), renumbers the batch index of each
 chunk to ``0..b-1``, and returns a :class:`SplitPlan` that records the permutation so that
 :func:`merge_chunks` can put per-sample or per-point results back into the original order.
 
-Batch containers are traversed with ``torch.utils._pytree`` (dicts, lists, tuples, namedtuples).
+Batch containers are traversed with ``torch.utils._pytree`` (dicts, lists, tuples, namedtuples);
+a list / tuple of non-tensors under a dict key (per-sample names, paths) and a numpy array are
+leaves, split like per-sample tensors when their length is ``B``.
 ``ME.SparseTensor`` / ``ME.TensorField`` leaves are not built here: a chunk holds a
 :class:`SparseSpec` for them, which :mod:`lightning_sparse_dp.place` builds on its device.
 Plain dense tensors ``[B, ...]`` with no coordinates anywhere are split along dim 0 as
@@ -366,14 +369,20 @@ def split_batch(
             (1) the ``C`` of SparseTensor / TensorField leaves, (2) dict values under a key in
             :data:`COORDINATE_KEYS` or given the role ``"coordinates"`` in ``layout``, else
             (3) integer ``[N, D+1]`` tensors whose column 0 is sorted and starts at 0 (what
-            ``ME.utils.sparse_collate`` returns). Every other tensor of length ``N`` of a coordinate
-            source is per-point, of length ``B`` per-sample; 0-dim tensors and non-tensors are
-            given to every chunk unchanged. With no coordinates at all, every tensor is ``[B, ...]``.
+            ``ME.utils.sparse_collate`` returns), or, when there is none, a floating-point one that
+            is the batch's first tensor, goes up 0, 1, 2, ... in column 0 and has a tensor of as many
+            rows beside it (``sparse_collate(..., dtype=torch.float32)``). Coordinates may be
+            integer or float16/32/64 (column 0 must hold whole numbers); their dtype and values are
+            kept in every chunk. Every other tensor of length ``N`` of a coordinate source is
+            per-point, of length ``B`` per-sample; a list / tuple of non-tensors under a dict key
+            (scene names, file paths) or a numpy array of length ``B`` is per-sample; 0-dim tensors
+            and other non-tensors are given to every chunk unchanged. With no coordinates at all,
+            every tensor is ``[B, ...]``.
         num_chunks: the number of replicas; a batch with fewer samples gets one chunk per sample.
         layout: optional roles that settle what cannot be told apart, e.g. per-point labels when
             ``N == B``: ``{"labels": "points"}``. Keys are dict keys, tuple indices or a leaf's path
             name as the errors print it (``"batch['x'][1]"``); roles are ``"coordinates"``,
-            ``"points"``, ``"samples"`` and ``"replicate"``.
+            ``"points"``, ``"samples"`` and ``"replicate"``. A key that matches no leaf is an error.
         assignment: ``"contiguous"`` (:func:`contiguous_assignment`, the default), ``"balanced"``
             (:func:`balanced_assignment`: even point counts) or a callable
             ``(points per sample int64 [B], num_chunks) -> list of int64 sample-id tensors``.
@@ -384,10 +393,13 @@ def split_batch(
         TensorField leaves as :class:`SparseSpec`) and the :class:`SplitPlan`.
 
     Raises:
-        BatchLayoutError: empty batch; coordinates that are not integer ``[N, D+1]``, have negative
-            or non-contiguous batch indices; coordinate sources that disagree on ``B``; a tensor
-            whose length is neither ``N`` nor ``B``; a tensor whose role is ambiguous (``N == B``);
-            a batch with no tensor to split; an assignment that does not cover every sample once.
+        BatchLayoutError: empty batch; coordinates that are not ``[N, D+1]`` tensors (numpy
+            arrays included), have a batch column that is not whole numbers, negative or
+            non-contiguous batch indices; coordinate sources that disagree on ``B``; a tensor whose
+            length is neither ``N`` nor ``B`` (an empty last sample is named); a tensor whose role is
+            ambiguous (``N == B``); a numpy array with one row per point; samples that were not
+            collated; a batch with no tensor to split; a ``layout`` key that matches nothing; an
+            assignment that does not cover every sample once.
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
