@@ -193,8 +193,11 @@ def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
     return None
 
 
-def _guess_role(name: str, values: list[Any], plan: SplitPlan, warnings: WarningCache) -> str:
-    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure."""
+def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warnings: WarningCache) -> str:
+    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
+
+    ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
+    """
     first = values[0]
     if isinstance(first, Tensor) and first.dim() == 0:
         return "mean"
@@ -211,7 +214,7 @@ def _guess_role(name: str, values: list[Any], plan: SplitPlan, warnings: Warning
                 f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
                 f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
                 f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
-                f"output_layout={{{name!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
+                f"output_layout={{{key!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
                 f"'{role}' to silence this warning."
             )
         return role
@@ -221,7 +224,7 @@ def _guess_role(name: str, values: list[Any], plan: SplitPlan, warnings: Warning
         warnings.warn(
             f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
             "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
-            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{name!r}: 'sum'}}) "
+            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
     return "cat"
@@ -281,13 +284,17 @@ def _comparable(values: list[Any]) -> bool:
         return False
 
 
+def _output_key(path: Sequence[Any]) -> Any:
+    """The innermost dict key / index of an output leaf, else its printed path."""
+    last = path[-1] if path else None
+    key = next((getattr(last, a) for a in ("key", "idx", "name") if hasattr(last, a)), None)
+    return _output_name(path) if key is None else key
+
+
 def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
     if not output_layout:
         return None
-    name = _output_name(path)
-    last = path[-1] if path else None
-    key = next((getattr(last, a) for a in ("key", "idx", "name") if hasattr(last, a)), None)
-    for candidate in (name, key):
+    for candidate in (_output_name(path), _output_key(path)):
         if candidate is not None and candidate in output_layout:
             role = output_layout[candidate]
             if role not in OUTPUT_ROLES:
@@ -363,7 +370,8 @@ def gather_outputs(
     for n, (path, _) in enumerate(flat[0][0]):
         values = [f[0][n][1] for f in flat]
         name = _output_name(path)
-        role = _output_role(path, output_layout) or _guess_role(name, values, plan, _warnings if warnings is None else warnings)
+        cache = _warnings if warnings is None else warnings
+        role = _output_role(path, output_layout) or _guess_role(name, _output_key(path), values, plan, cache)
         leaves.append(_gather_leaf(name, values, role, plan, weights, device))
     return pytree.tree_unflatten(leaves, spec)
 

@@ -6,6 +6,8 @@ not raise come from the chunk being small. :func:`explain_replica_error` recogni
 
 from __future__ import annotations
 
+import re
+
 from lightning_sparse_dp.split import SplitPlan
 
 #: torch's message for batch norm in training mode over a single value per channel
@@ -16,8 +18,9 @@ _ONE_VALUE = "Expected more than 1 value per channel when training"
 def _replica_of(err: BaseException) -> int | None:
     """The replica index from the note :mod:`lightning_sparse_dp.apply` adds (``raised in replica i ...``)."""
     for note in getattr(err, "__notes__", ()):
-        if note.startswith("raised in replica "):
-            return int(note.split()[3])
+        found = re.search(r"replica (\d+)", note)
+        if found:
+            return int(found.group(1))
     return None
 
 
