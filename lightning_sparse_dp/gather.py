@@ -50,6 +50,8 @@ def resolve_auto(plan: SplitPlan) -> tuple[str, str]:
     ``[N]``, or a floating-point one besides the features: a loss averaged over points, as in ME's
     segmentation examples); else ``"samples"``. Per-sample lists of names or paths do not count.
     The names come from :attr:`SplitPlan.sample_tensors` / :attr:`SplitPlan.point_targets`.
+    The rule reads the batch, not the loss: a per-sample loss on a batch with per-point labels it
+    does not use needs ``"samples"`` given explicitly.
     """
     if plan.sample_tensors:
         return "samples", f"the batch has per-sample tensor(s) {', '.join(plan.sample_tensors)}"
