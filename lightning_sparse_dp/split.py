@@ -507,6 +507,14 @@ def _find_sources(t: _Leaves) -> None:
                 "torch.as_tensor(...) in the collate function, or collate samples with ME.utils.sparse_collate, "
                 "which returns tensors [N, D+1] with the batch index in column 0."
             )
+    for i, leaf in enumerate(t.leaves):  # coordinates left as numpy arrays would go whole to every replica
+        if t.roles[i] is None and isinstance(leaf, np.ndarray) and leaf.dtype.kind in "iuf":
+            if _looks_like_collated_coordinates(torch.from_numpy(leaf)):
+                raise BatchLayoutError(
+                    f"{t.names[i]} looks like collated coordinates [N, D+1] but is a numpy array, not a torch tensor. "
+                    "Convert it with torch.as_tensor(...) in the collate function, or collate samples with "
+                    "ME.utils.sparse_collate, which returns tensors."
+                )
     if not t.sources:  # ME's sparse_collate tuple: find coordinates by their look (integer first, else float)
         candidates = [
             i

@@ -479,6 +479,8 @@ def test_numpy_coordinates_point_to_as_tensor():
         split_batch({**batch, "coordinates": batch["coordinates"].numpy()}, 2)
     with pytest.raises(BatchLayoutError, match=r"torch.as_tensor"):
         split_batch({**batch, "features": batch["features"].numpy()}, 2)
+    with pytest.raises(BatchLayoutError, match=r"batch\[0\] looks like collated coordinates.*numpy.*torch.as_tensor"):
+        split_batch((batch["coordinates"].numpy(), batch["features"].numpy(), batch["labels"]), 2)
 
 
 def test_uncollated_list_of_samples_points_to_sparse_collate():
