@@ -18,7 +18,8 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
 - :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
 - :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
-- :mod:`~lightning_sparse_dp.timing`: per-stage step times.
+- :mod:`~lightning_sparse_dp.timing`: per-stage step times;
+- :mod:`~lightning_sparse_dp.hints`: errors raised in replicas, re-raised with the fix.
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
 """
