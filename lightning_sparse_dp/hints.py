@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from lightning_sparse_dp.split import SplitPlan
 
 #: torch's message for batch norm in training mode over a single value per channel
@@ -56,4 +59,18 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
     return new
 
 
-__all__ = ["explain_replica_error"]
+def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
+    """The fewest points a replica's chunk should get: 2 when ``module`` has batch norm that each
+    replica runs on its own chunk (``synchronized`` False), else 1.
+
+    Batch norm in training mode needs more than one value per channel (torch raises otherwise), so a
+    chunk of one point, e.g. the short last batch holding a one-point sample, is avoided when the
+    batch allows (:func:`~lightning_sparse_dp.split.split_batch`'s ``min_points``). Strided layers
+    can still leave a chunk one value; :func:`explain_replica_error` names the fix then.
+    """
+    if synchronized:
+        return 1
+    return 2 if any(isinstance(m, _BatchNorm) for m in module.modules()) else 1
+
+
+__all__ = ["explain_replica_error", "min_points_per_chunk"]

@@ -360,6 +360,7 @@ def split_batch(
     *,
     layout: Mapping[Any, str] | None = None,
     assignment: str | Callable[[Tensor, int], list[Tensor]] = "contiguous",
+    min_points: int = 1,
 ) -> tuple[list[Any], SplitPlan]:
     """Split a collated batch into at most ``num_chunks`` chunks of whole samples.
 
@@ -387,6 +388,9 @@ def split_batch(
             (:func:`balanced_assignment`: even point counts) or a callable
             ``(points per sample int64 [B], num_chunks) -> list of int64 sample-id tensors``.
             Every sample must be in exactly one chunk.
+        min_points: the fewest points (samples, for a dense batch) a chunk may have when it can be
+            helped: while a chunk has fewer, the batch is split into one chunk less (batch norm
+            per replica needs more than one value per channel; the strategy asks for 2 then).
 
     Returns:
         ``(chunks, plan)``: a list of batches with the input's structure (SparseTensor /
@@ -414,6 +418,8 @@ def split_batch(
     else:
         sizes = t.sources[0].counts if t.sources else torch.ones(num_samples, dtype=torch.long)
         chunk_samples, sample_to_chunk, sample_rank = _assign(sizes, num_chunks, assignment)
+        while len(chunk_samples) > 1 and min(int(sizes[c].sum()) for c in chunk_samples) < min_points:
+            chunk_samples, sample_to_chunk, sample_rank = _assign(sizes, len(chunk_samples) - 1, assignment)
         for src in t.sources:
             chunk_of_point = sample_to_chunk[src.batch_index]
             order = torch.argsort(chunk_of_point, stable=True)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.gather import LossWeighting, check_loss_weighting, gather_outputs, step_losses, step_weights
-from lightning_sparse_dp.hints import explain_replica_error
+from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls, silence_print
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
@@ -274,7 +274,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
             and not (module is not None and is_overridden("on_before_batch_transfer", module))
         ):
             dataloader.collate_fn = PreSplitCollate(
-                dataloader.collate_fn, len(self.parallel_devices or [self.root_device]), self.layout, self.assignment
+                dataloader.collate_fn,
+                len(self.parallel_devices or [self.root_device]),
+                self.layout,
+                self.assignment,
+                self._min_points(),
             )
         return dataloader
 
@@ -294,7 +298,15 @@ class SparseDataParallelStrategy(ParallelStrategy):
             return batch.chunks, batch.plan
         if self.split_fn is not None:
             return self.split_fn(batch, num_devices)
-        return split_batch(batch, num_devices, layout=self.layout, assignment=self.assignment)
+        return split_batch(
+            batch, num_devices, layout=self.layout, assignment=self.assignment, min_points=self._min_points()
+        )
+
+    def _min_points(self) -> int:
+        """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
+        module = self.lightning_module
+        synchronized = bool(self._bn_swaps) or self.sync_batchnorm or self._layer_sync is not None
+        return 1 if module is None else min_points_per_chunk(module, synchronized)
 
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module

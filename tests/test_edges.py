@@ -422,16 +422,34 @@ def test_max_of_a_value_that_is_not_the_loss_warns():
 # --- issue 10, 4: short chunks with per-replica batch norm ---------------------------------------------
 
 
-def _short_batch():
+def _short_batch(last):
+    """Three samples; the last is ``last`` (coordinates [n, 3]), one point or two that one stride-2 voxel holds."""
     samples = random_samples(3, seed=14, min_points=8, max_points=12)
-    samples[2] = (samples[2][0][:1], samples[2][1][:1], samples[2][2])  # one sample of a single point
+    n = last.shape[0]
+    samples[2] = (last.int(), torch.randn(n, IN_CHANNELS), samples[2][2])
     return collate_dict(samples)
 
 
-def test_single_point_chunk_with_per_replica_batch_norm_names_the_fix():
-    batch = _short_batch()
+def test_single_point_sample_is_not_left_alone_with_per_replica_batch_norm():
+    batch = _short_batch(torch.tensor([[0, 0, 0]]))
+    seen = []
+
+    class Spy(SparseNet):
+        def training_step(self, batch, batch_idx):
+            seen.append(batch["coordinates"].shape[0])
+            return super().training_step(batch, batch_idx)
+
     _fit(SparseNet(batch_norm=True), batch)  # one device trains
-    with pytest.raises(ValueError, match=r"replica 2's chunk has 1 sample\(s\) and 1 point\(s\).*sync_batchnorm=True"):
+    _fit(Spy(batch_norm=True), batch, strategy="sparse_dp", devices=3)  # two replicas, no chunk of one point
+    assert len(seen) == 2 and min(seen) > 1 and sum(seen) == batch["coordinates"].shape[0]
+    chunks, plan = split_batch(batch, 3, assignment="balanced", min_points=2)
+    assert plan.num_chunks == 2 and min(plan.points_per_chunk) >= 2
+
+
+def test_chunk_that_batch_norm_sees_as_one_value_names_the_fix():
+    batch = _short_batch(torch.tensor([[0, 0, 0], [1, 0, 0]]))  # two points, one voxel after the stride-2 conv
+    _fit(SparseNet(batch_norm=True), batch)  # one device trains
+    with pytest.raises(ValueError, match=r"replica 2's chunk has 1 sample\(s\) and 2 point\(s\).*sync_batchnorm=True"):
         _fit(SparseNet(batch_norm=True), batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
     _fit(SparseNet(batch_norm=True), batch, strategy="sparse_dp", devices=3, sync_batchnorm=True)  # the fix trains
 

@@ -71,7 +71,7 @@ def layouts(draw):
     if form in ("sparse", "field") and sum(sizes) == 0:
         sizes[0] = 1  # ME cannot build a tensor of no points
     extras = draw(st.sets(st.sampled_from(EXTRAS)))
-    return form, sizes, draw(st.booleans()), extras, draw(st.integers(0, 2**31)), draw(st.integers(1, 4))
+    return form, sizes, draw(st.booleans()), extras, draw(st.integers(0, 2**31)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
 
 
 def _equal(merged, original) -> bool:
@@ -109,11 +109,11 @@ def _coordinate_rows(batch, form):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_split_of_any_layout_is_an_identity_or_a_named_error(case):
-    form, sizes, float_coords, extras, seed, k = case
+    form, sizes, float_coords, extras, seed, k, min_points = case
     batch = _build(form, sizes, float_coords, extras, seed)
     gap = any(n == 0 for n in sizes[: max(i for i, n in enumerate(sizes) if n > 0) + 1]) if any(sizes) else True
     try:
-        chunks, plan = split_batch(batch, k, assignment="balanced")
+        chunks, plan = split_batch(batch, k, assignment="balanced", min_points=min_points)
     except BatchLayoutError as err:
         message = str(err)
         assert "batch" in message and len(message) > 40, message  # names what is wrong and where
@@ -123,7 +123,10 @@ def test_split_of_any_layout_is_an_identity_or_a_named_error(case):
     # coordinates (the split is then a dense one, and must still be an identity)
     assert form not in ("dict", "sparse", "field") or not gap, "an empty sample must be refused"
     num_samples = plan.num_samples
-    assert len(chunks) == min(k, num_samples)
+    assert len(chunks) <= min(k, num_samples)
+    assert len(chunks) == 1 or min(plan.points_per_chunk) >= min_points  # chunks merged only while one is short
+    if min_points == 1:
+        assert len(chunks) == min(k, num_samples)
     assert sorted(torch.cat(plan.chunk_samples).tolist()) == list(range(num_samples))
     assert _equal(merge_batch(chunks, plan), batch)
     coords = _coordinate_rows(batch, form)
