@@ -18,13 +18,14 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
 - :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
 - :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
-- :mod:`~lightning_sparse_dp.timing`: per-stage step times.
+- :mod:`~lightning_sparse_dp.timing`: per-stage step times;
+- :mod:`~lightning_sparse_dp.hints`: errors raised in replicas, re-raised with the fix.
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
-from lightning_sparse_dp.gather import chunk_weights, gather_outputs
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import replicate
@@ -55,6 +56,7 @@ __all__ = [
     "SplitPlan",
     "StageTimes",
     "balanced_assignment",
+    "chunk_counts",
     "chunk_weights",
     "contiguous_assignment",
     "gather_outputs",

@@ -9,12 +9,28 @@ merges the replicas' calls name by name and :func:`emit` logs them through the r
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
 module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics` has merged.
 
-Reduction across replicas (``reduce_fx``, as in ``LightningModule.log``): ``"mean"`` is the mean
-weighted like the loss (``w_i`` of the replicas that logged the name, renormalized), so a logged
-mean over samples equals the whole-batch value; ``"sum"``, ``"max"``, ``"min"`` reduce the values
-as named; any other callable is applied to the stacked values ``[k]``. The ``batch_size`` given to
-Lightning (which weights epoch-level means) is the sum of the replicas' ``batch_size`` arguments,
-else the number of samples in the whole batch.
+Reduction across replicas, and when it gives the one-device (whole-batch) value:
+
+- the step's loss itself (the tensor the step returns, ``self.log("loss", loss)``): the weighted
+  mean the loss is gathered by, whatever ``reduce_fx`` says (``reduce_fx`` is Lightning's reduction
+  over the steps of an epoch; a loss is a mean whatever it is later reduced by);
+- ``reduce_fx="mean"`` (the default): the mean weighted like the loss (``w_i`` of the replicas that
+  logged the name, renormalized; replicas of weight 0 left out), exact for a mean over what the
+  loss weighting counts (samples, points, ...);
+- integers (Python ``int`` or integer / bool tensors: counts and sizes such as ``len(labels)`` or
+  ``(pred == y).sum()``) with no ``reduce_fx`` given: summed, exact for a count over the chunk, with
+  a one-time warning saying so (``reduce_fx="sum"`` silences it; ``reduce_fx="max"`` logs a value
+  that is the same in every replica, such as an epoch number, as is);
+- ``"sum"``: the sum, exact for a sum or count over the chunk's samples or points;
+- ``"max"`` / ``"min"``: the max / min, exact for a max / min over the chunk's samples or points
+  (not for a mean: a one-time warning says so);
+- any other callable is applied to the stacked values ``[k]``.
+
+Values equal in every replica are logged as they are. Values of weight-0 replicas that are not
+finite (a mean over nothing, e.g. every label ignored) are left out, so they never make a logged
+value NaN; a mean with nothing left is 0. The ``batch_size`` given to Lightning (which weights
+epoch-level means) is the sum of the replicas' ``batch_size`` arguments, else the number of samples
+in the whole batch.
 """
 
 from __future__ import annotations
@@ -26,8 +42,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torchmetrics import Metric
 
+_warnings = WarningCache()
 _MEAN = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
     "sum": torch.sum,
@@ -107,13 +125,27 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
     stacked = torch.stack([v.reshape(()) for v in values])
     if reduce_fx in _MEAN or reduce_fx is torch.mean:
         w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
-        out = (stacked.double() * (w / w.sum())).sum()
-        return out.to(stacked.dtype if stacked.dtype.is_floating_point else torch.float32)
+        dtype = stacked.dtype if stacked.dtype.is_floating_point else torch.float32
+        if float(w.sum()) == 0:
+            return torch.zeros((), dtype=dtype, device=stacked.device)
+        keep = w != 0  # a weight-0 value (maybe NaN) adds nothing
+        out = (stacked.double()[keep] * (w[keep] / w.sum())).sum()
+        return out.to(dtype)
     if isinstance(reduce_fx, str):
         if reduce_fx not in _NAMED:
             raise ValueError(f"reduce_fx={reduce_fx!r} is not supported; use 'mean', 'sum', 'max', 'min' or a callable.")
         reduce_fx = _NAMED[reduce_fx]
     return reduce_fx(stacked)
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return not value.dtype.is_floating_point and not value.is_complex()
+    return isinstance(value, numbers.Integral)
+
+
+def _all_equal(values: Sequence[Tensor]) -> bool:
+    return all(bool((v == values[0]).all()) for v in values[1:])
 
 
 def reduce_log_calls(
@@ -122,6 +154,8 @@ def reduce_log_calls(
     num_samples: int,
     device: torch.device,
     root: torch.nn.Module | None = None,
+    losses: Sequence[Tensor | None] | None = None,
+    warnings: WarningCache | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -131,7 +165,11 @@ def reduce_log_calls(
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
+        losses: each replica's step loss (:func:`lightning_sparse_dp.gather.step_losses`); a logged
+            value that is its replica's loss is reduced as the loss is (weighted mean).
+        warnings: where one-time warnings go (a module-level cache when not given).
     """
+    warnings = _warnings if warnings is None else warnings
     names: list[str] = []
     for rec in recorders:
         names.extend(n for n in rec.calls if n not in names)
@@ -145,16 +183,66 @@ def reduce_log_calls(
                 raise ValueError("a metric was logged in a replica but no root module was given to resolve it.")
             merged.append(LogCall(name, root.get_submodule(first.path), kwargs))
             continue
-        values = [torch.as_tensor(c.value).to(device) for _, c in present]
-        reduce_fx = kwargs.get("reduce_fx", "mean")
-        if len(values) == 1 and (reduce_fx in (*_MEAN, *_NAMED) or reduce_fx in (torch.mean, *_NAMED.values())):
-            value = values[0].reshape(())  # one replica: any of these reductions is the value itself
-        else:
-            value = _reduce(values, [weights[i] for i, _ in present], reduce_fx)
+        value = _reduce_values(name, present, weights, losses, kwargs, device, warnings)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         kwargs["batch_size"] = sum(sizes) if all(s is not None for s in sizes) else num_samples
         merged.append(LogCall(name, value, kwargs))
     return merged
+
+
+def _reduce_values(
+    name: str,
+    present: list[tuple[int, LogCall]],
+    weights: Sequence[float],
+    losses: Sequence[Tensor | None] | None,
+    kwargs: dict[str, Any],
+    device: torch.device,
+    warnings: WarningCache,
+) -> Tensor:
+    """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
+    values = [torch.as_tensor(c.value).to(device) for _, c in present]
+    w = [weights[i] for i, _ in present]
+    keep = [j for j, v in enumerate(values) if w[j] != 0 or bool(torch.isfinite(v).all())]
+    if not keep:  # only weight-0 values that are not finite (a mean over nothing): nothing to log but 0
+        return torch.zeros((), dtype=values[0].dtype if values[0].dtype.is_floating_point else torch.float32, device=device)
+    present, values, w = [present[j] for j in keep], [values[j] for j in keep], [w[j] for j in keep]
+    if len(values) == 1:
+        return values[0].reshape(())
+    reduce_fx = kwargs.get("reduce_fx", "mean")
+    if losses is not None and all(losses[i] is not None and c.value is losses[i] for i, c in present):
+        reduce_fx = "mean"  # the loss is a weighted mean, whatever Lightning reduces it by over an epoch
+    elif "reduce_fx" not in kwargs and all(_is_integer(c.value) for _, c in present):
+        warnings.warn(
+            f"sparse_dp: self.log({name!r}, <integer>) from several replicas is logged as the sum over the replicas "
+            "(the whole batch's count or size, when it is the chunk's). Pass reduce_fx='sum' to say so and silence "
+            "this warning, or reduce_fx='max' for a value that is the same in every replica (e.g. an epoch number)."
+        )
+        reduce_fx = "sum"
+    elif reduce_fx in ("max", "min", torch.max, torch.min) and any(v.dtype.is_floating_point for v in values):
+        warnings.warn(
+            f"sparse_dp: self.log({name!r}, ..., reduce_fx={getattr(reduce_fx, '__name__', reduce_fx)!r}) takes the "
+            "max / min over the replicas' values: the whole batch's value only when each is a max / min over its "
+            "chunk's samples or points. For a mean (e.g. a loss), log it with reduce_fx='mean' or log the loss "
+            "tensor the step returns."
+        )
+    if reduce_fx in (*_MEAN, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
+        return values[0].reshape(())  # the mean, max or min of equal values, without rounding
+    return _reduce(values, w, reduce_fx)
+
+
+def silence_print(replicas: Sequence[Any]) -> None:
+    """``self.print`` prints from replica 0 (the first chunk) only: the others get a no-op ``print``.
+
+    ``LightningModule.print`` prints on global rank 0, which every replica of one process is; on one
+    device it prints once per step, so do the replicas together. Replica 0 is never the root module
+    with others beside it, so the root's own ``print`` is left alone.
+    """
+    for replica in replicas[1:]:
+        replica.print = _no_print
+
+
+def _no_print(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 def emit(module: Any, calls: Sequence[LogCall]) -> None:
@@ -163,4 +251,4 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "reduce_log_calls"]
+__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "reduce_log_calls", "silence_print"]

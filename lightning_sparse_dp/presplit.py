@@ -34,7 +34,7 @@ class PreSplitCollate:
         collate_fn: the collate function to wrap (default ``torch.utils.data.default_collate``),
             e.g. one that calls ``ME.utils.sparse_collate``.
         num_chunks: the number of devices.
-        layout, assignment: as for :func:`~lightning_sparse_dp.split.split_batch`.
+        layout, assignment, min_points: as for :func:`~lightning_sparse_dp.split.split_batch`.
 
     Picklable when ``collate_fn`` is, so it runs in worker processes.
     """
@@ -45,6 +45,7 @@ class PreSplitCollate:
         num_chunks: int,
         layout: Mapping[Any, str] | None = None,
         assignment: str = "balanced",
+        min_points: int = 1,
     ) -> None:
         if num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
@@ -52,10 +53,15 @@ class PreSplitCollate:
         self.num_chunks = num_chunks
         self.layout = dict(layout) if layout else None
         self.assignment = assignment
+        self.min_points = min_points
 
     def __call__(self, samples: list[Any]) -> PreSplitBatch:
         chunks, plan = split_batch(
-            self.collate_fn(samples), self.num_chunks, layout=self.layout, assignment=self.assignment
+            self.collate_fn(samples),
+            self.num_chunks,
+            layout=self.layout,
+            assignment=self.assignment,
+            min_points=self.min_points,
         )
         for chunk in chunks:  # a whole-batch chunk's source tensor cannot cross processes; it is rebuilt
             for spec in _specs(chunk):

@@ -18,13 +18,14 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
-from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls
+from lightning_sparse_dp.gather import LossWeighting, check_loss_weighting, gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
+from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls, silence_print
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import replicate
@@ -80,11 +81,19 @@ class SparseDataParallelStrategy(ParallelStrategy):
     Args:
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
             the Trainer fills them from ``accelerator=`` and ``devices=``.
-        loss_weighting: ``"samples"`` (default; ``w_i`` = share of samples, exact for losses averaged
-            over samples), ``"points"`` (share of points, exact for losses averaged over points) or
-            ``"equal"`` (``1/k``).
+        loss_weighting: ``"auto"`` (default: ``"samples"`` when the batch has a per-sample tensor,
+            else ``"points"`` when it has per-point targets, else ``"samples"``; said once at info
+            level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
+            samples), ``"points"`` (share of points, exact for losses averaged over points),
+            ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
+            loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
+            ``ignore_index=255``); see :func:`~lightning_sparse_dp.gather.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
-            :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``.
+            :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
+            matches nothing in a batch is an error.
+        output_layout: how step outputs are combined, by key: ``{"hist": "sum"}``, roles
+            ``"samples"``, ``"points"``, ``"sum"``, ``"mean"``, ``"cat"``, ``"list"``
+            (:func:`~lightning_sparse_dp.gather.gather_outputs`).
         split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` entirely:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
         split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
@@ -117,8 +126,9 @@ class SparseDataParallelStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         *,
-        loss_weighting: str = "samples",
+        loss_weighting: LossWeighting = "auto",
         layout: Mapping[Any, str] | None = None,
+        output_layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
         sync_batchnorm: bool = False,
         split: str = "balanced",
@@ -132,8 +142,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+        check_loss_weighting(loss_weighting)
         if split not in ASSIGNMENTS:
             raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
         self.assignment = split
@@ -141,6 +150,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.stage_times = StageTimes() if record_stage_times else None
         self.loss_weighting = loss_weighting
         self.layout = dict(layout) if layout else None
+        self.output_layout = dict(output_layout) if output_layout else None
+        self._warnings = WarningCache()  # one-time warnings and infos of this strategy
         self.split_fn = split_fn
         self.sync_batchnorm = sync_batchnorm
         self._executor: ReplicaExecutor | None = None
@@ -263,7 +274,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
             and not (module is not None and is_overridden("on_before_batch_transfer", module))
         ):
             dataloader.collate_fn = PreSplitCollate(
-                dataloader.collate_fn, len(self.parallel_devices or [self.root_device]), self.layout, self.assignment
+                dataloader.collate_fn,
+                len(self.parallel_devices or [self.root_device]),
+                self.layout,
+                self.assignment,
+                self._min_points(),
             )
         return dataloader
 
@@ -283,7 +298,15 @@ class SparseDataParallelStrategy(ParallelStrategy):
             return batch.chunks, batch.plan
         if self.split_fn is not None:
             return self.split_fn(batch, num_devices)
-        return split_batch(batch, num_devices, layout=self.layout, assignment=self.assignment)
+        return split_batch(
+            batch, num_devices, layout=self.layout, assignment=self.assignment, min_points=self._min_points()
+        )
+
+    def _min_points(self) -> int:
+        """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
+        module = self.lightning_module
+        synchronized = bool(self._bn_swaps) or self.sync_batchnorm or self._layer_sync is not None
+        return 1 if module is None else min_points_per_chunk(module, synchronized)
 
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module
@@ -306,22 +329,29 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 replicas = [module] if devices == [self.root_device] else replicate(module, devices)
                 metrics = self._replica_metrics.install(module, replicas, devices)
                 recorders = [install_recorder(r) for r in replicas]
+                silence_print(replicas)
                 group = join_replicas(module, replicas)
             steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
             if group is not None:
                 steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
             steps = [times.timed(f"replica{i}", step) for i, step in enumerate(steps)]
             with times.stage("apply"):
-                outputs = self._executor.run(steps, devices)
+                try:
+                    outputs = self._executor.run(steps, devices)
+                except Exception as err:
+                    raise explain_replica_error(err, plan)
         finally:
             if isinstance(module.__dict__.get("log"), LogRecorder):
                 del module.__dict__["log"]  # a recorder installed on the module itself shadowed its method
-        weights = chunk_weights(plan, self.loss_weighting)
+        weights = step_weights(plan, placed, self.loss_weighting, self._warnings)
         with times.stage("gather"):
-            output = gather_outputs(outputs, plan, weights, self.root_device)
+            output = gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
         with times.stage("log"):
             merge_into_root(metrics)
-            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
+            calls = reduce_log_calls(
+                recorders, weights, plan.num_samples, self.root_device, module, step_losses(outputs), self._warnings
+            )
+            emit(module, calls)
         return output
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

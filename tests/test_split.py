@@ -206,10 +206,12 @@ def test_lengths_that_disagree():
         split_batch({**b, "features": b["features"][:-1]}, 2)
 
 
-def test_non_integer_coordinates():
+def test_batch_column_of_float_coordinates_must_be_whole_numbers():
     b = _batch()
-    with pytest.raises(BatchLayoutError, match="dtype torch.float32.*must be integer"):
-        split_batch({**b, "coordinates": b["coordinates"].float()}, 2)
+    coords = b["coordinates"].float()
+    coords[3, 0] = 0.5
+    with pytest.raises(BatchLayoutError, match=r"dtype torch.float32 and a batch index \(column 0\) that is not a whole number \(0.5 in row 3\)"):
+        split_batch({**b, "coordinates": coords}, 2)
 
 
 def test_ambiguous_per_point_or_per_sample_and_its_fix():

@@ -154,7 +154,8 @@ def test_manual_optimization_is_refused_at_setup():
 def test_bad_batch_error_reaches_the_user():
     batch = collate_dict(random_samples(4))
     batch["coordinates"] = batch["coordinates"].float()
-    with pytest.raises(lightning_sparse_dp.BatchLayoutError, match="must be integer"):
+    batch["coordinates"][0, 0] = -1
+    with pytest.raises(lightning_sparse_dp.BatchLayoutError, match="negative batch index"):
         _fit_one_step(SparseNet(), batch, strategy="sparse_dp", devices=3)
 
 

@@ -1,0 +1,76 @@
+"""Hints: errors raised in replicas, re-raised with what they mean for data parallelism and the fix.
+
+A replica runs the user's step on a chunk of the batch, so some errors that the whole batch would
+not raise come from the chunk being small. :func:`explain_replica_error` recognizes them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_sparse_dp.split import SplitPlan
+
+#: torch's message for batch norm in training mode over a single value per channel
+#: (``torch.nn.functional._verify_batch_size``).
+_ONE_VALUE = "Expected more than 1 value per channel when training"
+
+
+def _replica_of(err: BaseException) -> int | None:
+    """The replica index from the note :mod:`lightning_sparse_dp.apply` adds (``raised in replica i ...``)."""
+    for note in getattr(err, "__notes__", ()):
+        found = re.search(r"replica (\d+)", note)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
+    """``err``, or a new exception of the same type that says what it means and how to fix it.
+
+    Recognized: batch norm over one value per channel in training mode (a chunk of one sample with
+    one point, or fewer points than the network's strides leave more than one of). The new
+    exception names the replica's chunk (samples and points) and the fixes: ``sync_batchnorm=True``
+    (normalizes over the whole batch, as one device does), fewer devices, or ``drop_last=True`` /
+    no tiny samples; its ``__cause__`` is ``err``.
+    """
+    if not (isinstance(err, ValueError) and _ONE_VALUE in str(err)):
+        return err
+    replica = _replica_of(err)
+    if replica is not None and replica < plan.num_chunks:
+        where = (
+            f"replica {replica}'s chunk has {plan.samples_per_chunk[replica]} sample(s) and "
+            f"{plan.points_per_chunk[replica]} point(s)"
+        )
+    else:
+        where = f"a replica's chunk is too small (points per chunk: {plan.points_per_chunk})"
+    new = ValueError(
+        f"{err} — {where} of the batch's {plan.num_samples} samples: batch norm without sync_batchnorm normalizes "
+        "each replica's chunk alone, and this chunk leaves one value per channel. The whole batch would train on "
+        "one device. Fix: Trainer(sync_batchnorm=True) (batch norm over the whole batch, as on one device), fewer "
+        "devices, or drop_last=True / a batch size that does not leave a short last batch, or no samples of a "
+        "single point."
+    )
+    new.__cause__ = err
+    for note in getattr(err, "__notes__", ()):
+        new.add_note(note)
+    return new
+
+
+def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
+    """The fewest points a replica's chunk should get: 2 when ``module`` has batch norm that each
+    replica runs on its own chunk (``synchronized`` False), else 1.
+
+    Batch norm in training mode needs more than one value per channel (torch raises otherwise), so a
+    chunk of one point, e.g. the short last batch holding a one-point sample, is avoided when the
+    batch allows (:func:`~lightning_sparse_dp.split.split_batch`'s ``min_points``). Strided layers
+    can still leave a chunk one value; :func:`explain_replica_error` names the fix then.
+    """
+    if synchronized:
+        return 1
+    return 2 if any(isinstance(m, _BatchNorm) for m in module.modules()) else 1
+
+
+__all__ = ["explain_replica_error", "min_points_per_chunk"]
