@@ -320,10 +320,15 @@ def _per_sample_bce(pred: ME.SparseTensor, target: ME.SparseTensor) -> torch.Ten
     return (sums / counts).mean()
 
 
+def _without_labels(batch: dict) -> dict:
+    """A completion batch: coordinates and features only (the target is the input's own occupancy)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
 CLIENTS = {
     "multigpu_lightning": (MultiGPUSegmentation, voxel_batch),
     "modelnet40_fcnn": (ModelNetClassifier, modelnet_batch),
     "docs_example_network": (DocsClassifier, lambda seeds: modelnet_batch(seeds, scale=10.0)),
     "minkunet_tensorfield": (FieldUNet, field_batch),
-    "completion": (Completion, voxel_batch),
+    "completion": (Completion, lambda seeds: _without_labels(voxel_batch(seeds))),
 }
