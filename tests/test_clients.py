@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from tests.clients import CLIENTS, fresh_loader
 from tests.helpers import trainer
 
