@@ -12,6 +12,9 @@
 #    setuptools 69.5.1 that sees the target's torch (the extension must match that torch's ABI).
 #  * The sources are patched for Python >= 3.10 (`from collections import Sequence` ->
 #    `collections.abc`) and, for CUDA >= 12, the missing thrust includes are added.
+#  * ME 0.5.4's defects that break batch-composition invariance on CPU, and others met on the way,
+#    are fixed by the patches in scripts/minkowski_patches/ (each file says what it fixes, why, and
+#    how it was found; see "fixing ME 0.5.4's defects" below).
 #  * CPU-only unless nvcc is found and the target torch is a CUDA build.
 #  * setup.py runs `pip uninstall MinkowskiEngine` and `rm -rf build`: it runs in a scratch copy
 #    with the build environment's pip first on PATH.
@@ -22,7 +25,9 @@ set -euo pipefail
 PY=${1:?usage: build_minkowski.sh PYTHON}
 ME_VERSION=0.5.4
 # Bump when the recipe (patches, flags) changes, so cached wheels of an older recipe are not reused.
-RECIPE=2
+# 3: the defect fixes of scripts/minkowski_patches/ (the cache key also holds a hash of those files).
+RECIPE=3
+PATCHES=$(cd "$(dirname "$0")" && pwd)/minkowski_patches
 CACHE=${LSDP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-sparse-dp}
 log() { printf '[build_minkowski] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -52,7 +57,8 @@ VARIANT=cpu
 if [ "$TORCH_CUDA" != none ] && command -v nvcc >/dev/null 2>&1; then
     VARIANT="cu${TORCH_CUDA//./}"
 fi
-KEY="me${ME_VERSION}-r${RECIPE}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
+PATCH_HASH=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-8)
+KEY="me${ME_VERSION}-r${RECIPE}-p${PATCH_HASH}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
 
@@ -113,6 +119,31 @@ if patched == 0 or left:
     sys.exit(f"patched {patched} files; still importing ABCs from collections: {left}")
 print(f"patched {patched} files", file=sys.stderr)
 PYEOF
+
+    # Fixing ME 0.5.4's defects (CPU and common code; each patch file starts with its own account):
+    #  01 CPU global pooling: origin-map rows (one per sample) in ascending batch index as on GPU,
+    #     not hash order; the PYTORCH_INDEX modes (MinkowskiGlobalPooling's default) wrote sample
+    #     b's reduction to the wrong row. Output row b is now sample b in every mode.
+    #  02 CPU global pooling: GLOBAL_*_POOLING_DEFAULT raised for batches > 1; they now run as the
+    #     KERNEL modes, as on GPU.
+    #  03 TensorField.inverse_mapping (SparseTensor.slice from tensor stride > 1): stride_map's
+    #     pairs were indexed as if sorted by stride-1 row; they are scattered into a map first.
+    #  04 MinkowskiSyncBatchNorm.convert_sync_batchnorm put the old BatchNorm1d back into each
+    #     converted layer; converted layers are no longer searched for children.
+    #  05 pickle / copy.deepcopy / torch.save of ME layers lost their __slots__ state and failed on
+    #     their autograd Function instances; MinkowskiModuleBase now carries both.
+    #  06 MinkowskiEngine.utils.gradcheck imported torch._six (gone in torch 2); it now wraps
+    #     torch.autograd.gradcheck (ME's own tests use it).
+    # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
+    # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
+    for patch_file in "$PATCHES"/*.patch; do
+        log "applying $(basename "$patch_file")"
+        if command -v patch >/dev/null 2>&1; then
+            patch -d "$SRC" -p1 --batch --forward --quiet < "$patch_file"
+        else
+            (cd "$SRC" && git apply -p1 "$patch_file")
+        fi || die "$(basename "$patch_file") did not apply to the MinkowskiEngine $ME_VERSION sdist"
+    done
 
     args=(--blas=openblas)
     if [ "$VARIANT" = cpu ]; then
