@@ -134,6 +134,8 @@ PYEOF
     #     their autograd Function instances; MinkowskiModuleBase now carries both.
     #  06 MinkowskiEngine.utils.gradcheck imported torch._six (gone in torch 2); it now wraps
     #     torch.autograd.gradcheck (ME's own tests use it).
+    #  07 MinkowskiToSparseTensor refused remove_zeros=False (its documented use with cached
+    #     coordinates): the argument check now refuses only coordinates with remove_zeros=True.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
     for patch_file in "$PATCHES"/*.patch; do
