@@ -136,6 +136,10 @@ PYEOF
     #     torch.autograd.gradcheck (ME's own tests use it).
     #  07 MinkowskiToSparseTensor refused remove_zeros=False (its documented use with cached
     #     coordinates): the argument check now refuses only coordinates with remove_zeros=True.
+    #  08 CPU MAX_POOL quantization started its running maximum at 0: all-negative voxels pooled
+    #     to 0 and sent their gradient to element 0 of the batch; it now starts at -inf.
+    #  09 CPU UNWEIGHTED_AVERAGE quantization made its 1/count weights in the default dtype
+    #     (float32): float64 means were off by ~1e-8. The counts are cast to the features' dtype.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
     for patch_file in "$PATCHES"/*.patch; do

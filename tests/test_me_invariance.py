@@ -101,6 +101,11 @@ class Batch:
     def sparse(self, **kwargs) -> ME.SparseTensor:
         return ME.SparseTensor(self.feats, self.coords, coordinate_manager=self.manager, **kwargs)
 
+    def sparse_with_duplicates(self, mode) -> ME.SparseTensor:
+        """A SparseTensor quantizing the continuous points (floored, several points per voxel)."""
+        coords = torch.cat([self.field_coords[:, :1], self.field_coords[:, 1:].floor()], 1).int()
+        return ME.SparseTensor(self.field_feats, coords, quantization_mode=mode, coordinate_manager=self.manager)
+
     def field(self, mode=ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE) -> ME.TensorField:
         return ME.TensorField(self.field_feats, self.field_coords, quantization_mode=mode, coordinate_manager=self.manager)
 
@@ -317,8 +322,25 @@ def field_forward(mode):
     return lambda module, batch: module(batch.field(mode).sparse())
 
 
+def hyper_cross():
+    generator = ME.KernelGenerator(kernel_size=3, region_type=ME.RegionType.HYPER_CROSS, dimension=D)
+    return ME.MinkowskiConvolution(CHANNELS, 4, kernel_generator=generator, dimension=D)
+
+
+class Splat(torch.nn.Module):
+    """TensorField.splat(): trilinear splatting of the points onto the grid."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = ME.MinkowskiLinear(CHANNELS, 4)
+
+    def forward(self, batch):
+        return self.lin(batch.field().splat())
+
+
 CASES = [
     Case("conv", lambda: conv(3), on_sparse, "sparse"),
+    Case("conv hyper-cross kernel", hyper_cross, on_sparse, "sparse"),
     Case("conv dilated", lambda: conv(3, dilation=2), on_sparse, "sparse"),
     Case("conv strided k2", lambda: conv(2, 2), on_sparse, "sparse"),
     Case("conv strided k3", lambda: conv(3, 2), on_sparse, "sparse"),
@@ -353,6 +375,12 @@ CASES = [
     Case("union", Union, on_sparse, "sparse"),
     Case("pruning", Prune, on_sparse, "sparse"),
     *[Case(f"TensorField.sparse() {q.name}", lambda: ME.MinkowskiLinear(CHANNELS, 4), field_forward(q), "sparse", field_input=True) for q in QUANT],
+    *[
+        Case(f"SparseTensor with duplicates {q.name}", lambda: ME.MinkowskiLinear(CHANNELS, 4),
+             (lambda q=q: lambda module, batch: module(batch.sparse_with_duplicates(q)))(), "sparse", field_input=True)
+        for q in QUANT
+    ],
+    Case("TensorField.splat()", Splat, lambda m, b: m(b), "sparse", field_input=True),
     Case("TensorField.sparse() then global max pooling", ME.MinkowskiGlobalMaxPooling,
          field_forward(ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE), "global", field_input=True),
     *[Case(f"slice at stride {s}", (lambda s=s: Slice(s)), lambda m, b: m(b), "field", field_input=True) for s in (1, 2, 4, 8)],
@@ -385,3 +413,33 @@ def test_global_pooling_rows_are_the_samples_in_batch_order(mode):
     expected = torch.stack([reduce[mode.name.split("_")[1]](s.feats) for s in samples])
     assert out.C[:, 0].tolist() == list(range(len(samples)))
     assert_close(out.F.detach(), expected, mode.name)
+
+
+@pytest.mark.parametrize("mode", QUANT, ids=[q.name for q in QUANT])
+@pytest.mark.parametrize("negative", [False, True], ids=["signed", "negative"])
+def test_tensor_field_quantization_values(mode, negative):
+    """Known values: each voxel's features are the mean / sum / max of its points' features (or
+    one of its points' for RANDOM_SUBSAMPLE), also when every value is negative."""
+    samples = [make_sample(seed, n) for seed, n in zip(range(3), (25, 8, 31))]
+    batch = Batch(samples)
+    feats = -batch.field_feats.detach().abs() if negative else batch.field_feats.detach()
+    field = ME.TensorField(feats, batch.field_coords, quantization_mode=mode)
+    out = field.sparse()
+    voxel_of_point = torch.cat([batch.field_coords[:, :1], batch.field_coords[:, 1:].floor()], 1).to(torch.int64)
+    rows = {tuple(c): i for i, c in enumerate(out.C.to(torch.int64).tolist())}
+    assert len(rows) == len(torch.unique(voxel_of_point, dim=0))
+    members = {}
+    for p, c in enumerate(voxel_of_point.tolist()):
+        members.setdefault(rows[tuple(c)], []).append(p)
+    for row, points in members.items():
+        f = feats[points]
+        got = out.F[row]
+        if mode == ME.SparseTensorQuantizationMode.RANDOM_SUBSAMPLE:
+            assert any(torch.equal(got, g) for g in f)
+            continue
+        expected = {
+            ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE: f.mean(0),
+            ME.SparseTensorQuantizationMode.UNWEIGHTED_SUM: f.sum(0),
+            ME.SparseTensorQuantizationMode.MAX_POOL: f.max(0).values,
+        }[mode]
+        assert_close(got, expected, f"{mode.name}, voxel of points {points}")
