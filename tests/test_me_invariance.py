@@ -26,13 +26,16 @@ import MinkowskiEngine as ME
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 D = 3
 CHANNELS = 3
 TOL = 1e-12
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+# `pytest --hypothesis-profile=no-shrink`: report failures without shrinking them (used to count the
+# failures of an unpatched ME quickly)
+settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,6 +384,13 @@ CASES = [
         for q in QUANT
     ],
     Case("TensorField.splat()", Splat, lambda m, b: m(b), "sparse", field_input=True),
+    Case("TensorField.sparse(tensor_stride=2)", lambda: ME.MinkowskiLinear(CHANNELS, 4),
+         lambda m, b: m(b.field().sparse(tensor_stride=2)), "sparse", field_input=True),
+    *[  # of the global pooling classes, only MinkowskiGlobalMaxPooling takes a TensorField
+        Case(f"global max pooling {m.name} of a TensorField", (lambda m=m: ME.MinkowskiGlobalMaxPooling(m)),
+             lambda module, batch: module(batch.field()), "global", field_input=True)
+        for m in GLOBAL_MODES if "MAX" in m.name
+    ],
     Case("TensorField.sparse() then global max pooling", ME.MinkowskiGlobalMaxPooling,
          field_forward(ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE), "global", field_input=True),
     *[Case(f"slice at stride {s}", (lambda s=s: Slice(s)), lambda m, b: m(b), "field", field_input=True) for s in (1, 2, 4, 8)],
