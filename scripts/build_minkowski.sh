@@ -34,19 +34,6 @@ die() { log "ERROR: $*"; exit 1; }
 
 "$PY" -c "import torch" 2>/dev/null || die "torch is not importable from $PY; install torch first"
 
-installed=$("$PY" - <<'PYEOF'
-import importlib.metadata as m
-try:
-    print(m.version("MinkowskiEngine"))
-except m.PackageNotFoundError:
-    print("")
-PYEOF
-)
-if [ "$installed" = "$ME_VERSION" ] && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
-    log "MinkowskiEngine $ME_VERSION already installed and importable"
-    exit 0
-fi
-
 read -r TORCH_VERSION TORCH_CUDA PYTAG SITE < <("$PY" - <<'PYEOF'
 import sys, sysconfig, torch
 print(torch.__version__.split("+")[0], torch.version.cuda or "none",
@@ -60,6 +47,22 @@ fi
 PATCH_HASH=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-8)
 KEY="me${ME_VERSION}-r${RECIPE}-p${PATCH_HASH}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
+# The key of the installed build is kept next to the environment, so that an ME built by an older
+# recipe (or another build) is replaced.
+STAMP=$("$PY" -c "import sys; print(sys.prefix)")/.lsdp-minkowski-build
+installed=$("$PY" - <<'PYEOF'
+import importlib.metadata as m
+try:
+    print(m.version("MinkowskiEngine"))
+except m.PackageNotFoundError:
+    print("")
+PYEOF
+)
+if [ "$installed" = "$ME_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] \
+        && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
+    log "MinkowskiEngine $ME_VERSION ($KEY) already installed and importable"
+    exit 0
+fi
 wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
@@ -179,3 +182,4 @@ log "installing $(basename "$wheel")"
 "$PY" -m pip install -q --disable-pip-version-check "numpy" >/dev/null
 "$PY" -c "import MinkowskiEngine as ME; print('MinkowskiEngine', ME.__version__, 'imports')" >&2 \
     || die "MinkowskiEngine was installed but does not import"
+echo "$KEY" > "$STAMP"
