@@ -143,6 +143,10 @@ PYEOF
     #     to 0 and sent their gradient to element 0 of the batch; it now starts at -inf.
     #  09 CPU UNWEIGHTED_AVERAGE quantization made its 1/count weights in the default dtype
     #     (float32): float64 means were off by ~1e-8. The counts are cast to the features' dtype.
+    #  10 CPU global max pooling of a one-sample batch returned row indices as its argmax where the
+    #     backward reads flat indices: the gradient went to the wrong elements. Now flat indices.
+    #  11 SparseTensor(..., quantization_mode=MAX_POOL) with duplicate coordinates left the
+    #     features unpooled; it now pools like TensorField.sparse(), other modes raise.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
     for patch_file in "$PATCHES"/*.patch; do
