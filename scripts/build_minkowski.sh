@@ -147,6 +147,8 @@ PYEOF
     #     backward reads flat indices: the gradient went to the wrong elements. Now flat indices.
     #  11 SparseTensor(..., quantization_mode=MAX_POOL) with duplicate coordinates left the
     #     features unpooled; it now pools like TensorField.sparse(), other modes raise.
+    #  12 CPU global pooling of a TensorField.sparse() tensor at stride 1 (which shares the field's
+    #     key) used the field's maps: out-of-bounds reads and writes. The maps now follow the input.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
     for patch_file in "$PATCHES"/*.patch; do
