@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
 
+from tests.test_me_invariance import Pair
+
 D = 3
 
 
@@ -23,15 +25,6 @@ def batch(seed=0, channels=3, sizes=(20, 7, 33)):
     coords = [torch.randint(0, 8, (n, D), generator=g, dtype=torch.int32).unique(dim=0) for n in sizes]
     feats = [torch.randn(len(c), channels, generator=g, dtype=torch.float64) for c in coords]
     return ME.utils.sparse_collate(coords, feats, dtype=torch.int32)
-
-
-class Pair(torch.nn.Module):
-    def __init__(self, combine, left, right):
-        super().__init__()
-        self.combine, self.left, self.right = combine, left, right
-
-    def forward(self, x):
-        return self.combine(self.left(x), self.right(x))
 
 
 class Pruned(torch.nn.Module):
