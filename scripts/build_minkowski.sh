@@ -12,6 +12,9 @@
 #    setuptools 69.5.1 that sees the target's torch (the extension must match that torch's ABI).
 #  * The sources are patched for Python >= 3.10 (`from collections import Sequence` ->
 #    `collections.abc`) and, for CUDA >= 12, the missing thrust includes are added.
+#  * ME 0.5.4's defects that break batch-composition invariance on CPU, and others met on the way,
+#    are fixed by the patches in scripts/minkowski_patches/ (each file says what it fixes, why, and
+#    how it was found; see "fixing ME 0.5.4's defects" below).
 #  * CPU-only unless nvcc is found and the target torch is a CUDA build.
 #  * setup.py runs `pip uninstall MinkowskiEngine` and `rm -rf build`: it runs in a scratch copy
 #    with the build environment's pip first on PATH.
@@ -22,25 +25,14 @@ set -euo pipefail
 PY=${1:?usage: build_minkowski.sh PYTHON}
 ME_VERSION=0.5.4
 # Bump when the recipe (patches, flags) changes, so cached wheels of an older recipe are not reused.
-RECIPE=2
+# 3: the defect fixes of scripts/minkowski_patches/ (the cache key also holds a hash of those files).
+RECIPE=3
+PATCHES=$(cd "$(dirname "$0")" && pwd)/minkowski_patches
 CACHE=${LSDP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-sparse-dp}
 log() { printf '[build_minkowski] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 "$PY" -c "import torch" 2>/dev/null || die "torch is not importable from $PY; install torch first"
-
-installed=$("$PY" - <<'PYEOF'
-import importlib.metadata as m
-try:
-    print(m.version("MinkowskiEngine"))
-except m.PackageNotFoundError:
-    print("")
-PYEOF
-)
-if [ "$installed" = "$ME_VERSION" ] && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
-    log "MinkowskiEngine $ME_VERSION already installed and importable"
-    exit 0
-fi
 
 read -r TORCH_VERSION TORCH_CUDA PYTAG SITE < <("$PY" - <<'PYEOF'
 import sys, sysconfig, torch
@@ -52,8 +44,25 @@ VARIANT=cpu
 if [ "$TORCH_CUDA" != none ] && command -v nvcc >/dev/null 2>&1; then
     VARIANT="cu${TORCH_CUDA//./}"
 fi
-KEY="me${ME_VERSION}-r${RECIPE}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
+PATCH_HASH=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-8)
+KEY="me${ME_VERSION}-r${RECIPE}-p${PATCH_HASH}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
+# The key of the installed build is kept next to the environment, so that an ME built by an older
+# recipe (or another build) is replaced.
+STAMP=$("$PY" -c "import sys; print(sys.prefix)")/.lsdp-minkowski-build
+installed=$("$PY" - <<'PYEOF'
+import importlib.metadata as m
+try:
+    print(m.version("MinkowskiEngine"))
+except m.PackageNotFoundError:
+    print("")
+PYEOF
+)
+if [ "$installed" = "$ME_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] \
+        && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
+    log "MinkowskiEngine $ME_VERSION ($KEY) already installed and importable"
+    exit 0
+fi
 wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
@@ -114,6 +123,43 @@ if patched == 0 or left:
 print(f"patched {patched} files", file=sys.stderr)
 PYEOF
 
+    # Fixing ME 0.5.4's defects (CPU and common code; each patch file starts with its own account):
+    #  01 CPU global pooling: origin-map rows (one per sample) in ascending batch index as on GPU,
+    #     not hash order; the PYTORCH_INDEX modes (MinkowskiGlobalPooling's default) wrote sample
+    #     b's reduction to the wrong row. Output row b is now sample b in every mode.
+    #  02 CPU global pooling: GLOBAL_*_POOLING_DEFAULT raised for batches > 1; they now run as the
+    #     KERNEL modes, as on GPU.
+    #  03 TensorField.inverse_mapping (SparseTensor.slice from tensor stride > 1): stride_map's
+    #     pairs were indexed as if sorted by stride-1 row; they are scattered into a map first.
+    #  04 MinkowskiSyncBatchNorm.convert_sync_batchnorm put the old BatchNorm1d back into each
+    #     converted layer; converted layers are no longer searched for children.
+    #  05 pickle / copy.deepcopy / torch.save of ME layers lost their __slots__ state and failed on
+    #     their autograd Function instances; MinkowskiModuleBase now carries both.
+    #  06 MinkowskiEngine.utils.gradcheck imported torch._six (gone in torch 2); it now wraps
+    #     torch.autograd.gradcheck (ME's own tests use it).
+    #  07 MinkowskiToSparseTensor refused remove_zeros=False (its documented use with cached
+    #     coordinates): the argument check now refuses only coordinates with remove_zeros=True.
+    #  08 CPU MAX_POOL quantization started its running maximum at 0: all-negative voxels pooled
+    #     to 0 and sent their gradient to element 0 of the batch; it now starts at -inf.
+    #  09 CPU UNWEIGHTED_AVERAGE quantization made its 1/count weights in the default dtype
+    #     (float32): float64 means were off by ~1e-8. The counts are cast to the features' dtype.
+    #  10 CPU global max pooling of a one-sample batch returned row indices as its argmax where the
+    #     backward reads flat indices: the gradient went to the wrong elements. Now flat indices.
+    #  11 SparseTensor(..., quantization_mode=MAX_POOL) with duplicate coordinates left the
+    #     features unpooled; it now pools like TensorField.sparse(), other modes raise.
+    #  12 CPU global pooling of a TensorField.sparse() tensor at stride 1 (which shares the field's
+    #     key) used the field's maps: out-of-bounds reads and writes. The maps now follow the input.
+    # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
+    # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
+    for patch_file in "$PATCHES"/*.patch; do
+        log "applying $(basename "$patch_file")"
+        if command -v patch >/dev/null 2>&1; then
+            patch -d "$SRC" -p1 --batch --forward --quiet < "$patch_file"
+        else
+            (cd "$SRC" && git apply -p1 "$patch_file")
+        fi || die "$(basename "$patch_file") did not apply to the MinkowskiEngine $ME_VERSION sdist"
+    done
+
     args=(--blas=openblas)
     if [ "$VARIANT" = cpu ]; then
         args+=(--cpu_only)
@@ -142,3 +188,4 @@ log "installing $(basename "$wheel")"
 "$PY" -m pip install -q --disable-pip-version-check "numpy" >/dev/null
 "$PY" -c "import MinkowskiEngine as ME; print('MinkowskiEngine', ME.__version__, 'imports')" >&2 \
     || die "MinkowskiEngine was installed but does not import"
+echo "$KEY" > "$STAMP"
