@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -31,6 +31,7 @@ from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
+from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
 from lightning_sparse_dp.timing import StageTimes
 from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm, sync_layers
 
@@ -146,6 +147,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.sync_batchnorm = sync_batchnorm
         self._executor: ReplicaExecutor | None = None
         self._replicas: Replicas | None = None
+        self._thread_split: ThreadSplit | None = None
         self._replica_sync_layers: list[list] = []
         self._warned_transfer_hooks = False
         self._bn_swaps: list = []
@@ -188,6 +190,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         super().setup(trainer)
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices or [self.root_device]))
+        self._split_threads()
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -237,6 +240,9 @@ class SparseDataParallelStrategy(ParallelStrategy):
             self._executor = None
         self._replicas = None
         self._replica_sync_layers = []
+        if self._thread_split is not None:
+            self._thread_split.restore()
+            self._thread_split = None
         Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
 
     # --- the step ------------------------------------------------------------------------------
@@ -336,6 +342,20 @@ class SparseDataParallelStrategy(ParallelStrategy):
             merge_into_root(metrics)
             emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
         return output
+
+    def _split_threads(self) -> None:
+        """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
+        devices = list(self.parallel_devices or [])
+        if self._thread_split is not None or len(devices) < 2 or self.root_device.type != "cpu":
+            return
+        self._thread_split = split_threads(len(devices))
+        if self._thread_split is not None and self._executor is not None:
+            self._executor.threads_per_replica = self._thread_split.per_replica
+            rank_zero_info(
+                f"sparse_dp: {len(devices)} CPU replicas on {available_cores()} cores get "
+                f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
+                "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
+            )
 
     def _refresh_replicas(self, module: nn.Module, devices: list[torch.device]) -> list[nn.Module]:
         """The persistent replicas for ``devices``, refreshed for this step (rebuilt when the module changed)."""
