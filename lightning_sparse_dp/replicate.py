@@ -168,8 +168,9 @@ class Replicas:
         others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
         if not others or not self.trainable:
             return
-        with torch.no_grad():
-            copies = torch.cuda.comm.broadcast_coalesced([p.detach() for p in self.trainable], [self.devices[r] for r in others])
+        with torch.no_grad():  # the source device comes first; its "copies" are the parameters themselves
+            sources = [p.detach() for p in self.trainable]
+            copies = torch.cuda.comm.broadcast_coalesced(sources, [self.devices[0]] + [self.devices[r] for r in others])[1:]
             for r, tensors in zip(others, copies):
                 torch._foreach_copy_([leaf.data for leaf in self.leaves[r]], list(tensors))
 
