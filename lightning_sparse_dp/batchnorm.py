@@ -105,58 +105,55 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None, collective: Collective, eps: float):
-        cdt = compute_dtype(input.dtype)
+        # One working buffer in the accumulation dtype, updated in place: large fresh allocations are what
+        # costs most next to the arithmetic (torch's CPU allocator does not cache).
         adt = accumulation_dtype(input.dtype, input.device)
         dims = _dims(input)
         count = input.numel() // input.shape[1]
-        x = input.to(adt)
+        work = input.to(adt, copy=True)
         if count > 0:
-            local_mean = x.mean(dim=dims)
-            local_m2 = (x - _expand(local_mean, x)).square().sum(dim=dims)
+            local_mean = work.sum(dim=dims) / count
+            work.sub_(_expand(local_mean, work))
+            local_m2 = work.mul_(work).sum(dim=dims)  # (in place; .square() is also far slower on CPU doubles)
         else:  # an empty rank contributes nothing
-            local_mean = local_m2 = x.new_zeros(input.shape[1])
-        del x
+            local_mean = local_m2 = torch.zeros(input.shape[1], dtype=adt, device=input.device)
         stats = torch.stack([torch.full_like(local_mean, count), local_mean, local_m2]).to(torch.float64)
         total, mean64, m2 = combine_statistics(collective.all_gather(stats))
-        var = m2 / total
-        mean = mean64.to(cdt)
-        invstd = torch.rsqrt(var + eps).to(cdt)
-        xc = input.to(cdt)
-        y = (xc - _expand(mean, xc)) * _expand(invstd, xc)
-        if weight is not None:
-            y = y * _expand(weight.to(cdt), xc)
+        mean, invstd = mean64.to(adt), torch.rsqrt(m2 / total + eps).to(adt)
+        # (x - mean) * (invstd * w) + b; not torch's fused x * a + (b - mean * a), which cancels when |mean| >> std
+        scale = invstd if weight is None else invstd * weight.to(adt)
+        work.copy_(input).sub_(_expand(mean, work)).mul_(_expand(scale, work))
         if bias is not None:
-            y = y + _expand(bias.to(cdt), xc)
+            work.add_(_expand(bias.to(adt), work))
+        output = work.to(input.dtype)
         ctx.save_for_backward(input, weight, mean, invstd)
         ctx.collective, ctx.total = collective, total
         ctx.bias_dtype = None if bias is None else bias.dtype
         unbiased = m2 / (total - 1)
         ctx.mark_non_differentiable(mean64, unbiased)
-        return y.to(input.dtype), mean64, unbiased
+        return output, mean64, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_mean: Any, _grad_var: Any):
         input, weight, mean, invstd = ctx.saved_tensors
-        cdt = mean.dtype
-        adt = accumulation_dtype(input.dtype, input.device)
+        adt = mean.dtype
         dims = _dims(input)
-        xmu = input.to(cdt) - _expand(mean, input)
-        dy = grad_output.to(cdt)
-        sum_dy = dy.sum(dim=dims, dtype=adt)
-        sum_dy_xmu = (dy * xmu).sum(dim=dims, dtype=adt)
+        work = input.to(adt, copy=True).sub_(_expand(mean, input))  # x - mean
+        sum_dy = grad_output.sum(dim=dims, dtype=adt)
+        sum_dy_xmu = work.mul_(grad_output).sum(dim=dims)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            gathered = ctx.collective.all_gather(torch.stack([sum_dy, sum_dy_xmu]))
-            global_sums = _sum_in_rank_order(gathered).to(cdt) / ctx.total.to(cdt)
-            mean_dy, mean_dy_xmu = global_sums[0], global_sums[1]
-            scale = invstd if weight is None else invstd * weight.to(cdt)
-            grad_input = (
-                (dy - _expand(mean_dy, dy) - xmu * _expand(invstd * invstd * mean_dy_xmu, dy)) * _expand(scale, dy)
-            ).to(input.dtype)
+            gathered = ctx.collective.all_gather(torch.stack([sum_dy, sum_dy_xmu]).to(torch.float64))
+            global_means = (_sum_in_rank_order(gathered) / ctx.total).to(adt)  # mean(dy), mean(dy * (x - mean))
+            scale = invstd if weight is None else invstd * weight.to(adt)
+            # (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w, in the buffer
+            work.copy_(input).sub_(_expand(mean, work)).mul_(_expand(-invstd * invstd * global_means[1], work))
+            work.add_(grad_output).sub_(_expand(global_means[0], work)).mul_(_expand(scale, work))
+            grad_input = work.to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu.to(cdt) * invstd).to(weight.dtype)
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(cdt).to(ctx.bias_dtype)
+            grad_bias = sum_dy.to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None
 
 
