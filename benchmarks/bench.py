@@ -1,33 +1,50 @@
 """Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices, and Lightning's DDP with 2 processes.
 
-    .venv/bin/python benchmarks/bench.py            # about 5 minutes on a 2-core CPU machine
+    .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
     .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
 
 Same model, data and global batch in every case, in one process tree (DDP runs as a child process
 that Lightning forks once more). Models: the MinkUNet-style segmentation network of
 examples/train_segmentation.py on generated rooms whose point counts are log-normal, and the digits
-network of examples/train_digits.py. Batch norm is per replica in every timed case (DDP on CPU
-cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
+network of examples/train_digits.py. Batch norm is per replica in every timed case (Lightning's DDP on
+CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
 ``sync_batchnorm=True`` to show what exact batch norm costs.
 
-Prints, per model, a table in the seeds' form (devices, batch per device, time per iteration,
-speedup over plain Lightning, ideal speedup, points per second), the median time of each stage of a
-sparse_dp step, and ends with one JSON line of headline figures:
+Every case runs twice: with the default threads (sparse_dp splits the cores between its replicas,
+Lightning's DDP launcher between its processes, plain Lightning uses them all), and as the
+1-thread-per-replica proxy, in a child process with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``: each
+replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
+devices look like from the CPU's side.
 
-- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (segmentation; the two
-  cases alternate ``--pairs`` times and their steps are pooled);
+Prints, per model and thread setting, a table in the seeds' form (devices, batch per device, time per
+iteration, speedup over plain Lightning, ideal speedup, points per second) and the median time of each
+stage of a sparse_dp step; writes ``speedup.png`` (speedup against devices for sparse_dp, sparse_dp with
+sync BN and DDP, with the ideal line and ME's published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 /
+4 GPUs) and ``stages.png`` (stacked stage times) to ``--figures`` (``benchmarks/figures``); and ends with
+one JSON line of headline figures (segmentation unless named):
+
+- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (the two cases
+  alternate ``--pairs`` times and their steps are pooled);
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
+- ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
+  DDP with 2 processes, default threads / 1-thread proxy;
+- ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
+  time over sparse_dp's (``digits_speedup_sparse_dp_2_1t``: the same for the digits network);
+- ``syncbn_cost_ratio`` (``_1t``): sparse_dp-3 with ``sync_batchnorm=True`` over without;
+- ``replicate_ms``: median time of the replicate stage of a sparse_dp-3 step (persistent replicas
+  refreshed, metric copies reset, log recorders and batch-norm group installed);
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
 - ``dispatch_us``: per-step cost of handing 3 no-op replica steps to threads and collecting them, ours
   (persistent threads) and ``torch.nn.parallel.parallel_apply``'s way (new threads each call;
   ``parallel_apply`` itself needs CUDA, so its thread pattern is reproduced);
-- ``ddp_throughput_ratio``: samples per second of sparse_dp devices=2 over DDP with 2 processes;
-- ``peak_rss_mb``: peak resident memory of this process (the DDP child not included).
+- ``peak_rss_mb``: peak resident memory of this process (the child processes not included).
 
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
-of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` is set
-unless given (see below).
+of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
+glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
+The load average is printed at the start and the end: on a shared machine, compare ratios within one
+run, and repeat.
 """
 
 from __future__ import annotations
@@ -49,6 +66,24 @@ from pathlib import Path
 # 2-core machine they take turns stealing the cores and step times become bimodal (seen: 11 ms vs 31 ms
 # for the same digits forward). Passive waiting makes the timings repeatable; set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# glibc returns freed large blocks to the kernel (heap trimming, mmap) and maps fresh pages for the next
+# one; where page faults are slow (seen on this project's sandboxed machine: two live 5 MB tensors cost
+# 8 ms to allocate and fill once lightning is imported, 0.16 ms with these settings) that cost lands on
+# every large tensor of every case. Fixed thresholds keep freed pages in the heap. The environment
+# variables reach the child processes (DDP, the 1-thread proxy); mallopt applies them to this process.
+MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+if "--default-malloc" not in sys.argv:
+    for _name, _value in MALLOC_TUNING.items():
+        os.environ.setdefault(_name, _value)
+    try:
+        import ctypes
+
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallopt(-3, int(os.environ["MALLOC_MMAP_THRESHOLD_"]))  # M_MMAP_THRESHOLD
+        _libc.mallopt(-1, int(os.environ["MALLOC_TRIM_THRESHOLD_"]))  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError, ValueError):  # not glibc: nothing to tune
+        pass
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -138,12 +173,17 @@ def _pooled(runs: list[dict]) -> dict:
     return {**runs[0], "times": times, "step_s": statistics.median(times)}
 
 
+def _passed_on() -> list[str]:
+    """Flags of this run that child processes must get too."""
+    return ["--default-malloc"] if "--default-malloc" in sys.argv else []
+
+
 def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int) -> dict:
     """DDP with 2 processes (gloo), in a child process tree; returns rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)]
+               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -269,7 +309,7 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
 
     bars = [(f"{model} {case} ({mode})", stage_breakdown(r)) for (model, mode), results in runs.items()
             for case, r in results.items() if model == "segmentation" and stage_breakdown(r)]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.6))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 2.0))
     left = np.zeros(len(bars))
     cmap = plt.get_cmap("tab10")
     for i, stage in enumerate(STAGES):
@@ -277,8 +317,9 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
         ax.barh([name for name, _ in bars], widths, left=left, color=cmap(i), label=stage)
         left += widths
     ax.invert_yaxis()
-    ax.set(xlabel="ms per step (medians)", title="segmentation: where a sparse_dp step's time goes")
-    ax.legend(ncol=5, fontsize=7, loc="lower right")
+    ax.set(xlabel="ms per step (medians; apply = the replicas' forward, backward = their backward passes)",
+           title="segmentation: where a sparse_dp step's time goes")
+    ax.legend(ncol=9, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / len(bars)), frameon=False)
     fig.tight_layout()
     stages = out_dir / "stages.png"
     fig.savefig(stages, dpi=110)
@@ -320,7 +361,7 @@ def run_proxy_child(models: list[tuple[str, int]], steps: int, warmup: int) -> d
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "proxy.json"
         cmd = [sys.executable, __file__, "--proxy-child", ",".join(f"{m}:{b}" for m, b in models), "--proxy-out",
-               str(out), "--steps", str(steps), "--warmup", str(warmup)]
+               str(out), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
         if done.returncode != 0 or not out.exists():
@@ -335,6 +376,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=2, help="alternations of plain Lightning and sparse_dp devices=1")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
     parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
     parser.add_argument("--ddp-child")
     parser.add_argument("--ddp-out")
