@@ -40,6 +40,10 @@ one JSON line of headline figures (segmentation unless named):
   ``parallel_apply`` itself needs CUDA, so its thread pattern is reproduced);
 - ``peak_rss_mb``: peak resident memory of this process (the child processes not included).
 
+The tables also give each case's CPU time per step (this process, all its threads; DDP: rank 0's
+process only): on a loaded machine the wall times say little about parallelism, the CPU times still
+say how much work a step costs.
+
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
 of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
 glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
@@ -120,18 +124,25 @@ class LogNormalScenes(Dataset):
         return self.scenes[i]
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class StepClock(L.Callback):
-    """Wall time of each training batch (forward, backward, optimizer step)."""
+    """Wall time and this process's CPU time (all its threads) of each training batch (forward, backward, optimizer step)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self._start = self._cpu_start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), _cpu_seconds()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(_cpu_seconds() - self._cpu_start)
 
 
 def _workload(model_name: str, global_batch: int, steps: int):
@@ -164,13 +175,14 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     if isinstance(strategy, SparseDataParallelStrategy) and strategy.stage_times is not None:
         stages = strategy.stage_times.medians(skip=warmup)
     return {"step_s": statistics.median(times), "times": times, "stages": stages, "points_per_sample": points,
-            "rank": trainer.global_rank}
+            "rank": trainer.global_rank, "cpu_s": statistics.median(clock.cpu[warmup:])}
 
 
 def _pooled(runs: list[dict]) -> dict:
     """One result from runs of the same case: the median over all their steps, stage medians of the first."""
     times = [t for r in runs for t in r["times"]]
-    return {**runs[0], "times": times, "step_s": statistics.median(times)}
+    return {**runs[0], "times": times, "step_s": statistics.median(times),
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs)}
 
 
 def _passed_on() -> list[str]:
@@ -225,11 +237,12 @@ def table(model_name: str, results: dict, global_batch: int, label: str = "") ->
     base = results["auto-1"]["step_s"]
     points = results["auto-1"]["points_per_sample"] * global_batch
     print(f"\n== {model_name}{label}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
-    print(f"{'case':<18}{'devices':>8}{'batch/dev':>10}{'time/iter ms':>14}{'speedup':>9}{'ideal':>7}{'points/s':>11}")
+    print(f"{'case':<18}{'devices':>8}{'batch/dev':>10}{'time/iter ms':>14}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
+          f"{'CPU ms/iter':>13}")
     for name, r in results.items():
         devices = r["devices"]
         print(f"{name:<18}{devices:>8}{global_batch / devices:>10.1f}{r['step_s'] * 1e3:>14.1f}"
-              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}")
+              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}")
 
 
 #: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop).

@@ -20,8 +20,11 @@ global sums; the weight and bias gradients are the rank's own ``sum(dy * x_hat)`
 
 Precision. Computed in the input's dtype, at least float32 (float16 / bfloat16 inputs are computed in
 float32 and the output cast back); float64 stays float64. Per-channel sums accumulate in float64 on
-CPU (as torch's CPU batch norm accumulates float32 in double) and in the compute dtype on CUDA (as
-torch's CUDA kernels do); the gathered statistics are float64 on every device, so counts stay exact.
+CPU (``sum(dtype=torch.float64)``; torch's CPU batch norm accumulates float32 in float32 or double,
+depending on the kernel) and in the compute dtype on CUDA (as torch's CUDA kernels do); the gathered
+statistics are float64 on every device, so counts stay exact and the ranks' partial sums are added
+without further rounding. The output is ``(x - mean) * (invstd * weight) + bias``, not torch's fused
+``x * a + (bias - mean * a)``, which loses digits when ``|mean|`` is large against the deviation.
 """
 
 from __future__ import annotations
@@ -105,53 +108,57 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None, collective: Collective, eps: float):
-        # One working buffer in the accumulation dtype, updated in place: large fresh allocations are what
-        # costs most next to the arithmetic (torch's CPU allocator does not cache).
+        cdt = compute_dtype(input.dtype)
         adt = accumulation_dtype(input.dtype, input.device)
         dims = _dims(input)
         count = input.numel() // input.shape[1]
-        work = input.to(adt, copy=True)
+        x = input.to(cdt)
         if count > 0:
-            local_mean = work.sum(dim=dims) / count
-            work.sub_(_expand(local_mean, work))
-            local_m2 = work.mul_(work).sum(dim=dims)  # (in place; .square() is also far slower on CPU doubles)
+            local_mean = x.sum(dim=dims, dtype=adt) / count
+            rounded = local_mean.to(cdt)
+            deviation = x - _expand(rounded, x)
+            # sum (x - m~)^2 = M2 + n (m - m~)^2 for the mean m~ rounded to the compute dtype
+            local_m2 = deviation.mul_(deviation).sum(dim=dims, dtype=adt) - count * (local_mean - rounded.to(adt)) ** 2
+            del deviation
         else:  # an empty rank contributes nothing
             local_mean = local_m2 = torch.zeros(input.shape[1], dtype=adt, device=input.device)
         stats = torch.stack([torch.full_like(local_mean, count), local_mean, local_m2]).to(torch.float64)
         total, mean64, m2 = combine_statistics(collective.all_gather(stats))
-        mean, invstd = mean64.to(adt), torch.rsqrt(m2 / total + eps).to(adt)
+        mean, invstd = mean64.to(cdt), torch.rsqrt(m2 / total + eps).to(cdt)
         # (x - mean) * (invstd * w) + b; not torch's fused x * a + (b - mean * a), which cancels when |mean| >> std
-        scale = invstd if weight is None else invstd * weight.to(adt)
-        work.copy_(input).sub_(_expand(mean, work)).mul_(_expand(scale, work))
+        scale = invstd if weight is None else (invstd.to(adt) * weight.to(adt)).to(cdt)
+        output = (x - _expand(mean, x)).mul_(_expand(scale, x))
         if bias is not None:
-            work.add_(_expand(bias.to(adt), work))
-        output = work.to(input.dtype)
+            output.add_(_expand(bias.to(cdt), x))
         ctx.save_for_backward(input, weight, mean, invstd)
         ctx.collective, ctx.total = collective, total
         ctx.bias_dtype = None if bias is None else bias.dtype
         unbiased = m2 / (total - 1)
         ctx.mark_non_differentiable(mean64, unbiased)
-        return output, mean64, unbiased
+        return output.to(input.dtype), mean64, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_mean: Any, _grad_var: Any):
         input, weight, mean, invstd = ctx.saved_tensors
-        adt = mean.dtype
+        cdt = mean.dtype
+        adt = accumulation_dtype(input.dtype, input.device)
         dims = _dims(input)
-        work = input.to(adt, copy=True).sub_(_expand(mean, input))  # x - mean
-        sum_dy = grad_output.sum(dim=dims, dtype=adt)
-        sum_dy_xmu = work.mul_(grad_output).sum(dim=dims)
+        x, dy = input.to(cdt), grad_output.to(cdt)
+        deviation = x - _expand(mean, x)  # x - mean
+        sum_dy = dy.sum(dim=dims, dtype=adt)
+        sum_dy_xmu = (dy * deviation).sum(dim=dims, dtype=adt)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             gathered = ctx.collective.all_gather(torch.stack([sum_dy, sum_dy_xmu]).to(torch.float64))
-            global_means = (_sum_in_rank_order(gathered) / ctx.total).to(adt)  # mean(dy), mean(dy * (x - mean))
-            scale = invstd if weight is None else invstd * weight.to(adt)
-            # (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w, in the buffer
-            work.copy_(input).sub_(_expand(mean, work)).mul_(_expand(-invstd * invstd * global_means[1], work))
-            work.add_(grad_output).sub_(_expand(global_means[0], work)).mul_(_expand(scale, work))
-            grad_input = work.to(input.dtype)
+            global_means = _sum_in_rank_order(gathered) / ctx.total  # mean(dy), mean(dy * (x - mean)), float64
+            invstd64 = invstd.to(torch.float64)
+            scale = invstd64 if weight is None else invstd64 * weight.to(torch.float64)
+            # (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
+            grad_input = torch.addcmul(dy, deviation, _expand((-invstd64 * invstd64 * global_means[1]).to(cdt), dy))
+            grad_input.sub_(_expand(global_means[0].to(cdt), dy)).mul_(_expand(scale.to(cdt), dy))
+            grad_input = grad_input.to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+            grad_weight = (sum_dy_xmu * invstd.to(adt)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None
