@@ -1,33 +1,54 @@
 """Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices, and Lightning's DDP with 2 processes.
 
-    .venv/bin/python benchmarks/bench.py            # about 5 minutes on a 2-core CPU machine
+    .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
     .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
 
 Same model, data and global batch in every case, in one process tree (DDP runs as a child process
 that Lightning forks once more). Models: the MinkUNet-style segmentation network of
 examples/train_segmentation.py on generated rooms whose point counts are log-normal, and the digits
-network of examples/train_digits.py. Batch norm is per replica in every timed case (DDP on CPU
-cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
+network of examples/train_digits.py. Batch norm is per replica in every timed case (Lightning's DDP on
+CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
 ``sync_batchnorm=True`` to show what exact batch norm costs.
 
-Prints, per model, a table in the seeds' form (devices, batch per device, time per iteration,
-speedup over plain Lightning, ideal speedup, points per second), the median time of each stage of a
-sparse_dp step, and ends with one JSON line of headline figures:
+Every case runs twice: with the default threads (sparse_dp splits the cores between its replicas,
+Lightning's DDP launcher between its processes, plain Lightning uses them all), and as the
+1-thread-per-replica proxy, in a child process with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``: each
+replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
+devices look like from the CPU's side.
 
-- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (segmentation; the two
-  cases alternate ``--pairs`` times and their steps are pooled);
+Prints, per model and thread setting, a table in the seeds' form (devices, batch per device, time per
+iteration, speedup over plain Lightning, ideal speedup, points per second) and the median time of each
+stage of a sparse_dp step; writes ``speedup.png`` (speedup against devices for sparse_dp, sparse_dp with
+sync BN and DDP, with the ideal line and ME's published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 /
+4 GPUs) and ``stages.png`` (stacked stage times) to ``--figures`` (``benchmarks/figures``); and ends with
+one JSON line of headline figures (segmentation unless named):
+
+- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (the two cases
+  alternate ``--pairs`` times and their steps are pooled);
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
+- ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
+  DDP with 2 processes, default threads / 1-thread proxy;
+- ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
+  time over sparse_dp's (``digits_speedup_sparse_dp_2_1t``: the same for the digits network);
+- ``syncbn_cost_ratio`` (``_1t``): sparse_dp-3 with ``sync_batchnorm=True`` over without;
+- ``replicate_ms``: median time of the replicate stage of a sparse_dp-3 step (persistent replicas
+  refreshed, metric copies reset, log recorders and batch-norm group installed);
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
 - ``dispatch_us``: per-step cost of handing 3 no-op replica steps to threads and collecting them, ours
   (persistent threads) and ``torch.nn.parallel.parallel_apply``'s way (new threads each call;
   ``parallel_apply`` itself needs CUDA, so its thread pattern is reproduced);
-- ``ddp_throughput_ratio``: samples per second of sparse_dp devices=2 over DDP with 2 processes;
-- ``peak_rss_mb``: peak resident memory of this process (the DDP child not included).
+- ``peak_rss_mb``: peak resident memory of this process (the child processes not included).
+
+The tables also give each case's CPU time per step (this process, all its threads; DDP: rank 0's
+process only): on a loaded machine the wall times say little about parallelism, the CPU times still
+say how much work a step costs.
 
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
-of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` is set
-unless given (see below).
+of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
+glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
+The load average is printed at the start and the end: on a shared machine, compare ratios within one
+run, and repeat.
 """
 
 from __future__ import annotations
@@ -49,6 +70,24 @@ from pathlib import Path
 # 2-core machine they take turns stealing the cores and step times become bimodal (seen: 11 ms vs 31 ms
 # for the same digits forward). Passive waiting makes the timings repeatable; set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# glibc returns freed large blocks to the kernel (heap trimming, mmap) and maps fresh pages for the next
+# one; where page faults are slow (seen on this project's sandboxed machine: two live 5 MB tensors cost
+# 8 ms to allocate and fill once lightning is imported, 0.16 ms with these settings) that cost lands on
+# every large tensor of every case. Fixed thresholds keep freed pages in the heap. The environment
+# variables reach the child processes (DDP, the 1-thread proxy); mallopt applies them to this process.
+MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+if "--default-malloc" not in sys.argv:
+    for _name, _value in MALLOC_TUNING.items():
+        os.environ.setdefault(_name, _value)
+    try:
+        import ctypes
+
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallopt(-3, int(os.environ["MALLOC_MMAP_THRESHOLD_"]))  # M_MMAP_THRESHOLD
+        _libc.mallopt(-1, int(os.environ["MALLOC_TRIM_THRESHOLD_"]))  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError, ValueError):  # not glibc: nothing to tune
+        pass
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -85,18 +124,25 @@ class LogNormalScenes(Dataset):
         return self.scenes[i]
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class StepClock(L.Callback):
-    """Wall time of each training batch (forward, backward, optimizer step)."""
+    """Wall time and this process's CPU time (all its threads) of each training batch (forward, backward, optimizer step)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self._start = self._cpu_start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), _cpu_seconds()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(_cpu_seconds() - self._cpu_start)
 
 
 def _workload(model_name: str, global_batch: int, steps: int):
@@ -129,13 +175,19 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     if isinstance(strategy, SparseDataParallelStrategy) and strategy.stage_times is not None:
         stages = strategy.stage_times.medians(skip=warmup)
     return {"step_s": statistics.median(times), "times": times, "stages": stages, "points_per_sample": points,
-            "rank": trainer.global_rank}
+            "rank": trainer.global_rank, "cpu_s": statistics.median(clock.cpu[warmup:])}
 
 
 def _pooled(runs: list[dict]) -> dict:
     """One result from runs of the same case: the median over all their steps, stage medians of the first."""
     times = [t for r in runs for t in r["times"]]
-    return {**runs[0], "times": times, "step_s": statistics.median(times)}
+    return {**runs[0], "times": times, "step_s": statistics.median(times),
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs)}
+
+
+def _passed_on() -> list[str]:
+    """Flags of this run that child processes must get too."""
+    return ["--default-malloc"] if "--default-malloc" in sys.argv else []
 
 
 def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int) -> dict:
@@ -143,7 +195,7 @@ def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int) -
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)]
+               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -181,84 +233,223 @@ def dispatch_us(replicas: int = 3, calls: int = 2000) -> tuple[float, float]:
     return statistics.median(ours) * 1e6, statistics.median(fresh) * 1e6
 
 
-def table(model_name: str, results: dict, global_batch: int) -> None:
+def table(model_name: str, results: dict, global_batch: int, label: str = "") -> None:
     base = results["auto-1"]["step_s"]
     points = results["auto-1"]["points_per_sample"] * global_batch
-    print(f"\n== {model_name}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
-    print(f"{'case':<18}{'devices':>8}{'batch/dev':>10}{'time/iter ms':>14}{'speedup':>9}{'ideal':>7}{'points/s':>11}")
+    print(f"\n== {model_name}{label}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
+    print(f"{'case':<18}{'devices':>8}{'batch/dev':>10}{'time/iter ms':>14}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
+          f"{'CPU ms/iter':>13}")
     for name, r in results.items():
         devices = r["devices"]
         print(f"{name:<18}{devices:>8}{global_batch / devices:>10.1f}{r['step_s'] * 1e3:>14.1f}"
-              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}")
+              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}")
+
+
+#: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop).
+STAGES = ["split", "place", "replicate", "apply", "gather", "log", "backward", "reduce", "other"]
+
+
+def stage_breakdown(result: dict) -> dict[str, float]:
+    """Median ms of each stage of one case; ``backward`` without ``reduce``; ``other`` = step - the rest."""
+    st = {k: v * 1e3 for k, v in (result.get("stages") or {}).items()}
+    if not st:
+        return {}
+    out = {n: st.get(n, 0.0) for n in STAGES[:-1]}
+    out["backward"] = max(0.0, out["backward"] - out["reduce"])
+    out["other"] = max(0.0, result["step_s"] * 1e3 - sum(out.values()))
+    out["replica forward max"] = max((v for k, v in st.items() if k.startswith("replica")), default=0.0)
+    out["replica backward max"] = max((v for k, v in st.items() if k.startswith("backward") and k != "backward"),
+                                      default=0.0)
+    return out
 
 
 def stage_table(results: dict) -> None:
-    names = ["split", "place", "replicate", "apply", "gather", "log", "backward"]
-    print(f"\n{'stage medians (ms)':<20}" + "".join(f"{n:>10}" for n in names) + f"{'replica max':>12}")
+    names = STAGES + ["replica forward max", "replica backward max"]
+    print(f"\n{'stage medians (ms)':<20}" + "".join(f"{n.replace('replica ', 'r.'):>12}" for n in names))
     for case, r in results.items():
-        st = r.get("stages") or {}
-        if not st:
-            continue
-        replica_max = max((v for k, v in st.items() if k.startswith("replica")), default=0.0)
-        print(f"{case:<20}" + "".join(f"{st.get(n, 0.0) * 1e3:>10.2f}" for n in names) + f"{replica_max * 1e3:>12.2f}")
+        st = stage_breakdown(r)
+        if st:
+            print(f"{case:<20}" + "".join(f"{st[n]:>12.2f}" for n in names))
+
+
+#: ME's documentation, MinkUNet on 4 Titan XP GPUs: average speedup at 2 / 3 / 4 GPUs (the seed's table).
+ME_GPU_SPEEDUP = {1: 1.0, 2: 1.90, 3: 2.60, 4: 2.60}
+
+
+def _speedup_lines(results: dict) -> dict[str, tuple[list[int], list[float]]]:
+    base = results["auto-1"]["step_s"]
+    one = results.get("sparse_dp-1", results["auto-1"])["step_s"]
+    lines = {
+        "sparse_dp": ([1] + [d for d in (2, 3) if f"sparse_dp-{d}" in results],
+                      [base / one] + [base / results[f"sparse_dp-{d}"]["step_s"] for d in (2, 3) if f"sparse_dp-{d}" in results]),
+        "sparse_dp, sync BN": ([1, 3], [base / one, base / results["sparse_dp-3 syncBN"]["step_s"]]),
+        "DDP (gloo)": ([1, 2], [1.0, base / results["ddp-2 (gloo)"]["step_s"]]),
+    }
+    return lines
+
+
+def plot(runs: dict, out_dir: Path) -> list[Path]:
+    """``speedup.png`` (speedup against devices) and ``stages.png`` (stacked stage times) from ``runs``.
+
+    ``runs[(model, mode)]`` is a results dict of :func:`run_model`; ``mode`` is ``"default"`` or ``"1 thread"``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = sorted({m for m, _ in runs}, key=["segmentation", "digits"].index)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.6), squeeze=False)
+    colors = {"sparse_dp": "tab:blue", "sparse_dp, sync BN": "tab:orange", "DDP (gloo)": "tab:green"}
+    for ax, model in zip(axes[0], models):
+        for mode, style in (("default", "-"), ("1 thread", "--")):
+            if (model, mode) not in runs:
+                continue
+            for name, (xs, ys) in _speedup_lines(runs[(model, mode)]).items():
+                ax.plot(xs, ys, style, marker="o", color=colors[name], label=f"{name} ({mode})")
+        ax.plot([1, 4], [1, 4], ":", color="gray", label="ideal")
+        ax.plot(list(ME_GPU_SPEEDUP), list(ME_GPU_SPEEDUP.values()), "-.", marker="s", color="black",
+                label="ME docs, MinkUNet on GPUs")
+        ax.set(title=f"{model}: speedup over plain Lightning on one device", xlabel="devices (CPU replicas / processes)",
+               ylabel="speedup", xticks=[1, 2, 3, 4])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    speedup = out_dir / "speedup.png"
+    fig.savefig(speedup, dpi=110)
+    plt.close(fig)
+
+    bars = [(f"{model} {case} ({mode})", stage_breakdown(r)) for (model, mode), results in runs.items()
+            for case, r in results.items() if model == "segmentation" and stage_breakdown(r)]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 2.0))
+    left = np.zeros(len(bars))
+    cmap = plt.get_cmap("tab10")
+    for i, stage in enumerate(STAGES):
+        widths = np.array([b[stage] for _, b in bars])
+        ax.barh([name for name, _ in bars], widths, left=left, color=cmap(i), label=stage)
+        left += widths
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (medians; apply = the replicas' forward, backward = their backward passes)",
+           title="segmentation: where a sparse_dp step's time goes")
+    ax.legend(ncol=9, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / len(bars)), frameon=False)
+    fig.tight_layout()
+    stages = out_dir / "stages.png"
+    fig.savefig(stages, dpi=110)
+    plt.close(fig)
+    return [speedup, stages]
+
+
+def run_model(model_name: str, global_batch: int, steps: int, warmup: int, pairs: int, proxy: bool) -> dict:
+    """Every case of one model; ``proxy``: the 1-thread-per-replica run (no sparse_dp-1, one plain Lightning run)."""
+    def sdp(**kwargs):
+        return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
+
+    kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
+    results = {}
+    if proxy:
+        results["auto-1"] = {**run_case(model_name, "auto", 1, global_batch, steps, warmup), "devices": 1}
+    else:
+        # plain Lightning and sparse_dp devices=1 alternate (A B A B) and pool their steps, so that a slow
+        # spell of the machine does not land on one of them only
+        runs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup),
+                 run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(pairs)]
+        results["auto-1"] = {**_pooled([a for a, _ in runs]), "devices": 1}
+        results["sparse_dp-1"] = {**_pooled([b for _, b in runs]), "devices": 1}
+    for d in (2, 3):
+        results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup), "devices": d}
+    results["sparse_dp-3 syncBN"] = {
+        **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
+    }
+    results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
+    return results
+
+
+def run_proxy_child(models: list[tuple[str, int]], steps: int, warmup: int) -> dict:
+    """The 1-thread-per-replica proxy in a child process with ``OMP_NUM_THREADS=1`` and ``OPENBLAS_NUM_THREADS=1``.
+
+    Each replica, each DDP process (Lightning keeps a set ``OMP_NUM_THREADS``) and plain Lightning get
+    one intra-op thread: what independent devices look like from the CPU's side.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "proxy.json"
+        cmd = [sys.executable, __file__, "--proxy-child", ",".join(f"{m}:{b}" for m, b in models), "--proxy-out",
+               str(out), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the 1-thread child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        return json.loads(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run; figures are noisier)")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
-    parser.add_argument("--pairs", type=int, default=3, help="alternations of plain Lightning and sparse_dp devices=1")
+    parser.add_argument("--pairs", type=int, default=2, help="alternations of plain Lightning and sparse_dp devices=1")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
+    parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
     parser.add_argument("--ddp-child")
     parser.add_argument("--ddp-out")
+    parser.add_argument("--proxy-child")
+    parser.add_argument("--proxy-out")
     args = parser.parse_args()
     if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
         result = run_case(args.ddp_child, "ddp", 2, args.global_batch, args.steps, args.warmup)
         if result["rank"] == 0:
             Path(args.ddp_out).write_text(json.dumps(result))
         return
+    if args.proxy_child:  # run by run_proxy_child
+        models = [(m, int(b)) for m, b in (item.split(":") for item in args.proxy_child.split(","))]
+        out = {m: run_model(m, b, args.steps, args.warmup, 1, proxy=True) for m, b in models}
+        Path(args.proxy_out).write_text(json.dumps(out))
+        return
+    started = time.perf_counter()
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
     if args.quick:
         args.pairs = 1
+    load = os.getloadavg()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} intra-op threads; "
-          f"{steps} timed steps after {warmup} warm-up steps per case")
-    headline = {}
-    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", 96)):
-        results = {}
-
-        def sdp(**kwargs):
-            return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
-
-        kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
-        # plain Lightning and sparse_dp devices=1 alternate (A B A B) and pool their steps, so that a slow
-        # spell of the machine does not land on one of them only
-        pairs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup),
-                  run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(args.pairs)]
-        results["auto-1"] = {**_pooled([a for a, _ in pairs]), "devices": 1}
-        results["sparse_dp-1"] = {**_pooled([b for _, b in pairs]), "devices": 1}
-        for d in (2, 3):
-            results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup), "devices": d}
-        results["sparse_dp-3 syncBN"] = {
-            **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
-        }
-        results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
-        table(model_name, results, global_batch)
+          f"{steps} timed steps after {warmup} warm-up steps per case; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    models = [("segmentation", args.global_batch), ("digits", 96)]
+    runs = {}
+    for model_name, global_batch in models:
+        runs[(model_name, "default")] = run_model(model_name, global_batch, steps, warmup, args.pairs, proxy=False)
+    for model_name, results in run_proxy_child(models, steps, warmup).items():
+        runs[(model_name, "1 thread")] = results
+    for (model_name, mode), results in runs.items():
+        global_batch = dict(models)[model_name]
+        table(model_name, results, global_batch, label="" if mode == "default" else ", one intra-op thread per replica / process")
         stage_table(results)
-        if model_name == "segmentation":
-            three = results["sparse_dp-3"]
-            headline["overhead_ratio"] = round(results["sparse_dp-1"]["step_s"] / results["auto-1"]["step_s"], 4)
-            headline["split_fraction"] = round(
-                (three["stages"].get("split", 0) + three["stages"].get("place", 0)) / three["step_s"], 4
-            )
-            headline["ddp_throughput_ratio"] = round(results["ddp-2 (gloo)"]["step_s"] / results["sparse_dp-2"]["step_s"], 4)
-            headline["speedup_sparse_dp_3"] = round(results["auto-1"]["step_s"] / three["step_s"], 3)
+    seg_default, seg_1t = runs[("segmentation", "default")], runs[("segmentation", "1 thread")]
+    three = seg_default["sparse_dp-3"]
+    headline = {
+        "overhead_ratio": round(seg_default["sparse_dp-1"]["step_s"] / seg_default["auto-1"]["step_s"], 4),
+        "split_fraction": round((three["stages"].get("split", 0) + three["stages"].get("place", 0)) / three["step_s"], 4),
+        "ddp_throughput_ratio": round(seg_default["ddp-2 (gloo)"]["step_s"] / seg_default["sparse_dp-2"]["step_s"], 4),
+        "ddp_throughput_ratio_1t": round(seg_1t["ddp-2 (gloo)"]["step_s"] / seg_1t["sparse_dp-2"]["step_s"], 4),
+        "speedup_sparse_dp_2": round(seg_default["auto-1"]["step_s"] / seg_default["sparse_dp-2"]["step_s"], 3),
+        "speedup_sparse_dp_3": round(seg_default["auto-1"]["step_s"] / three["step_s"], 3),
+        "speedup_sparse_dp_2_1t": round(seg_1t["auto-1"]["step_s"] / seg_1t["sparse_dp-2"]["step_s"], 3),
+        "syncbn_cost_ratio": round(seg_default["sparse_dp-3 syncBN"]["step_s"] / three["step_s"], 4),
+        "syncbn_cost_ratio_1t": round(seg_1t["sparse_dp-3 syncBN"]["step_s"] / seg_1t["sparse_dp-3"]["step_s"], 4),
+        "replicate_ms": round(three["stages"].get("replicate", 0.0) * 1e3, 3),
+        "digits_speedup_sparse_dp_2_1t": round(
+            runs[("digits", "1 thread")]["auto-1"]["step_s"] / runs[("digits", "1 thread")]["sparse_dp-2"]["step_s"], 3
+        ),
+    }
     headline["imbalance_balanced"] = round(imbalance("balanced"), 4)
     headline["imbalance_contiguous"] = round(imbalance("contiguous"), 4)
     ours, fresh = dispatch_us()
     headline["dispatch_us"] = {"sparse_dp": round(ours, 1), "parallel_apply_threads": round(fresh, 1)}
     headline["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    print()
+    figures = plot(runs, Path(args.figures))
+    load = os.getloadavg()
+    print(f"\nplots: {', '.join(str(f) for f in figures)}; {time.perf_counter() - started:.0f} s in all; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(json.dumps(headline))
 
 

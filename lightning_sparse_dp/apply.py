@@ -12,6 +12,7 @@ are waited for first so nothing is left running.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,13 +22,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from lightning_sparse_dp.collective import ReplicaAborted
 from lightning_sparse_dp.place import device_context
 
 T = TypeVar("T")
-
-
-class ReplicaAborted(RuntimeError):
-    """A replica stopped because another one failed (a secondary error: the other one's is raised)."""
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -71,12 +69,15 @@ class ReplicaExecutor:
 
     Args:
         num_threads: the most replicas run at once (the number of devices).
+        threads_per_replica: torch intra-op threads of each replica thread when several replicas run
+            (:mod:`lightning_sparse_dp.threads`); ``None``: the caller's count.
     """
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, threads_per_replica: int | None = None) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}.")
         self.num_threads = num_threads
+        self.threads_per_replica = threads_per_replica
         self._threads = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_threads)
         ]
@@ -100,6 +101,8 @@ class ReplicaExecutor:
         state = ThreadState.capture()
         if len(fns) == 1:
             return [_call(fns[0], devices[0], 0, state)]
+        if self.threads_per_replica is not None:
+            state = dataclasses.replace(state, num_threads=self.threads_per_replica)
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
                 self._threads[i].submit(_call, fn, device, i, state) for i, (fn, device) in enumerate(zip(fns, devices))

@@ -32,11 +32,14 @@ class MetricReplicas:
 class ReplicaMetrics:
     """Empty copies of a module's metrics for the replicas of each step.
 
-    Keeps one empty template per root metric (made on first use), so a step copies empty states only.
+    Each root metric gets one copy per replica index and device, made on first use (``Metric.clone`` of
+    an empty template, so the root's accumulated state is never copied) and kept for the run; every
+    step resets it (``Metric.reset``, far cheaper than a new copy) before handing it to the replica.
     """
 
     def __init__(self) -> None:
         self._templates: dict[int, Metric] = {}
+        self._copies: dict[tuple[int, int, torch.device], Metric] = {}
 
     def _template(self, metric: Metric) -> Metric:
         template = self._templates.get(id(metric))
@@ -45,6 +48,18 @@ class ReplicaMetrics:
             template.reset()
             self._templates[id(metric)] = template
         return template
+
+    def _copy(self, metric: Metric, index: int, device: torch.device) -> Metric:
+        key = (id(metric), index, device)
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._template(metric).clone()
+            if device != metric.device:
+                copy.to(device)
+            self._copies[key] = copy
+        else:
+            copy.reset()
+        return copy
 
     def install(self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device]) -> list[MetricReplicas]:
         """Put an empty copy of every metric of ``root`` into each replica (on its device), in place.
@@ -56,11 +71,9 @@ class ReplicaMetrics:
             return []
         found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
         merged = [MetricReplicas(name, m, []) for name, m in found]
-        for replica, device in zip(replicas, devices):
+        for index, (replica, device) in enumerate(zip(replicas, devices)):
             for entry in merged:
-                copy = self._template(entry.root).clone()
-                if device != entry.root.device:
-                    copy.to(device)
+                copy = self._copy(entry.root, index, device)
                 parent, _, attr = entry.name.rpartition(".")
                 replica.get_submodule(parent)._modules[attr] = copy
                 entry.replicas.append(copy)

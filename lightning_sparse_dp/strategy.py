@@ -18,21 +18,23 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.backward import split_backward
 from lightning_sparse_dp.gather import LossWeighting, check_loss_weighting, gather_outputs, step_losses, step_weights
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls, silence_print
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
+from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
 from lightning_sparse_dp.timing import StageTimes
-from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm
+from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm, sync_layers
 
 
 class _NoTimes(StageTimes):
@@ -155,6 +157,9 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.split_fn = split_fn
         self.sync_batchnorm = sync_batchnorm
         self._executor: ReplicaExecutor | None = None
+        self._replicas: Replicas | None = None
+        self._thread_split: ThreadSplit | None = None
+        self._replica_sync_layers: list[list] = []
         self._warned_transfer_hooks = False
         self._bn_swaps: list = []
         self._replica_metrics = ReplicaMetrics()
@@ -196,6 +201,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         super().setup(trainer)
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices or [self.root_device]))
+        self._split_threads()
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -243,6 +249,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        self._replicas = None
+        self._replica_sync_layers = []
+        if self._thread_split is not None:
+            self._thread_split.restore()
+            self._thread_split = None
         Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
 
     # --- the step ------------------------------------------------------------------------------
@@ -326,11 +337,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
         try:
             with times.stage("replicate"):
                 # one chunk on the root device: run the module itself, no replica needed
-                replicas = [module] if devices == [self.root_device] else replicate(module, devices)
+                replicas = [module] if devices == [self.root_device] else self._refresh_replicas(module, devices)
                 metrics = self._replica_metrics.install(module, replicas, devices)
                 recorders = [install_recorder(r) for r in replicas]
                 silence_print(replicas)
-                group = join_replicas(module, replicas)
+                group = join_replicas(self._replica_sync_layers[: len(replicas)]) if len(replicas) > 1 else None
             steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
             if group is not None:
                 steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
@@ -346,6 +357,14 @@ class SparseDataParallelStrategy(ParallelStrategy):
         weights = step_weights(plan, placed, self.loss_weighting, self._warnings)
         with times.stage("gather"):
             output = gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
+        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
+            # each replica runs its own backward in its own thread when Lightning calls backward on the loss
+            assert self._replicas is not None
+            output = split_backward(
+                output,
+                outputs,
+                dict(weights=weights, replicas=self._replicas, executor=self._executor, group=group, times=times),
+            )
         with times.stage("log"):
             merge_into_root(metrics)
             calls = reduce_log_calls(
@@ -353,6 +372,27 @@ class SparseDataParallelStrategy(ParallelStrategy):
             )
             emit(module, calls)
         return output
+
+    def _split_threads(self) -> None:
+        """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
+        devices = list(self.parallel_devices or [])
+        if self._thread_split is not None or len(devices) < 2 or self.root_device.type != "cpu":
+            return
+        self._thread_split = split_threads(len(devices))
+        if self._thread_split is not None and self._executor is not None:
+            self._executor.threads_per_replica = self._thread_split.per_replica
+            rank_zero_info(
+                f"sparse_dp: {len(devices)} CPU replicas on {available_cores()} cores get "
+                f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
+                "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
+            )
+
+    def _refresh_replicas(self, module: nn.Module, devices: list[torch.device]) -> list[nn.Module]:
+        """The persistent replicas for ``devices``, refreshed for this step (rebuilt when the module changed)."""
+        if self._replicas is None or not self._replicas.matches(module, devices):
+            self._replicas = Replicas(module, self.parallel_devices or devices)
+            self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
+        return self._replicas.refresh(len(devices))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with (self.stage_times or _NO_TIMES).stage("backward"):

@@ -2,7 +2,9 @@
 
 Stages: ``split``, ``place``, ``replicate``, ``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (metric merging and
-logging) and ``backward`` (the gathered loss's backward pass, all replicas at once). Timed with
+logging), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
+``backward<i>`` (replica ``i``'s backward pass, inside its thread) and ``reduce`` (the replicas'
+gradients added into the module's). Timed with
 ``time.perf_counter``; on CUDA the times are host-side (kernels may still run; synchronize in the
 step for device times).
 """

@@ -1,0 +1,216 @@
+"""Per-replica backward through Lightning's backward path, against one device with the whole batch (float64)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_sparse_dp import SparseDataParallelStrategy
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+
+F64 = dict(precision="64-true")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def _pair(cls=SparseNet, **kwargs):
+    a, b = cls(**kwargs), cls(**kwargs)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _assert_exact(ours, reference, bound=1e-10):
+    ref = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        if value.is_floating_point():
+            assert rel(value, ref[name]) < bound, name
+        else:
+            assert torch.equal(value, ref[name]), name
+
+
+def _batches(n=3, samples=7, seed=70):
+    return [collate_dict(random_samples(samples, seed=seed + i)) for i in range(n)]
+
+
+class _ThreadProbe(SparseNet):
+    """Records, in each replica's backward, its thread; the hooks pass a barrier only if all run at once."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.barrier = threading.Barrier(3, timeout=30)
+        self.backward_threads: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+
+        def hook(grad):
+            self.backward_threads.append(threading.current_thread().name)
+            self.barrier.wait()  # a BrokenBarrierError unless the three replicas' backward passes overlap
+            return grad
+
+        loss.register_hook(hook)
+        return loss
+
+
+def test_each_replica_runs_its_backward_in_its_own_thread_at_once():
+    model = _ThreadProbe()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=2).fit(model, loader(*_batches(2)))
+    assert sorted(model.backward_threads) == sorted(f"sparse_dp-replica{i}_0" for i in range(3) for _ in range(2))
+
+
+class _Hooks(SparseNet):
+    """Records the loss seen by on_before_backward and the gradients seen by on_after_backward."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.before: list[torch.Tensor] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_before_backward(self, loss):
+        self.before.append(loss.detach().clone())
+
+    def on_after_backward(self):
+        self.after.append([p.grad.clone() for p in self.parameters()])
+
+
+def test_backward_hooks_see_the_one_device_loss_and_gradients():
+    ours, reference = _pair(_Hooks)
+    batches = _batches()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=3, **F64).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=3, **F64).fit(reference, loader(*batches))
+    assert len(ours.before) == len(ours.after) == 3
+    for got, want in zip(ours.before, reference.before):
+        assert rel(got, want) < 1e-10
+    for got, want in zip(ours.after, reference.after):
+        for g, w in zip(got, want):
+            assert rel(g, w) < 1e-10
+    _assert_exact(ours, reference)
+
+
+class _ScaledBackward(SparseNet):
+    """A LightningModule.backward override that changes the loss before its backward pass."""
+
+    def backward(self, loss, *args, **kwargs):
+        (loss * 3.0 + 0.5).backward(*args, **kwargs)
+
+
+def test_a_backward_override_runs_in_the_main_thread_and_its_changes_reach_every_replica():
+    ours, reference = _pair(_ScaledBackward, batch_norm=True)
+    batches = _batches()
+    kwargs = dict(max_steps=3, gradient_clip_val=0.5, **F64)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **kwargs).fit(ours, loader(*batches))
+    trainer(devices=1, **kwargs).fit(reference, loader(*batches))
+    _assert_exact(ours, reference)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"accumulate_grad_batches": 3}, {"gradient_clip_val": 0.05}, {"gradient_clip_algorithm": "value", "gradient_clip_val": 0.01}],
+    ids=["accumulate", "clip-norm", "clip-value"],
+)
+def test_accumulation_and_clipping_in_float64(kwargs):
+    ours, reference = _pair(batch_norm=True)
+    batches = _batches(6)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=2, **kwargs, **F64).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=2, **kwargs, **F64).fit(reference, loader(*batches))
+    _assert_exact(ours, reference)
+
+
+def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
+    """16-mixed with a GradScaler: the scaled loss's gradient reaches every replica, and the unscaled step is right."""
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)]
+    ours, reference = _pair(batch_norm=True)
+    batches = _batches()
+    seen = []
+
+    class Scale(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            seen.append(pl_module.net[0].kernel.grad.abs().max().item())
+
+    for model, strategy, devices, scaler in [(ours, "sparse_dp", 3, scalers[0]), (reference, "auto", 1, scalers[1])]:
+        trainer(
+            strategy=strategy, devices=devices, sync_batchnorm=devices > 1, max_steps=3, callbacks=[Scale()],
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        ).fit(model, loader(*batches))
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    ours_seen, ref_seen = seen[:3], seen[3:]
+    for a, b in zip(ours_seen, ref_seen):
+        assert a == pytest.approx(b, rel=1e-3) and a > 10  # scaled gradients (the unscaled ones are < 1)
+    ref = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-3, atol=1e-4, msg=name)  # float16 autocast rounding
+
+
+class _TwiceBackward(SparseNet):
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+def test_a_second_backward_through_the_loss_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        trainer(strategy="sparse_dp", devices=3).fit(_TwiceBackward(), loader(*_batches(1)))
+
+
+class _FailingBackward(SparseNet):
+    """Replica ``fail`` (by chunk size) raises in its backward pass."""
+
+    def __init__(self, fail: int):
+        super().__init__(batch_norm=True)
+        self.fail = fail
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch["labels"].shape[0] == self.fail:
+
+            def hook(grad):
+                raise ValueError("backward fails in one replica")
+
+            loss.register_hook(hook)
+        return loss
+
+
+def test_an_error_in_one_replica_backward_stops_the_others_and_surfaces():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="backward fails in one replica") as info:
+        trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, sync_batchnorm=True).fit(
+            _FailingBackward(fail=3), loader(*_batches(1))
+        )
+    assert "raised in replica 0" in "".join(getattr(info.value, "__notes__", []))
+    assert time.perf_counter() - start < 60  # a bound against a hang, not a speed target
+
+
+class _Freeze(Callback):
+    """Freezes the first convolution before the second step; records the replicas object of every step."""
+
+    def __init__(self):
+        self.replicas = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            pl_module.net[0].kernel.requires_grad_(False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.replicas.append(getattr(trainer.strategy, "_replicas", None))
+
+
+def test_replicas_persist_across_steps_and_are_rebuilt_when_layers_are_frozen():
+    ours, reference = _pair(batch_norm=True)
+    frozen_start = ours.net[0].kernel.detach().clone()
+    batches = _batches(4)
+    record = _Freeze()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=4, callbacks=[record], **F64).fit(
+        ours, loader(*batches)
+    )
+    trainer(devices=1, max_steps=4, callbacks=[_Freeze()], **F64).fit(reference, loader(*batches))
+    first, second, third, fourth = record.replicas
+    assert first is not None and second is not first and third is second and fourth is second
+    assert not torch.equal(ours.net[0].kernel, frozen_start.double())  # moved in step 1, then frozen
+    _assert_exact(ours, reference)

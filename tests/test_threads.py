@@ -1,0 +1,76 @@
+"""CPU cores split between CPU replicas (torch, ME's OpenMP, OpenBLAS), in fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lightning_sparse_dp.threads import available_cores, threads_per_replica
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROBE = """
+import json, sys, threading, torch
+import MinkowskiEngine as ME
+import lightning_sparse_dp
+from lightning_sparse_dp.threads import _openblas, me_coordinate_manager_module
+cm = me_coordinate_manager_module()
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+{before}
+seen = []
+
+class Probe(SparseNet):
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)  # ME sets OpenMP threads here
+        seen.append([threading.current_thread().name, torch.get_num_threads(), cm.CPU_COUNT])
+        return super().training_step(batch, batch_idx)
+
+start = [cm.CPU_COUNT, torch.get_num_threads(), int(_openblas().openblas_get_num_threads())]
+trainer(strategy="sparse_dp", devices={devices}).fit(Probe(), loader(collate_dict(random_samples(6))))
+end = [cm.CPU_COUNT, torch.get_num_threads(), int(_openblas().openblas_get_num_threads())]
+print(json.dumps({{"seen": seen, "start": start, "end": end}}))
+"""
+
+
+def _probe(tmp_path, devices: int, before: str = "", env: dict | None = None) -> dict:
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(_PROBE.format(before=before, devices=devices)))
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    environ.update(env or {}, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_threads_per_replica_is_lightnings_ddp_share():
+    assert threads_per_replica(3, cores=16) == 5
+    assert threads_per_replica(4, cores=2) == 1
+    assert threads_per_replica(1, cores=8) == 8
+    with pytest.raises(ValueError, match="num_replicas"):
+        threads_per_replica(0)
+
+
+def test_each_replica_gets_its_share_for_torch_and_me_and_everything_is_restored(tmp_path):
+    out = _probe(tmp_path, devices=2)
+    share = max(1, available_cores() // 2)
+    assert len(out["seen"]) == 2
+    for name, torch_threads, me_count in out["seen"]:
+        assert name.startswith("sparse_dp-replica")
+        assert torch_threads == share and me_count == share  # after ME built its coordinate manager in the thread
+    assert out["end"] == out["start"]  # ME's CPU_COUNT, the main thread's torch threads, OpenBLAS
+
+
+def test_nothing_is_changed_when_the_user_chose_the_threads(tmp_path):
+    out = _probe(tmp_path, devices=2, env={"OMP_NUM_THREADS": "1"})
+    for _, torch_threads, me_count in out["seen"]:
+        assert torch_threads == 1 and me_count == 1  # the user's count, read by ME from the environment
+    chosen = _probe(tmp_path, devices=2, before="torch.set_num_threads(3)")
+    original = chosen["start"][0]
+    assert all(me_count == original for _, _, me_count in chosen["seen"])  # ME's CPU_COUNT untouched
