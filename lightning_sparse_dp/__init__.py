@@ -1,6 +1,7 @@
 """lightning-sparse-dp: train MinkowskiEngine sparse networks on several devices with Lightning.
 
-``import lightning_sparse_dp`` registers the strategy ``"sparse_dp"``::
+``import lightning_sparse_dp`` registers the strategies ``"sparse_dp"`` (one process) and
+``"sparse_ddp"`` (:mod:`~lightning_sparse_dp.ddp`: processes and machines on torch.distributed)::
 
     import lightning as L
     import lightning_sparse_dp  # noqa: F401
@@ -18,16 +19,19 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
 - :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
 - :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
-- :mod:`~lightning_sparse_dp.timing`: per-stage step times.
+- :mod:`~lightning_sparse_dp.timing`: per-stage step times;
+- :mod:`~lightning_sparse_dp.sampler`: each rank's point-balanced share of every global batch (``sparse_ddp``).
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
+from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import (
     BatchLayoutError,
     SparseSpec,
@@ -46,10 +50,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayoutError",
+    "PointBalancedBatchSampler",
     "PreSplitBatch",
     "PreSplitCollate",
     "ReplicaExecutor",
     "ReplicaSyncBatchNorm",
+    "SparseDDPStrategy",
     "SparseDataParallelStrategy",
     "SparseSpec",
     "SplitPlan",
