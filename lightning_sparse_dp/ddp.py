@@ -178,6 +178,12 @@ class SparseDDPStrategy(DDPStrategy):
         """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
         mean weighted like the loss, ``sum_r n_r x_r / N`` (``self.log(..., sync_dist=True)`` uses it)."""
         is_mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_OPS
+        if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
+            # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
+            # sum of 7 samples on 2 ranks becomes 3, and every epoch mean with an odd total is wrong. Mean in float.
+            total = tensor.to(torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            return total / dist.get_world_size(group)
         if self._weights is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         n, total = self._weights
