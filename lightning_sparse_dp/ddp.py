@@ -130,34 +130,31 @@ class SparseDDPStrategy(DDPStrategy):
         self.split = split
         self.count_points = count_points
         self.layout = dict(layout) if layout else None
-        self._weights: tuple[float, float] | None = None  # (n_r, N) during a step
+        self._count: float | None = None  # n_r during a training / validation / test step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
 
     # --- exact loss and logs ---------------------------------------------------------------------
-    def step_weights(self, batch: Any) -> tuple[float, float]:
-        """``(n_r, N)`` of this step: this rank's count and the global batch's (one all-reduce).
-
-        Every rank must call it once per step, in the same order (it is a collective).
-        """
-        n = local_count(batch, self.loss_weighting, self.layout)
+    def global_count(self, n: float) -> float:
+        """``N = sum_r n_r`` over the ranks (one all-reduce; every rank must call it, in the same order)."""
         if self.loss_weighting == "equal" or not dist.is_available() or not dist.is_initialized():
-            return n, n * self.world_size
+            return n * self.world_size
         total = torch.tensor([n], dtype=torch.float64, device=self.root_device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return n, float(total.item())
+        return float(total.item())
 
     def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        n, total = self.step_weights(args[0] if args else kwargs.get("batch"))
-        self._weights = (n, total)
-        self._loss_scale = self.world_size * n / total
+        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout)
+        if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
+            self._loss_scale = self.world_size * n / self.global_count(n)
+        self._count = n
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         try:
             return getattr(super(), hook)(*args, **kwargs)
         finally:
-            self._weights = None
+            self._count = None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._weighted("training_step", args, kwargs)
@@ -176,7 +173,8 @@ class SparseDDPStrategy(DDPStrategy):
 
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
         """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
-        mean weighted like the loss, ``sum_r n_r x_r / N`` (``self.log(..., sync_dist=True)`` uses it)."""
+        mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
+        and a ``"mean"`` of an integer tensor is a float mean."""
         is_mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_OPS
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
             # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
@@ -184,13 +182,13 @@ class SparseDDPStrategy(DDPStrategy):
             total = tensor.to(torch.float64)
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             return total / dist.get_world_size(group)
-        if self._weights is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
+        if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        n, total = self._weights
-        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
-        weighted = tensor.to(dtype) * n
-        dist.all_reduce(weighted, op=dist.ReduceOp.SUM, group=group)
-        return weighted / total
+        # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
+        n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
+        pair = torch.stack([value * n, torch.full_like(value, n)])
+        dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
+        return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
 
     # --- point-balanced batches ------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
