@@ -14,6 +14,7 @@ import lightning as L
 import MinkowskiEngine as ME
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
@@ -75,11 +76,13 @@ class Capture(Logger):
 
 
 class ClassNet(SparseNet):
-    """Per-sample classification (mean over samples); ``sync_dist=True`` logs, on step and epoch."""
+    """Per-sample classification (mean over samples); ``sync_dist=True`` logs, on step and epoch; validation
+    accuracy from torchmetrics (states synchronized across processes by torchmetrics, as under DDP)."""
 
     def __init__(self, batch_norm: bool = False, explicit_batch_size: bool = False) -> None:
         super().__init__(batch_norm=batch_norm, lr=0.2)
         self.explicit_batch_size = explicit_batch_size
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
 
     def _size(self, batch) -> dict[str, int]:
         return {"batch_size": int(batch["labels"].shape[0])} if self.explicit_batch_size else {}
@@ -90,7 +93,11 @@ class ClassNet(SparseNet):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch), sync_dist=True, batch_size=int(batch["labels"].shape[0]))
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.val_acc(logits, batch["labels"])
+        self.log("val_loss", F.cross_entropy(logits, batch["labels"]), sync_dist=True, batch_size=int(batch["labels"].shape[0]))
+        self.log("val_acc", self.val_acc)
 
 
 class PointNet(L.LightningModule):
