@@ -17,6 +17,9 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
+- :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
+- :mod:`~lightning_sparse_dp.batchnorm`: synchronized batch-norm math over any collective;
+- :mod:`~lightning_sparse_dp.collective`: the all-gather between replica threads (or processes);
 - :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
 - :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
 - :mod:`~lightning_sparse_dp.timing`: per-stage step times;
@@ -26,11 +29,13 @@ The data path of one step, one module per stage:
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
+from lightning_sparse_dp.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
-from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.replicate import Replicas, replicate
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import (
     BatchLayoutError,
@@ -50,16 +55,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayoutError",
+    "Collective",
     "PointBalancedBatchSampler",
     "PreSplitBatch",
     "PreSplitCollate",
+    "ReplicaAborted",
     "ReplicaExecutor",
+    "Replicas",
     "ReplicaSyncBatchNorm",
     "SparseDDPStrategy",
     "SparseDataParallelStrategy",
     "SparseSpec",
     "SplitPlan",
     "StageTimes",
+    "SyncBatchNorm",
+    "ThreadGroup",
     "balanced_assignment",
     "chunk_weights",
     "contiguous_assignment",

@@ -21,13 +21,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from lightning_sparse_dp.collective import ReplicaAborted
 from lightning_sparse_dp.place import device_context
 
 T = TypeVar("T")
-
-
-class ReplicaAborted(RuntimeError):
-    """A replica stopped because another one failed (a secondary error: the other one's is raised)."""
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 

@@ -1,29 +1,36 @@
-"""Replicate: one copy of the module per device for this step, MinkowskiEngine layers included.
+"""Replicate: one copy of the module per device, built once per run and refreshed every step.
 
-On CUDA devices this is ``torch.nn.parallel.replicate`` (parameters broadcast with autograd, so
-gradients flow back to the root's parameters). On CPU devices it builds the same kind of replica
-without copying: with grad enabled, each replica's parameters are aliases made by one
-:class:`BroadcastAlias` node, whose backward sums the replicas' gradients in replica order (as
-torch's ``Broadcast`` / ``ReduceAddCoalesced`` do), so the sum does not depend on which replica's
-backward ran first; with grad disabled, replicas use the root's parameters themselves.
+:class:`Replicas` builds the copies the way ``torch.nn.parallel.replicate`` does (every submodule
+copied with ``Module._replicate_for_data_parallel``), with three differences:
 
-As with ``nn.DataParallel``, a replica's parameters are plain attributes, not ``Parameter``
-objects; the replica's top module answers ``parameters()`` / ``named_parameters()`` with them,
-so a weight penalty computed in the step reaches the root's parameters.
+- Parameters. Each replica holds its own leaf ``nn.Parameter`` per trainable parameter of the
+  module, so each replica's backward (run in its own thread) accumulates into its own ``.grad`` and
+  :meth:`Replicas.reduce_gradients` adds them up in replica order (bit-for-bit repeatable, as
+  ``torch.cuda.comm.reduce_add_coalesced`` for ``nn.DataParallel``). On CPU, and for the replica on
+  the root device, the leaves share the module's parameter storage, so the optimizer's in-place update
+  is seen at once; on other CUDA devices they are copies, refreshed before every step with
+  ``torch.cuda.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
+  module's own. Replica parameters are real ``Parameter`` objects, so ``replica.layer.parameters()``
+  works in the step.
+- Buffers follow ``nn.DataParallel``: the root replica shares the module's buffers (its in-place
+  updates, e.g. batch-norm running statistics, persist); the other replicas hold copies, refreshed
+  from the module's before every step.
+- ME layers: ``Module._replicate_for_data_parallel`` copies only ``__dict__``, but ME's convolution,
+  channel-wise convolution and pooling layers keep ``dimension``, ``kernel_generator``, ``conv``,
+  ``use_mm``, ... in ``__slots__`` (upstream MinkowskiEngine issues #264, #366, #618);
+  :func:`copy_slots` carries them over.
 
-Buffers follow ``torch.nn.DataParallel``: replica 0 (the root device) shares the root's buffers,
-so its in-place updates (batch-norm running statistics) persist; the other replicas get copies.
-
-``Module._replicate_for_data_parallel`` copies only ``__dict__``, but ME's convolution, channel-wise
-convolution and pooling layers keep ``dimension``, ``kernel_generator``, ``conv``, ``use_mm``, ...
-in ``__slots__`` (upstream MinkowskiEngine issues #264, #366, #618). :func:`copy_slots` carries
-every ``__slots__`` attribute over to the replica.
+Every step, :meth:`Replicas.refresh` copies each module's attributes (``training``, hooks, plain
+attributes, everything in ``__dict__`` but its parameters, buffers and children) onto its copies, so
+a replica behaves as a fresh ``_replicate_for_data_parallel`` copy would. :meth:`Replicas.matches`
+tells when the replicas must be rebuilt instead: a submodule, parameter or buffer was added,
+removed or replaced, a parameter's ``requires_grad`` changed (fine-tuning that freezes layers), or
+its storage moved (``module.to(...)``, ``configure_model``, a precision plugin's conversion).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -54,101 +61,163 @@ def copy_slots(source: nn.Module, replica: nn.Module) -> None:
             object.__setattr__(dst, name, value)
 
 
-class BroadcastAlias(torch.autograd.Function):
-    """``num_replicas`` aliases of each parameter; backward adds their gradients in replica order.
-
-    ``apply(num_replicas, *params)`` returns ``num_replicas * len(params)`` tensors, replica-major.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, num_replicas: int, *params: Tensor) -> tuple[Tensor, ...]:
-        ctx.num_replicas, ctx.num_params = num_replicas, len(params)
-        ctx.set_materialize_grads(False)
-        return tuple(p.view_as(p) for _ in range(num_replicas) for p in params)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        n = ctx.num_params
-        sums: list[Tensor | None] = []
-        for j in range(n):
-            total = None
-            for r in range(ctx.num_replicas):
-                g = grads[r * n + j]
-                if g is not None:
-                    total = g if total is None else total + g
-            sums.append(total)
-        return (None, *sums)
+_OWN = ("_parameters", "_buffers", "_modules")
 
 
-def _replicate_cpu(module: nn.Module, num_replicas: int) -> list[nn.Module]:
-    modules = list(module.modules())
-    index = {id(m): i for i, m in enumerate(modules)}
-    trainable = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-    aliases = BroadcastAlias.apply(num_replicas, *trainable) if trainable else ()
-    replicas: list[nn.Module] = []
-    for r in range(num_replicas):
-        alias_of = {id(p): aliases[r * len(trainable) + j] for j, p in enumerate(trainable)}
-        copies = [m._replicate_for_data_parallel() for m in modules]
-        for m, c in zip(modules, copies):
-            c._parameters = {}
-            for key, param in m._parameters.items():
-                if param is None or id(param) not in alias_of:
-                    c._parameters[key] = param  # no gradient to route: share the root's Parameter
-                else:
-                    setattr(c, key, alias_of[id(param)])  # a plain attribute, as torch's replicate does
-            if r > 0:
-                c._buffers = {k: (None if b is None else b.detach().clone()) for k, b in m._buffers.items()}
-            c._modules = {k: (None if child is None else copies[index[id(child)]]) for k, child in m._modules.items()}
-        replicas.append(copies[0])
-    return replicas
-
-
-def _expose_parameters(module: nn.Module, replica: nn.Module) -> None:
-    """Let ``replica.parameters()`` / ``named_parameters()`` yield the replica's copies of ``module``'s parameters."""
-    copies = dict(replica.named_modules())
-    named = []
-    for name, _ in module.named_parameters():
-        owner, _, attr = name.rpartition(".")
-        named.append((name, getattr(copies[owner], attr)))
-
-    def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return iter([(prefix + ("." if prefix else "") + n, p) for n, p in named])
-
-    def parameters(recurse: bool = True):
-        return iter([p for _, p in named])
-
-    replica.named_parameters = named_parameters
-    replica.parameters = parameters
-
-
-def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """Replicas of ``module`` for ``devices`` (all CPU or all CUDA, the root device first).
+class Replicas:
+    """Persistent replicas of ``module`` for ``devices`` (all CPU or all CUDA, the root device first).
 
     Args:
         module: the root module, on ``devices[0]``.
         devices: one device per replica.
 
-    Returns:
-        ``len(devices)`` modules; replica ``i`` lives on ``devices[i]``.
+    Attributes:
+        modules: the replicas, ``modules[i]`` on ``devices[i]``.
+        trainable: the module's parameters that require a gradient, in ``module.parameters()`` order.
+        leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
 
     Raises:
         ValueError: no devices, or CPU and CUDA devices mixed.
     """
-    if not devices:
-        raise ValueError("replicate needs at least one device.")
-    kinds = {d.type for d in devices}
-    if len(kinds) > 1:
-        raise ValueError(f"replicate needs devices of one kind, got {sorted(kinds)}.")
-    if kinds == {"cuda"}:
-        replicas = nn.parallel.replicate(module, list(devices), detach=not torch.is_grad_enabled())
-    else:
-        replicas = _replicate_cpu(module, len(devices))
-    for replica, device in zip(replicas, devices):
-        copy_slots(module, replica)
-        _expose_parameters(module, replica)
-        if hasattr(replica, "_device"):  # Lightning's DeviceDtypeModuleMixin: `self.device` in the replica
-            replica._device = device
-    return replicas
+
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
+        if not devices:
+            raise ValueError("replicate needs at least one device.")
+        kinds = {d.type for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(f"replicate needs devices of one kind, got {sorted(kinds)}.")
+        self.root = module
+        self.devices = list(devices)
+        self._sources = list(module.modules())
+        self._fingerprint = _fingerprint(self._sources)
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        index = {id(m): i for i, m in enumerate(self._sources)}
+        self.modules: list[nn.Module] = []
+        self.leaves: list[list[Tensor]] = []
+        self._copies: list[list[nn.Module]] = []
+        self._buffer_pairs: list[tuple[list[Tensor], list[Tensor]]] = []  # per replica > 0: (root buffers, copies)
+        root_device = self.devices[0]
+        for r, device in enumerate(self.devices):
+            shares_storage = device.type == "cpu" or device == root_device
+            leaf_of = {}
+            for p in self.trainable:
+                data = p.detach() if shares_storage else torch.empty_like(p, device=device)
+                leaf_of[id(p)] = nn.Parameter(data, requires_grad=True)
+            if not shares_storage:  # frozen parameters: copied once to the replica's device
+                for p in module.parameters():
+                    if not p.requires_grad:
+                        leaf_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
+            copies = [m._replicate_for_data_parallel() for m in self._sources]
+            sources, targets = [], []
+            for m, c in zip(self._sources, copies):
+                c._parameters = {k: (None if p is None else leaf_of.get(id(p), p)) for k, p in m._parameters.items()}
+                if r == 0:
+                    c._buffers = m._buffers  # DataParallel: the root replica's buffers are the module's
+                else:
+                    c._buffers = {k: (None if b is None else b.detach().to(device, copy=True)) for k, b in m._buffers.items()}
+                    for k, b in m._buffers.items():
+                        if b is not None:
+                            sources.append(b)
+                            targets.append(c._buffers[k])
+                c._modules = {k: (None if child is None else copies[index[id(child)]]) for k, child in m._modules.items()}
+            copy_slots(module, copies[0])
+            if hasattr(copies[0], "_device"):  # Lightning's DeviceDtypeModuleMixin: `self.device` in the replica
+                copies[0]._device = device
+            self.modules.append(copies[0])
+            self.leaves.append([leaf_of[id(p)] for p in self.trainable])
+            self._copies.append(copies)
+            if r > 0:
+                self._buffer_pairs.append((sources, targets))
+        self._copy_parameters()
+
+    def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
+        """Whether these replicas still fit ``module`` on ``devices`` (else build new ones)."""
+        return (
+            module is self.root
+            and len(devices) <= len(self.devices)
+            and list(devices) == self.devices[: len(devices)]
+            and _fingerprint(self._sources) == self._fingerprint
+        )
+
+    def refresh(self, count: int | None = None) -> list[nn.Module]:
+        """Bring the first ``count`` replicas (default all) up to date with the module; returns them.
+
+        Copies every module's ``__dict__`` entries but its own parameters / buffers / children onto its
+        copies, refreshes the buffer copies and, on CUDA, the parameter copies (no autograd).
+        """
+        count = len(self.modules) if count is None else count
+        for copies in self._copies[:count]:
+            for m, c in zip(self._sources, copies):
+                d = c.__dict__
+                own = (d["_parameters"], d["_buffers"], d["_modules"])
+                d.update(m.__dict__)
+                d["_parameters"], d["_buffers"], d["_modules"] = own
+        if hasattr(self.root, "_device"):
+            for replica, device in zip(self.modules[:count], self.devices):
+                replica._device = device
+        with torch.no_grad():
+            for sources, targets in self._buffer_pairs[: max(0, count - 1)]:
+                if sources:
+                    torch._foreach_copy_(targets, sources)
+        self._copy_parameters(count)
+        return self.modules[:count]
+
+    def _copy_parameters(self, count: int | None = None) -> None:
+        """CUDA: copy the module's parameters into the replicas on other devices (no autograd)."""
+        count = len(self.modules) if count is None else count
+        others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
+        if not others or not self.trainable:
+            return
+        with torch.no_grad():
+            copies = torch.cuda.comm.broadcast_coalesced([p.detach() for p in self.trainable], [self.devices[r] for r in others])
+            for r, tensors in zip(others, copies):
+                torch._foreach_copy_([leaf.data for leaf in self.leaves[r]], list(tensors))
+
+    def reduce_gradients(self, count: int | None = None) -> list[Tensor | None]:
+        """The replicas' gradients, per trainable parameter, added in replica order on the root device.
+
+        The replicas' ``.grad`` are reset to ``None``. Entry ``j`` is ``None`` when no replica got a
+        gradient for ``trainable[j]``.
+        """
+        count = len(self.modules) if count is None else count
+        root = self.devices[0]
+        reduced: list[Tensor | None] = []
+        for j in range(len(self.trainable)):
+            total = None
+            for r in range(count):
+                leaf = self.leaves[r][j]
+                g = leaf.grad
+                if g is None:
+                    continue
+                leaf.grad = None
+                g = g.to(root)
+                total = g if total is None else total + g
+            reduced.append(total)
+        return reduced
 
 
-__all__ = ["BroadcastAlias", "copy_slots", "replicate"]
+def _fingerprint(modules: list[nn.Module]) -> tuple:
+    """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage)."""
+    parts: list = []
+    for m in modules:
+        parts.extend(id(c) for c in m._modules.values())
+        for p in m._parameters.values():
+            if p is not None:
+                parts.append((id(p), p.requires_grad, p.data_ptr(), p.dtype))
+            else:
+                parts.append(None)
+        for b in m._buffers.values():
+            parts.append(None if b is None else (id(b), b.data_ptr()))
+    return tuple(parts)
+
+
+def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """One-off replicas of ``module`` for ``devices``: ``Replicas(module, devices).modules``.
+
+    Their gradients stay on the replicas' own parameters; keep the :class:`Replicas` object and call
+    :meth:`Replicas.reduce_gradients` to add them up.
+    """
+    return Replicas(module, devices).modules
+
+
+__all__ = ["Replicas", "copy_slots", "replicate"]

@@ -23,15 +23,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.backward import split_backward
 from lightning_sparse_dp.gather import LOSS_WEIGHTINGS, chunk_weights, gather_outputs
 from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
 from lightning_sparse_dp.timing import StageTimes
-from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm
+from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm, sync_layers
 
 
 class _NoTimes(StageTimes):
@@ -144,6 +145,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
         self.split_fn = split_fn
         self.sync_batchnorm = sync_batchnorm
         self._executor: ReplicaExecutor | None = None
+        self._replicas: Replicas | None = None
+        self._replica_sync_layers: list[list] = []
         self._warned_transfer_hooks = False
         self._bn_swaps: list = []
         self._replica_metrics = ReplicaMetrics()
@@ -232,6 +235,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        self._replicas = None
+        self._replica_sync_layers = []
         Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
 
     # --- the step ------------------------------------------------------------------------------
@@ -303,10 +308,10 @@ class SparseDataParallelStrategy(ParallelStrategy):
         try:
             with times.stage("replicate"):
                 # one chunk on the root device: run the module itself, no replica needed
-                replicas = [module] if devices == [self.root_device] else replicate(module, devices)
+                replicas = [module] if devices == [self.root_device] else self._refresh_replicas(module, devices)
                 metrics = self._replica_metrics.install(module, replicas, devices)
                 recorders = [install_recorder(r) for r in replicas]
-                group = join_replicas(module, replicas)
+                group = join_replicas(self._replica_sync_layers[: len(replicas)]) if len(replicas) > 1 else None
             steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
             if group is not None:
                 steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
@@ -319,10 +324,25 @@ class SparseDataParallelStrategy(ParallelStrategy):
         weights = chunk_weights(plan, self.loss_weighting)
         with times.stage("gather"):
             output = gather_outputs(outputs, plan, weights, self.root_device)
+        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
+            # each replica runs its own backward in its own thread when Lightning calls backward on the loss
+            assert self._replicas is not None
+            output = split_backward(
+                output,
+                outputs,
+                dict(weights=weights, replicas=self._replicas, executor=self._executor, group=group, times=times),
+            )
         with times.stage("log"):
             merge_into_root(metrics)
             emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, root=module))
         return output
+
+    def _refresh_replicas(self, module: nn.Module, devices: list[torch.device]) -> list[nn.Module]:
+        """The persistent replicas for ``devices``, refreshed for this step (rebuilt when the module changed)."""
+        if self._replicas is None or not self._replicas.matches(module, devices):
+            self._replicas = Replicas(module, self.parallel_devices or devices)
+            self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
+        return self._replicas.refresh(len(devices))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with (self.stage_times or _NO_TIMES).stage("backward"):

@@ -12,7 +12,7 @@ from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import replicate
+from lightning_sparse_dp.replicate import Replicas, replicate
 from lightning_sparse_dp.split import split_batch
 from tests.helpers import SparseNet, collate_dict, random_samples
 
@@ -22,37 +22,67 @@ CPU3 = [torch.device("cpu")] * 3
 def test_me_layers_work_in_replicas_and_share_parameters():
     torch.manual_seed(0)
     model = SparseNet()
-    replicas = replicate(model, CPU3)
+    replicas = Replicas(model, CPU3)
     conv = model.net[0]
-    for r in replicas:
+    for r in replicas.modules:
         assert r.net[0].dimension == conv.dimension == 3  # a __slots__ attribute
         assert r.net[0].kernel_generator is conv.kernel_generator
-        assert r.net[0].kernel.data_ptr() == conv.kernel.data_ptr()  # an alias, not a copy
+        assert r.net[0].kernel.data_ptr() == conv.kernel.data_ptr()  # shared storage, not a copy
+        assert r.net[0].kernel is not conv.kernel  # but a leaf of its own, for its own gradient
     batch = collate_dict(random_samples(6))
     chunks, plan = split_batch(batch, 3)
-    losses = [r.loss(c) for r, c in zip(replicas, place_chunks(chunks, CPU3))]
+    losses = [r.loss(c) for r, c in zip(replicas.modules, place_chunks(chunks, CPU3))]
     loss = gather_outputs(losses, plan, chunk_weights(plan, "samples"), torch.device("cpu"))
     loss.backward()
+    grads = replicas.reduce_gradients()
     reference = SparseNet()
     reference.load_state_dict(model.state_dict())
     reference.loss(batch).backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())  # gradients stay on the replicas until reduced
+    for g, q in zip(grads, reference.parameters()):
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for leaves in replicas.leaves for p in leaves)
 
 
-def test_replica_parameters_are_aliases_whose_gradients_reach_the_root():
+def test_replica_parameters_are_leaves_whose_gradients_add_up_in_replica_order():
     torch.manual_seed(0)
     model = SparseNet()
-    replicas = replicate(model, CPU3)
+    replicas = Replicas(model, CPU3)
     names = [n for n, _ in model.named_parameters()]
-    for r in replicas:
+    for r in replicas.modules:
         assert [n for n, _ in r.named_parameters()] == names
-    penalty = sum(sum(p.pow(2).sum() for p in r.parameters()) for r in replicas)  # a weight penalty per replica
+        assert len(list(r.net[0].parameters())) == 1  # real Parameters, also in submodules
+    penalty = sum(sum(p.pow(2).sum() for p in r.parameters()) for r in replicas.modules)  # a weight penalty per replica
     penalty.backward()
-    for p in model.parameters():
-        torch.testing.assert_close(p.grad, 3 * 2 * p.detach())
-    with torch.no_grad():  # no graph to route: the root's Parameters themselves
-        assert replicate(model, CPU3)[1].net[0].kernel is model.net[0].kernel
+    for g, p in zip(replicas.reduce_gradients(), model.parameters()):
+        torch.testing.assert_close(g, 3 * 2 * p.detach())
+    with torch.no_grad():  # the optimizer's in-place update is seen by every replica at once
+        model.net[0].kernel.add_(1.0)
+    assert all(torch.equal(r.net[0].kernel, model.net[0].kernel) for r in replicas.modules)
+
+
+def test_replicas_are_refreshed_each_step_and_rebuilt_when_the_module_changes():
+    model = SparseNet(batch_norm=True)
+    replicas = Replicas(model, CPU3)
+    assert replicas.matches(model, CPU3) and replicas.matches(model, CPU3[:2])
+    model.eval()
+    model.note = "set after replication"
+    with torch.no_grad():
+        model.net[3].bn.running_mean.fill_(3.0)
+    refreshed = replicas.refresh()
+    assert all(not r.training and not r.net[3].bn.training and r.note == "set after replication" for r in refreshed)
+    assert all(torch.equal(r.net[3].bn.running_mean, model.net[3].bn.running_mean) for r in refreshed)
+    assert replicas.matches(model, CPU3)
+    model.net[0].kernel.requires_grad_(False)  # fine-tuning freezes a layer
+    assert not replicas.matches(model, CPU3)
+    replicas = Replicas(model, CPU3)
+    assert replicas.modules[1].net[0].kernel is model.net[0].kernel
+    assert len(replicas.trainable) == len(list(model.parameters())) - 1
+    model.double()  # new storage for every parameter
+    assert not replicas.matches(model, CPU3)
+    fresh = Replicas(model, CPU3)
+    model.net[1] = ME.MinkowskiReLU()  # a new submodule
+    assert not fresh.matches(model, CPU3)
 
 
 def test_replica_buffers_follow_data_parallel():

@@ -1,0 +1,204 @@
+"""Collective: the all-gather that synchronized layers use, over replica threads or (elsewhere) processes.
+
+One batch-norm implementation (:mod:`lightning_sparse_dp.batchnorm`) runs over any :class:`Collective`:
+
+- :class:`ThreadGroup` (here): the replicas of one ``sparse_dp`` step, threads of one process. Replica
+  ``r`` calls ``group.member(r).all_gather(t)``; the call returns when every replica has made its
+  matching call (the ``k``-th call of each replica is matched with the ``k``-th call of the others,
+  as the calls of a ``torch.distributed`` process group are).
+- a ``torch.distributed`` process group (``sparse_ddp``), same protocol.
+
+Reductions are left to the caller, who sums the gathered list in rank order, so results are the
+same on every rank and repeat bit for bit (``torch.distributed.all_reduce`` makes no such promise).
+
+Failure (threads). A replica that raises aborts the group (:meth:`ThreadGroup.abort`, done by
+:meth:`ThreadGroup.run`): every replica waiting in ``all_gather``, and every later call, raises
+:class:`ReplicaAborted` at once. A replica that finishes its part of a phase (its step's forward, or
+its backward) with fewer calls than another replica has made in that phase would leave that replica
+waiting forever; the group detects it and aborts with an error naming the call counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+class ReplicaAborted(RuntimeError):
+    """A replica stopped because another one failed (a secondary error: the other one's is raised)."""
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """One rank's handle on a group of ``world_size`` ranks that gather tensors together.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: the number of ranks in the group.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order, on the caller's device.
+
+        Every rank must call it the same number of times, in the same order; the returned tensors
+        must not be modified in place (on one device they may be the other ranks' own tensors).
+
+        Raises:
+            ReplicaAborted: the group was aborted (another rank failed), or ranks gave tensors of
+                different shapes or dtypes.
+        """
+        ...
+
+
+class ThreadGroup:
+    """A :class:`Collective` group for the replica threads of one process (ranks ``0..world_size-1``).
+
+    Each rank's calls are numbered; call ``k`` completes when every rank has made its call ``k``.
+    Phases (:meth:`run`) let the same group serve a step's forward and, later, its backward.
+
+    Args:
+        world_size: the number of ranks (>= 1).
+
+    Raises:
+        ValueError: ``world_size < 1``.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        self.world_size = world_size
+        self._cond = threading.Condition()
+        self._calls = [0] * world_size  # calls made by each rank so far
+        self._slots: dict[int, list[tuple[int, Tensor] | None]] = {}  # call -> [(phase, tensor) per rank]
+        self._reads: dict[int, int] = {}  # call -> ranks that have taken the result
+        self._phase = [0] * world_size  # phases each rank has entered through run()
+        self._finished: dict[int, int] = {}  # rank -> calls made when it finished its current phase
+        self._error: str | None = None
+
+    def member(self, rank: int) -> ThreadMember:
+        """The :class:`Collective` of ``rank``.
+
+        Raises:
+            ValueError: ``rank`` outside ``0..world_size-1``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a group of {self.world_size}.")
+        return ThreadMember(self, rank)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the group was aborted."""
+        return self._error is not None
+
+    def all_gather(self, rank: int, tensor: Tensor) -> list[Tensor]:
+        """``rank``'s next call: see :meth:`Collective.all_gather`."""
+        with self._cond:
+            self._raise_if_aborted()
+            call = self._calls[rank]
+            self._calls[rank] += 1
+            slot = self._slots.setdefault(call, [None] * self.world_size)
+            slot[rank] = (self._phase[rank], tensor)
+            if all(s is not None for s in slot):
+                self._check_same_kind(call, slot)
+            self._check_stranded()
+            self._cond.notify_all()
+            while self._error is None and any(s is None for s in slot):
+                self._cond.wait()
+            self._raise_if_aborted()
+            self._reads[call] = self._reads.get(call, 0) + 1
+            if self._reads[call] == self.world_size:  # everyone has its result: forget the call
+                del self._slots[call], self._reads[call]
+        device = tensor.device
+        return [t if t.device == device else t.to(device) for _, t in slot]  # type: ignore[misc]
+
+    def abort(self, rank: int, error: BaseException | str) -> None:
+        """Stop every waiting and future call with :class:`ReplicaAborted`: rank ``rank`` failed with ``error``."""
+        with self._cond:
+            if self._error is None:
+                what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+                self._error = f"replica {rank} raised {what}"
+            self._cond.notify_all()
+
+    def finish(self, rank: int) -> None:
+        """Mark ``rank``'s part of the current phase as done; wakes ranks that would wait for it in vain."""
+        with self._cond:
+            self._finished[rank] = self._calls[rank]
+            self._check_stranded()
+            self._cond.notify_all()
+
+    def run(self, rank: int, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` as ``rank``'s part of a new phase: abort the group if it raises, finish the phase either way.
+
+        Raises:
+            whatever ``fn`` raises (after aborting the group, unless it is :class:`ReplicaAborted`).
+        """
+        with self._cond:
+            self._phase[rank] += 1
+            self._finished.pop(rank, None)
+        try:
+            return fn()
+        except BaseException as err:
+            if not isinstance(err, ReplicaAborted):
+                self.abort(rank, err)
+            raise
+        finally:
+            self.finish(rank)
+
+    # --- under the lock ----------------------------------------------------------------------------
+    def _raise_if_aborted(self) -> None:
+        if self._error is not None:
+            raise ReplicaAborted(f"the replica group stopped: {self._error}.")
+
+    def _check_same_kind(self, call: int, slot: list) -> None:
+        kinds = [(tuple(t.shape), t.dtype) for _, t in slot]
+        if len(set(kinds)) > 1 and self._error is None:
+            self._error = (
+                f"collective call #{call} got tensors of different shapes / dtypes from the replicas ({kinds}); the "
+                "replicas ran different layers (data-dependent control flow?). Every replica must run the same "
+                "synchronized layers in the same order"
+            )
+
+    def _check_stranded(self) -> None:
+        """Abort when a rank finished its phase while another rank of that phase waits in a call it will never make."""
+        if self._error is not None:
+            return
+        for done_rank, done_calls in self._finished.items():
+            phase = self._phase[done_rank]
+            for call, slot in self._slots.items():
+                if call < done_calls or all(s is not None for s in slot):
+                    continue
+                if any(s is not None and s[0] == phase for s in slot):
+                    self._error = (
+                        f"replica {done_rank} finished after {done_calls} collective call(s) while other replicas "
+                        f"wait in call #{call}: the replicas reach different numbers of batch-norm calls "
+                        "(data-dependent control flow), which synchronized batch norm cannot pair up. Make every "
+                        "replica run the same batch-norm layers, or train without sync_batchnorm"
+                    )
+                    return
+
+
+class ThreadMember:
+    """Rank ``rank``'s :class:`Collective` in a :class:`ThreadGroup`."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = group.world_size
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """See :meth:`Collective.all_gather`."""
+        return self.group.all_gather(self.rank, tensor)
+
+    def __repr__(self) -> str:
+        return f"ThreadMember(rank={self.rank}, world_size={self.world_size})"
+
+
+__all__ = ["Collective", "ReplicaAborted", "ThreadGroup", "ThreadMember"]

@@ -1,0 +1,211 @@
+"""The synchronized batch-norm math against torch's batch norm on the concatenated input (float64, plain threads)."""
+
+from __future__ import annotations
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_sparse_dp.batchnorm import (
+    SyncBatchNorm,
+    accumulation_dtype,
+    combine_statistics,
+    compute_dtype,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
+from lightning_sparse_dp.collective import ReplicaAborted, ThreadGroup
+from tests.test_collective import run_ranks
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (the project's exactness measure)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def make_layer(cls, channels, dtype, momentum=0.1, affine=True):
+    layer = cls(channels, momentum=momentum, affine=affine).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        if affine:
+            layer.weight.copy_(torch.rand(channels, generator=g) + 0.5)
+            layer.bias.copy_(torch.randn(channels, generator=g))
+        layer.running_mean.copy_(torch.randn(channels, generator=g))
+        layer.running_var.copy_(torch.rand(channels, generator=g) + 0.5)
+    return layer
+
+
+def sync_step(rows, channels, shape_tail=(), dtype=torch.float64, momentum=0.1, affine=True, seed=0):
+    """One training step of SyncBatchNorm on ``len(rows)`` ranks (threads) and of BatchNorm on the concatenation.
+
+    Each rank has its own copy of the layer with leaf parameters (as replicas do); rank 0's layer shares
+    the reference layer's starting buffers and updates them. Returns ours and the reference: outputs,
+    input gradients, weight / bias gradients (ranks' summed in rank order), running statistics.
+    """
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(n, channels, *shape_tail, generator=g, dtype=torch.float64) * 3 + 1).to(dtype) for n in rows]
+    dys = [torch.randn(n, channels, *shape_tail, generator=g, dtype=torch.float64).to(dtype) for n in rows]
+    reference = make_layer(nn.BatchNorm1d if not shape_tail else nn.BatchNorm2d, channels, dtype, momentum, affine)
+    ours = [make_layer(SyncBatchNorm, channels, dtype, momentum, affine) for _ in rows]
+    group = ThreadGroup(len(rows))
+    for rank, layer in enumerate(ours):
+        layer.collective = group.member(rank)
+        layer.update_running_stats = rank == 0
+
+    inputs = [x.clone().requires_grad_() for x in xs]
+    outputs = run_ranks(group, lambda rank, member: ours[rank](inputs[rank]))
+    for out in outputs:
+        if isinstance(out, BaseException):
+            raise out
+    errors = run_ranks(group, lambda rank, member: torch.autograd.backward(outputs[rank], dys[rank]))
+    for err in errors:
+        if err is not None:
+            raise err
+
+    whole = torch.cat(xs).requires_grad_()
+    expected = reference(whole)
+    expected.backward(torch.cat(dys))
+    got = {
+        "output": torch.cat([o.detach() for o in outputs]),
+        "grad_input": torch.cat([i.grad for i in inputs]),
+        "running_mean": ours[0].running_mean,
+        "running_var": ours[0].running_var,
+        "num_batches_tracked": ours[0].num_batches_tracked,
+    }
+    want = {
+        "output": expected.detach(),
+        "grad_input": whole.grad,
+        "running_mean": reference.running_mean,
+        "running_var": reference.running_var,
+        "num_batches_tracked": reference.num_batches_tracked,
+    }
+    if affine:
+        for name in ("weight", "bias"):
+            summed = getattr(ours[0], name).grad
+            for layer in ours[1:]:
+                summed = summed + getattr(layer, name).grad
+            got[f"grad_{name}"], want[f"grad_{name}"] = summed, getattr(reference, name).grad
+    return got, want, ours
+
+
+@pytest.mark.parametrize(
+    "rows, tail",
+    [([5, 3, 8], ()), ([1, 1], ()), ([7], ()), ([40, 2, 17, 9], ()), ([4, 6, 3], (5, 2)), ([0, 6, 3], ())],
+    ids=["3-ranks", "one-row-each", "one-rank", "4-ranks", "NCHW", "empty-rank"],
+)
+def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail):
+    got, want, _ = sync_step(rows, channels=6, shape_tail=tail)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        if name == "num_batches_tracked":
+            assert int(got[name]) == int(want[name]) == 1
+        else:
+            assert rel(got[name], want[name]) < 1e-10, name
+
+
+def test_cumulative_average_and_no_affine():
+    got, want, _ = sync_step([5, 4], channels=3, momentum=None, affine=False)
+    for name in want:
+        assert rel(got[name], want[name]) < 1e-10, name
+
+
+def test_only_the_rank_that_updates_touches_its_running_statistics():
+    _, _, layers = sync_step([5, 4, 3], channels=3)
+    fresh = make_layer(SyncBatchNorm, 3, torch.float64)
+    assert not torch.equal(layers[0].running_mean, fresh.running_mean)
+    for layer in layers[1:]:
+        assert torch.equal(layer.running_mean, fresh.running_mean) and int(layer.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_precision_inputs_are_computed_in_at_least_float32(dtype):
+    got, want, _ = sync_step([30, 20, 11], channels=4, dtype=dtype)
+    assert got["output"].dtype == dtype and got["grad_input"].dtype == dtype
+    # the reference ran in ``dtype`` too; both are rounded results of the same float64 math
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in ("output", "grad_input", "grad_weight", "grad_bias", "running_mean", "running_var"):
+        assert rel(got[name], want[name]) < bound, name
+
+
+def test_float32_statistics_accumulate_in_float64_on_cpu():
+    assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(torch.float16) == torch.float32
+    assert compute_dtype(torch.float64) == torch.float64
+    assert accumulation_dtype(torch.float32, torch.device("cpu")) == torch.float64
+    # a large offset: single-pass float32 sums lose the variance, the float64 accumulation does not
+    x = torch.full((4000, 1), 1000.0) + torch.linspace(-1, 1, 4000).unsqueeze(1)
+    group = ThreadGroup(2)
+    layers = [SyncBatchNorm(1).float() for _ in range(2)]
+    for rank, layer in enumerate(layers):
+        layer.collective = group.member(rank)
+    parts = x.split(2000)
+    outs = run_ranks(group, lambda rank, member: layers[rank](parts[rank]).detach())
+    expected = F.batch_norm(x.double(), None, None, training=True).float()
+    assert rel(torch.cat(outs), expected) < 1e-6
+
+
+def test_combine_statistics_refuses_a_single_value_per_channel():
+    one = torch.tensor([[1.0], [2.0], [0.0]], dtype=torch.float64)
+    none = torch.tensor([[0.0], [0.0], [0.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        combine_statistics([one, none])
+    total, mean, m2 = combine_statistics([one, one])
+    assert total.item() == 2 and mean.item() == 2.0 and m2.item() == 0.0
+
+
+def test_eval_mode_uses_running_statistics_without_communicating():
+    class Refuses:
+        rank, world_size = 0, 2
+
+        def all_gather(self, tensor):
+            raise AssertionError("eval mode must not communicate")
+
+    layer = make_layer(SyncBatchNorm, 3, torch.float64).eval()
+    plain = make_layer(nn.BatchNorm1d, 3, torch.float64).eval()
+    layer.collective = Refuses()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert torch.equal(layer(x), plain(x))
+
+
+def test_without_a_collective_it_is_torch_batch_norm():
+    layer, plain = make_layer(SyncBatchNorm, 3, torch.float64), make_layer(nn.BatchNorm1d, 3, torch.float64)
+    x = torch.randn(9, 3, dtype=torch.float64)
+    assert torch.equal(layer(x), plain(x)) and torch.equal(layer.running_var, plain.running_var)
+
+
+def test_a_failing_rank_stops_the_others_in_backward():
+    group = ThreadGroup(2)
+    layers = [SyncBatchNorm(2).double() for _ in range(2)]
+    for rank, layer in enumerate(layers):
+        layer.collective = group.member(rank)
+    xs = [torch.randn(4, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    outs = run_ranks(group, lambda rank, member: layers[rank](xs[rank]))
+
+    def backward(rank, member):
+        if rank == 1:
+            raise RuntimeError("rank 1 fails before its backward")
+        outs[rank].sum().backward()
+
+    results = run_ranks(group, backward)
+    assert isinstance(results[0], ReplicaAborted) and isinstance(results[1], RuntimeError)
+
+
+def test_convert_and_revert_keep_parameters_buffers_and_state_dict_keys():
+    model = nn.Sequential(
+        ME.MinkowskiBatchNorm(4), ME.MinkowskiSyncBatchNorm(4), nn.BatchNorm2d(3), nn.Sequential(nn.BatchNorm3d(2))
+    )
+    before = model.state_dict()
+    tensors = [model[0].bn.weight, model[1].bn.running_mean, model[2].bias, model[3][0].num_batches_tracked]
+    swaps = convert_sync_batchnorm(model)
+    assert len(swaps) == 4
+    converted = [model[0].bn, model[1].bn, model[2], model[3][0]]
+    assert all(type(m) is SyncBatchNorm for m in converted)
+    assert model[0].bn.weight is tensors[0] and model[1].bn.running_mean is tensors[1]
+    assert model[2].bias is tensors[2] and model[3][0].num_batches_tracked is tensors[3]
+    assert list(model.state_dict()) == list(before)
+    revert_sync_batchnorm(swaps)
+    assert [type(m) for m in (model[0].bn, model[1].bn, model[2], model[3][0])] == [
+        nn.BatchNorm1d, nn.SyncBatchNorm, nn.BatchNorm2d, nn.BatchNorm3d,
+    ]
+    assert model[0].bn.weight is tensors[0]

@@ -1,0 +1,122 @@
+"""The thread collective, with plain threads (no Lightning, no ME)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
+
+
+def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
+    """``fn(rank, member)`` on one plain thread per rank; returns results or the exceptions raised, in rank order."""
+    results: list = [None] * group.world_size
+
+    def target(rank: int) -> None:
+        member = group.member(rank)
+        try:
+            results[rank] = group.run(rank, lambda: fn(rank, member)) if phase else fn(rank, member)
+        except BaseException as err:  # noqa: BLE001 - handed back to the test
+            results[rank] = err
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(group.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results
+
+
+def test_all_gather_returns_every_rank_in_rank_order_call_after_call():
+    group = ThreadGroup(3)
+
+    def fn(rank, member):
+        assert isinstance(member, Collective) and member.rank == rank and member.world_size == 3
+        out = []
+        for call in range(5):
+            if rank == call % 3:
+                time.sleep(0.01)  # a late rank
+            out.append([t.tolist() for t in member.all_gather(torch.tensor([rank, call]))])
+        return out
+
+    results = run_ranks(group, fn)
+    expected = [[[r, call] for r in range(3)] for call in range(5)]
+    assert results == [expected] * 3
+
+
+def test_one_rank_gathers_its_own_tensor():
+    member = ThreadGroup(1).member(0)
+    t = torch.arange(3.0)
+    gathered = member.all_gather(t)
+    assert len(gathered) == 1 and torch.equal(gathered[0], t)
+
+
+def test_a_failing_rank_stops_the_waiting_ones_at_once():
+    group = ThreadGroup(3)
+
+    def fn(rank, member):
+        member.all_gather(torch.zeros(2))
+        if rank == 1:
+            raise KeyError("rank 1 fails")
+        member.all_gather(torch.zeros(2))  # ranks 0 and 2 would wait here forever
+
+    start = time.perf_counter()
+    results = run_ranks(group, fn)
+    assert time.perf_counter() - start < 10
+    assert isinstance(results[1], KeyError)
+    for r in (0, 2):
+        assert isinstance(results[r], ReplicaAborted) and "replica 1 raised KeyError" in str(results[r])
+    with pytest.raises(ReplicaAborted):  # and every later call
+        group.member(0).all_gather(torch.zeros(2))
+
+
+def test_a_rank_that_finishes_early_aborts_the_ones_waiting_for_it():
+    group = ThreadGroup(3)
+
+    def fn(rank, member):
+        for _ in range(1 if rank == 2 else 2):
+            member.all_gather(torch.zeros(1))
+
+    results = run_ranks(group, fn)
+    assert all(isinstance(r, ReplicaAborted) for r in results[:2])
+    assert "replica 2 finished after 1 collective call(s)" in str(results[0])
+    assert results[2] is None
+
+
+def test_different_shapes_are_refused():
+    group = ThreadGroup(2)
+    results = run_ranks(group, lambda rank, member: member.all_gather(torch.zeros(rank + 1)))
+    assert all(isinstance(r, ReplicaAborted) and "different shapes" in str(r) for r in results)
+
+
+def test_phases_reuse_the_group_without_false_alarms():
+    """A forward phase, then a backward phase in which one rank starts long before the others."""
+    group = ThreadGroup(3)
+    forward = run_ranks(group, lambda rank, member: member.all_gather(torch.tensor([rank]))[2].item())
+    assert forward == [2, 2, 2]
+
+    def backward(rank, member):
+        if rank != 0:
+            time.sleep(0.05)  # rank 0 enters the phase and waits while the others are still "finished"
+        return sum(t.item() for t in member.all_gather(torch.tensor([10 * rank])))
+
+    assert run_ranks(group, backward) == [30, 30, 30]
+
+
+def test_tensors_come_back_on_the_callers_device_and_unaltered():
+    group = ThreadGroup(2)
+    results = run_ranks(group, lambda rank, member: member.all_gather(torch.full((2, 3), float(rank), dtype=torch.float64)))
+    for gathered in results:
+        assert [g.dtype for g in gathered] == [torch.float64] * 2
+        assert [g[0, 0].item() for g in gathered] == [0.0, 1.0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        ThreadGroup(0)
+    with pytest.raises(ValueError, match="rank 3"):
+        ThreadGroup(3).member(3)
