@@ -27,13 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_sparse_dp.gather import LOSS_WEIGHTINGS
+from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
 
@@ -133,6 +135,36 @@ class SparseDDPStrategy(DDPStrategy):
         self._count: float | None = None  # n_r during a training / validation / test step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+
+    # --- sync batch norm over the process group ---------------------------------------------------
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self.__dict__.get("_layer_sync_plugin")
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        # Trainer(sync_batchnorm=True) hands every strategy Lightning's TorchSyncBatchNorm (torch.nn.SyncBatchNorm,
+        # which refuses CPU input and does not know ME's layers): use the process-group batch norm instead.
+        # A LayerSync plugin of the user's own (Trainer(plugins=[...])) is kept.
+        if type(plugin) is TorchSyncBatchNorm:
+            plugin = ProcessGroupSyncBatchNorm()
+        self.__dict__["_layer_sync_plugin"] = plugin
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if (
+            self._layer_sync is None
+            and self.root_device.type == "cpu"
+            and self.world_size > 1
+            and module is not None
+            and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+        ):
+            rank_zero_warn(
+                "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on GPUs only; on "
+                "CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over the process "
+                "group (gloo), on CPU too."
+            )
+        super().setup(trainer)
 
     # --- exact loss and logs ---------------------------------------------------------------------
     def global_count(self, n: float) -> float:
