@@ -157,3 +157,54 @@ def test_two_nodes_on_localhost_equal_one_device(tmp_path):
         for k, v in nodes[0]["state"].items():
             assert torch.equal(v, nodes[1]["state"][k]), k  # both nodes end with identical parameters
         _assert_same_as_reference(nodes[0], _reference(name))
+
+
+# --- without processes -----------------------------------------------------------------------------
+
+def test_registered_without_touching_ddp():
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    from lightning_sparse_dp import SparseDDPStrategy
+
+    assert StrategyRegistry["sparse_ddp"]["strategy"] is SparseDDPStrategy
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy  # DDPStrategy.register_strategies was not re-run
+    with pytest.raises(ValueError, match="loss_weighting"):
+        SparseDDPStrategy(loss_weighting="voxels")
+    with pytest.raises(ValueError, match="split"):
+        SparseDDPStrategy(split="random")
+
+
+def test_sync_batchnorm_flag_gives_the_process_group_plugin():
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
+    assert type(t.strategy._layer_sync) is ProcessGroupSyncBatchNorm
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False)
+    assert t.strategy._layer_sync is None
+
+    class Mine(TorchSyncBatchNorm):  # a plugin of the user's own is kept
+        pass
+
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, plugins=[Mine()], logger=False)
+    assert type(t.strategy._layer_sync) is Mine
+
+
+def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
+    import MinkowskiEngine as ME
+    from torch import nn
+
+    from lightning_sparse_dp.batchnorm import SyncBatchNorm
+    from lightning_sparse_dp.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
+
+    model = nn.Sequential(ME.MinkowskiBatchNorm(4), nn.BatchNorm1d(4), ME.MinkowskiSyncBatchNorm(4))
+    keys = {k: v for k, v in model.state_dict().items()}
+    plugin = ProcessGroupSyncBatchNorm()
+    plugin.apply(model)
+    layers = [model[0].bn, model[1], model[2].bn]
+    assert all(type(m) is SyncBatchNorm and isinstance(m.collective, ProcessGroupCollective) for m in layers)
+    assert all(m.update_running_stats for m in layers)
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in keys.items()}
+    plugin.revert(model)
+    assert [type(model[0].bn), type(model[1]), type(model[2].bn)] == [nn.BatchNorm1d, nn.BatchNorm1d, nn.SyncBatchNorm]
