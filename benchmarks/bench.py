@@ -192,7 +192,7 @@ def sparse_ddp_headline(results: dict, global_batch: int, num_batches: int) -> d
     data = LogNormalScenes(global_batch * num_batches, seed=7)  # the segmentation cases' scenes
     counts = [len(labels) for _, _, labels in data.scenes]
     return {
-        "sparse_ddp_vs_ddp": round(results["ddp-2 (gloo)"]["step_s"] / results["sparse_ddp-2 (gloo)"]["step_s"], 4),
+        "sparse_ddp_vs_ddp": round(results["ddp-2 (gloo)"]["step_s"] / results["sparse_ddp-2 gloo"]["step_s"], 4),
         "rank_imbalance": sampler_imbalance(counts, global_batch // 2),
     }
 
@@ -284,7 +284,7 @@ def main() -> None:
             **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
         }
         results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
-        results["sparse_ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup, "sparse_ddp"), "devices": 2}
+        results["sparse_ddp-2 gloo"] = {**run_ddp_child(model_name, global_batch, steps, warmup, "sparse_ddp"), "devices": 2}
         table(model_name, results, global_batch)
         stage_table(results)
         if model_name == "segmentation":
