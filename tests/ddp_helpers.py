@@ -101,6 +101,12 @@ class ClassNet(SparseNet):
         self.log("val_loss", F.cross_entropy(logits, batch["labels"]), sync_dist=True, batch_size=int(batch["labels"].shape[0]))
         self.log("val_acc", self.val_acc)
 
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch), sync_dist=True, batch_size=int(batch["labels"].shape[0]))
+
+    def predict_step(self, batch, batch_idx):
+        return self(ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device))
+
 
 class PointNet(L.LightningModule):
     """Per-point segmentation (mean over points): TensorField -> sparse -> conv (BN) ReLU conv -> slice -> linear."""
@@ -143,6 +149,7 @@ class Scenario:
     epochs: int = 2
     trainer: dict[str, Any] = field(default_factory=dict)
     resume: bool = False  # resume from <out>/sparse_dp.ckpt (one epoch trained by sparse_dp)
+    evaluate: bool = False  # after fit: trainer.test and trainer.predict on the validation data
 
     def build(self, reference: bool) -> L.LightningModule:
         torch.manual_seed(SEED)
@@ -155,7 +162,7 @@ class Scenario:
 SCENARIOS = {
     s.name: s
     for s in [
-        Scenario("samples", "class"),
+        Scenario("samples", "class", evaluate=True),
         Scenario("points", "point", loss_weighting="points"),
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
         Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2}),
@@ -225,6 +232,14 @@ def loaders(per_rank: int, world_size: int | None) -> tuple[DataLoader, DataLoad
         DataLoader(train, batch_sampler=ReferenceBatches(len(train), per_rank * world_size, world_size, True), collate_fn=collate),
         DataLoader(val, batch_sampler=ReferenceBatches(len(val), per_rank * world_size, world_size, False), collate_fn=collate),
     )
+
+
+def evaluate(trainer: L.Trainer, model: L.LightningModule, val: DataLoader) -> dict[str, Any]:
+    """``trainer.test`` (its logged ``test_loss``) and ``trainer.predict`` (the rows this rank predicted)."""
+    trainer.test(model, val, verbose=False)
+    test_loss = float(trainer.callback_metrics["test_loss"])
+    predictions = trainer.predict(model, val)
+    return {"test_loss": test_loss, "predicted_rows": sum(p.shape[0] for p in predictions)}
 
 
 def result(trainer: L.Trainer, model: L.LightningModule, logger: Capture) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_sparse_dp import SparseDDPStrategy  # noqa: E402
-from tests.ddp_helpers import SCENARIOS, Capture, loaders, result, trainer_kwargs  # noqa: E402
+from tests.ddp_helpers import SCENARIOS, Capture, evaluate, loaders, result, trainer_kwargs  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,10 @@ def main() -> None:
             **trainer_kwargs(strategy=strategy, devices=devices, num_nodes=num_nodes, max_epochs=s.epochs, logger=logger, **s.trainer)
         )
         trainer.fit(model, train, val, ckpt_path=out / "sparse_dp.ckpt" if s.resume else None)
-        torch.save(result(trainer, model, logger), out / f"{name}-rank{trainer.global_rank}.pt")
+        saved = result(trainer, model, logger)
+        if s.evaluate:
+            saved.update(evaluate(trainer, model, val))
+        torch.save(saved, out / f"{name}-rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.ddp_helpers import SCENARIOS, Capture, loaders, result, trainer_kwargs
+from tests.ddp_helpers import SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-10
@@ -77,7 +77,10 @@ def _reference(name: str) -> dict:
     options = {k: v for k, v in s.trainer.items() if k != "sync_batchnorm"}  # one device: plain batch norm is exact
     t = L.Trainer(**trainer_kwargs(devices=1, max_epochs=s.epochs, logger=logger, **options))
     t.fit(model, train, val)
-    return result(t, model, logger)
+    out = result(t, model, logger)
+    if s.evaluate:
+        out.update(evaluate(t, model, val))
+    return out
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +124,11 @@ def test_two_processes_equal_one_device(ddp_runs, name):
     assert ranks[0]["world_size"] == 2
     for k, v in ranks[0]["state"].items():  # every rank ends with the same parameters and buffers
         assert torch.equal(v, ranks[1]["state"][k]), k
-    _assert_same_as_reference(ranks[0], _reference(name), resumed=SCENARIOS[name].resume)
+    ref = _reference(name)
+    _assert_same_as_reference(ranks[0], ref, resumed=SCENARIOS[name].resume)
+    if SCENARIOS[name].evaluate:  # test: the same logged loss; predict: every sample once over the ranks
+        assert ranks[0]["test_loss"] == ranks[1]["test_loss"] == pytest.approx(ref["test_loss"], rel=RTOL)
+        assert ranks[0]["predicted_rows"] + ranks[1]["predicted_rows"] == ref["predicted_rows"] == VAL_SAMPLES
 
 
 def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fail: uneven shares, equal weights
