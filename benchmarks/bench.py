@@ -102,6 +102,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import lightning_sparse_dp  # noqa: E402,F401
 from lightning_sparse_dp import ReplicaExecutor, SparseDataParallelStrategy, split_batch  # noqa: E402
+from lightning_sparse_dp.ddp import SparseDDPStrategy  # noqa: E402
+from lightning_sparse_dp.sampler import PointBalancedBatchSampler  # noqa: E402
 import train_digits  # noqa: E402
 import train_segmentation as seg  # noqa: E402
 
@@ -160,7 +162,7 @@ def _workload(model_name: str, global_batch: int, steps: int):
 def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int, **trainer_kwargs):
     """Median step time (s) and the strategy's stage medians for one configuration."""
     model_cls, data, collate, points = _workload(model_name, global_batch, steps + warmup)
-    distributed = strategy == "ddp"
+    distributed = strategy == "ddp" or isinstance(strategy, SparseDDPStrategy)
     batch = global_batch // devices if distributed else global_batch
     L.seed_everything(0)
     clock = StepClock()
@@ -190,12 +192,12 @@ def _passed_on() -> list[str]:
     return ["--default-malloc"] if "--default-malloc" in sys.argv else []
 
 
-def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int) -> dict:
-    """DDP with 2 processes (gloo), in a child process tree; returns rank 0's result."""
+def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, strategy: str = "ddp") -> dict:
+    """DDP (``strategy="ddp"``) or sparse_ddp with 2 processes (gloo), in a child process tree; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
+               str(global_batch), "--steps", str(steps), "--warmup", str(warmup), "--ddp-strategy", strategy] + _passed_on()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -208,6 +210,43 @@ def imbalance(assignment: str, scenes: int = 16, replicas: int = 3) -> float:
     _, plan = split_batch(seg.collate([data[i] for i in range(scenes)]), replicas, assignment=assignment)
     points = plan.points_per_chunk
     return max(points) / (sum(points) / len(points))
+
+
+def sparse_ddp_strategy(model_name: str) -> SparseDDPStrategy:
+    """sparse_ddp as the benchmark runs it: points-weighted loss for segmentation, samples for digits."""
+    return SparseDDPStrategy(loss_weighting="points" if model_name == "segmentation" else "samples")
+
+
+def sampler_imbalance(point_counts: list[int], per_rank: int, ranks: int = 2, seed: int = 0) -> dict[str, float]:
+    """Mean over steps of max over mean points per rank, for Lightning's ``DistributedSampler`` (``ddp``: each
+    rank takes ``per_rank`` consecutive indices of its round-robin share) and for sparse_ddp's
+    ``PointBalancedBatchSampler`` (the same global batch of ``per_rank * ranks`` samples, balanced)."""
+    from torch.utils.data import DistributedSampler
+
+    def mean_ratio(per_rank_batches: list[list[list[int]]]) -> float:
+        ratios = []
+        for step in zip(*per_rank_batches):
+            loads = [sum(point_counts[i] for i in batch) for batch in step]
+            ratios.append(max(loads) / (sum(loads) / len(loads)))
+        return statistics.mean(ratios)
+
+    ddp, ours = [], []
+    for rank in range(ranks):
+        order = list(DistributedSampler(range(len(point_counts)), num_replicas=ranks, rank=rank, shuffle=True, seed=seed))
+        ddp.append([order[i : i + per_rank] for i in range(0, len(order), per_rank)])
+        ours.append(list(PointBalancedBatchSampler(point_counts, per_rank * ranks, num_replicas=ranks, rank=rank, seed=seed)))
+    return {"ddp": round(mean_ratio(ddp), 4), "sparse_ddp": round(mean_ratio(ours), 4)}
+
+
+def sparse_ddp_headline(results: dict, global_batch: int, num_batches: int) -> dict:
+    """``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
+    ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes."""
+    data = LogNormalScenes(global_batch * num_batches, seed=7)  # the segmentation cases' scenes
+    counts = [len(labels) for _, _, labels in data.scenes]
+    return {
+        "sparse_ddp_vs_ddp": round(results["ddp-2 (gloo)"]["step_s"] / results["sparse_ddp-2 gloo"]["step_s"], 4),
+        "rank_imbalance": sampler_imbalance(counts, global_batch // 2),
+    }
 
 
 def dispatch_us(replicas: int = 3, calls: int = 2000) -> tuple[float, float]:
@@ -362,6 +401,10 @@ def run_model(model_name: str, global_batch: int, steps: int, warmup: int, pairs
         **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
     }
     results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
+    if not proxy:
+        results["sparse_ddp-2 gloo"] = {
+            **run_ddp_child(model_name, global_batch, steps, warmup, "sparse_ddp"), "devices": 2
+        }
     return results
 
 
@@ -396,9 +439,11 @@ def main() -> None:
     parser.add_argument("--ddp-out")
     parser.add_argument("--proxy-child")
     parser.add_argument("--proxy-out")
+    parser.add_argument("--ddp-strategy", default="ddp", choices=["ddp", "sparse_ddp"])
     args = parser.parse_args()
     if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
-        result = run_case(args.ddp_child, "ddp", 2, args.global_batch, args.steps, args.warmup)
+        strategy = sparse_ddp_strategy(args.ddp_child) if args.ddp_strategy == "sparse_ddp" else "ddp"
+        result = run_case(args.ddp_child, strategy, 2, args.global_batch, args.steps, args.warmup)
         if result["rank"] == 0:
             Path(args.ddp_out).write_text(json.dumps(result))
         return
@@ -441,6 +486,7 @@ def main() -> None:
             runs[("digits", "1 thread")]["auto-1"]["step_s"] / runs[("digits", "1 thread")]["sparse_dp-2"]["step_s"], 3
         ),
     }
+    headline.update(sparse_ddp_headline(seg_default, args.global_batch, steps + warmup))
     headline["imbalance_balanced"] = round(imbalance("balanced"), 4)
     headline["imbalance_contiguous"] = round(imbalance("contiguous"), 4)
     ours, fresh = dispatch_us()

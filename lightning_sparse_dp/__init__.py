@@ -1,6 +1,7 @@
 """lightning-sparse-dp: train MinkowskiEngine sparse networks on several devices with Lightning.
 
-``import lightning_sparse_dp`` registers the strategy ``"sparse_dp"``::
+``import lightning_sparse_dp`` registers the strategies ``"sparse_dp"`` (one process) and
+``"sparse_ddp"`` (:mod:`~lightning_sparse_dp.ddp`: processes and machines on torch.distributed)::
 
     import lightning as L
     import lightning_sparse_dp  # noqa: F401
@@ -22,7 +23,8 @@ The data path of one step, one module per stage:
 - :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
 - :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
 - :mod:`~lightning_sparse_dp.timing`: per-stage step times;
-- :mod:`~lightning_sparse_dp.hints`: errors raised in replicas, re-raised with the fix.
+- :mod:`~lightning_sparse_dp.hints`: errors raised in replicas, re-raised with the fix;
+- :mod:`~lightning_sparse_dp.sampler`: each rank's point-balanced share of every global batch (``sparse_ddp``).
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
 """
@@ -31,9 +33,12 @@ from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs
+from lightning_sparse_dp.ddp import SparseDDPStrategy
+from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas, replicate
+from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import (
     BatchLayoutError,
     SparseSpec,
@@ -53,12 +58,14 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchLayoutError",
     "Collective",
+    "PointBalancedBatchSampler",
     "PreSplitBatch",
     "PreSplitCollate",
     "ReplicaAborted",
     "ReplicaExecutor",
     "Replicas",
     "ReplicaSyncBatchNorm",
+    "SparseDDPStrategy",
     "SparseDataParallelStrategy",
     "SparseSpec",
     "SplitPlan",

@@ -1,0 +1,298 @@
+"""The ``sparse_ddp`` strategy: Lightning's DDP with exact losses, point-balanced batches and sync batch norm.
+
+``sparse_dp`` runs replicas in one process; ``sparse_ddp`` is the same training across processes and
+machines on ``torch.distributed``, as a thin subclass of Lightning's ``DDPStrategy`` (its launchers,
+cluster environments, process groups and gradient all-reduce are used as they are). What it adds:
+
+- **exact loss**: DDP averages gradients equally over ranks, which is the gradient of the global
+  batch's mean only when every rank has the same share. Rank ``r`` with ``n_r`` samples (or points,
+  ``loss_weighting="points"``) of the global batch's ``N = sum_r n_r`` (one all-reduce per step) has
+  its loss scaled by ``world_size * n_r / N`` before backward, so the averaged gradient is
+  ``sum_r (n_r / N) grad loss_r``: the gradient of the global mean;
+- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step means are
+  ``sum_r n_r v_r / N``, and epoch means weight each rank's step by ``n_r`` (Lightning's
+  ``batch_size``), so logs equal one device with the whole global batch;
+- **point-balanced batches**: the ``DistributedSampler`` Lightning injects is replaced by
+  :class:`~lightning_sparse_dp.sampler.PointBalancedBatchSampler` (whole samples, even point
+  counts, no padding, the same number of steps on every rank);
+- **sync batch norm over the process group** on CPU (gloo) and CUDA, through Lightning's
+  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from lightning_sparse_dp.gather import LOSS_WEIGHTINGS
+from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
+from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
+
+_MEAN_OPS = ("mean", "avg")
+
+
+def local_count(batch: Any, loss_weighting: str, layout: Mapping[Any, str] | None = None) -> float:
+    """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
+
+    ``"samples"``: samples in the batch; ``"points"``: points of its first coordinate source (samples
+    for a dense batch); ``"equal"``: 1. Read from :func:`~lightning_sparse_dp.split.split_batch`'s
+    one-chunk plan, so batches are read as ``sparse_dp`` reads them.
+
+    Raises:
+        ValueError: an unknown ``loss_weighting``.
+        BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
+    """
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+    if loss_weighting == "equal":
+        return 1.0
+    _, plan = split_batch(batch, 1, layout=layout)
+    counts = plan.samples_per_chunk if loss_weighting == "samples" else plan.points_per_chunk
+    return float(counts[0])
+
+
+def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
+    """A copy of ``dataloader`` (same class, dataset, collate_fn, workers...) drawing batches from ``batch_sampler``.
+
+    Uses Lightning's own DataLoader re-instantiation (``lightning.pytorch.utilities.data``), as its
+    sampler injection does.
+    """
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
+    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+class SparseDDPStrategy(DDPStrategy):
+    """Lightning's DDP for MinkowskiEngine sparse batches, registered as ``"sparse_ddp"``.
+
+    ``Trainer(strategy="sparse_ddp", devices=M, num_nodes=N)`` launches and connects processes as
+    ``"ddp"`` does (popen launcher, torchrun / SLURM / ``MASTER_ADDR`` + ``NODE_RANK`` environments,
+    gloo on CPU, NCCL on CUDA); the module docstring lists what it adds.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            Lightning's ``DDPStrategy`` (the Trainer fills them).
+        loss_weighting: ``"samples"`` (default; exact for losses averaged over samples), ``"points"``
+            (exact for losses averaged over points) or ``"equal"`` (plain DDP: every rank weighs the
+            same), as in ``sparse_dp``.
+        split: how the samples of a global batch are dealt to ranks: ``"balanced"`` (default; even
+            point counts) or ``"contiguous"`` (consecutive samples, a plain index split).
+        count_points: ``count_points(dataset[i]) -> int``, points of one sample, used when the
+            dataset has no ``point_counts`` attribute; default: rows of the sample's first tensor.
+            Counts are measured once per dataset, each rank measuring ``1/world_size`` of it.
+        layout: roles for batch entries that cannot be told apart, as for ``split_batch`` (used to
+            count ``n_r``).
+        **kwargs: passed to ``DDPStrategy`` (``start_method``, ``timeout``, ``process_group_backend``,
+            ``find_unused_parameters``, ``static_graph``...).
+
+    Raises:
+        ValueError: an unknown ``loss_weighting`` or ``split``.
+    """
+
+    strategy_name = "sparse_ddp"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        *,
+        loss_weighting: str = "samples",
+        split: str = "balanced",
+        count_points: Callable[[Any], int] | None = None,
+        layout: Mapping[Any, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+        if split not in ASSIGNMENTS:
+            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            **kwargs,
+        )
+        self.loss_weighting = loss_weighting
+        self.split = split
+        self.count_points = count_points
+        self.layout = dict(layout) if layout else None
+        self._count: float | None = None  # n_r during a training / validation / test step
+        self._loss_scale = 1.0
+        self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+
+    # --- sync batch norm over the process group ---------------------------------------------------
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self.__dict__.get("_layer_sync_plugin")
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        # Trainer(sync_batchnorm=True) hands every strategy Lightning's TorchSyncBatchNorm (torch.nn.SyncBatchNorm,
+        # which refuses CPU input and does not know ME's layers): use the process-group batch norm instead.
+        # A LayerSync plugin of the user's own (Trainer(plugins=[...])) is kept.
+        if type(plugin) is TorchSyncBatchNorm:
+            plugin = ProcessGroupSyncBatchNorm()
+        self.__dict__["_layer_sync_plugin"] = plugin
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        if (
+            self._layer_sync is None
+            and self.root_device.type == "cpu"
+            and self.world_size > 1
+            and module is not None
+            and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+        ):
+            rank_zero_warn(
+                "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on GPUs only; on "
+                "CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over the process "
+                "group (gloo), on CPU too."
+            )
+        super().setup(trainer)
+
+    # --- exact loss and logs ---------------------------------------------------------------------
+    def global_count(self, n: float) -> float:
+        """``N = sum_r n_r`` over the ranks (one all-reduce; every rank must call it, in the same order)."""
+        if self.loss_weighting == "equal" or not dist.is_available() or not dist.is_initialized():
+            return n * self.world_size
+        total = torch.tensor([n], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total.item())
+
+    def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout)
+        if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
+            self._loss_scale = self.world_size * n / self.global_count(n)
+        self._count = n
+        results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
+        if results is not None and self.loss_weighting != "equal":
+            results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
+        try:
+            return getattr(super(), hook)(*args, **kwargs)
+        finally:
+            self._count = None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("training_step", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("test_step", args, kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled)."""
+        if self._loss_scale != 1.0:
+            closure_loss = closure_loss * self._loss_scale
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
+        mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
+        and a ``"mean"`` of an integer tensor is a float mean."""
+        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_OPS
+        if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
+            # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
+            # sum of 7 samples on 2 ranks becomes 3, and every epoch mean with an odd total is wrong. Mean in float.
+            total = tensor.to(torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            return total / dist.get_world_size(group)
+        if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
+        n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
+        pair = torch.stack([value * n, torch.full_like(value, n)])
+        dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
+        return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
+
+    # --- point-balanced batches ------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the ``DistributedSampler`` Lightning injected with a :class:`PointBalancedBatchSampler`.
+
+        Only for map-style loaders whose sampler is a plain ``DistributedSampler`` batched by a plain
+        ``BatchSampler`` (Lightning's injection for training / validation / test); other loaders
+        (custom samplers, predict, ``use_distributed_sampler=False``) are left as they are. The
+        global batch is the DataLoader's ``batch_size`` times the world size, as with ``"ddp"``.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if (
+            not isinstance(dataloader, DataLoader)
+            or type(dataloader.sampler) is not DistributedSampler
+            or type(dataloader.batch_sampler) is not BatchSampler
+            or (trainer is not None and not trainer._accelerator_connector.use_distributed_sampler)
+        ):
+            return dataloader
+        sampler = dataloader.sampler
+        counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
+        batch_sampler = PointBalancedBatchSampler(
+            counts,
+            dataloader.batch_sampler.batch_size * self.world_size,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            num_samples=len(dataloader.dataset),  # type: ignore[arg-type]
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+            drop_last=dataloader.batch_sampler.drop_last,
+            split=self.split,
+        )
+        return replace_batch_sampler(dataloader, batch_sampler)
+
+    def dataset_point_counts(self, dataset: Any) -> list[int]:
+        """Points per sample of ``dataset``: its ``point_counts`` attribute, else measured once (shared by ranks)."""
+        cached = self._point_counts.get(id(dataset))
+        if cached is not None and cached[0] is dataset:
+            return cached[1]
+        counts = declared_point_counts(dataset)
+        if counts is None:
+            size = len(dataset)
+            rank_zero_info(
+                f"sparse_ddp: measuring the points of {size} samples once (each rank reads 1/{self.world_size} of them); "
+                "give the dataset a `point_counts` attribute to skip this."
+            )
+            if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+                mine = measure_point_counts(dataset, range(self.global_rank, size, self.world_size), self.count_points)
+                shares: list[Any] = [None] * self.world_size
+                dist.all_gather_object(shares, mine)
+                counts = [0] * size
+                for r, share in enumerate(shares):
+                    counts[r :: self.world_size] = share
+            else:
+                counts = measure_point_counts(dataset, range(size), self.count_points)
+        if len(counts) != len(dataset):
+            raise ValueError(f"the dataset declares {len(counts)} point_counts but has {len(dataset)} samples.")
+        self._point_counts[id(dataset)] = (dataset, counts)
+        return counts
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # not DDPStrategy.register_strategies: it would register the "ddp" names again, for this class
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="DDP with exact losses, point-balanced batches and sync batch norm for MinkowskiEngine "
+                "(lightning-sparse-dp)",
+            )
+
+
+SparseDDPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SparseDDPStrategy", "local_count", "replace_batch_sampler"]

@@ -1,0 +1,217 @@
+"""sparse_ddp in real processes (gloo, CPU) against one device with the whole global batch, in float64.
+
+One popen launch of ``tests/ddp_script.py`` (2 ranks) fits every scenario of
+``tests.ddp_helpers.SCENARIOS`` in turn; each test compares one scenario's parameters, buffers and
+logged values with the same module fitted here on one device (``strategy="auto"``) on the same global
+batches, at 1e-10 relative per tensor. ``LSDP_MULTINODE=1`` adds a run of two "nodes" on localhost
+started by torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from tests.ddp_helpers import SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+RTOL = 1e-10
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "RANK")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC")}
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _run(commands: list[list[str]], timeout: float) -> None:
+    """Run the commands at once, each in its own session; on timeout kill every process they started."""
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for c in commands
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"sparse_ddp processes did not finish in {timeout} s")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+
+
+def _fit_sparse_dp_checkpoint(out: Path) -> None:
+    """One epoch with sparse_dp (2 CPU replicas) on the global batches of 2 ranks: the checkpoint to resume."""
+    s = SCENARIOS["resume"]
+    model = s.build(reference=True)
+    train, val = loaders(s.per_rank, world_size=2)
+    t = L.Trainer(**trainer_kwargs(strategy="sparse_dp", devices=2, max_epochs=1, logger=False, **s.trainer))
+    t.fit(model, train, val)
+    t.save_checkpoint(out / "sparse_dp.ckpt")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sparse_ddp")
+    _fit_sparse_dp_checkpoint(out)
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join(SCENARIOS)]], timeout=300)
+    return out
+
+
+def _reference(name: str) -> dict:
+    s = SCENARIOS[name]
+    model = s.build(reference=True)
+    train, val = loaders(s.per_rank, world_size=2)
+    logger = Capture()
+    options = {k: v for k, v in s.trainer.items() if k != "sync_batchnorm"}  # one device: plain batch norm is exact
+    t = L.Trainer(**trainer_kwargs(devices=1, max_epochs=s.epochs, logger=logger, **options))
+    t.fit(model, train, val)
+    out = result(t, model, logger)
+    if s.evaluate:
+        out.update(evaluate(t, model, val))
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)) if b.numel() else 0.0
+
+
+def _logged(history) -> dict[str, list[float]]:
+    series: dict[str, list[float]] = {}
+    for _, metrics in history:
+        for k, v in metrics.items():
+            series.setdefault(k, []).append(v)
+    return series
+
+
+def _assert_same_as_reference(ours: dict, ref: dict, resumed: bool = False) -> None:
+    assert ours["state"].keys() == ref["state"].keys()
+    for k, v in ours["state"].items():
+        if v.is_floating_point():
+            assert v.dtype == torch.float64, k
+            assert _relative(v, ref["state"][k]) <= RTOL, (k, _relative(v, ref["state"][k]))
+        else:
+            assert torch.equal(v, ref["state"][k]), k
+    mine, theirs = _logged(ours["history"]), _logged(ref["history"])
+    assert mine.keys() == theirs.keys()
+    for k in theirs:
+        expected = theirs[k][-len(mine[k]) :] if resumed else theirs[k]  # a resumed run logs its last epoch only
+        assert mine[k] == pytest.approx(expected, rel=RTOL), k
+    assert {"train_loss_step", "train_loss_epoch", "val_loss"} <= mine.keys()
+    assert len(mine["train_loss_step"]) >= 2
+    assert ours["bn_types"] == ref["bn_types"]  # sync batch norm reverted at teardown
+
+
+def _load(out: Path, name: str, rank: int) -> dict:
+    return torch.load(out / f"{name}-rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_processes_equal_one_device(ddp_runs, name):
+    ranks = [_load(ddp_runs, name, r) for r in range(2)]
+    assert ranks[0]["world_size"] == 2
+    for k, v in ranks[0]["state"].items():  # every rank ends with the same parameters and buffers
+        assert torch.equal(v, ranks[1]["state"][k]), k
+    ref = _reference(name)
+    _assert_same_as_reference(ranks[0], ref, resumed=SCENARIOS[name].resume)
+    if SCENARIOS[name].evaluate:  # test: the same logged loss; predict: every sample once over the ranks
+        assert ranks[0]["test_loss"] == ranks[1]["test_loss"] == pytest.approx(ref["test_loss"], rel=RTOL)
+        assert ranks[0]["predicted_rows"] + ranks[1]["predicted_rows"] == ref["predicted_rows"] == VAL_SAMPLES
+
+
+def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fail: uneven shares, equal weights
+    ref = _reference("points")
+    out = ddp_runs / "plain"
+    out.mkdir()
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), "points", "1", "equal"]], timeout=120)
+    ours = _load(out, "points", 0)
+    worst = max(_relative(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point())
+    assert worst > 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(os.environ.get("LSDP_MULTINODE") != "1", reason="two simulated nodes: set LSDP_MULTINODE=1")
+def test_two_nodes_on_localhost_equal_one_device(tmp_path):
+    port = str(_free_port())
+    names = ["points", "syncbn"]
+    commands = [
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "tests.ddp_script", str(tmp_path), ",".join(names), "2",
+        ]
+        for node in range(2)
+    ]
+    _run(commands, timeout=240)
+    for name in names:
+        nodes = [_load(tmp_path, name, r) for r in range(2)]
+        for k, v in nodes[0]["state"].items():
+            assert torch.equal(v, nodes[1]["state"][k]), k  # both nodes end with identical parameters
+        _assert_same_as_reference(nodes[0], _reference(name))
+
+
+# --- without processes -----------------------------------------------------------------------------
+
+def test_registered_without_touching_ddp():
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    from lightning_sparse_dp import SparseDDPStrategy
+
+    assert StrategyRegistry["sparse_ddp"]["strategy"] is SparseDDPStrategy
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy  # DDPStrategy.register_strategies was not re-run
+    with pytest.raises(ValueError, match="loss_weighting"):
+        SparseDDPStrategy(loss_weighting="voxels")
+    with pytest.raises(ValueError, match="split"):
+        SparseDDPStrategy(split="random")
+
+
+def test_sync_batchnorm_flag_gives_the_process_group_plugin():
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
+    assert type(t.strategy._layer_sync) is ProcessGroupSyncBatchNorm
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False)
+    assert t.strategy._layer_sync is None
+
+    class Mine(TorchSyncBatchNorm):  # a plugin of the user's own is kept
+        pass
+
+    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, plugins=[Mine()], logger=False)
+    assert type(t.strategy._layer_sync) is Mine
+
+
+def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
+    import MinkowskiEngine as ME
+    from torch import nn
+
+    from lightning_sparse_dp.batchnorm import SyncBatchNorm
+    from lightning_sparse_dp.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
+
+    model = nn.Sequential(ME.MinkowskiBatchNorm(4), nn.BatchNorm1d(4), ME.MinkowskiSyncBatchNorm(4))
+    keys = {k: v for k, v in model.state_dict().items()}
+    plugin = ProcessGroupSyncBatchNorm()
+    plugin.apply(model)
+    layers = [model[0].bn, model[1], model[2].bn]
+    assert all(type(m) is SyncBatchNorm and isinstance(m.collective, ProcessGroupCollective) for m in layers)
+    assert all(m.update_running_stats for m in layers)
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in keys.items()}
+    plugin.revert(model)
+    assert [type(model[0].bn), type(model[1]), type(model[2].bn)] == [nn.BatchNorm1d, nn.BatchNorm1d, nn.SyncBatchNorm]
