@@ -34,7 +34,6 @@ from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
-from lightning_sparse_dp.gather import chunk_weights, gather_outputs
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas, replicate

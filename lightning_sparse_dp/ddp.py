@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_sparse_dp.gather import LOSS_WEIGHTINGS
+from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
@@ -42,24 +42,23 @@ from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
 _MEAN_OPS = ("mean", "avg")
 
 
-def local_count(batch: Any, loss_weighting: str, layout: Mapping[Any, str] | None = None) -> float:
+def local_count(batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    ``"samples"``: samples in the batch; ``"points"``: points of its first coordinate source (samples
-    for a dense batch); ``"equal"``: 1. Read from :func:`~lightning_sparse_dp.split.split_batch`'s
-    one-chunk plan, so batches are read as ``sparse_dp`` reads them.
+    :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
+    ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
+    (see :func:`~lightning_sparse_dp.gather.resolve_auto`) or a callable ``fn(batch) -> number``.
 
     Raises:
         ValueError: an unknown ``loss_weighting``.
         BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
     """
-    if loss_weighting not in LOSS_WEIGHTINGS:
-        raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+    check_loss_weighting(loss_weighting)
     if loss_weighting == "equal":
         return 1.0
-    _, plan = split_batch(batch, 1, layout=layout)
-    counts = plan.samples_per_chunk if loss_weighting == "samples" else plan.points_per_chunk
-    return float(counts[0])
+    chunks, plan = split_batch(batch, 1, layout=layout)
+    return float(chunk_counts(plan, chunks, loss_weighting)[0])
 
 
 def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -83,9 +82,11 @@ class SparseDDPStrategy(DDPStrategy):
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's ``DDPStrategy`` (the Trainer fills them).
-        loss_weighting: ``"samples"`` (default; exact for losses averaged over samples), ``"points"``
-            (exact for losses averaged over points) or ``"equal"`` (plain DDP: every rank weighs the
-            same), as in ``sparse_dp``.
+        loss_weighting: ``"auto"`` (default: samples when the batch has a per-sample tensor, else points
+            when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"``
+            (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
+            ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
+            the points whose label is not ``ignore_index``), as in ``sparse_dp``.
         split: how the samples of a global batch are dealt to ranks: ``"balanced"`` (default; even
             point counts) or ``"contiguous"`` (consecutive samples, a plain index split).
         count_points: ``count_points(dataset[i]) -> int``, points of one sample, used when the
@@ -110,14 +111,13 @@ class SparseDDPStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         *,
-        loss_weighting: str = "samples",
+        loss_weighting: Any = "auto",
         split: str = "balanced",
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
         **kwargs: Any,
     ) -> None:
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS}.")
+        check_loss_weighting(loss_weighting)
         if split not in ASSIGNMENTS:
             raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
         super().__init__(
@@ -178,7 +178,9 @@ class SparseDDPStrategy(DDPStrategy):
     def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
         n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout)
         if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
-            self._loss_scale = self.world_size * n / self.global_count(n)
+            total = self.global_count(n)
+            # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
+            self._loss_scale = self.world_size * n / total if total > 0 else 0.0
         self._count = n
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
         if results is not None and self.loss_weighting != "equal":
@@ -199,7 +201,9 @@ class SparseDDPStrategy(DDPStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled)."""
-        if self._loss_scale != 1.0:
+        if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
+            closure_loss = torch.nan_to_num(closure_loss) * 0.0
+        elif self._loss_scale != 1.0:
             closure_loss = closure_loss * self._loss_scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

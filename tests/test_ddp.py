@@ -215,3 +215,22 @@ def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in keys.items()}
     plugin.revert(model)
     assert [type(model[0].bn), type(model[1]), type(model[2].bn)] == [nn.BatchNorm1d, nn.BatchNorm1d, nn.SyncBatchNorm]
+
+
+def test_local_count_reads_the_batch_as_sparse_dp_chunks_do():
+    from lightning_sparse_dp.ddp import local_count
+    from tests.ddp_helpers import Scenes, collate
+
+    scenes = Scenes(3, seed=5)
+    batch = collate([scenes[i] for i in range(3)])
+    points = batch["coordinates"].shape[0]
+    assert local_count(batch, "samples") == 3
+    assert local_count(batch, "points") == points
+    assert local_count(batch, "equal") == 1
+    assert local_count(batch, "auto") == 3  # a per-sample tensor ("labels") is there: samples
+    per_point = {k: v for k, v in batch.items() if k != "labels"}
+    assert local_count(per_point, "auto") == points  # per-point targets only: points
+    ignored = lambda chunk: float((chunk["point_labels"] != 0).sum())  # noqa: E731  (ignore_index=0)
+    assert local_count(batch, ignored) == float((batch["point_labels"] != 0).sum())
+    with pytest.raises(ValueError, match="loss_weighting"):
+        local_count(batch, "voxels")
