@@ -147,8 +147,12 @@ class SegNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def field_batch(num_samples: int, seed: int = 0):
-    """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N]."""
+def field_batch(num_samples: int, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N].
+
+    ``dtype``: of the field's features and coordinates (``precision="64-true"`` converts the batch's
+    tensors, not the ME objects in it, so a float64 run needs a float64 field).
+    """
     samples = random_samples(num_samples, seed=seed)
     coords, feats, _ = zip(*samples)
     coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
@@ -156,4 +160,4 @@ def field_batch(num_samples: int, seed: int = 0):
     continuous = coordinates.float()
     continuous[:, 1:] = (continuous[:, 1:] * 0.5).floor() + torch.rand(continuous.shape[0], 3, generator=g)
     labels = torch.randint(0, NUM_CLASSES, (coordinates.shape[0],), generator=g)
-    return {"x": ME.TensorField(features, continuous), "labels": labels}
+    return {"x": ME.TensorField(features.to(dtype), continuous.to(dtype)), "labels": labels}
