@@ -428,7 +428,7 @@ def run_proxy_child(models: list[tuple[str, int]], steps: int, warmup: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run; figures are noisier)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=2, help="alternations of plain Lightning and sparse_dp devices=1")
