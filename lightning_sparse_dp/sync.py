@@ -165,7 +165,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
             return super().forward(input)
         self._check_input_dim(input)
         group, rank = membership.group, membership.rank
-        x = input.float()
+        x = input if input.dtype == torch.float64 else input.float()  # float64 stays float64
         count = x.numel() // x.shape[1]
         local_mean, local_m2 = _LocalStats.apply(x)
         mean, m2, total = group.exchange(rank, (count, local_mean, local_m2), _combine, tag=membership.root)[rank]
