@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench.py            # about 5 minutes on a 2-core CPU machine
     .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
+    python benchmarks/bench.py --accelerator gpu    # on GPUs: sparse_dp with 1..N GPUs, DDP with 2 (NCCL)
 
 Same model, data and global batch in every case, in one process tree (DDP runs as a child process
 that Lightning forks once more). Models: the MinkUNet-style segmentation network of
@@ -111,7 +112,8 @@ def _workload(model_name: str, global_batch: int, steps: int):
     return train_digits.DigitNet, data, train_digits.collate, float(np.mean([len(s[0]) for s in data.samples]))
 
 
-def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int, **trainer_kwargs):
+def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int,
+             accelerator: str = "cpu", **trainer_kwargs):
     """Median step time (s) and the strategy's stage medians for one configuration."""
     model_cls, data, collate, points = _workload(model_name, global_batch, steps + warmup)
     distributed = strategy == "ddp"
@@ -119,7 +121,7 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     L.seed_everything(0)
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps + warmup, logger=False,
+        strategy=strategy, accelerator=accelerator, devices=devices, max_steps=steps + warmup, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
         num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )
@@ -138,12 +140,12 @@ def _pooled(runs: list[dict]) -> dict:
     return {**runs[0], "times": times, "step_s": statistics.median(times)}
 
 
-def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int) -> dict:
-    """DDP with 2 processes (gloo), in a child process tree; returns rank 0's result."""
+def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, accelerator: str = "cpu") -> dict:
+    """DDP with 2 processes (gloo on CPU, NCCL on GPUs), in a child process tree; returns rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup)]
+               str(global_batch), "--steps", str(steps), "--warmup", str(warmup), "--accelerator", accelerator]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -210,19 +212,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=3, help="alternations of plain Lightning and sparse_dp devices=1")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--devices", type=int, help="most devices for sparse_dp (default: 3 on CPU, every GPU)")
     parser.add_argument("--ddp-child")
     parser.add_argument("--ddp-out")
     args = parser.parse_args()
     if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
-        result = run_case(args.ddp_child, "ddp", 2, args.global_batch, args.steps, args.warmup)
+        result = run_case(args.ddp_child, "ddp", 2, args.global_batch, args.steps, args.warmup, args.accelerator)
         if result["rank"] == 0:
             Path(args.ddp_out).write_text(json.dumps(result))
         return
+    acc = args.accelerator
+    if acc == "gpu" and torch.cuda.device_count() == 0:
+        sys.exit("bench: --accelerator gpu but torch.cuda.device_count() == 0 (no GPU visible): nothing run")
+    max_devices = args.devices or (torch.cuda.device_count() if acc == "gpu" else 3)
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
     if args.quick:
         args.pairs = 1
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} intra-op threads; "
           f"{steps} timed steps after {warmup} warm-up steps per case")
+    if acc == "gpu":
+        print(f"GPUs: {[torch.cuda.get_device_name(i) for i in range(max_devices)]}")
     headline = {}
     for model_name, global_batch in (("segmentation", args.global_batch), ("digits", 96)):
         results = {}
@@ -233,19 +243,26 @@ def main() -> None:
         kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
         # plain Lightning and sparse_dp devices=1 alternate (A B A B) and pool their steps, so that a slow
         # spell of the machine does not land on one of them only
-        pairs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup),
-                  run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(args.pairs)]
+        pairs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup, acc),
+                  run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup, acc)) for _ in range(args.pairs)]
         results["auto-1"] = {**_pooled([a for a, _ in pairs]), "devices": 1}
         results["sparse_dp-1"] = {**_pooled([b for _, b in pairs]), "devices": 1}
-        for d in (2, 3):
-            results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup), "devices": d}
-        results["sparse_dp-3 syncBN"] = {
-            **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
-        }
-        results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
+        for d in range(2, max_devices + 1):
+            results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup, acc), "devices": d}
+        if max_devices >= 2:
+            results[f"sparse_dp-{max_devices} syncBN"] = {
+                **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), max_devices, global_batch, steps, warmup, acc),
+                "devices": max_devices,
+            }
+            ddp = "ddp-2 (nccl)" if acc == "gpu" else "ddp-2 (gloo)"
+            results[ddp] = {**run_ddp_child(model_name, global_batch, steps, warmup, acc), "devices": 2}
         table(model_name, results, global_batch)
         stage_table(results)
-        if model_name == "segmentation":
+        if model_name == "segmentation" and acc == "gpu":
+            for d in range(2, max_devices + 1):
+                headline[f"speedup_sparse_dp_{d}_gpu"] = round(results["auto-1"]["step_s"] / results[f"sparse_dp-{d}"]["step_s"], 3)
+            headline["overhead_ratio_gpu"] = round(results["sparse_dp-1"]["step_s"] / results["auto-1"]["step_s"], 4)
+        elif model_name == "segmentation":
             three = results["sparse_dp-3"]
             headline["overhead_ratio"] = round(results["sparse_dp-1"]["step_s"] / results["auto-1"]["step_s"], 4)
             headline["split_fraction"] = round(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -228,3 +229,27 @@ def test_me_backend_kind_is_reported():
     assert isinstance(ME.is_cuda_available(), bool)
     if ME.is_cuda_available():
         assert ME.cuda_version() // 1000 == int(torch.version.cuda.split(".")[0])
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_reads_pytest_and_bench_outputs():
+    gpu_check = _gpu_check_module()
+    assert gpu_check.pytest_counts("....\n12 passed, 1 failed, 2 skipped in 3.2s\n") == {"passed": 12, "failed": 1, "skipped": 2}
+    assert gpu_check.pytest_counts("E   boom\n1 error in 0.1s") == {"errors": 1}
+    assert gpu_check.bench_headline('table\n{"speedup_sparse_dp_2_gpu": 1.8}\n') == {"speedup_sparse_dp_2_gpu": 1.8}
+    assert gpu_check.bench_headline("Traceback ...") == {}
+    line = gpu_check.no_gpu_line({"torch": "2.13.0+cpu", "cuda": None, "gpus": []})
+    assert line.startswith("gpu_check: NO GPU") and "CPU build" in line
+
+
+@no_gpu
+def test_bench_on_gpu_without_a_gpu_says_so():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--accelerator", "gpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "no GPU visible" in done.stderr
