@@ -90,7 +90,26 @@ def patch_unary_function(root: pathlib.Path) -> int:
     return count
 
 
-PATCHES = [patch_setup_flags, patch_thrust_includes, patch_unary_function]
+def patch_cuda_utils_include(root: pathlib.Path) -> int:
+    """Include ``<ATen/core/Tensor.h>`` before ``<ATen/cuda/CUDAUtils.h>``.
+
+    torch 2.x's ATen/cuda/CUDAUtils.h uses ``at::Tensor`` (``check_device``) but no longer includes
+    its definition; where nothing before it did (src/spmm.cu, src/spmm.cuh) nvcc stops with
+    ``incomplete type "at::Tensor" is not allowed``. Including the definition first is what the
+    header's other users get by accident.
+    """
+    old = "#include <ATen/cuda/CUDAUtils.h>"
+    new = "#include <ATen/core/Tensor.h>\n" + old
+    count = 0
+    for path in sorted([*(root / "src").glob("*.cu"), *(root / "src").glob("*.cuh")]):
+        text = path.read_text()
+        if old in text and new not in text:
+            path.write_text(text.replace(old, new))
+            count += 1
+    return count
+
+
+PATCHES = [patch_setup_flags, patch_thrust_includes, patch_unary_function, patch_cuda_utils_include]
 
 
 def main(argv: list[str]) -> int:
