@@ -109,7 +109,100 @@ def patch_cuda_utils_include(root: pathlib.Path) -> int:
     return count
 
 
-PATCHES = [patch_setup_flags, patch_thrust_includes, patch_unary_function, patch_cuda_utils_include]
+def patch_prefetch_async(root: pathlib.Path) -> int:
+    """Call ``cudaMemPrefetchAsync`` through a helper that speaks both signatures.
+
+    CUDA 13 changed ``cudaMemPrefetchAsync(ptr, count, int device, stream)`` to
+    ``cudaMemPrefetchAsync(ptr, count, cudaMemLocation location, unsigned flags, stream)``
+    (error: ``no suitable constructor exists to convert from "int" to "cudaMemLocation"`` in
+    src/3rdparty/concurrent_unordered_map.cuh). The helper passes a device location with flags 0,
+    which is what the old call meant, and calls the old signature before CUDA 13.
+    """
+    path = root / "src" / "3rdparty" / "concurrent_unordered_map.cuh"
+    text = path.read_text()
+    calls = text.count("cudaMemPrefetchAsync(")
+    if not calls or "lsdp_mem_prefetch_async" in text:
+        return 0
+    helper = (
+        "\n// lightning-sparse-dp (scripts/me_cuda_patch.py): CUDA 13 takes a cudaMemLocation and flags.\n"
+        "static inline cudaError_t lsdp_mem_prefetch_async(const void* ptr, size_t count, int device,\n"
+        "                                                  cudaStream_t stream) {\n"
+        "#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000\n"
+        "  cudaMemLocation location{};\n"
+        "  location.type = cudaMemLocationTypeDevice;\n"
+        "  location.id = device;\n"
+        "  return cudaMemPrefetchAsync(ptr, count, location, 0, stream);\n"
+        "#else\n"
+        "  return cudaMemPrefetchAsync(ptr, count, device, stream);\n"
+        "#endif\n"
+        "}\n"
+    )
+    anchor = "#include <cudf/detail/nvtx/ranges.hpp>\n"
+    if anchor not in text:
+        return 0
+    text = text.replace("cudaMemPrefetchAsync(", "lsdp_mem_prefetch_async(")
+    path.write_text(text.replace(anchor, anchor + helper, 1))
+    return calls
+
+
+def patch_shared_from_unique(root: pathlib.Path) -> int:
+    """Hand the hash map's ``unique_ptr`` to the ``shared_ptr`` with ``reset(release(), deleter)``.
+
+    ``m_map = map_type::create(...)`` assigns a ``unique_ptr`` to a ``shared_ptr``; libstdc++ 12 then
+    calls ``__to_address`` unqualified, and in C++20 with CCCL 3 argument-dependent lookup finds
+    ``cuda::std::__to_address`` as well as ``std::__to_address`` (the map's allocator is templated on
+    ``cuda::std::pair``): ``more than one instance of overloaded function "std::__to_address"``
+    (src/coordinate_map_gpu.cuh, CoordinateMapGPU::reserve). ``reset(pointer, deleter)`` makes the
+    same shared_ptr, with the same deleter, through a constructor that does not call it.
+    """
+    path = root / "src" / "coordinate_map_gpu.cuh"
+    text = path.read_text()
+    old = (
+        "      m_map = map_type::create(\n"
+        "          compute_hash_table_size(size, m_hashtable_occupancy),\n"
+        "          m_unused_element, m_unused_key, m_hasher, m_equal, m_map_allocator);\n"
+    )
+    new = (
+        "      {\n"
+        "        auto created = map_type::create(\n"
+        "            compute_hash_table_size(size, m_hashtable_occupancy),\n"
+        "            m_unused_element, m_unused_key, m_hasher, m_equal, m_map_allocator);\n"
+        "        auto deleter = created.get_deleter();\n"
+        "        m_map.reset(created.release(), std::move(deleter));\n"
+        "      }\n"
+    )
+    if old not in text:
+        return 0
+    path.write_text(text.replace(old, new, 1))
+    return 1
+
+
+def patch_cccl_include_dir(root: pathlib.Path) -> int:
+    """Add CUDA_HOME/include/cccl to the include path of every compiler, g++ included.
+
+    CUDA 13 (toolkit and NVIDIA's wheels alike) moved thrust / CUB / libcu++ to include/cccl/, which
+    nvcc searches by itself but g++ does not; ME's C++ files of the CUDA build include thrust
+    through src/utils.hpp (``fatal error: thrust/host_vector.h: No such file or directory`` in
+    src/direct_max_pool.cpp). The folder is added only where it exists, so older toolkits are
+    unaffected.
+    """
+    path = root / "setup.py"
+    text = path.read_text()
+    old = '    libraries.append("cusparse")\n'
+    new = old + (
+        "    # lightning-sparse-dp (scripts/me_cuda_patch.py): CUDA 13 keeps thrust in include/cccl\n"
+        "    from torch.utils.cpp_extension import CUDA_HOME as _LSDP_CUDA_HOME\n"
+        "    if _LSDP_CUDA_HOME and os.path.isdir(os.path.join(_LSDP_CUDA_HOME, 'include', 'cccl')):\n"
+        "        include_dirs.append(os.path.join(_LSDP_CUDA_HOME, 'include', 'cccl'))\n"
+    )
+    if old not in text or "_LSDP_CUDA_HOME" in text:
+        return 0
+    path.write_text(text.replace(old, new, 1))
+    return 1
+
+
+PATCHES = [patch_setup_flags, patch_thrust_includes, patch_unary_function, patch_cuda_utils_include,
+           patch_prefetch_async, patch_shared_from_unique, patch_cccl_include_dir]
 
 
 def main(argv: list[str]) -> int:
