@@ -104,7 +104,7 @@ e.g. TORCH_CUDA_ARCH_LIST=8.0 (A100), 8.6 (RTX 30xx), 8.9 (RTX 40xx / L4), 9.0 (
     export TORCH_CUDA_ARCH_LIST=$ARCHS
     CUDA_HOME=$(bash "$HERE/cuda_toolkit.sh" "$PY") || die "no CUDA $TORCH_CUDA toolkit (see above)"
     export CUDA_HOME
-    arch_tag=$(printf '%s' "$ARCHS" | tr -c '0-9A-Za-z' '_' | tr -d '.')
+    arch_tag=$(printf '%s' "$ARCHS" | tr -d '.' | tr -c '0-9A-Za-z' '_')
     VARIANT="cu${TORCH_CUDA//./}-sm${arch_tag}-c${CUDA_RECIPE}"
     log "CUDA build: CUDA $TORCH_CUDA from $CUDA_HOME, TORCH_CUDA_ARCH_LIST=$ARCHS"
 fi
