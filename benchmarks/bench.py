@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
     .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
+    python benchmarks/bench.py --accelerator gpu    # on GPUs: sparse_dp with 1..N GPUs, DDP with 2 (NCCL)
 
 Same model, data and global batch in every case, in one process tree (DDP runs as a child process
 that Lightning forks once more). Models: the MinkUNet-style segmentation network of
@@ -159,7 +160,8 @@ def _workload(model_name: str, global_batch: int, steps: int):
     return train_digits.DigitNet, data, train_digits.collate, float(np.mean([len(s[0]) for s in data.samples]))
 
 
-def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int, **trainer_kwargs):
+def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int,
+             accelerator: str = "cpu", **trainer_kwargs):
     """Median step time (s) and the strategy's stage medians for one configuration."""
     model_cls, data, collate, points = _workload(model_name, global_batch, steps + warmup)
     distributed = strategy == "ddp" or isinstance(strategy, SparseDDPStrategy)
@@ -167,7 +169,7 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     L.seed_everything(0)
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps + warmup, logger=False,
+        strategy=strategy, accelerator=accelerator, devices=devices, max_steps=steps + warmup, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
         num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )
@@ -192,12 +194,15 @@ def _passed_on() -> list[str]:
     return ["--default-malloc"] if "--default-malloc" in sys.argv else []
 
 
-def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, strategy: str = "ddp") -> dict:
-    """DDP (``strategy="ddp"``) or sparse_ddp with 2 processes (gloo), in a child process tree; rank 0's result."""
+def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, strategy: str = "ddp",
+                  accelerator: str = "cpu") -> dict:
+    """DDP (``strategy="ddp"``) or sparse_ddp with 2 processes (gloo on CPU, NCCL on GPUs), in a child process
+    tree; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup), "--ddp-strategy", strategy] + _passed_on()
+               str(global_batch), "--steps", str(steps), "--warmup", str(warmup), "--ddp-strategy", strategy,
+               "--accelerator", accelerator] + _passed_on()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -425,6 +430,42 @@ def run_proxy_child(models: list[tuple[str, int]], steps: int, warmup: int) -> d
         return json.loads(out.read_text())
 
 
+def main_gpu(args) -> None:
+    """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (and with sync BN on N), DDP with
+    2 processes (NCCL); tables, stage medians and a JSON line of ``speedup_sparse_dp_<d>_gpu`` / ``overhead_ratio_gpu``."""
+    if torch.cuda.device_count() == 0:
+        sys.exit("bench: --accelerator gpu but torch.cuda.device_count() == 0 (no GPU visible): nothing run")
+    max_devices = args.devices or torch.cuda.device_count()
+    steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
+    print(f"torch {torch.__version__}; GPUs: {[torch.cuda.get_device_name(i) for i in range(max_devices)]}; "
+          f"{steps} timed steps after {warmup} warm-up steps per case")
+    headline = {}
+    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", 96)):
+        def sdp(**kwargs):
+            return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
+
+        kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
+        results = {"auto-1": {**run_case(model_name, "auto", 1, global_batch, steps, warmup, "gpu"), "devices": 1}}
+        for d in range(1, max_devices + 1):
+            results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup, "gpu"),
+                                         "devices": d}
+        if max_devices >= 2:
+            results[f"sparse_dp-{max_devices} syncBN"] = {
+                **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), max_devices, global_batch, steps, warmup, "gpu"),
+                "devices": max_devices,
+            }
+            results["ddp-2 (nccl)"] = {**run_ddp_child(model_name, global_batch, steps, warmup, "ddp", "gpu"), "devices": 2}
+        table(model_name, results, global_batch)
+        stage_table(results)
+        if model_name == "segmentation":
+            for d in range(2, max_devices + 1):
+                headline[f"speedup_sparse_dp_{d}_gpu"] = round(
+                    results["auto-1"]["step_s"] / results[f"sparse_dp-{d}"]["step_s"], 3
+                )
+            headline["overhead_ratio_gpu"] = round(results["sparse_dp-1"]["step_s"] / results["auto-1"]["step_s"], 4)
+    print(json.dumps(headline))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run; figures are noisier)")
@@ -435,6 +476,8 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
     parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--devices", type=int, help="most devices for sparse_dp (default: 3 on CPU, every GPU)")
     parser.add_argument("--ddp-child")
     parser.add_argument("--ddp-out")
     parser.add_argument("--proxy-child")
@@ -443,7 +486,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
         strategy = sparse_ddp_strategy(args.ddp_child) if args.ddp_strategy == "sparse_ddp" else "ddp"
-        result = run_case(args.ddp_child, strategy, 2, args.global_batch, args.steps, args.warmup)
+        result = run_case(args.ddp_child, strategy, 2, args.global_batch, args.steps, args.warmup, args.accelerator)
         if result["rank"] == 0:
             Path(args.ddp_out).write_text(json.dumps(result))
         return
@@ -452,6 +495,8 @@ def main() -> None:
         out = {m: run_model(m, b, args.steps, args.warmup, 1, proxy=True) for m, b in models}
         Path(args.proxy_out).write_text(json.dumps(out))
         return
+    if args.accelerator == "gpu":
+        return main_gpu(args)
     started = time.perf_counter()
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
     if args.quick:

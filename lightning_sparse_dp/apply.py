@@ -5,7 +5,8 @@ kept for the whole run (one per replica index) instead of being started on every
 (``parallel_apply`` asks for the current CUDA stream); and it carries the caller's thread-local
 state into each thread: grad mode, inference mode, autocast (enabled flag and dtype, per device
 type) and the intra-op thread count (``torch.set_num_threads``, which with OpenMP is a per-thread
-setting), plus ``torch.cuda.device(d)`` on CUDA. An exception in a replica is raised in the
+setting), plus ``torch.cuda.device(d)`` and the caller's current stream of ``d`` on CUDA (as
+``parallel_apply`` does). An exception in a replica is raised in the
 calling thread, unchanged in type, with a note naming the replica and device; the other replicas
 are waited for first so nothing is left running.
 """
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_sparse_dp.collective import ReplicaAborted
-from lightning_sparse_dp.place import device_context
+from lightning_sparse_dp.place import current_stream, device_context
 
 T = TypeVar("T")
 
@@ -103,9 +104,11 @@ class ReplicaExecutor:
             return [_call(fns[0], devices[0], 0, state)]
         if self.threads_per_replica is not None:
             state = dataclasses.replace(state, num_threads=self.threads_per_replica)
+        streams = [current_stream(d) for d in devices]  # the caller's, as parallel_apply hands them on
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
-                self._threads[i].submit(_call, fn, device, i, state) for i, (fn, device) in enumerate(zip(fns, devices))
+                self._threads[i].submit(_call, fn, device, i, state, stream)
+                for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
             errors = [f.exception() for f in futures]  # waits for every replica
         failed = [e for e in errors if e is not None]
@@ -119,11 +122,11 @@ class ReplicaExecutor:
             thread.shutdown(wait=True)
 
 
-def _call(fn: Callable[[], T], device: torch.device, index: int, state: ThreadState) -> T:
+def _call(fn: Callable[[], T], device: torch.device, index: int, state: ThreadState, stream: Any = None) -> T:
     try:
         with ExitStack() as stack:
             state.enter(stack)
-            stack.enter_context(device_context(device))
+            stack.enter_context(device_context(device, stream))
             return fn()
     except BaseException as err:
         note = f"raised in replica {index} on device {device} (lightning_sparse_dp)"

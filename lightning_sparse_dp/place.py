@@ -10,7 +10,7 @@ built on the host first and moved, only built once where it is used.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -20,9 +20,33 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_sparse_dp.split import SparseSpec
 
 
-def device_context(device: torch.device):
-    """``torch.cuda.device(device)`` for a CUDA device, else a no-op context."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+def device_context(device: torch.device, stream: Any = None):
+    """``torch.cuda.device(device)`` (and ``torch.cuda.stream(stream)`` when given) for a CUDA device, else a no-op.
+
+    Args:
+        device: the replica's device.
+        stream: a CUDA stream of ``device`` to make current as well, e.g. the caller's
+            :func:`current_stream` handed to a worker thread (current streams are per thread).
+    """
+    if device.type != "cuda":
+        return nullcontext()
+    if stream is None:
+        return torch.cuda.device(device)
+    stack = ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current CUDA stream on ``device`` (``None`` for a CPU device).
+
+    ``torch.nn.parallel.parallel_apply`` takes each device's current stream in the calling thread
+    and makes it current in the worker thread, since a new thread starts on the default stream:
+    work queued by the caller on another stream (e.g. inside ``torch.cuda.stream(s)``) would
+    otherwise not be ordered before the replica's kernels.
+    """
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
@@ -59,4 +83,4 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
 
 
-__all__ = ["build_sparse", "device_context", "place_chunk", "place_chunks"]
+__all__ = ["build_sparse", "current_stream", "device_context", "place_chunk", "place_chunks"]

@@ -2,8 +2,14 @@
 # Build MinkowskiEngine 0.5.4 from its source distribution for the torch in a given Python
 # environment, cache the wheel outside the repository, and install it there.
 #
-# usage: scripts/build_minkowski.sh PYTHON
+# usage: scripts/build_minkowski.sh [--cuda | --cpu] PYTHON
 #   PYTHON  the interpreter of the target environment (e.g. .venv/bin/python); it must have torch.
+#   --cuda  build the CUDA extension (same as LSDP_CUDA=1): PYTHON's torch must be a CUDA build;
+#           the CUDA toolkit matching torch's CUDA version comes from scripts/cuda_toolkit.sh
+#           (NVIDIA's wheels, or CUDA_HOME); no GPU is needed to build. The GPU architectures are
+#           TORCH_CUDA_ARCH_LIST (e.g. "8.0" or "8.0;9.0"), or those of the visible GPUs.
+#   --cpu   build the CPU-only extension (same as LSDP_CUDA=0) even where a GPU is visible.
+#   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
 #
 # What it does, and why (see shared research notes):
 #  * ME 0.5.4 is on the registry only as a source distribution. Its setup.py imports
@@ -15,14 +21,25 @@
 #  * ME 0.5.4's defects that break batch-composition invariance on CPU, and others met on the way,
 #    are fixed by the patches in scripts/minkowski_patches/ (each file says what it fixes, why, and
 #    how it was found; see "fixing ME 0.5.4's defects" below).
-#  * CPU-only unless nvcc is found and the target torch is a CUDA build.
+#  * CUDA builds (see "CUDA build" below and README's "MinkowskiEngine with CUDA"):
+#    scripts/me_cuda_patch.py patches ME's CUDA sources for CUDA 12/13 and current torch, the
+#    toolkit is the one matching torch (scripts/cuda_toolkit.sh), and the cache key holds the CUDA
+#    version and the GPU architectures compiled for.
 #  * setup.py runs `pip uninstall MinkowskiEngine` and `rm -rf build`: it runs in a scratch copy
 #    with the build environment's pip first on PATH.
 #  * The wheel is cached under ${LSDP_CACHE:-~/.cache/lightning-sparse-dp} keyed by ME version,
 #    Python, torch version and CPU/CUDA, and reused on the next run.
 set -euo pipefail
 
-PY=${1:?usage: build_minkowski.sh PYTHON}
+WANT_CUDA=${LSDP_CUDA:-auto}
+case "${1:-}" in
+    --cuda) WANT_CUDA=1; shift ;;
+    --cpu) WANT_CUDA=0; shift ;;
+esac
+PY=${1:?usage: build_minkowski.sh [--cuda | --cpu] PYTHON}
+HERE=$(cd "$(dirname "$0")" && pwd)
+# Bump when the CUDA part of the recipe (scripts/me_cuda_patch.py, CUDA flags) changes.
+CUDA_RECIPE=1
 ME_VERSION=0.5.4
 # Bump when the recipe (patches, flags) changes, so cached wheels of an older recipe are not reused.
 # 3: the defect fixes of scripts/minkowski_patches/ (the cache key also holds a hash of those files).
@@ -34,15 +51,45 @@ die() { log "ERROR: $*"; exit 1; }
 
 "$PY" -c "import torch" 2>/dev/null || die "torch is not importable from $PY; install torch first"
 
-read -r TORCH_VERSION TORCH_CUDA PYTAG SITE < <("$PY" - <<'PYEOF'
+read -r TORCH_VERSION TORCH_CUDA PYTAG SITE GPU_ARCHS < <("$PY" - <<'PYEOF'
 import sys, sysconfig, torch
+archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}) \
+    if torch.version.cuda and torch.cuda.is_available() else []
 print(torch.__version__.split("+")[0], torch.version.cuda or "none",
-      f"cp{sys.version_info.major}{sys.version_info.minor}", sysconfig.get_paths()["purelib"])
+      f"cp{sys.version_info.major}{sys.version_info.minor}", sysconfig.get_paths()["purelib"],
+      ";".join(archs) or "none")
 PYEOF
 )
 VARIANT=cpu
-if [ "$TORCH_CUDA" != none ] && command -v nvcc >/dev/null 2>&1; then
-    VARIANT="cu${TORCH_CUDA//./}"
+case "$WANT_CUDA" in
+    1)
+        [ "$TORCH_CUDA" != none ] || die "--cuda needs a CUDA build of torch in $PY (it has torch $TORCH_VERSION, CPU only). \
+Install one in a separate environment, e.g. python -m venv cuda-venv && cuda-venv/bin/pip install \
+--index-url https://pypi.org/simple torch==$TORCH_VERSION"
+        VARIANT=cuda ;;
+    auto)
+        if [ "$GPU_ARCHS" != none ]; then
+            VARIANT=cuda
+        elif [ "$TORCH_CUDA" != none ]; then
+            log "torch in $PY is a CUDA $TORCH_CUDA build but sees no GPU: building CPU-only (pass --cuda to build for CUDA without a GPU)"
+        fi ;;
+    0) ;;
+    *) die "LSDP_CUDA=$WANT_CUDA: use 1 (CUDA), 0 (CPU) or auto" ;;
+esac
+if [ "$VARIANT" = cuda ]; then
+    # CUDA build: the toolkit that matches torch's CUDA version, and the architectures to compile.
+    ARCHS=${TORCH_CUDA_ARCH_LIST:-}
+    if [ -z "$ARCHS" ]; then
+        [ "$GPU_ARCHS" != none ] || die "no GPU is visible to pick the CUDA architectures from: set TORCH_CUDA_ARCH_LIST, \
+e.g. TORCH_CUDA_ARCH_LIST=8.0 (A100), 8.6 (RTX 30xx), 8.9 (RTX 40xx / L4), 9.0 (H100), or several: \"8.0;9.0\""
+        ARCHS=$GPU_ARCHS
+    fi
+    export TORCH_CUDA_ARCH_LIST=$ARCHS
+    CUDA_HOME=$(bash "$HERE/cuda_toolkit.sh" "$PY") || die "no CUDA $TORCH_CUDA toolkit (see above)"
+    export CUDA_HOME
+    arch_tag=$(printf '%s' "$ARCHS" | tr -d '.' | tr -c '0-9A-Za-z' '_')
+    VARIANT="cu${TORCH_CUDA//./}-sm${arch_tag}-c${CUDA_RECIPE}"
+    log "CUDA build: CUDA $TORCH_CUDA from $CUDA_HOME, TORCH_CUDA_ARCH_LIST=$ARCHS"
 fi
 PATCH_HASH=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-8)
 KEY="me${ME_VERSION}-r${RECIPE}-p${PATCH_HASH}-torch${TORCH_VERSION}-${VARIANT}-${PYTAG}"
@@ -73,6 +120,9 @@ if [ -z "$wheel" ]; then
         die "cblas.h not found: install Debian's libopenblas-dev (apt-get install libopenblas-dev)"
     fi
     BUILD_ENV="$CACHE/build-env-$PYTAG"
+    # A CUDA build's environment sees a CUDA torch: kept apart, so that a CPU build running at the
+    # same time does not see it (the .pth below names one target).
+    [ "$VARIANT" = cpu ] || BUILD_ENV="$CACHE/build-env-$PYTAG-cuda"
     if [ ! -x "$BUILD_ENV/bin/python" ]; then
         log "creating build environment $BUILD_ENV"
         "$PY" -c "import sys; print(sys.base_prefix)" >/dev/null
@@ -165,12 +215,13 @@ PYEOF
         args+=(--cpu_only)
     else
         args+=(--force_cuda)
-        log "CUDA build: adding thrust includes for CUDA >= 12"
-        for f in "$SRC"/src/*.cu "$SRC"/src/3rdparty/concurrent_unordered_map.cuh; do
-            sed -i '1i #include <thrust/execution_policy.h>\n#include <thrust/unique.h>\n#include <thrust/remove.h>\n#include <thrust/sort.h>\n#include <thrust/reduce.h>' "$f"
-        done
+        # CUDA 12/13 and torch 2.x patches (thrust includes, CCCL 3 removals, NVTX clash, ...):
+        # each is explained in scripts/me_cuda_patch.py and README's "MinkowskiEngine with CUDA".
+        log "CUDA build: patching ME's CUDA sources for CUDA $TORCH_CUDA (scripts/me_cuda_patch.py)"
+        python "$HERE/me_cuda_patch.py" "$SRC" || die "scripts/me_cuda_patch.py did not apply"
     fi
     log "compiling ($VARIANT, ${MAX_JOBS:-$(nproc)} jobs); log in $CACHE/build-$KEY.log"
+    [ "$VARIANT" = cpu ] || log "a CUDA build takes long: about 1 hour for one architecture on 2 busy cores"
     mkdir -p "$CACHE"
     if ! (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-$(nproc)} python setup.py bdist_wheel "${args[@]}" \
             > "$CACHE/build-$KEY.log" 2>&1); then
@@ -188,4 +239,8 @@ log "installing $(basename "$wheel")"
 "$PY" -m pip install -q --disable-pip-version-check "numpy" >/dev/null
 "$PY" -c "import MinkowskiEngine as ME; print('MinkowskiEngine', ME.__version__, 'imports')" >&2 \
     || die "MinkowskiEngine was installed but does not import"
+if [ "$VARIANT" != cpu ]; then
+    "$PY" -c "import MinkowskiEngine as ME, torch; assert ME.is_cuda_available(); print('MinkowskiEngine CUDA build; GPUs visible:', torch.cuda.device_count())" >&2 \
+        || die "MinkowskiEngine was built with --cuda but its backend says it has no CUDA support"
+fi
 echo "$KEY" > "$STAMP"

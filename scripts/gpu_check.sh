@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU checklist in one command, for a machine with GPUs (see scripts/gpu_check.py):
+# finds or builds MinkowskiEngine with CUDA, runs the exactness tests on accelerator="gpu" with
+# 1..N GPUs against one GPU, runs the benchmark on GPUs, and prints one summary line.
+#
+# usage: scripts/gpu_check.sh [PYTHON] [--quick] [--logs DIR]
+#   PYTHON  an interpreter with a CUDA build of torch and lightning-sparse-dp installed
+#           (default: .venv/bin/python)
+# Exit status: 0 all passed, 1 a step failed, 3 no GPU visible (nothing was run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then PY=$1; shift; fi
+[ -x "$PY" ] || command -v "$PY" >/dev/null 2>&1 || { echo "gpu_check: FAIL | no interpreter $PY (pass one: scripts/gpu_check.sh PYTHON)"; exit 1; }
+exec "$PY" scripts/gpu_check.py "$@"

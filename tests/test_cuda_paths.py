@@ -1,0 +1,255 @@
+"""The CUDA code paths, checked as far as a machine without a GPU allows.
+
+What runs for real here: Lightning's and the strategy's refusals of ``accelerator="gpu"`` and of
+CUDA devices the machine does not have, the choice of ``torch.cuda.device(d)`` per replica, and
+the GPU check script's "no GPU" answer.
+
+What cannot run without a GPU, and is replaced in the tests that say so: entering
+``torch.cuda.device`` / ``torch.cuda.stream``, asking for ``torch.cuda.current_stream`` (each
+initializes CUDA, which fails with no device), and ``torch.nn.parallel.replicate`` (its broadcast
+is a CUDA kernel). The replacements record what the code asked for; everything around them is the
+real code. tests/test_gpu.py runs the same paths on real GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lightning as L
+import MinkowskiEngine as ME
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.place import current_stream, device_context
+from lightning_sparse_dp.replicate import _replicate_cpu, replicate
+from tests.helpers import SparseNet
+
+ROOT = Path(__file__).resolve().parents[1]
+# the module (the package exports a function of the same name)
+replicate_module = importlib.import_module("lightning_sparse_dp.replicate")
+CUDA3 = [torch.device("cuda", i) for i in range(3)]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
+
+
+# --- refusals, real calls ----------------------------------------------------------------------
+
+@no_gpu
+@pytest.mark.parametrize(
+    ("accelerator", "message"),
+    [("gpu", "No supported gpu backend found"), ("cuda", "CUDAAccelerator.*can not run on your system")],
+)
+def test_accelerator_gpu_without_a_gpu_is_refused_by_lightning(accelerator, message):
+    """Lightning refuses before the strategy exists; README quotes these messages."""
+    with pytest.raises(MisconfigurationException, match=message):
+        L.Trainer(accelerator=accelerator, devices=2, strategy="sparse_dp", logger=False)
+
+
+@no_gpu
+def test_cuda_devices_the_machine_does_not_have_are_refused_at_setup():
+    strategy = SparseDataParallelStrategy(parallel_devices=CUDA3[:2])
+    with pytest.raises(MisconfigurationException, match=r"has 0 CUDA device\(s\).*'cuda:0', 'cuda:1'.*devices=<at most 0>"):
+        strategy.setup_environment()
+
+
+def test_device_context_picks_the_replica_device_without_touching_cuda():
+    ctx = device_context(torch.device("cuda", 2))
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 2  # built, not entered: no CUDA call
+    assert isinstance(device_context(torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(device_context(torch.device("cpu"), stream=object()), contextlib.nullcontext)
+    assert current_stream(torch.device("cpu")) is None
+
+
+# --- the per-replica CUDA context, CUDA calls replaced -----------------------------------------
+
+class FakeCuda:
+    """Stands in for torch.cuda.device / stream / current_stream (entering them needs a GPU).
+
+    Keeps a per-thread current device and stream, as CUDA does, and records every enter / exit.
+    """
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.events: list[tuple[str, str, object]] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class device:  # noqa: N801 - mirrors torch.cuda.device
+            def __init__(self, d):
+                self.idx = torch.device(d).index if not isinstance(d, int) else d
+
+            def __enter__(self):
+                fake._record("enter device", self.idx)
+                self.prev = getattr(fake.local, "device", 0)
+                fake.local.device = self.idx
+
+            def __exit__(self, *exc):
+                fake.local.device = self.prev
+                fake._record("exit device", self.idx)
+
+        class stream:  # noqa: N801 - mirrors torch.cuda.stream
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                fake._record("enter stream", self.s)
+                self.prev = getattr(fake.local, "stream", None)
+                fake.local.stream = self.s
+
+            def __exit__(self, *exc):
+                fake.local.stream = self.prev
+                fake._record("exit stream", self.s)
+
+        self.device, self.stream = device, stream
+
+    def current_stream(self, d):
+        # the caller's stream on each device: a distinct marker per device
+        return f"caller-stream-{torch.device(d).index}"
+
+    def _record(self, what, value):
+        with self.lock:
+            self.events.append((threading.current_thread().name, what, value))
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
+
+
+def test_each_replica_runs_in_its_own_thread_on_its_device_and_the_callers_stream(monkeypatch):
+    """CUDA calls replaced (FakeCuda): entering a CUDA device or stream needs a GPU."""
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    seen = {}
+
+    def step(i):
+        def run():
+            seen[i] = (threading.current_thread().name, fake.local.device, fake.local.stream)
+            return i * 10
+        return run
+
+    executor = ReplicaExecutor(3)
+    try:
+        assert executor.run([step(i) for i in range(3)], CUDA3) == [0, 10, 20]
+    finally:
+        executor.shutdown()
+    for i in range(3):
+        thread, device, stream = seen[i]
+        assert thread.startswith(f"sparse_dp-replica{i}")
+        assert device == i and stream == f"caller-stream-{i}"
+    for i in range(3):  # every context entered was left again, in its own thread
+        mine = [(what, v) for t, what, v in fake.events if t.startswith(f"sparse_dp-replica{i}")]
+        assert mine == [("enter device", i), ("enter stream", f"caller-stream-{i}"),
+                        ("exit stream", f"caller-stream-{i}"), ("exit device", i)]
+
+
+def test_one_replica_runs_in_the_calling_thread_on_its_device(monkeypatch):
+    """CUDA calls replaced (FakeCuda): entering a CUDA device needs a GPU."""
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    executor = ReplicaExecutor(2)
+    try:
+        out = executor.run([lambda: (threading.current_thread().name, fake.local.device)], [torch.device("cuda", 1)])
+    finally:
+        executor.shutdown()
+    assert out == [(threading.current_thread().name, 1)]
+
+
+def test_a_failing_cuda_replica_names_its_device(monkeypatch):
+    """CUDA calls replaced (FakeCuda): entering a CUDA device needs a GPU."""
+    FakeCuda().install(monkeypatch)
+
+    def boom():
+        raise ValueError("bad chunk")
+
+    executor = ReplicaExecutor(2)
+    try:
+        with pytest.raises(ValueError, match="bad chunk") as info:
+            executor.run([lambda: 1, boom], CUDA3[:2])
+    finally:
+        executor.shutdown()
+    assert "raised in replica 1 on device cuda:1" in "".join(getattr(info.value, "__notes__", []))
+
+
+# --- replicate's CUDA branch, torch's replicate replaced ---------------------------------------
+
+def test_cuda_replicas_come_from_torch_replicate_with_me_slots_devices_and_parameters(monkeypatch):
+    """torch.nn.parallel.replicate replaced: its broadcast is a CUDA kernel.
+
+    The stand-in records its arguments and returns replicas made the CPU way (the same
+    ``_replicate_for_data_parallel`` copies, whose ``__slots__`` are empty, as torch's are); the
+    code under test is everything replicate() does around it.
+    """
+    calls = []
+
+    def fake_replicate(module, devices, detach=False):
+        calls.append((list(devices), detach))
+        return _replicate_cpu(module, len(devices))
+
+    monkeypatch.setattr(replicate_module.nn.parallel, "replicate", fake_replicate)
+    model = SparseNet()
+    replicas = replicate(model, CUDA3)
+    assert calls == [(CUDA3, False)]  # grad enabled: not detached, so gradients reach the root
+    for device, r in zip(CUDA3, replicas):
+        conv = r.net[0]
+        assert conv.dimension == 3 and conv.kernel_generator is model.net[0].kernel_generator  # ME __slots__
+        assert r.device == device  # Lightning's self.device inside the replica's step
+        assert [n for n, _ in r.named_parameters()] == [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        replicate(model, CUDA3[:2])
+    assert calls[-1] == (CUDA3[:2], True)  # no grad: detached copies, as nn.DataParallel asks for
+    with pytest.raises(ValueError, match="one kind"):
+        replicate(model, [torch.device("cpu"), torch.device("cuda", 0)])
+
+
+# --- the GPU check script without a GPU --------------------------------------------------------
+
+@no_gpu
+def test_gpu_check_says_clearly_that_there_is_no_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), sys.executable], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: NO GPU") and "torch.cuda.device_count() == 0" in last, done.stdout
+
+
+def test_me_backend_kind_is_reported():
+    """The ME in use answers whether it was built with CUDA (True for the CUDA build, GPU or not)."""
+    assert isinstance(ME.is_cuda_available(), bool)
+    if ME.is_cuda_available():
+        assert ME.cuda_version() // 1000 == int(torch.version.cuda.split(".")[0])
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_reads_pytest_and_bench_outputs():
+    gpu_check = _gpu_check_module()
+    assert gpu_check.pytest_counts("....\n12 passed, 1 failed, 2 skipped in 3.2s\n") == {"passed": 12, "failed": 1, "skipped": 2}
+    assert gpu_check.pytest_counts("E   boom\n1 error in 0.1s") == {"errors": 1}
+    assert gpu_check.bench_headline('table\n{"speedup_sparse_dp_2_gpu": 1.8}\n') == {"speedup_sparse_dp_2_gpu": 1.8}
+    assert gpu_check.bench_headline("Traceback ...") == {}
+    line = gpu_check.no_gpu_line({"torch": "2.13.0+cpu", "cuda": None, "gpus": []})
+    assert line.startswith("gpu_check: NO GPU") and "CPU build" in line
+
+
+@no_gpu
+def test_bench_on_gpu_without_a_gpu_says_so():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--accelerator", "gpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "no GPU visible" in done.stderr

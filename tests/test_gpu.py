@@ -1,0 +1,117 @@
+"""sparse_dp on GPUs against plain Lightning on one GPU: the exactness tests of scripts/gpu_check.sh.
+
+Every test runs sparse_dp with ``accelerator="gpu"`` and ``devices=n`` for each ``n`` from 1 to the
+number of visible GPUs, and the same module with ``strategy="auto"`` on one GPU with the whole
+batch, in float64, and compares every tensor of the state dict after the steps: max|diff| over
+max|value| at most 1e-10. Skipped without a GPU or without a CUDA build of MinkowskiEngine.
+
+``LSDP_GPU_TESTS_ON_CPU=1`` runs the same tests with ``accelerator="cpu"`` and n = 1..3 CPU
+replicas, to check the tests themselves on a machine without a GPU (what they compare is then
+what tests/test_exactness.py compares). ``LSDP_GPU_REPORT=FILE`` appends one JSON line per
+comparison (test, devices, max relative difference) for scripts/gpu_check.py's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+
+from lightning_sparse_dp import SparseDataParallelStrategy
+from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer
+
+ON_CPU = os.environ.get("LSDP_GPU_TESTS_ON_CPU") == "1"
+ACCELERATOR = "cpu" if ON_CPU else "gpu"
+NUM_DEVICES = 3 if ON_CPU else (torch.cuda.device_count() if torch.version.cuda else 0)
+TOLERANCE = 1e-10
+
+pytestmark = pytest.mark.skipif(
+    not ON_CPU and (NUM_DEVICES == 0 or not ME.is_cuda_available()),
+    reason="needs a GPU and MinkowskiEngine built with CUDA (scripts/gpu_check.sh); "
+    "LSDP_GPU_TESTS_ON_CPU=1 runs these tests on CPU replicas",
+)
+DEVICE_COUNTS = list(range(1, max(NUM_DEVICES, 1) + 1))
+
+
+def _pair(cls, **kwargs):
+    a, b = cls(**kwargs), cls(**kwargs)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _max_relative_difference(ours, reference) -> float:
+    """max over tensors of max|a - b| / max|b| (|b| = 0: the absolute difference)."""
+    ref = reference.state_dict()
+    worst = 0.0
+    for name, value in ours.state_dict().items():
+        a, b = value.detach().double().cpu(), ref[name].detach().double().cpu()
+        scale = b.abs().max().item() if b.numel() else 0.0
+        diff = (a - b).abs().max().item() if b.numel() else 0.0
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def _double_field(batch):
+    """``field_batch`` with float64 features (Lightning's 64-true precision converts tensors, not TensorFields)."""
+    x = batch["x"]
+    return {**batch, "x": ME.TensorField(x.F.double(), x.C)}
+
+
+def _report(test: str, devices: int, value: float) -> None:
+    path = os.environ.get("LSDP_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "devices": devices, "max_rel_diff": value}) + "\n")
+
+
+def _compare(name, ours, reference, batches, devices, steps=2, **strategy_kwargs):
+    start = {k: v.clone() for k, v in ours.state_dict().items()}
+    strategy = SparseDataParallelStrategy(**strategy_kwargs)
+    kwargs = dict(accelerator=ACCELERATOR, precision="64-true", max_steps=steps)
+    trainer(strategy=strategy, devices=devices, **kwargs).fit(ours, loader(*batches))
+    trainer(devices=1, **kwargs).fit(reference, loader(*batches))
+    moved = [k for k, v in ours.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v.cpu(), start[k])]
+    assert moved, "the steps changed nothing: the comparison would prove nothing"
+    diff = _max_relative_difference(ours, reference)
+    _report(name, devices, diff)
+    assert diff <= TOLERANCE, f"{name} on {devices} device(s): max relative difference {diff:.3e}"
+
+
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_classification_steps_equal_one_device(devices):
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (1, 2)]  # uneven chunks
+    ours, reference = _pair(SparseNet)
+    _compare("classification", ours, reference, batches, devices)
+
+
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_sync_batchnorm_steps_equal_one_device(devices):
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (3, 4)]
+    ours, reference = _pair(SparseNet, batch_norm=True)
+    _compare("sync_batchnorm", ours, reference, batches, devices, sync_batchnorm=True)
+
+
+@pytest.mark.parametrize("devices", DEVICE_COUNTS)
+def test_segmentation_per_point_loss_equals_one_device(devices):
+    batches = [_double_field(field_batch(5, seed=s)) for s in (5, 6)]
+    ours, reference = _pair(SegNet)
+    _compare("segmentation", ours, reference, batches, devices, sync_batchnorm=True, loss_weighting="points")
+
+
+def test_replicas_run_on_distinct_devices():
+    seen = []
+
+    class Recording(SparseNet):
+        def training_step(self, batch, batch_idx):
+            seen.append((self.device, batch["features"].device))
+            return super().training_step(batch, batch_idx)
+
+    model = Recording()
+    t = trainer(strategy="sparse_dp", accelerator=ACCELERATOR, devices=NUM_DEVICES, precision="64-true")
+    t.fit(model, loader(collate_dict(random_samples(2 * NUM_DEVICES, seed=7))))
+    expected = [torch.device(ACCELERATOR if ACCELERATOR == "cpu" else "cuda", None if ON_CPU else i)
+                for i in range(NUM_DEVICES)]
+    assert sorted(seen, key=str) == sorted(zip(expected, expected), key=str)
