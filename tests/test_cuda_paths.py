@@ -27,13 +27,10 @@ import MinkowskiEngine as ME
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.place import current_stream, device_context
-from lightning_sparse_dp.replicate import _replicate_cpu, replicate
-from tests.helpers import SparseNet
 
 ROOT = Path(__file__).resolve().parents[1]
 # the module (the package exports a function of the same name)
@@ -179,37 +176,6 @@ def test_a_failing_cuda_replica_names_its_device(monkeypatch):
     finally:
         executor.shutdown()
     assert "raised in replica 1 on device cuda:1" in "".join(getattr(info.value, "__notes__", []))
-
-
-# --- replicate's CUDA branch, torch's replicate replaced ---------------------------------------
-
-def test_cuda_replicas_come_from_torch_replicate_with_me_slots_devices_and_parameters(monkeypatch):
-    """torch.nn.parallel.replicate replaced: its broadcast is a CUDA kernel.
-
-    The stand-in records its arguments and returns replicas made the CPU way (the same
-    ``_replicate_for_data_parallel`` copies, whose ``__slots__`` are empty, as torch's are); the
-    code under test is everything replicate() does around it.
-    """
-    calls = []
-
-    def fake_replicate(module, devices, detach=False):
-        calls.append((list(devices), detach))
-        return _replicate_cpu(module, len(devices))
-
-    monkeypatch.setattr(replicate_module.nn.parallel, "replicate", fake_replicate)
-    model = SparseNet()
-    replicas = replicate(model, CUDA3)
-    assert calls == [(CUDA3, False)]  # grad enabled: not detached, so gradients reach the root
-    for device, r in zip(CUDA3, replicas):
-        conv = r.net[0]
-        assert conv.dimension == 3 and conv.kernel_generator is model.net[0].kernel_generator  # ME __slots__
-        assert r.device == device  # Lightning's self.device inside the replica's step
-        assert [n for n, _ in r.named_parameters()] == [n for n, _ in model.named_parameters()]
-    with torch.no_grad():
-        replicate(model, CUDA3[:2])
-    assert calls[-1] == (CUDA3[:2], True)  # no grad: detached copies, as nn.DataParallel asks for
-    with pytest.raises(ValueError, match="one kind"):
-        replicate(model, [torch.device("cpu"), torch.device("cuda", 0)])
 
 
 # --- the GPU check script without a GPU --------------------------------------------------------
