@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore")
 import lightning_sparse_dp  # noqa: E402,F401
 from lightning_sparse_dp import SparseDataParallelStrategy  # noqa: E402
 from tests.clients import CLIENTS, fresh_loader  # noqa: E402
-from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, random_samples, trainer  # noqa: E402
+from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer  # noqa: E402
 
 
 def differences(ours, reference):
@@ -39,12 +39,12 @@ def differences(ours, reference):
     return abs_diff, rel_diff
 
 
-def _case(name, make, batches, strategy, steps=1, **kwargs):
+def _case(name, make, batches, strategy, steps=1, make_loader=lambda batches: loader(*batches), **kwargs):
     ours, reference = make(), make()
     reference.load_state_dict(ours.state_dict())
-    trainer(strategy=strategy, devices=3, max_steps=steps, **kwargs).fit(ours, fresh_loader(batches))
+    trainer(strategy=strategy, devices=3, max_steps=steps, **kwargs).fit(ours, make_loader(batches))
     trainer(devices=1, max_steps=steps, **{k: v for k, v in kwargs.items() if k != "sync_batchnorm"}).fit(
-        reference, fresh_loader(batches)
+        reference, make_loader(batches)
     )
     a, r = differences(ours, reference)
     print(f"{name:<58} max abs {a:.2e}  max rel {r:.2e}")
@@ -54,7 +54,7 @@ def main():
     torch.manual_seed(0)
     precision = "32-true" if "--float32" in sys.argv else "64-true"
     uneven = [collate_dict(random_samples(7, seed=s)) for s in range(5)]
-    fields = [field_batch(7, seed=s) for s in range(5)]
+    fields = [field_batch(7, seed=s, dtype=torch.float64 if precision == "64-true" else torch.float32) for s in range(5)]
     print(f"sparse_dp devices=3 vs one device, batches of 7 samples, balanced split (the default), precision={precision}")
     case = partial(_case, precision=precision)
     case("no batch norm, 1 step", lambda: SparseNet(), uneven[:1], "sparse_dp")
@@ -71,7 +71,8 @@ def main():
          SparseDataParallelStrategy(loss_weighting="samples", sync_batchnorm=True), steps=5)
     for name, (cls, make) in sorted(CLIENTS.items()):  # ME-example-style modules, default options + sync BN
         batches = [make(range(7 * s, 7 * s + 7)) for s in range(2)]
-        case(f"client {name}, sync BN, 2 steps", cls, batches, "sparse_dp", steps=2, sync_batchnorm=True)
+        case(f"client {name}, sync BN, 2 steps", cls, batches, "sparse_dp", steps=2, sync_batchnorm=True,
+             make_loader=fresh_loader)  # clients edit their batch in place: a copy per fetch
 
 
 if __name__ == "__main__":
