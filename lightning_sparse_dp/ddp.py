@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts
+from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts, zeroed
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
@@ -202,7 +202,7 @@ class SparseDDPStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled)."""
         if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
-            closure_loss = torch.nan_to_num(closure_loss) * 0.0
+            closure_loss = zeroed(closure_loss)
         elif self._loss_scale != 1.0:
             closure_loss = closure_loss * self._loss_scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -160,7 +160,7 @@ def step_weights(
     return weights
 
 
-def _zeroed(v: Tensor) -> Tensor:
+def zeroed(v: Tensor) -> Tensor:
     """``0 * v`` with NaN / inf replaced first: exactly 0, still in ``v``'s graph, zero gradient."""
     return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
 
@@ -174,7 +174,7 @@ def weighted_sum(values: Sequence[Tensor], weights: Sequence[float], device: tor
     out = None
     for v, w in zip(values, weights, strict=True):
         v = v.to(device)
-        term = v * w if w != 0 else _zeroed(v)
+        term = v * w if w != 0 else zeroed(v)
         out = term if out is None else out + term
     assert out is not None
     return out
@@ -399,4 +399,5 @@ __all__ = [
     "step_losses",
     "step_weights",
     "weighted_sum",
+    "zeroed",
 ]

@@ -341,7 +341,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 metrics = self._replica_metrics.install(module, replicas, devices)
                 recorders = [install_recorder(r) for r in replicas]
                 silence_print(replicas)
-                group = join_replicas(self._replica_sync_layers[: len(replicas)]) if len(replicas) > 1 else None
+                group = join_replicas(self._replica_sync_layers[: len(replicas)])  # None for one replica
             steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
             if group is not None:
                 steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
