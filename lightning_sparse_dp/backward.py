@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.collective import ThreadGroup
 from lightning_sparse_dp.replicate import Replicas
-from lightning_sparse_dp.timing import StageTimes
+from lightning_sparse_dp.timing import StepTimer
 
 
 class ReplicaBackward:
@@ -53,7 +53,7 @@ class ReplicaBackward:
         replicas: Replicas,
         executor: ReplicaExecutor,
         group: ThreadGroup | None,
-        times: StageTimes,
+        times: StepTimer,
     ) -> None:
         self.losses: list[Tensor] | None = list(losses)
         self.weights = list(weights)

@@ -27,14 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from typing_extensions import override
 
-from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts, zeroed
+from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts, say_auto_choice, zeroed
+from lightning_sparse_dp.layer_sync import OwnLayerSync
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
@@ -42,23 +43,28 @@ from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
 _MEAN_OPS = ("mean", "avg")
 
 
-def local_count(batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None) -> float:
+def local_count(
+    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, infos: WarningCache | None = None
+) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
     :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.gather.resolve_auto`) or a callable ``fn(batch) -> number``.
+    (see :func:`~lightning_sparse_dp.gather.resolve_auto`; said once through ``infos`` when given) or
+    a callable ``fn(batch) -> number``.
 
     Raises:
         ValueError: an unknown ``loss_weighting``.
         BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
     """
-    check_loss_weighting(loss_weighting)
     if loss_weighting == "equal":
         return 1.0
     chunks, plan = split_batch(batch, 1, layout=layout)
-    return float(chunk_counts(plan, chunks, loss_weighting)[0])
+    count = float(chunk_counts(plan, chunks, loss_weighting)[0])
+    if infos is not None:
+        say_auto_choice(plan, loss_weighting, infos, strategy="sparse_ddp")
+    return count
 
 
 def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -72,7 +78,7 @@ def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoa
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-class SparseDDPStrategy(DDPStrategy):
+class SparseDDPStrategy(OwnLayerSync, DDPStrategy):
     """Lightning's DDP for MinkowskiEngine sparse batches, registered as ``"sparse_ddp"``.
 
     ``Trainer(strategy="sparse_ddp", devices=M, num_nodes=N)`` launches and connects processes as
@@ -80,8 +86,6 @@ class SparseDDPStrategy(DDPStrategy):
     gloo on CPU, NCCL on CUDA); the module docstring lists what it adds.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
-            Lightning's ``DDPStrategy`` (the Trainer fills them).
         loss_weighting: ``"auto"`` (default: samples when the batch has a per-sample tensor, else points
             when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"``
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
@@ -94,22 +98,20 @@ class SparseDDPStrategy(DDPStrategy):
             Counts are measured once per dataset, each rank measuring ``1/world_size`` of it.
         layout: roles for batch entries that cannot be told apart, as for ``split_batch`` (used to
             count ``n_r``).
-        **kwargs: passed to ``DDPStrategy`` (``start_method``, ``timeout``, ``process_group_backend``,
-            ``find_unused_parameters``, ``static_graph``...).
+        **kwargs: passed to ``DDPStrategy``: what the Trainer fills (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``) and its options
+            (``start_method``, ``timeout``, ``process_group_backend``, ``find_unused_parameters``,
+            ``static_graph``...).
 
     Raises:
         ValueError: an unknown ``loss_weighting`` or ``split``.
     """
 
     strategy_name = "sparse_ddp"
+    own_layer_sync = ProcessGroupSyncBatchNorm  # Trainer(sync_batchnorm=True): batch norm over the process group
 
     def __init__(
         self,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
         *,
         loss_weighting: Any = "auto",
         split: str = "balanced",
@@ -120,14 +122,7 @@ class SparseDDPStrategy(DDPStrategy):
         check_loss_weighting(loss_weighting)
         if split not in ASSIGNMENTS:
             raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            **kwargs,
-        )
+        super().__init__(**kwargs)
         self.loss_weighting = loss_weighting
         self.split = split
         self.count_points = count_points
@@ -135,21 +130,9 @@ class SparseDDPStrategy(DDPStrategy):
         self._count: float | None = None  # n_r during a training / validation / test step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+        self._infos = WarningCache()
 
-    # --- sync batch norm over the process group ---------------------------------------------------
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        return self.__dict__.get("_layer_sync_plugin")
-
-    @_layer_sync.setter
-    def _layer_sync(self, plugin: LayerSync | None) -> None:
-        # Trainer(sync_batchnorm=True) hands every strategy Lightning's TorchSyncBatchNorm (torch.nn.SyncBatchNorm,
-        # which refuses CPU input and does not know ME's layers): use the process-group batch norm instead.
-        # A LayerSync plugin of the user's own (Trainer(plugins=[...])) is kept.
-        if type(plugin) is TorchSyncBatchNorm:
-            plugin = ProcessGroupSyncBatchNorm()
-        self.__dict__["_layer_sync_plugin"] = plugin
-
+    @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         if (
@@ -164,7 +147,7 @@ class SparseDDPStrategy(DDPStrategy):
                 "CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over the process "
                 "group (gloo), on CPU too."
             )
-        super().setup(trainer)
+        super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
 
     # --- exact loss and logs ---------------------------------------------------------------------
     def global_count(self, n: float) -> float:
@@ -176,7 +159,7 @@ class SparseDDPStrategy(DDPStrategy):
         return float(total.item())
 
     def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout)
+        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout, self._infos)
         if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
@@ -190,15 +173,19 @@ class SparseDDPStrategy(DDPStrategy):
         finally:
             self._count = None
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._weighted("training_step", args, kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._weighted("validation_step", args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._weighted("test_step", args, kwargs)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled)."""
         if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
@@ -207,6 +194,7 @@ class SparseDDPStrategy(DDPStrategy):
             closure_loss = closure_loss * self._loss_scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
         """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
         mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
@@ -227,6 +215,7 @@ class SparseDDPStrategy(DDPStrategy):
         return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
 
     # --- point-balanced batches ------------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Replace the ``DistributedSampler`` Lightning injected with a :class:`PointBalancedBatchSampler`.
 
@@ -286,6 +275,7 @@ class SparseDDPStrategy(DDPStrategy):
         return counts
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # not DDPStrategy.register_strategies: it would register the "ddp" names again, for this class
         if cls.strategy_name not in strategy_registry:

@@ -15,7 +15,7 @@ gives them or, failing that, by their lengths.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +26,6 @@ from torch import Tensor
 
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, leaf_predicate, merge_chunks, merge_rows
 
-LossWeighting = Union[str, Callable[[Any], Any]]
 LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "points", "equal")
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`).
 OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list")
@@ -81,7 +80,7 @@ def _callable_count(fn: Callable[[Any], Any], chunk: Any, j: int) -> float:
     return count
 
 
-def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: LossWeighting) -> list[float]:
+def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any]) -> list[float]:
     """The un-normalized count ``n_i`` of every chunk; the loss weights are ``n_i / sum_j n_j``.
 
     Args:
@@ -116,7 +115,7 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: LossWei
     return [1.0] * plan.num_chunks
 
 
-def chunk_weights(plan: SplitPlan, loss_weighting: LossWeighting, chunks: Sequence[Any] | None = None) -> list[float]:
+def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], chunks: Sequence[Any] | None = None) -> list[float]:
     """Weights ``w_i = n_i / sum_j n_j`` of the chunks of ``plan`` (``n_i`` from :func:`chunk_counts`).
 
     ``"auto"`` is ``"samples"`` when the batch has a per-sample tensor, else ``"points"`` when it has
@@ -138,19 +137,13 @@ def chunk_weights(plan: SplitPlan, loss_weighting: LossWeighting, chunks: Sequen
 
 
 def step_weights(
-    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: LossWeighting, infos: WarningCache | None = None
+    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], infos: WarningCache | None = None
 ) -> list[float]:
-    """:func:`chunk_weights` for a step, saying once (rank-zero info) what ``"auto"`` chose and why,
+    """:func:`chunk_weights` for a step, saying once what ``"auto"`` chose (:func:`say_auto_choice`),
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
     infos = _warnings if infos is None else infos
     weights = chunk_weights(plan, loss_weighting, chunks)
-    if loss_weighting == "auto":
-        choice, reason = resolve_auto(plan)
-        infos.info(
-            f"sparse_dp: loss_weighting='auto' weights each replica's loss by its {choice} ({choice!r}): {reason}. "
-            "Pass SparseDataParallelStrategy(loss_weighting=...) 'samples', 'points' or a callable chunk -> count "
-            "(e.g. points whose label is not ignore_index) to choose."
-        )
+    say_auto_choice(plan, loss_weighting, infos)
     if not any(weights):
         infos.warn(
             "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "
@@ -158,6 +151,20 @@ def step_weights(
             "give NaN."
         )
     return weights
+
+
+def say_auto_choice(
+    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], infos: WarningCache, strategy: str = "sparse_dp"
+) -> None:
+    """For ``loss_weighting="auto"``, say once (rank-zero info through ``infos``) what it chose and why."""
+    if loss_weighting != "auto":
+        return
+    choice, reason = resolve_auto(plan)
+    infos.info(
+        f"{strategy}: loss_weighting='auto' weights each {'replica' if strategy == 'sparse_dp' else 'rank'}'s loss by "
+        f"its {choice} ({choice!r}): {reason}. Pass loss_weighting= 'samples', 'points' or a callable chunk -> count "
+        "(e.g. points whose label is not ignore_index) to the strategy to choose."
+    )
 
 
 def zeroed(v: Tensor) -> Tensor:

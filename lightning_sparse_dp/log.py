@@ -2,8 +2,8 @@
 
 Lightning's result collection takes no locks and moves a logged value to the device of whoever
 logs, so replicas must never log into it from their threads (PL 1.x "dp" logged on-step values from
-whichever GPU wrote last, Lightning issue #9839). Each replica gets a :class:`LogRecorder` in place
-of its ``log`` method (``log_dict`` goes through ``log``); after the step, :func:`reduce_log_calls`
+whichever GPU wrote last, Lightning issue #9839). While the replicas run the step, :func:`recording`
+gives each a :class:`LogRecorder` in place of its ``log`` method (``log_dict`` goes through ``log``); after the step, :func:`reduce_log_calls`
 merges the replicas' calls name by name and :func:`emit` logs them through the root module.
 
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
@@ -35,17 +35,21 @@ in the whole batch.
 
 from __future__ import annotations
 
+import inspect
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor
 from torchmetrics import Metric
 
 _warnings = WarningCache()
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _MEAN = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
     "sum": torch.sum,
@@ -73,8 +77,10 @@ class MetricRef:
 class LogRecorder:
     """Stands in for ``LightningModule.log`` on a replica and records the calls.
 
-    Same signature as ``LightningModule.log``; the value is a number, a one-element tensor or a
-    ``torchmetrics.Metric`` that is a submodule of the replica.
+    Called as ``LightningModule.log`` is: ``recorder(name, value, prog_bar, logger, ...)``, options
+    positional or by keyword (bound to ``LightningModule.log``'s own signature, so a misspelt option
+    raises the ``TypeError`` it would raise there); the value is a number, a one-element tensor or a
+    ``torchmetrics.Metric`` that is a submodule of the replica. Only the options given are recorded.
 
     Args:
         metric_paths: ``id(metric) -> module path`` of the replica's metrics.
@@ -88,7 +94,10 @@ class LogRecorder:
         self.calls: dict[str, LogCall] = {}
         self.metric_paths = metric_paths or {}
 
-    def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
+            kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         if isinstance(value, Metric):
             if id(value) not in self.metric_paths:
                 raise TypeError(
@@ -110,15 +119,32 @@ class LogRecorder:
         self.calls[name] = LogCall(name, value, kwargs)
 
 
-def install_recorder(replica: Any) -> LogRecorder:
-    """Replace ``replica.log`` (an instance attribute shadowing the method) with a new recorder.
+@contextmanager
+def recording(replicas: Sequence[Any]) -> Iterator[list[LogRecorder]]:
+    """For the ``with`` body (the replicas' step), record each replica's ``self.log`` calls; print once.
 
-    Remove it with ``del replica.log`` when ``replica`` is the root module itself.
+    Each replica's ``log`` is shadowed by an instance attribute, a new :class:`LogRecorder`, and the
+    replicas after the first get a no-op ``print``: ``LightningModule.print`` prints on global rank 0,
+    which every replica of one process is, and one device prints once per step. On exit both
+    attributes are removed, so the methods come back; this must happen before :func:`emit` logs
+    through the root module, which is replica 0 itself when one chunk runs on the root device.
+
+    Yields:
+        one recorder per replica, in replica order; they keep their calls after the body.
     """
-    paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
-    recorder = LogRecorder(paths)
-    replica.log = recorder
-    return recorder
+    recorders = []
+    for i, replica in enumerate(replicas):
+        paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
+        recorders.append(LogRecorder(paths))
+        replica.log = recorders[-1]
+        if i > 0:
+            replica.print = _no_print
+    try:
+        yield recorders
+    finally:
+        for replica in replicas:
+            replica.__dict__.pop("log", None)
+            replica.__dict__.pop("print", None)
 
 
 def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
@@ -230,17 +256,6 @@ def _reduce_values(
     return _reduce(values, w, reduce_fx)
 
 
-def silence_print(replicas: Sequence[Any]) -> None:
-    """``self.print`` prints from replica 0 (the first chunk) only: the others get a no-op ``print``.
-
-    ``LightningModule.print`` prints on global rank 0, which every replica of one process is; on one
-    device it prints once per step, so do the replicas together. Replica 0 is never the root module
-    with others beside it, so the root's own ``print`` is left alone.
-    """
-    for replica in replicas[1:]:
-        replica.print = _no_print
-
-
 def _no_print(*args: Any, **kwargs: Any) -> None:
     pass
 
@@ -251,4 +266,4 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "reduce_log_calls", "silence_print"]
+__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]

@@ -4,7 +4,7 @@ A replica is a shallow copy of the module, so a ``torchmetrics.Metric`` in it wo
 on) the root metric's state, or lose its update (PL 1.x "dp": Lightning issue #4353); its ``update``
 and ``compute`` are even instance attributes bound to the root metric. Before the step every replica
 therefore gets its own empty copy of each metric (``Metric.clone`` of an empty template, so the
-root's accumulated state is never copied); after it, :func:`merge_into_root` merges the replicas' states into the root metric with
+root's accumulated state is never copied) for the step (:meth:`ReplicaMetrics.installed`); after it, :func:`merge_into_root` merges the replicas' states into the root metric with
 ``Metric.merge_state`` (torchmetrics >= 1.1), in replica order, so the root ends the step in the state
 one update with the whole batch gives. When replicas called ``forward`` (which returns the batch
 value), the root's ``_forward_cache`` is set to the whole batch's value, which is what Lightning
@@ -13,6 +13,8 @@ logs for ``self.log(name, metric)`` on step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,23 +63,42 @@ class ReplicaMetrics:
             copy.reset()
         return copy
 
-    def install(self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device]) -> list[MetricReplicas]:
-        """Put an empty copy of every metric of ``root`` into each replica (on its device), in place.
+    @contextmanager
+    def installed(
+        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device]
+    ) -> Iterator[list[MetricReplicas]]:
+        """For the ``with`` body, an empty copy of every metric of ``root`` in each replica (on its device).
 
-        Returns:
-            the metrics to merge after the step (empty when ``replicas`` is ``[root]``).
+        When the body ends without an exception the copies' states are merged into the root's
+        metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
+        had. Nothing is installed when ``replicas`` is ``[root]``.
+
+        Yields:
+            the metrics of the step, one entry per root metric.
+
+        Raises:
+            RuntimeError: from :func:`merge_into_root`.
         """
         if len(replicas) == 1 and replicas[0] is root:
-            return []
+            yield []
+            return
         found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
         merged = [MetricReplicas(name, m, []) for name, m in found]
+        previous: list[tuple[nn.Module, str, nn.Module]] = []
         for index, (replica, device) in enumerate(zip(replicas, devices)):
             for entry in merged:
                 copy = self._copy(entry.root, index, device)
-                parent, _, attr = entry.name.rpartition(".")
-                replica.get_submodule(parent)._modules[attr] = copy
+                parent_name, _, attr = entry.name.rpartition(".")
+                parent = replica.get_submodule(parent_name)
+                previous.append((parent, attr, parent._modules[attr]))
+                parent._modules[attr] = copy
                 entry.replicas.append(copy)
-        return merged
+        try:
+            yield merged
+            merge_into_root(merged)
+        finally:
+            for parent, attr, module in previous:
+                parent._modules[attr] = module
 
 
 def merge_into_root(metrics: list[MetricReplicas]) -> None:

@@ -15,9 +15,34 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_sparse_dp.split import SparseSpec
+
+
+def check_devices(devices: Sequence[torch.device]) -> None:
+    """Check that ``devices`` can hold replicas: one kind, CPU or CUDA, and present on this machine.
+
+    Raises:
+        MisconfigurationException: no devices, mixed kinds, a device type other than CPU/CUDA, or a
+            CUDA index the machine does not have.
+    """
+    if not devices:
+        raise MisconfigurationException("sparse_dp needs at least one device.")
+    kinds = {d.type for d in devices}
+    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+        raise MisconfigurationException(
+            f"sparse_dp runs on CPU or CUDA devices of one kind, got {list(devices)}. Use accelerator='cpu' or 'gpu'."
+        )
+    if kinds == {"cuda"}:
+        available = torch.cuda.device_count()
+        missing = [d for d in devices if (d.index or 0) >= available]
+        if missing:
+            raise MisconfigurationException(
+                f"sparse_dp was given devices {[str(d) for d in devices]} but this machine has {available} CUDA "
+                f"device(s), so {[str(d) for d in missing]} do not exist. Pass devices=<at most {available}>."
+            )
 
 
 def device_context(device: torch.device, stream: Any = None):
@@ -83,4 +108,4 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
 
 
-__all__ = ["build_sparse", "current_stream", "device_context", "place_chunk", "place_chunks"]
+__all__ = ["build_sparse", "check_devices", "current_stream", "device_context", "place_chunk", "place_chunks"]

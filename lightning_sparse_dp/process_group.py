@@ -10,7 +10,8 @@ sync_batchnorm=True)`` uses it in place of Lightning's ``TorchSyncBatchNorm`` (w
 torch/nn/modules/batchnorm.py). ``apply`` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (so the
 ``.bn`` of ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
 :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers holding a :class:`ProcessGroupCollective`,
-sharing parameters and buffers (state-dict keys unchanged); ``revert`` puts the user's layers back.
+sharing parameters and buffers (state-dict keys unchanged; :class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap`);
+``revert`` puts the user's layers back.
 Every rank updates its own running statistics with the identical global ones.
 """
 
@@ -20,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_sparse_dp.batchnorm import SyncBatchNorm, Swap, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sparse_dp.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
 
 
 class ProcessGroupCollective:
@@ -61,7 +62,7 @@ class ProcessGroupCollective:
         return f"ProcessGroupCollective(group={self.group!r})"
 
 
-class ProcessGroupSyncBatchNorm(LayerSync):
+class ProcessGroupSyncBatchNorm(SyncBatchNormSwap):
     """Lightning ``LayerSync`` plugin: batch norm synchronized over a process group (see the module docstring).
 
     Args:
@@ -69,24 +70,18 @@ class ProcessGroupSyncBatchNorm(LayerSync):
     """
 
     def __init__(self, group: Any = None) -> None:
+        super().__init__()
         self.group = group
-        self._swaps: list[Swap] = []
 
     def apply(self, model: Module) -> Module:
-        """Swap ``model``'s batch-norm layers for synchronized ones, in place; returns ``model``."""
-        self._swaps += convert_sync_batchnorm(model)
+        """Swap ``model``'s batch-norm layers for ones synchronized over :attr:`group`, in place; returns ``model``."""
+        super().apply(model)
         collective = ProcessGroupCollective(self.group)
         for parent, name, _ in self._swaps:
             layer = parent._modules[name]
             assert isinstance(layer, SyncBatchNorm)
             layer.collective = collective
             layer.update_running_stats = True  # every rank keeps its own, identical, running statistics
-        return model
-
-    def revert(self, model: Module) -> Module:
-        """Put the original layers back (they share every tensor, so they hold the trained values)."""
-        revert_sync_batchnorm(self._swaps)
-        self._swaps = []
         return model
 
 

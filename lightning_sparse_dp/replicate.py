@@ -35,6 +35,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse_dp.place import check_devices
+
 
 def _slot_names(cls: type) -> list[str]:
     names: list[str] = []
@@ -77,15 +79,12 @@ class Replicas:
         leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
 
     Raises:
-        ValueError: no devices, or CPU and CUDA devices mixed.
+        MisconfigurationException: no devices, CPU and CUDA devices mixed, or a CUDA device the
+            machine does not have (:func:`~lightning_sparse_dp.place.check_devices`).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
-        if not devices:
-            raise ValueError("replicate needs at least one device.")
-        kinds = {d.type for d in devices}
-        if len(kinds) > 1:
-            raise ValueError(f"replicate needs devices of one kind, got {sorted(kinds)}.")
+        check_devices(devices)
         self.root = module
         self.devices = list(devices)
         self._sources = list(module.modules())

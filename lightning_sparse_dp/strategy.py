@@ -10,7 +10,8 @@ state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -21,57 +22,26 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import split_backward
-from lightning_sparse_dp.gather import LossWeighting, check_loss_weighting, gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.collective import ThreadGroup
+from lightning_sparse_dp.gather import check_loss_weighting, gather_outputs, step_losses, step_weights
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
-from lightning_sparse_dp.log import LogRecorder, emit, install_recorder, reduce_log_calls, silence_print
-from lightning_sparse_dp.metrics import ReplicaMetrics, merge_into_root
-from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.layer_sync import OwnLayerSync, apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
+from lightning_sparse_dp.metrics import ReplicaMetrics
+from lightning_sparse_dp.place import check_devices, place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
+from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
+from lightning_sparse_dp.sync import sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
-from lightning_sparse_dp.timing import StageTimes
-from lightning_sparse_dp.sync import convert_sync_batchnorm, join_replicas, revert_sync_batchnorm, sync_layers
+from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
-class _NoTimes(StageTimes):
-    """Records nothing (``record_stage_times=False``)."""
-
-    def new_step(self) -> None:
-        pass
-
-
-_NO_TIMES = _NoTimes(max_steps=1)
-
-
-def check_devices(devices: list[torch.device]) -> None:
-    """Check that ``devices`` are usable replicas: one kind, CPU or CUDA, and present on this machine.
-
-    Raises:
-        MisconfigurationException: no devices, mixed kinds, a device type other than CPU/CUDA, or a
-            CUDA index the machine does not have.
-    """
-    if not devices:
-        raise MisconfigurationException("sparse_dp needs at least one device.")
-    kinds = {d.type for d in devices}
-    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
-        raise MisconfigurationException(
-            f"sparse_dp runs on CPU or CUDA devices of one kind, got {devices}. Use accelerator='cpu' or 'gpu'."
-        )
-    if kinds == {"cuda"}:
-        available = torch.cuda.device_count()
-        missing = [d for d in devices if (d.index or 0) >= available]
-        if missing:
-            raise MisconfigurationException(
-                f"sparse_dp was given devices {[str(d) for d in devices]} but this machine has {available} CUDA "
-                f"device(s), so {[str(d) for d in missing]} do not exist. Pass devices=<at most {available}>."
-            )
-
-
-class SparseDataParallelStrategy(ParallelStrategy):
+class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
     Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
@@ -80,9 +50,11 @@ class SparseDataParallelStrategy(ParallelStrategy):
     gathered on the root device: the loss is ``sum_i w_i * loss_i``, exactly the whole-batch mean for
     the chosen weighting. ``self.log`` calls in replicas are reduced and logged once.
 
+    The stages are methods to override, as ``torch.nn.DataParallel``'s are: :meth:`scatter` (split
+    and place), :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`; each is a Lightning
+    profiler action ``[sparse_dp]<stage>``.
+
     Args:
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
-            the Trainer fills them from ``accelerator=`` and ``devices=``.
         loss_weighting: ``"auto"`` (default: ``"samples"`` when the batch has a per-sample tensor,
             else ``"points"`` when it has per-point targets, else ``"samples"``; said once at info
             level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
@@ -96,7 +68,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
         output_layout: how step outputs are combined, by key: ``{"hist": "sum"}``, roles
             ``"samples"``, ``"points"``, ``"sum"``, ``"mean"``, ``"cat"``, ``"list"``
             (:func:`~lightning_sparse_dp.gather.gather_outputs`).
-        split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` entirely:
+        split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` in :meth:`scatter`:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
         split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
             counts, :func:`~lightning_sparse_dp.split.balanced_assignment`) or ``"contiguous"``
@@ -110,9 +82,14 @@ class SparseDataParallelStrategy(ParallelStrategy):
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
             ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-            :class:`~lightning_sparse_dp.sync.ReplicaSyncBatchNorm`, synchronized across the
-            replicas of each step, for the run; reverted at teardown. ``Trainer(sync_batchnorm=True)``
-            turns it on too.
+            :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`, synchronized across the
+            replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
+            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap` in
+            ``strategy._layer_sync``, applied at setup as ``DDPStrategy.setup`` does), so
+            ``Trainer(sync_batchnorm=True)`` turns it on too.
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
+            ``checkpoint_io``, ``precision_plugin``), which the Trainer fills from ``accelerator=`` and
+            ``devices=``.
 
     Raises:
         ValueError: an unknown ``loss_weighting`` or ``split``.
@@ -123,12 +100,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
         *,
-        loss_weighting: LossWeighting = "auto",
+        loss_weighting: str | Callable[[Any], Any] = "auto",
         layout: Mapping[Any, str] | None = None,
         output_layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
@@ -136,77 +109,80 @@ class SparseDataParallelStrategy(ParallelStrategy):
         split: str = "balanced",
         presplit: bool = True,
         record_stage_times: bool = False,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
         check_loss_weighting(loss_weighting)
         if split not in ASSIGNMENTS:
             raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
-        self.assignment = split
-        self.presplit = presplit
-        self.stage_times = StageTimes() if record_stage_times else None
+        self.sync_batchnorm = sync_batchnorm  # read by the _layer_sync setter, which ParallelStrategy calls
+        super().__init__(**kwargs)
         self.loss_weighting = loss_weighting
         self.layout = dict(layout) if layout else None
         self.output_layout = dict(output_layout) if output_layout else None
-        self._warnings = WarningCache()  # one-time warnings and infos of this strategy
         self.split_fn = split_fn
-        self.sync_batchnorm = sync_batchnorm
-        self._executor: ReplicaExecutor | None = None
-        self._replicas: Replicas | None = None
-        self._thread_split: ThreadSplit | None = None
-        self._replica_sync_layers: list[list] = []
+        self.split = split
+        self.presplit = presplit
+        self.stage_times = StageTimes() if record_stage_times else None
+        self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
+        self._warnings = WarningCache()  # one-time warnings and infos of this strategy
         self._warned_transfer_hooks = False
-        self._bn_swaps: list = []
+        self._executor: ReplicaExecutor | None = None  # the replica threads, from setup to teardown
+        self._replicas: Replicas | None = None
+        self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
+        self._thread_split: ThreadSplit | None = None
 
     # --- what Lightning asks of a single-process parallel strategy -----------------------------
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[0]
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> None:
         return None  # one process reads the whole batch; no DistributedSampler
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return False
 
+    @override
     def setup_environment(self) -> None:
         check_devices(list(self.parallel_devices or []))
         super().setup_environment()
 
+    @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
+        assert module is not None and self.parallel_devices is not None
+        if not module.automatic_optimization:
             raise MisconfigurationException(
                 "sparse_dp does not support manual optimization (automatic_optimization = False): the step runs on "
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
             )
-        if module is not None and (self.sync_batchnorm or self._layer_sync is not None):
-            self._bn_swaps = convert_sync_batchnorm(module)
-        elif module is not None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        if self._layer_sync is None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
             rank_zero_warn(
                 "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
                 "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
                 "synchronize them across sparse_dp replicas."
             )
+        apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
         super().setup(trainer)
+        self._timer.profiler = trainer.profiler
         if self._executor is None:
-            self._executor = ReplicaExecutor(len(self.parallel_devices or [self.root_device]))
+            self._executor = ReplicaExecutor(len(self.parallel_devices))
         self._split_threads()
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
 
@@ -227,25 +203,29 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 )
         return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
         return tensor  # one process: nothing to reduce across processes
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return tensor
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
+    @override
     def teardown(self) -> None:
-        if self._bn_swaps:
-            revert_sync_batchnorm(self._bn_swaps)  # the user's layer types come back, holding the trained values
-            self._bn_swaps = []
+        revert_layer_sync(self)  # as DDPStrategy.teardown: the user's layer types come back, holding the trained values
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -256,23 +236,7 @@ class SparseDataParallelStrategy(ParallelStrategy):
             self._thread_split = None
         Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
 
-    # --- the step ------------------------------------------------------------------------------
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._parallel_step("training_step", args, kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._parallel_step("validation_step", args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._parallel_step("test_step", args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._parallel_step("predict_step", args, kwargs)
-
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Move the split into the loader's worker processes (``presplit``), when it has workers."""
         module = self.lightning_module
@@ -284,94 +248,189 @@ class SparseDataParallelStrategy(ParallelStrategy):
             and not isinstance(dataloader.collate_fn, PreSplitCollate)
             and not (module is not None and is_overridden("on_before_batch_transfer", module))
         ):
+            assert self.parallel_devices is not None
             dataloader.collate_fn = PreSplitCollate(
-                dataloader.collate_fn,
-                len(self.parallel_devices or [self.root_device]),
-                self.layout,
-                self.assignment,
-                self._min_points(),
+                dataloader.collate_fn, len(self.parallel_devices), self.layout, self.split, self._min_points()
             )
         return dataloader
 
-    def split(self, batch: Any) -> tuple[list[Any], SplitPlan]:
-        """Split ``batch`` into at most one chunk per device (``split_fn`` or :func:`split_batch`).
+    # --- the step ------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._parallel_step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._parallel_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._parallel_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._parallel_step("predict_step", args, kwargs)
+
+    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+        """One step: scatter -> replicate -> parallel_apply -> gather (-> per-replica backward) -> log."""
+        module = self.lightning_module
+        assert module is not None
+        if not args:
+            raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
+        self._timer.new_step()
+        inputs, plan = self.scatter(args[0])
+        devices = self.parallel_devices[: len(inputs)]
+        replicas = self.replicate(module, devices)
+        with self._replica_state(module, replicas, devices) as (recorders, group):
+            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan)
+        weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
+        output = self.gather(outputs, plan, weights)
+        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
+            # each replica runs its own backward, in its own thread, when Lightning calls backward on the loss
+            stage = dict(weights=weights, replicas=self._replicas, executor=self._executor, group=group, times=self._timer)
+            output = split_backward(output, outputs, stage)
+        with self._timer.stage("log"):
+            losses = step_losses(outputs)
+            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings))
+        return output
+
+    def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
+        """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.
+
+        The split is ``split_fn``, the DataLoader workers' (:class:`~lightning_sparse_dp.presplit.PreSplitBatch`)
+        or :func:`~lightning_sparse_dp.split.split_batch`; at most one chunk per device (fewer when the
+        batch has fewer samples). Placing builds each chunk's SparseTensor / TensorField on its device
+        (:func:`~lightning_sparse_dp.place.place_chunks`).
+
+        Returns:
+            ``(inputs, plan)``: the placed chunks, chunk ``i`` on device ``i``, and the split's plan.
 
         Raises:
-            ValueError: a :class:`~lightning_sparse_dp.presplit.PreSplitBatch` with more chunks than devices.
+            ValueError: a PreSplitBatch with more chunks than devices.
+            BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
         """
-        num_devices = len(self.parallel_devices or [self.root_device])
-        if isinstance(batch, PreSplitBatch):
-            if batch.plan.num_chunks > num_devices:
-                raise ValueError(
-                    f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
-                    f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
+        assert self.parallel_devices is not None
+        num_devices = len(self.parallel_devices)
+        with self._timer.stage("split"):
+            if isinstance(batch, PreSplitBatch):
+                if batch.plan.num_chunks > num_devices:
+                    raise ValueError(
+                        f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
+                        f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
+                    )
+                chunks, plan = batch.chunks, batch.plan
+            elif self.split_fn is not None:
+                chunks, plan = self.split_fn(batch, num_devices)
+            else:
+                chunks, plan = split_batch(
+                    batch, num_devices, layout=self.layout, assignment=self.split, min_points=self._min_points()
                 )
-            return batch.chunks, batch.plan
-        if self.split_fn is not None:
-            return self.split_fn(batch, num_devices)
-        return split_batch(
-            batch, num_devices, layout=self.layout, assignment=self.assignment, min_points=self._min_points()
-        )
+        with self._timer.stage("place"):
+            return place_chunks(chunks, self.parallel_devices), plan
+
+    def replicate(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+        """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
+
+        One chunk on the root device runs ``module`` itself. Otherwise the persistent
+        :class:`~lightning_sparse_dp.replicate.Replicas` are refreshed, or rebuilt when the module's
+        structure, parameters or devices changed.
+        """
+        with self._timer.stage("replicate"):
+            if list(devices) == [self.root_device]:
+                return [module]
+            if self._replicas is None or not self._replicas.matches(module, devices):
+                assert self.parallel_devices is not None
+                self._replicas = Replicas(module, self.parallel_devices)
+                self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
+            return self._replicas.refresh(len(devices))
+
+    @contextmanager
+    def _replica_state(
+        self, module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device]
+    ) -> Iterator[tuple[list[LogRecorder], ThreadGroup | None]]:
+        """The replicas' per-step state, installed for the apply stage and undone after it.
+
+        In this order, each undone by its own context manager: empty copies of the module's metrics,
+        merged into the root's after the step (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.installed`;
+        first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
+        ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
+        calls are logged through the root module, which may itself be replica 0); the batch-norm group
+        (:func:`~lightning_sparse_dp.sync.synchronized`).
+
+        Yields:
+            ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
+        """
+        sync = self._replica_sync_layers[: len(replicas)] if replicas[0] is not module else []
+        with ExitStack() as stack:
+            stack.enter_context(self._replica_metrics.installed(module, replicas, list(devices)))
+            recorders = stack.enter_context(recording(replicas))
+            group = stack.enter_context(synchronized(sync))
+            yield recorders, group
+
+    def parallel_apply(
+        self,
+        replicas: Sequence[nn.Module],
+        inputs: Sequence[Any],
+        step_name: str,
+        args: tuple = (),
+        kwargs: Mapping[str, Any] | None = None,
+        group: ThreadGroup | None = None,
+        plan: SplitPlan | None = None,
+    ) -> list[Any]:
+        """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
+
+        Args:
+            replicas: from :meth:`replicate`.
+            inputs: from :meth:`scatter`, one chunk per replica.
+            step_name: ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
+            args, kwargs: the step's other arguments (``batch_idx``, ``dataloader_idx``).
+            group: the step's batch-norm group: each replica's step is its rank's part of it.
+            plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
+
+        Returns:
+            the replicas' outputs, replica order.
+
+        Raises:
+            RuntimeError: before ``setup`` (there are no replica threads yet).
+            Exception: the first failing replica's error, with a note naming the replica and device.
+        """
+        if self._executor is None:
+            raise RuntimeError("sparse_dp: a step ran before Strategy.setup; run it through a Trainer (fit/validate/test/predict).")
+        assert self.parallel_devices is not None
+        devices = self.parallel_devices[: len(replicas)]
+        steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
+        if group is not None:
+            steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
+        steps = [self._timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]
+        with self._timer.stage("apply"):
+            try:
+                return self._executor.run(steps, devices)
+            except Exception as err:
+                raise err if plan is None else explain_replica_error(err, plan)
+
+    def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
+        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.gather.gather_outputs`).
+
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
+        the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
+        order by ``output_layout`` or their lengths.
+        """
+        with self._timer.stage("gather"):
+            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self._timer.stage("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _min_points(self) -> int:
         """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
         module = self.lightning_module
-        synchronized = bool(self._bn_swaps) or self.sync_batchnorm or self._layer_sync is not None
-        return 1 if module is None else min_points_per_chunk(module, synchronized)
-
-    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
-        module = self.lightning_module
-        assert module is not None and self.parallel_devices is not None
-        if not args:
-            raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
-        batch, rest = args[0], args[1:]
-        times = self.stage_times or _NO_TIMES
-        times.new_step()
-        with times.stage("split"):
-            chunks, plan = self.split(batch)
-        devices = self.parallel_devices[: plan.num_chunks]
-        with times.stage("place"):
-            placed = place_chunks(chunks, devices)
-        if self._executor is None:  # a step called outside fit/validate/test/predict
-            self._executor = ReplicaExecutor(len(self.parallel_devices))
-        try:
-            with times.stage("replicate"):
-                # one chunk on the root device: run the module itself, no replica needed
-                replicas = [module] if devices == [self.root_device] else self._refresh_replicas(module, devices)
-                metrics = self._replica_metrics.install(module, replicas, devices)
-                recorders = [install_recorder(r) for r in replicas]
-                silence_print(replicas)
-                group = join_replicas(self._replica_sync_layers[: len(replicas)])  # None for one replica
-            steps = [partial(getattr(r, step_name), chunk, *rest, **kwargs) for r, chunk in zip(replicas, placed)]
-            if group is not None:
-                steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
-            steps = [times.timed(f"replica{i}", step) for i, step in enumerate(steps)]
-            with times.stage("apply"):
-                try:
-                    outputs = self._executor.run(steps, devices)
-                except Exception as err:
-                    raise explain_replica_error(err, plan)
-        finally:
-            if isinstance(module.__dict__.get("log"), LogRecorder):
-                del module.__dict__["log"]  # a recorder installed on the module itself shadowed its method
-        weights = step_weights(plan, placed, self.loss_weighting, self._warnings)
-        with times.stage("gather"):
-            output = gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
-        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
-            # each replica runs its own backward in its own thread when Lightning calls backward on the loss
-            assert self._replicas is not None
-            output = split_backward(
-                output,
-                outputs,
-                dict(weights=weights, replicas=self._replicas, executor=self._executor, group=group, times=times),
-            )
-        with times.stage("log"):
-            merge_into_root(metrics)
-            calls = reduce_log_calls(
-                recorders, weights, plan.num_samples, self.root_device, module, step_losses(outputs), self._warnings
-            )
-            emit(module, calls)
-        return output
+        return 1 if module is None else min_points_per_chunk(module, self._layer_sync is not None)
 
     def _split_threads(self) -> None:
         """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
@@ -387,18 +446,8 @@ class SparseDataParallelStrategy(ParallelStrategy):
                 "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
             )
 
-    def _refresh_replicas(self, module: nn.Module, devices: list[torch.device]) -> list[nn.Module]:
-        """The persistent replicas for ``devices``, refreshed for this step (rebuilt when the module changed)."""
-        if self._replicas is None or not self._replicas.matches(module, devices):
-            self._replicas = Replicas(module, self.parallel_devices or devices)
-            self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
-        return self._replicas.refresh(len(devices))
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with (self.stage_times or _NO_TIMES).stage("backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(

@@ -8,7 +8,7 @@ formula, backward gradient terms ``sum(dy)`` / ``sum(dy * (x - mean))`` exchange
 through a ``torch.distributed`` process group and in one process silently runs plain batch norm,
 hence this.
 
-Every step with several replicas gets a new group: :func:`join_replicas` gives replica ``r``'s
+Every step with several replicas gets a new group: :func:`synchronized` gives replica ``r``'s
 layers the group's rank-``r`` member, and lets only the root replica's layers (which share the
 module's buffers) update the running statistics, once per step, with the global ones. The step's
 forward is the group's first phase, the replicas' backward passes (run in their own threads by
@@ -20,7 +20,8 @@ naming the call counts. Eval mode uses the running statistics and never synchron
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -39,25 +40,40 @@ def sync_layers(module: nn.Module) -> list[SyncBatchNorm]:
     return [m for m in module.modules() if isinstance(m, SyncBatchNorm)]
 
 
-def join_replicas(layers: Sequence[Sequence[SyncBatchNorm]]) -> ThreadGroup | None:
-    """Make the synchronized layers of this step's replicas one group.
+@contextmanager
+def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGroup | None]:
+    """For the ``with`` body (the replicas' step), the synchronized layers of the step's replicas are one group.
+
+    Replica ``r``'s layers get the group's rank-``r`` member, and only the root replica's layers (which
+    share the module's buffers) update the running statistics. The membership outlives a body that
+    ends normally: the replicas' backward passes are the group's second phase (the group is handed to
+    :mod:`lightning_sparse_dp.backward`, and activation checkpointing re-runs the forward then), and the
+    next step's group replaces it. A body that raises detaches the layers (a replica that raised has
+    already aborted the group: :meth:`~lightning_sparse_dp.collective.ThreadGroup.run`).
 
     Args:
         layers: ``layers[r]``: replica ``r``'s synchronized layers (:func:`sync_layers`), one list per
             replica taking part in the step.
 
-    Returns:
+    Yields:
         the group, or ``None`` when there is one replica or no such layer (plain batch norm is exact then).
     """
     if len(layers) < 2 or not layers[0]:
-        return None
+        yield None
+        return
     group = ThreadGroup(len(layers))
     for rank, replica_layers in enumerate(layers):
         member = group.member(rank)
         for layer in replica_layers:
             layer.collective = member
             layer.update_running_stats = rank == 0
-    return group
+    try:
+        yield group
+    except BaseException:
+        for replica_layers in layers:
+            for layer in replica_layers:
+                layer.collective, layer.update_running_stats = None, True
+        raise
 
 
 __all__ = [
@@ -65,7 +81,7 @@ __all__ = [
     "SWAPPED_TYPES",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
-    "join_replicas",
+    "synchronized",
     "revert_sync_batchnorm",
     "sync_layers",
 ]

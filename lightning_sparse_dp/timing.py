@@ -1,4 +1,4 @@
-"""Timing: wall-clock seconds of each stage of each step, for benchmarks and tuning.
+"""Timing: wall-clock seconds of each stage of each step, for benchmarks, tuning and Lightning's profilers.
 
 Stages: ``split``, ``place``, ``replicate``, ``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (metric merging and
@@ -7,6 +7,14 @@ logging), ``backward`` (the whole backward pass: every replica's at once, then t
 gradients added into the module's). Timed with
 ``time.perf_counter``; on CUDA the times are host-side (kernels may still run; synchronize in the
 step for device times).
+
+:class:`StepTimer` is what the strategy times stages with: each main-thread stage is also a
+Lightning profiler action ``[sparse_dp]<stage>`` (``trainer.profiler.profile(...)``, so
+``Trainer(profiler="simple")`` and ``"advanced"`` list the stages beside Lightning's own hooks), and
+is recorded in :class:`StageTimes` when ``record_stage_times=True``. Per-replica stages
+(``replica<i>``, ``backward<i>``) run in replica threads and go to :class:`StageTimes` only:
+Lightning's profilers are not made for concurrent actions (the advanced one runs one cProfile per
+action).
 """
 
 from __future__ import annotations
@@ -15,8 +23,8 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from contextlib import contextmanager, nullcontext
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -67,9 +75,40 @@ class StageTimes:
         names = sorted({n for s in steps for n in s})
         return {n: statistics.median(s[n] for s in steps if n in s) for n in names}
 
-    def clear(self) -> None:
-        self.steps.clear()
-        self._current = None
+
+class StepTimer:
+    """Times the stages of one strategy's steps into :class:`StageTimes` and a Lightning profiler.
+
+    Args:
+        times: where stage durations are recorded, or ``None`` to record none.
+        prefix: the profiler action prefix, e.g. ``"[sparse_dp]"``.
+
+    Attributes:
+        profiler: a ``lightning.pytorch.profilers.Profiler`` (``trainer.profiler``), set by the
+            strategy at setup; ``None``: no profiler actions.
+    """
+
+    def __init__(self, times: StageTimes | None, prefix: str) -> None:
+        self.times = times
+        self.prefix = prefix
+        self.profiler: Any = None
+
+    def new_step(self) -> None:
+        """Start recording a step (:meth:`StageTimes.new_step`)."""
+        if self.times is not None:
+            self.times.new_step()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the ``with`` body as stage ``name``: a profiler action ``prefix + name``, and in :attr:`times`."""
+        action = self.profiler.profile(f"{self.prefix}{name}") if self.profiler is not None else nullcontext()
+        recorded = self.times.stage(name) if self.times is not None else nullcontext()
+        with action, recorded:
+            yield
+
+    def timed(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` recording its duration as stage ``name`` of :attr:`times` (from any thread), or ``fn`` itself."""
+        return fn if self.times is None else self.times.timed(name, fn)
 
 
-__all__ = ["StageTimes"]
+__all__ = ["StageTimes", "StepTimer"]

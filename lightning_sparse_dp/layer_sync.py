@@ -1,0 +1,89 @@
+"""Layer sync: batch-norm conversion through Lightning's ``LayerSync`` plugin point, for both strategies.
+
+``Trainer(sync_batchnorm=True)`` hands every parallel strategy a ``LayerSync`` plugin (Lightning's
+``TorchSyncBatchNorm``, in ``strategy._layer_sync``), which ``DDPStrategy.setup`` applies to the model
+when fitting and ``DDPStrategy.teardown`` reverts. ``torch.nn.SyncBatchNorm`` does not fit either
+strategy: in one process it runs plain batch norm on each replica's chunk, and it refuses CPU input
+("SyncBatchNorm expected input tensor to be on GPU", torch/nn/modules/batchnorm.py). So
+:class:`SyncBatchNormSwap` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (and so the ``.bn`` of
+``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
+:class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
+(state-dict keys unchanged), and :class:`OwnLayerSync` makes a strategy take it in place of
+``TorchSyncBatchNorm``; a ``LayerSync`` plugin of the user's own (``Trainer(plugins=[...])``) is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+
+from lightning_sparse_dp.batchnorm import Swap, convert_sync_batchnorm, revert_sync_batchnorm
+
+
+class SyncBatchNormSwap(LayerSync):
+    """Lightning ``LayerSync`` plugin: batch norm swapped for :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`.
+
+    The swapped layers synchronize through whatever collective they are given:
+    ``sparse_dp`` joins the replicas' layers into each step's thread group
+    (:func:`~lightning_sparse_dp.sync.synchronized`); :class:`~lightning_sparse_dp.process_group.ProcessGroupSyncBatchNorm`
+    gives them a process group.
+    """
+
+    def __init__(self) -> None:
+        self._swaps: list[Swap] = []
+
+    def apply(self, model: Module) -> Module:
+        """Swap ``model``'s batch-norm layers, in place (see :func:`~lightning_sparse_dp.batchnorm.convert_sync_batchnorm`); returns ``model``."""
+        self._swaps += convert_sync_batchnorm(model)
+        return model
+
+    def revert(self, model: Module) -> Module:
+        """Put the user's layers back (they share every tensor, so they hold the trained values); returns ``model``."""
+        revert_sync_batchnorm(self._swaps)
+        self._swaps = []
+        return model
+
+
+class OwnLayerSync:
+    """Strategy mixin: ``_layer_sync`` holds :attr:`own_layer_sync` where Lightning would put ``TorchSyncBatchNorm``.
+
+    The Trainer assigns ``strategy._layer_sync`` after building the strategy (its accelerator
+    connector), ``None`` when ``Trainer(sync_batchnorm=False)``; a strategy constructed with
+    ``sync_batchnorm=True`` keeps its plugin then.
+    """
+
+    own_layer_sync: ClassVar[type[LayerSync]] = SyncBatchNormSwap
+
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self.__dict__.get("_layer_sync_plugin")
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        if type(plugin) is TorchSyncBatchNorm or (plugin is None and self.__dict__.get("sync_batchnorm")):
+            plugin = self.own_layer_sync()
+        self.__dict__["_layer_sync_plugin"] = plugin
+
+
+def apply_layer_sync(strategy: Any) -> None:
+    """``DDPStrategy.setup``'s step: apply ``strategy._layer_sync`` to ``strategy.model`` when fitting."""
+    if strategy._layer_sync is not None and _fitting(strategy):
+        strategy.model = strategy._layer_sync.apply(strategy.model)
+
+
+def revert_layer_sync(strategy: Any) -> None:
+    """``DDPStrategy.teardown``'s step: revert ``strategy._layer_sync`` on ``strategy.model`` after fitting."""
+    if strategy._layer_sync is not None and strategy.model is not None and _fitting(strategy):
+        strategy.model = strategy._layer_sync.revert(strategy.model)
+
+
+def _fitting(strategy: Any) -> bool:
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None)
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+__all__ = ["OwnLayerSync", "SyncBatchNormSwap", "apply_layer_sync", "revert_layer_sync"]
