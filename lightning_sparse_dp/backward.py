@@ -2,19 +2,22 @@
 
 Autograd runs the backward of CPU tensors in the thread that calls ``backward()``, so one backward of
 the gathered loss ``sum_i w_i * loss_i`` would run every CPU replica's backward one after the other.
-Instead, the loss handed to Lightning is :class:`_SplitLoss`: its value is the gathered loss, and its
-autograd node, when the backward pass reaches it with the gradient ``g`` of whatever Lightning (or
-the user) computed from it (``loss / accumulate_grad_batches``, a precision plugin's loss scaling,
-a ``LightningModule.backward`` override), runs ``loss_i.backward(g * w_i)`` in replica ``i``'s thread
-for every ``i`` at once, then adds the replicas' parameter gradients in replica order
-(:meth:`~lightning_sparse_dp.replicate.Replicas.reduce_gradients`) and hands the sums to autograd as
-the gradients of the module's parameters, which accumulate them into ``.grad`` as usual (hooks,
-gradient accumulation and clipping, ``on_after_backward`` all see the usual ``.grad``).
+Instead, before the gather, :func:`parallel_backward` hands each replica's loss on as an output of one
+autograd node, :class:`_ParallelBackward`, whose values are the replicas' losses. The gather (the
+strategy's, or an override of it) computes the step's loss from them with ordinary autograd; when the
+backward pass reaches the node with the gradient ``g_i`` of every replica's loss (``w_i`` times whatever
+Lightning or the user did to the gathered loss: ``loss / accumulate_grad_batches``, a precision
+plugin's loss scaling, a ``LightningModule.backward`` override, a ``gather`` override), it runs
+``loss_i.backward(g_i)`` in replica ``i``'s thread for every ``i`` at once, then adds the replicas'
+parameter gradients in replica order (:meth:`~lightning_sparse_dp.replicate.Replicas.reduce_gradients`)
+and hands the sums to autograd as the gradients of the module's parameters, which accumulate them into
+``.grad`` as usual (hooks, gradient accumulation and clipping, ``on_after_backward`` all see the usual
+``.grad``).
 
 Synchronized batch norm exchanges its gradient terms between the replicas' concurrent backward
 passes through the step's :class:`~lightning_sparse_dp.collective.ThreadGroup` (a new phase of it).
 
-Limits: the backward of the gathered loss can run once (``retain_graph=True`` cannot re-run the
+Limits: the backward of the step's loss can run once (``retain_graph=True`` cannot re-run the
 replicas' passes, whose graphs are freed) and not with ``create_graph=True``; both raise a clear error.
 """
 
@@ -35,11 +38,10 @@ from lightning_sparse_dp.timing import StepTimer
 
 
 class ReplicaBackward:
-    """The backward stage of one step: the replicas' losses, their weights and where to run their passes.
+    """The backward stage of one step: the replicas' losses and where to run their passes.
 
     Args:
         losses: ``loss_i`` of each replica (replica order), with their graphs.
-        weights: ``w_i``, as the gather weighted the losses.
         replicas: the replicas (their first ``len(losses)`` ran the step).
         executor: the replica threads.
         group: the step's batch-norm group, or ``None`` when nothing is synchronized.
@@ -49,21 +51,19 @@ class ReplicaBackward:
     def __init__(
         self,
         losses: Sequence[Tensor],
-        weights: Sequence[float],
         replicas: Replicas,
         executor: ReplicaExecutor,
         group: ThreadGroup | None,
         times: StepTimer,
     ) -> None:
         self.losses: list[Tensor] | None = list(losses)
-        self.weights = list(weights)
         self.replicas = replicas
         self.executor = executor
         self.group = group
         self.times = times
 
-    def run(self, grad: Tensor) -> list[Tensor | None]:
-        """Run every replica's backward with ``grad * w_i``, at once; the reduced parameter gradients.
+    def run(self, grads: Sequence[Tensor]) -> list[Tensor | None]:
+        """Run replica ``i``'s backward with ``grads[i]`` for every ``i``, at once; the reduced parameter gradients.
 
         Raises:
             RuntimeError: a second call (the replicas' graphs are gone).
@@ -79,8 +79,8 @@ class ReplicaBackward:
         count = len(losses)
         devices = self.replicas.devices[:count]
         fns = []
-        for rank, (loss, weight, device) in enumerate(zip(losses, self.weights, devices)):
-            fn = partial(_backward, loss, (grad * weight).to(device=device, dtype=loss.dtype))
+        for rank, (loss, grad, device) in enumerate(zip(losses, grads, devices)):
+            fn = partial(_backward, loss, grad.to(device=device, dtype=loss.dtype))
             if self.group is not None:
                 fn = partial(self.group.run, rank, fn)
             fns.append(self.times.timed(f"backward{rank}", fn))
@@ -94,25 +94,25 @@ def _backward(loss: Tensor, grad: Tensor) -> None:
         torch.autograd.backward(loss, grad)
 
 
-class _SplitLoss(torch.autograd.Function):
-    """``apply(stage, value, *params)``: ``value`` (the gathered loss, detached) whose backward is ``stage.run``.
+class _ParallelBackward(torch.autograd.Function):
+    """``apply(stage, k, *values, *params)``: the ``k`` replica losses (detached) whose backward is ``stage.run``.
 
     ``params`` are the module's trainable parameters: the node's backward returns their reduced gradients.
     """
 
     @staticmethod
-    def forward(ctx: Any, stage: ReplicaBackward, value: Tensor, *params: Tensor) -> Tensor:
-        ctx.stage = stage
-        return value.clone()
+    def forward(ctx: Any, stage: ReplicaBackward, count: int, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.stage, ctx.count = stage, count
+        return tuple(v.clone() for v in inputs[:count])
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "sparse_dp: backward(create_graph=True) is not supported: each replica runs its own first-order "
                 "backward pass. Use strategy='auto' (one device) for higher-order gradients."
             )
-        return (None, None, *ctx.stage.run(grad))
+        return (None, None, *([None] * ctx.count), *ctx.stage.run(grads))
 
 
 def loss_of(output: Any) -> Tensor | None:
@@ -125,31 +125,32 @@ def loss_of(output: Any) -> Tensor | None:
     return None
 
 
-def split_backward(output: Any, replica_outputs: Sequence[Any], stage_args: dict[str, Any]) -> Any:
-    """``output`` (the gathered step output) with its loss replaced by one whose backward runs per replica.
+def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: Any) -> list[Any]:
+    """The replicas' ``training_step`` outputs, their losses replaced by ones whose backward runs per replica.
 
     Args:
-        output: the gathered ``training_step`` output (a loss tensor, or a mapping with ``"loss"``).
-        replica_outputs: the replicas' own outputs, replica order.
-        stage_args: the other arguments of :class:`ReplicaBackward` (``weights``, ``replicas``,
-            ``executor``, ``group``, ``times``).
+        outputs: the replicas' own outputs (loss tensors, or mappings with ``"loss"``), replica order.
+        replicas: the replicas (:class:`~lightning_sparse_dp.replicate.Replicas`).
+        **stage_args: the other arguments of :class:`ReplicaBackward` (``executor``, ``group``, ``times``).
 
     Returns:
-        ``output`` unchanged when it has no loss that requires a gradient (nothing to run backward on).
+        ``outputs`` unchanged when a replica has no loss or none needs a gradient (nothing to split).
     """
-    loss = loss_of(output)
-    if loss is None or not loss.requires_grad:
-        return output
-    losses = [loss_of(o) for o in replica_outputs]
-    if any(part is None for part in losses):
-        return output  # gather already refused outputs of different structure; nothing more to split
-    stage = ReplicaBackward(losses, **stage_args)
-    split = _SplitLoss.apply(stage, loss.detach(), *stage.replicas.trainable)
-    if isinstance(output, Tensor):
-        return split
-    output = copy.copy(output)
-    output["loss"] = split
-    return output
+    losses = [loss_of(o) for o in outputs]
+    if any(loss is None for loss in losses) or not any(loss.requires_grad for loss in losses):
+        return list(outputs)  # gather refuses outputs of different structure; nothing to run backward on
+    stage = ReplicaBackward(losses, replicas, **stage_args)
+    values = [loss.detach() for loss in losses]
+    joined = _ParallelBackward.apply(stage, len(values), *values, *replicas.trainable)
+    result = []
+    for output, loss in zip(outputs, joined):
+        if isinstance(output, Tensor):
+            result.append(loss)
+        else:
+            output = copy.copy(output)
+            output["loss"] = loss
+            result.append(output)
+    return result
 
 
-__all__ = ["ReplicaBackward", "loss_of", "split_backward"]
+__all__ = ["ReplicaBackward", "loss_of", "parallel_backward"]

@@ -86,7 +86,8 @@ class LogRecorder:
         metric_paths: ``id(metric) -> module path`` of the replica's metrics.
 
     Raises:
-        TypeError: a value of another type, or a metric that is not a submodule of the module.
+        TypeError: a value of another type, a metric that is not a submodule of the module, or an
+            option ``LightningModule.log`` does not take.
         ValueError: a tensor with more than one element.
     """
 
@@ -95,9 +96,8 @@ class LogRecorder:
         self.metric_paths = metric_paths or {}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
-            kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
+        kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         if isinstance(value, Metric):
             if id(value) not in self.metric_paths:
                 raise TypeError(

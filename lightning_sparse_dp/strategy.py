@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.backward import split_backward
+from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
 from lightning_sparse_dp.gather import check_loss_weighting, gather_outputs, step_losses, step_weights
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
@@ -276,7 +276,7 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
             return self._parallel_step("predict_step", args, kwargs)
 
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
-        """One step: scatter -> replicate -> parallel_apply -> gather (-> per-replica backward) -> log."""
+        """One step: scatter -> replicate -> parallel_apply -> gather -> log; backward later, per replica."""
         module = self.lightning_module
         assert module is not None
         if not args:
@@ -287,14 +287,16 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
         replicas = self.replicate(module, devices)
         with self._replica_state(module, replicas, devices) as (recorders, group):
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan)
+        losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
-        output = self.gather(outputs, plan, weights)
         if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
-            # each replica runs its own backward, in its own thread, when Lightning calls backward on the loss
-            stage = dict(weights=weights, replicas=self._replicas, executor=self._executor, group=group, times=self._timer)
-            output = split_backward(output, outputs, stage)
+            # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
+            assert self._replicas is not None
+            outputs = parallel_backward(
+                outputs, self._replicas, executor=self._executor, group=group, times=self._timer
+            )
+        output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
-            losses = step_losses(outputs)
             emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings))
         return output
 
