@@ -34,11 +34,11 @@ from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import check_loss_weighting, chunk_counts, say_auto_choice, zeroed
-from lightning_sparse_dp.layer_sync import OwnLayerSync
+from lightning_sparse_dp.gather import chunk_counts, say_auto_choice, zeroed
+from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
-from lightning_sparse_dp.split import ASSIGNMENTS, split_batch
+from lightning_sparse_dp.split import split_batch
 
 _MEAN_OPS = ("mean", "avg")
 
@@ -78,7 +78,7 @@ def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoa
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-class SparseDDPStrategy(OwnLayerSync, DDPStrategy):
+class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     """Lightning's DDP for MinkowskiEngine sparse batches, registered as ``"sparse_ddp"``.
 
     ``Trainer(strategy="sparse_ddp", devices=M, num_nodes=N)`` launches and connects processes as
@@ -108,6 +108,7 @@ class SparseDDPStrategy(OwnLayerSync, DDPStrategy):
     """
 
     strategy_name = "sparse_ddp"
+    description = "DDP with exact losses, point-balanced batches and sync batch norm for MinkowskiEngine (lightning-sparse-dp)"
     own_layer_sync = ProcessGroupSyncBatchNorm  # Trainer(sync_batchnorm=True): batch norm over the process group
 
     def __init__(
@@ -119,14 +120,9 @@ class SparseDDPStrategy(OwnLayerSync, DDPStrategy):
         layout: Mapping[Any, str] | None = None,
         **kwargs: Any,
     ) -> None:
-        check_loss_weighting(loss_weighting)
-        if split not in ASSIGNMENTS:
-            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        self._set_options(loss_weighting, split, layout)
         super().__init__(**kwargs)
-        self.loss_weighting = loss_weighting
-        self.split = split
         self.count_points = count_points
-        self.layout = dict(layout) if layout else None
         self._count: float | None = None  # n_r during a training / validation / test step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
@@ -273,18 +269,6 @@ class SparseDDPStrategy(OwnLayerSync, DDPStrategy):
             raise ValueError(f"the dataset declares {len(counts)} point_counts but has {len(dataset)} samples.")
         self._point_counts[id(dataset)] = (dataset, counts)
         return counts
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        # not DDPStrategy.register_strategies: it would register the "ddp" names again, for this class
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name,
-                cls,
-                description="DDP with exact losses, point-balanced batches and sync batch norm for MinkowskiEngine "
-                "(lightning-sparse-dp)",
-            )
 
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)

@@ -8,15 +8,18 @@ strategy: in one process it runs plain batch norm on each replica's chunk, and i
 :class:`SyncBatchNormSwap` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (and so the ``.bn`` of
 ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
 :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
-(state-dict keys unchanged), and :class:`OwnLayerSync` makes a strategy take it in place of
-``TorchSyncBatchNorm``; a ``LayerSync`` plugin of the user's own (``Trainer(plugins=[...])``) is kept.
+(state-dict keys unchanged), and both strategies take it (or a subclass) in place of
+``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.base.SparseStrategyMixin`); a ``LayerSync``
+plugin of the user's own (``Trainer(plugins=[...])``) is kept. ``sparse_dp`` applies and reverts it
+with :func:`apply_layer_sync` / :func:`revert_layer_sync`, the steps of ``DDPStrategy.setup`` /
+``teardown``, which ``sparse_ddp`` inherits.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
-from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 
@@ -47,27 +50,6 @@ class SyncBatchNormSwap(LayerSync):
         return model
 
 
-class OwnLayerSync:
-    """Strategy mixin: ``_layer_sync`` holds :attr:`own_layer_sync` where Lightning would put ``TorchSyncBatchNorm``.
-
-    The Trainer assigns ``strategy._layer_sync`` after building the strategy (its accelerator
-    connector), ``None`` when ``Trainer(sync_batchnorm=False)``; a strategy constructed with
-    ``sync_batchnorm=True`` keeps its plugin then.
-    """
-
-    own_layer_sync: ClassVar[type[LayerSync]] = SyncBatchNormSwap
-
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        return self.__dict__.get("_layer_sync_plugin")
-
-    @_layer_sync.setter
-    def _layer_sync(self, plugin: LayerSync | None) -> None:
-        if type(plugin) is TorchSyncBatchNorm or (plugin is None and self.__dict__.get("sync_batchnorm")):
-            plugin = self.own_layer_sync()
-        self.__dict__["_layer_sync_plugin"] = plugin
-
-
 def apply_layer_sync(strategy: Any) -> None:
     """``DDPStrategy.setup``'s step: apply ``strategy._layer_sync`` to ``strategy.model`` when fitting."""
     if strategy._layer_sync is not None and _fitting(strategy):
@@ -86,4 +68,4 @@ def _fitting(strategy: Any) -> bool:
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
-__all__ = ["OwnLayerSync", "SyncBatchNormSwap", "apply_layer_sync", "revert_layer_sync"]
+__all__ = ["SyncBatchNormSwap", "apply_layer_sync", "revert_layer_sync"]

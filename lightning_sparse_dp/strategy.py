@@ -27,21 +27,33 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.gather import check_loss_weighting, gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.gather import gather_outputs, step_losses, step_weights
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
-from lightning_sparse_dp.layer_sync import OwnLayerSync, apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.place import check_devices, place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
-from lightning_sparse_dp.split import ASSIGNMENTS, SplitPlan, split_batch
+from lightning_sparse_dp.split import SplitPlan, split_batch
 from lightning_sparse_dp.sync import sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
-class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
+def _step_hook(step_name: str, precision_context: str) -> Callable[..., Any]:
+    """The strategy hook ``step_name``: :meth:`SparseDataParallelStrategy._parallel_step` in ``precision_plugin.<precision_context>()``."""
+
+    def hook(self: SparseDataParallelStrategy, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, precision_context)():
+            return self._parallel_step(step_name, args, kwargs)
+
+    hook.__name__ = hook.__qualname__ = step_name
+    return hook
+
+
+class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
     Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
@@ -97,6 +109,7 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
     """
 
     strategy_name = "sparse_dp"
+    description = "Single-process data parallelism for MinkowskiEngine sparse batches (lightning-sparse-dp)"
 
     def __init__(
         self,
@@ -111,16 +124,11 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
         record_stage_times: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_loss_weighting(loss_weighting)
-        if split not in ASSIGNMENTS:
-            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        self._set_options(loss_weighting, split, layout)
         self.sync_batchnorm = sync_batchnorm  # read by the _layer_sync setter, which ParallelStrategy calls
         super().__init__(**kwargs)
-        self.loss_weighting = loss_weighting
-        self.layout = dict(layout) if layout else None
         self.output_layout = dict(output_layout) if output_layout else None
         self.split_fn = split_fn
-        self.split = split
         self.presplit = presplit
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
@@ -255,25 +263,11 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
         return dataloader
 
     # --- the step ------------------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._parallel_step("training_step", args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._parallel_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._parallel_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._parallel_step("predict_step", args, kwargs)
+    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own do)
+    training_step = override(_step_hook("training_step", "train_step_context"))
+    validation_step = override(_step_hook("validation_step", "val_step_context"))
+    test_step = override(_step_hook("test_step", "test_step_context"))
+    predict_step = override(_step_hook("predict_step", "predict_step_context"))
 
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         """One step: scatter -> replicate -> parallel_apply -> gather -> log; backward later, per replica."""
@@ -446,16 +440,6 @@ class SparseDataParallelStrategy(OwnLayerSync, ParallelStrategy):
                 f"sparse_dp: {len(devices)} CPU replicas on {available_cores()} cores get "
                 f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
                 "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
-            )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name,
-                cls,
-                description="Single-process data parallelism for MinkowskiEngine sparse batches (lightning-sparse-dp)",
             )
 
 
