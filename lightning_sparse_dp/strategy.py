@@ -430,18 +430,17 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
 
     def _split_threads(self) -> None:
         """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
-        devices = list(self.parallel_devices or [])
-        if self._thread_split is not None or len(devices) < 2 or self.root_device.type != "cpu":
+        assert self.parallel_devices is not None and self._executor is not None
+        if self._thread_split is not None or self.root_device.type != "cpu":
             return
-        self._thread_split = split_threads(len(devices))
-        if self._thread_split is not None and self._executor is not None:
+        self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
+        if self._thread_split is not None:
             self._executor.threads_per_replica = self._thread_split.per_replica
             rank_zero_info(
-                f"sparse_dp: {len(devices)} CPU replicas on {available_cores()} cores get "
+                f"sparse_dp: {len(self.parallel_devices)} CPU replicas on {available_cores()} cores get "
                 f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
                 "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
             )
-
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 
