@@ -8,25 +8,31 @@
 
     trainer = L.Trainer(strategy="sparse_dp", accelerator="cpu", devices=3)
 
-The data path of one step, one module per stage:
+The data path of one ``sparse_dp`` step, one module per stage (``docs/architecture.md`` draws it,
+for ``sparse_ddp`` too):
 
 - :mod:`~lightning_sparse_dp.split`: batch -> chunks of whole samples, batch indices renumbered;
 - :mod:`~lightning_sparse_dp.place`: chunk -> its device, SparseTensor / TensorField built there;
 - :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
 - :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
+- :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
 - :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
-- :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's;
-- :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
-- :mod:`~lightning_sparse_dp.batchnorm`: synchronized batch-norm math over any collective;
-- :mod:`~lightning_sparse_dp.collective`: the all-gather between replica threads (or processes);
-- :mod:`~lightning_sparse_dp.sync`: batch norm synchronized across the replicas of a step;
-- :mod:`~lightning_sparse_dp.presplit`: the split moved into DataLoader worker processes;
-- :mod:`~lightning_sparse_dp.timing`: per-stage step times;
-- :mod:`~lightning_sparse_dp.hints`: errors raised in replicas, re-raised with the fix;
-- :mod:`~lightning_sparse_dp.sampler`: each rank's point-balanced share of every global batch (``sparse_ddp``).
+- :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
-:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them.
+Beside it: :mod:`~lightning_sparse_dp.batchnorm` (synchronized batch-norm math over any collective),
+:mod:`~lightning_sparse_dp.collective` (the all-gather between replica threads),
+:mod:`~lightning_sparse_dp.sync` (the step's batch-norm group), :mod:`~lightning_sparse_dp.layer_sync`
+(batch norm swapped through Lightning's ``LayerSync`` plugin), :mod:`~lightning_sparse_dp.presplit`
+(the split in DataLoader workers), :mod:`~lightning_sparse_dp.threads` (CPU cores per replica),
+:mod:`~lightning_sparse_dp.timing` (stage times and profiler actions), :mod:`~lightning_sparse_dp.hints`
+(errors raised in replicas, re-raised with the fix), and for ``sparse_ddp``
+:mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch) and
+:mod:`~lightning_sparse_dp.process_group` (batch norm over a process group).
+
+:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them;
+:class:`~lightning_sparse_dp.ddp.SparseDDPStrategy` is Lightning's DDP with the same split, loss
+weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two share.
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
