@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 
 from lightning_sparse_dp.gather import check_loss_weighting
 from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
-from lightning_sparse_dp.split import ASSIGNMENTS
+from lightning_sparse_dp.split import resolve_assignment
 
 
 class SparseStrategyMixin:
@@ -36,8 +36,7 @@ class SparseStrategyMixin:
             ValueError: an unknown ``loss_weighting`` or ``split``.
         """
         check_loss_weighting(loss_weighting)
-        if split not in ASSIGNMENTS:
-            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        resolve_assignment(split, "split", callables=False)
         self.loss_weighting = loss_weighting
         self.split = split
         self.layout = dict(layout) if layout else None

@@ -16,7 +16,7 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch.utils.data import default_collate
 
-from lightning_sparse_dp.split import SparseSpec, SplitPlan, split_batch
+from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
 
 
 @dataclass
@@ -47,8 +47,7 @@ class PreSplitCollate:
         assignment: str = "balanced",
         min_points: int = 1,
     ) -> None:
-        if num_chunks < 1:
-            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
+        check_num_chunks(num_chunks)
         self.collate_fn = collate_fn or default_collate
         self.num_chunks = num_chunks
         self.layout = dict(layout) if layout else None

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
-from lightning_sparse_dp.split import ASSIGNMENTS
+from lightning_sparse_dp.split import resolve_assignment
 
 
 def global_batches(order: Sequence[int], global_batch_size: int, world_size: int, drop_last: bool) -> list[list[int]]:
@@ -112,8 +112,7 @@ class PointBalancedBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         split: str = "balanced",
     ) -> None:
-        if split not in ASSIGNMENTS:
-            raise ValueError(f"split={split!r}; use one of {sorted(ASSIGNMENTS)}.")
+        resolve_assignment(split, "split", callables=False)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} is not in 0..{num_replicas - 1} (num_replicas={num_replicas}).")
         if point_counts is None:
@@ -146,7 +145,7 @@ class PointBalancedBatchSampler(Sampler[list[int]]):
     def shares(self, batch: Sequence[int]) -> list[list[int]]:
         """Every rank's sample ids of one global batch, ascending positions of the global batch kept."""
         ids = torch.as_tensor(batch, dtype=torch.long)
-        assignment: Callable[[Tensor, int], list[Tensor]] = ASSIGNMENTS[self.split]
+        assignment = resolve_assignment(self.split, "split", callables=False)
         # a sample counted as 0 points still needs a rank: count it as 1, so every share has a sample
         sizes = self.point_counts[ids].clamp(min=1)
         return [ids[positions].tolist() for positions in assignment(sizes, self.num_replicas)]

@@ -90,15 +90,35 @@ def test_balanced_assignment_covers_every_sample_once_within_grahams_bound(sizes
 
 
 def test_balanced_split_evens_points_better_than_contiguous():
-    sizes = [400, 10, 10, 10, 390, 10, 10, 10, 380]  # contiguous chunks: 420 / 410 / 400 ... but skewed below
-    samples = [(torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], 1).int(), torch.ones(n, 1), 0)
-               for n in [400, 390, 380, 10, 10, 10, 10, 10, 10]]
+    sizes = [400, 390, 380, 10, 10, 10, 10, 10, 10]  # contiguous chunks: 1170 / 30 / 30 points
+    samples = [
+        (torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], 1).int(),
+         (1000 * i + torch.arange(n, dtype=torch.float32)).unsqueeze(1),  # a feature that names sample and point
+         i)
+        for i, n in enumerate(sizes)
+    ]
     batch = collate_dict(samples)
-    _, balanced = split_batch(batch, 3, assignment="balanced")
+    chunks, balanced = split_batch(batch, 3, assignment="balanced")
     _, contiguous = split_batch(batch, 3, assignment="contiguous")
     assert max(balanced.points_per_chunk) < max(contiguous.points_per_chunk)
     assert max(balanced.points_per_chunk) / (sum(sizes) / 3) <= 1.05
-    assert merge_batch(split_batch(batch, 3, assignment="balanced")[0], balanced)["features"].shape == batch["features"].shape
+    for chunk, ids in zip(chunks, balanced.chunk_samples):  # each chunk holds whole samples, in order
+        assert torch.equal(chunk["labels"], batch["labels"][ids])
+        assert torch.equal(chunk["features"][:, 0].div(1000).floor().long().unique(), ids)
+    merged = merge_batch(chunks, balanced)
+    for key in batch:
+        assert torch.equal(merged[key], batch[key]), key
+    # the default assignment is the strategies' default, "balanced"
+    default_chunks, default = split_batch(batch, 3)
+    assert [c.tolist() for c in default.chunk_samples] == [c.tolist() for c in balanced.chunk_samples]
+
+
+def test_split_plan_is_immutable_and_built_by_keyword():
+    _, plan = split_batch(_batch(), 2)
+    with pytest.raises(AttributeError):
+        plan.num_samples = 0
+    with pytest.raises(TypeError):
+        type(plan)(plan.num_samples, plan.chunk_samples)
 
 
 def test_unknown_assignment():
@@ -107,7 +127,7 @@ def test_unknown_assignment():
 
 
 def test_uneven_split_sizes_follow_tensor_split():
-    chunks, plan = split_batch(collate_dict(random_samples(7)), 3)
+    chunks, plan = split_batch(collate_dict(random_samples(7)), 3, assignment="contiguous")
     assert plan.samples_per_chunk == [3, 2, 2]
     assert [c["labels"].shape[0] for c in chunks] == [3, 2, 2]
 
@@ -121,8 +141,8 @@ def test_sparse_collate_tuple_is_recognised():
     coords, feats, labels = zip(*random_samples(5))
     c, f = ME.utils.sparse_collate(list(coords), list(feats))
     batch = (c, f, torch.tensor(labels))
-    chunks, plan = split_batch(batch, 2)
-    assert plan.roles == ["coordinates", "points", "samples"]
+    chunks, plan = split_batch(batch, 2, assignment="contiguous")
+    assert plan.roles == ("coordinates", "points", "samples")
     assert isinstance(chunks[0], tuple) and chunks[0][2].shape[0] == 3
 
 
@@ -130,7 +150,7 @@ def test_nested_namedtuple_and_non_tensor_leaves():
     Item = namedtuple("Item", "coordinates features")
     base = collate_dict(random_samples(4))
     batch = {"x": Item(base["coordinates"], base["features"]), "y": base["labels"], "tag": "scenes", "scale": torch.tensor(2.0)}
-    chunks, plan = split_batch(batch, 2)
+    chunks, plan = split_batch(batch, 2, assignment="contiguous")
     assert isinstance(chunks[1]["x"], Item)
     assert chunks[1]["tag"] == "scenes" and chunks[1]["scale"] is batch["scale"]
     assert merge_batch(chunks, plan)["y"].tolist() == base["labels"].tolist()
@@ -139,7 +159,7 @@ def test_nested_namedtuple_and_non_tensor_leaves():
 def test_dense_batch_splits_along_dim_zero():
     x = torch.arange(7 * 3).reshape(7, 3).float()
     y = torch.arange(7)
-    chunks, plan = split_batch((x, y), 3)
+    chunks, plan = split_batch((x, y), 3, assignment="contiguous")
     assert [c[0].shape[0] for c in chunks] == [3, 2, 2]
     assert torch.equal(torch.cat([c[0] for c in chunks]), x)
     assert torch.equal(merge_chunks([c[1] for c in chunks], plan.chunk_samples), y)
@@ -220,8 +240,8 @@ def test_ambiguous_per_point_or_per_sample_and_its_fix():
     b = collate_dict(samples)
     with pytest.raises(BatchLayoutError, match=r"both the number of points.*layout=\{'features': 'points'\}"):
         split_batch(b, 2)
-    chunks, plan = split_batch(b, 2, layout={"features": "points", "labels": "samples"})
-    assert plan.roles == ["coordinates", "points", "samples"]
+    chunks, plan = split_batch(b, 2, assignment="contiguous", layout={"features": "points", "labels": "samples"})
+    assert plan.roles == ("coordinates", "points", "samples")
 
 
 def test_dense_tensors_that_disagree():

@@ -141,7 +141,7 @@ def test_gather_puts_per_sample_outputs_in_original_order():
 
 def test_chunk_weights():
     batch = collate_dict(random_samples(7))
-    _, plan = split_batch(batch, 3)
+    _, plan = split_batch(batch, 3, assignment="contiguous")
     assert chunk_weights(plan, "samples") == pytest.approx([3 / 7, 2 / 7, 2 / 7])
     pts = plan.points_per_chunk
     assert chunk_weights(plan, "points") == pytest.approx([p / sum(pts) for p in pts])

@@ -1,0 +1,174 @@
+"""Split: one collated sparse batch into per-replica chunks of whole samples, and back.
+
+A MinkowskiEngine batch is collated by ``ME.utils.sparse_collate`` (or ``batched_coordinates``):
+``coordinates`` is a tensor ``[N, D+1]`` (int32, or float32 with ``dtype=torch.float32`` as ME's
+examples collate) whose column 0 is the batch index ``0..B-1`` (ME's convention, see
+``MinkowskiEngine/utils/collation.py``), per-point tensors (features, point labels) are ``[N, ...]``
+and per-sample tensors (scene labels) are ``[B, ...]``. :func:`split_batch` assigns whole samples to
+chunks, takes the rows of every tensor that belong to each chunk (keeping sample order and point
+order inside a chunk), renumbers the batch index of each chunk to ``0..b-1``, and returns a
+:class:`SplitPlan` that records the permutation so that :func:`merge_chunks` can put per-sample or
+per-point results back into the original order. Plain dense tensors ``[B, ...]`` with no
+coordinates anywhere are split along dim 0 as ``torch.nn.DataParallel`` does (but into the same
+whole-sample chunks).
+
+The steps of :func:`split_batch`, one file each, in data-path order:
+
+- :mod:`.leaves`: the batch flattened into :class:`~.records.Leaf` records (``torch.utils._pytree``;
+  ME tensors, per-sample lists of names and numpy arrays are leaves), and the ``layout`` roles;
+- :mod:`.sources`: the coordinate sources found and checked, the number of samples ``B`` counted;
+- :mod:`.assign`: whole samples assigned to chunks (``"balanced"``, ``"contiguous"`` or a callable);
+- :mod:`.roles`: every other leaf given a role: per point, per sample, or whole to every chunk;
+- :mod:`.cut`: each leaf's piece for each chunk, batch index renumbered;
+- :mod:`.merge`: the inverse, for outputs (:func:`merge_chunks`, :func:`merge_rows`) and whole batches
+  (:func:`merge_batch`);
+- :mod:`.records`: the immutable records these pass on, :class:`SplitPlan` and :class:`SparseSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_sparse_dp.split.assign import (
+    ASSIGNMENTS,
+    Assignment,
+    assign,
+    balanced_assignment,
+    check_num_chunks,
+    contiguous_assignment,
+    resolve_assignment,
+)
+from lightning_sparse_dp.split.cut import cut
+from lightning_sparse_dp.split.leaves import flatten, is_sequence_leaf, leaf_predicate
+from lightning_sparse_dp.split.merge import merge_batch, merge_chunks, merge_rows
+from lightning_sparse_dp.split.records import COORDINATE_KEYS, ROLES, BatchLayoutError, SparseSpec, SplitPlan, Source
+from lightning_sparse_dp.split.roles import resolve_roles, targets
+from lightning_sparse_dp.split.sources import count_samples, find_sources
+
+
+def split_batch(
+    batch: Any,
+    num_chunks: int,
+    *,
+    layout: Mapping[Any, str] | None = None,
+    assignment: str | Assignment = "balanced",
+    min_points: int = 1,
+) -> tuple[list[Any], SplitPlan]:
+    """Split a collated batch into at most ``num_chunks`` chunks of whole samples.
+
+    Args:
+        batch: a tensor, ``ME.SparseTensor`` / ``ME.TensorField``, or dict / list / tuple /
+            namedtuple of them (and of non-tensor values). Coordinates are found as
+            (1) the ``C`` of SparseTensor / TensorField leaves, (2) dict values under a key in
+            :data:`COORDINATE_KEYS` or given the role ``"coordinates"`` in ``layout``, else
+            (3) integer ``[N, D+1]`` tensors whose column 0 is sorted and starts at 0 (what
+            ``ME.utils.sparse_collate`` returns), or, when there is none, a floating-point one that
+            is the batch's first tensor, goes up 0, 1, 2, ... in column 0 and has a tensor of as many
+            rows beside it (``sparse_collate(..., dtype=torch.float32)``). Coordinates may be
+            integer or float16/32/64 (column 0 must hold whole numbers); their dtype and values are
+            kept in every chunk. Every other tensor of length ``N`` of a coordinate source is
+            per-point, of length ``B`` per-sample; a list / tuple of non-tensors under a dict key
+            (scene names, file paths) or a numpy array of length ``B`` is per-sample; 0-dim tensors
+            and other non-tensors are given to every chunk unchanged. With no coordinates at all,
+            every tensor is ``[B, ...]``.
+        num_chunks: the number of replicas; a batch with fewer samples gets one chunk per sample.
+        layout: optional roles that settle what cannot be told apart, e.g. per-point labels when
+            ``N == B``: ``{"labels": "points"}``. Keys are dict keys, tuple indices or a leaf's path
+            name as the errors print it (``"batch['x'][1]"``); roles are ``"coordinates"``,
+            ``"points"``, ``"samples"`` and ``"replicate"``. A key that matches no leaf is an error.
+        assignment: ``"balanced"`` (:func:`balanced_assignment`, the default, as the strategies':
+            even point counts), ``"contiguous"`` (:func:`contiguous_assignment`: consecutive samples)
+            or a callable ``(points per sample int64 [B], num_chunks) -> list of int64 sample-id
+            tensors``. Every sample must be in exactly one chunk.
+        min_points: the fewest points (samples, for a dense batch) a chunk may have when it can be
+            helped: while a chunk has fewer, the batch is split into one chunk less (batch norm
+            per replica needs more than one value per channel; the strategy asks for 2 then).
+
+    Returns:
+        ``(chunks, plan)``: a list of batches with the input's structure (SparseTensor /
+        TensorField leaves as :class:`SparseSpec`) and the :class:`SplitPlan`.
+
+    Raises:
+        ValueError: ``num_chunks < 1``, or an unknown assignment name.
+        BatchLayoutError: empty batch; coordinates that are not ``[N, D+1]`` tensors (numpy
+            arrays included), have a batch column that is not whole numbers, negative or
+            non-contiguous batch indices; coordinate sources that disagree on ``B``; a tensor whose
+            length is neither ``N`` nor ``B`` (an empty last sample is named); a tensor whose role is
+            ambiguous (``N == B``); a numpy array with one row per point; samples that were not
+            collated; a batch with no tensor to split; a ``layout`` key that matches nothing; an
+            assignment that does not cover every sample once.
+    """
+    check_num_chunks(num_chunks)
+    leaves, spec = flatten(batch, layout)
+    leaves, sources = find_sources(leaves)
+    num_samples, sources = count_samples(leaves, sources)
+    if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
+        chunk_samples, sample_rank = [torch.arange(num_samples)], torch.arange(num_samples)
+        sources = tuple(dataclasses.replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
+    else:
+        chunk_samples, sample_rank, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
+    k = len(chunk_samples)
+    leaves = resolve_roles(leaves, sources, num_samples, k)
+    chunks = [
+        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], sample_rank, k == 1) for leaf in leaves], spec)
+        for j in range(k)
+    ]
+    point_targets, sample_tensors = targets(leaves, sources)
+    plan = SplitPlan(
+        num_samples=num_samples,
+        chunk_samples=tuple(chunk_samples),
+        point_rows=tuple(s.rows for s in sources),
+        roles=tuple(str(leaf.role) for leaf in leaves),
+        leaf_sources=tuple(leaf.source for leaf in leaves),
+        point_targets=point_targets,
+        sample_tensors=sample_tensors,
+    )
+    return chunks, plan
+
+
+def _assign_points(
+    sources: tuple[Source, ...], num_samples: int, num_chunks: int, assignment: str | Assignment, min_points: int
+) -> tuple[list[Tensor], Tensor, tuple[Source, ...]]:
+    """Chunks' sample ids, each sample's position in its chunk, and the sources with their rows per chunk.
+
+    Samples are weighed by the points of the first source (1 each for a dense batch); while a chunk
+    has fewer than ``min_points``, one chunk less is tried.
+    """
+    sizes = sources[0].counts if sources else torch.ones(num_samples, dtype=torch.long)
+    assert sizes is not None
+    chunk_samples, sample_to_chunk, sample_rank = assign(sizes, num_chunks, assignment)
+    while len(chunk_samples) > 1 and min(int(sizes[c].sum()) for c in chunk_samples) < min_points:
+        chunk_samples, sample_to_chunk, sample_rank = assign(sizes, len(chunk_samples) - 1, assignment)
+    with_rows = []
+    for src in sources:
+        chunk_of_point = sample_to_chunk[src.batch_index]
+        order = torch.argsort(chunk_of_point, stable=True)
+        rows = order.split(torch.bincount(chunk_of_point, minlength=len(chunk_samples)).tolist())
+        with_rows.append(dataclasses.replace(src, rows=tuple(rows)))
+    return chunk_samples, sample_rank, tuple(with_rows)
+
+
+__all__ = [
+    "ASSIGNMENTS",
+    "BatchLayoutError",
+    "COORDINATE_KEYS",
+    "ROLES",
+    "SparseSpec",
+    "SplitPlan",
+    "balanced_assignment",
+    "check_num_chunks",
+    "contiguous_assignment",
+    "is_sequence_leaf",
+    "leaf_predicate",
+    "merge_batch",
+    "merge_chunks",
+    "merge_rows",
+    "resolve_assignment",
+    "split_batch",
+]

@@ -1,0 +1,73 @@
+"""Cut: each leaf's piece for one chunk, the batch index renumbered to ``0..b-1`` inside the chunk.
+
+Rows keep their order (sample order and point order inside a chunk). ``ME.SparseTensor`` /
+``ME.TensorField`` leaves are not built here: a chunk holds a :class:`~lightning_sparse_dp.split.records.SparseSpec`,
+which :mod:`lightning_sparse_dp.place` builds on its device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from lightning_sparse_dp._me import is_tensor_field
+from lightning_sparse_dp.split.leaves import is_me_tensor
+from lightning_sparse_dp.split.records import Leaf, Source, SparseSpec
+
+
+def take_rows(value: Any, ids: Tensor) -> Any:
+    """Rows ``ids`` (int64 ``[b]``) of a tensor, numpy array, list or tuple, keeping its type."""
+    if isinstance(value, Tensor):
+        return value.index_select(0, ids.to(value.device))
+    if isinstance(value, np.ndarray):
+        return value[ids.numpy()]
+    return type(value)(value[i] for i in ids.tolist())
+
+
+def _renumber(coordinates: Tensor, rows: Tensor, sample_rank: Tensor, batch_index: Tensor) -> Tensor:
+    """Rows of ``coordinates`` with column 0 replaced by each sample's position inside its chunk."""
+    out = coordinates.index_select(0, rows.to(coordinates.device)).clone()
+    out[:, 0] = sample_rank[batch_index[rows]].to(device=out.device, dtype=out.dtype)
+    return out
+
+
+def _sparse_kwargs(x: Any) -> dict[str, Any]:
+    """Constructor keywords that a rebuilt SparseTensor / TensorField must keep from ``x``."""
+    # a TensorField keeps its stride on its coordinate *field* map key (it has no coordinate_map_key)
+    key = x.coordinate_field_map_key if is_tensor_field(x) else x.coordinate_map_key
+    kwargs: dict[str, Any] = {"tensor_stride": key.get_tensor_stride(), "quantization_mode": x.quantization_mode}
+    algorithm = getattr(x.coordinate_manager, "minkowski_algorithm", None)
+    if algorithm is not None:
+        kwargs["minkowski_algorithm"] = algorithm
+    return kwargs
+
+
+def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, sample_rank: Tensor, whole: bool) -> Any:
+    """``leaf``'s piece for chunk ``j``.
+
+    Args:
+        sources: the batch's coordinate sources, with their rows per chunk.
+        samples: int64 ``[b_j]`` ids of chunk ``j``'s samples.
+        sample_rank: int64 ``[B]``, each sample's position inside its chunk.
+        whole: chunk ``j`` is the only chunk (the whole batch, nothing to cut or renumber).
+    """
+    x, role = leaf.value, leaf.role
+    if whole and is_me_tensor(x):  # batch indices are already 0..B-1 in order
+        return SparseSpec(type(x), x.F, x.C, _sparse_kwargs(x), source=x)
+    if role == "replicate" or whole:
+        return x
+    if role == "samples":
+        return take_rows(x, samples)
+    src = sources[leaf.source]
+    rows = src.rows[j]
+    if role == "points":
+        return x.index_select(0, rows.to(x.device))
+    if is_me_tensor(x):
+        coordinates = _renumber(x.C, rows, sample_rank, src.batch_index)
+        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, _sparse_kwargs(x))
+    return _renumber(x, rows, sample_rank, src.batch_index)
+
+
+__all__ = ["cut", "take_rows"]

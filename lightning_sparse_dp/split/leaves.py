@@ -1,0 +1,118 @@
+"""Leaves: a batch flattened into :class:`~lightning_sparse_dp.split.records.Leaf` records, and back.
+
+Batch containers are traversed with ``torch.utils._pytree`` (dicts, lists, tuples, namedtuples);
+``ME.SparseTensor`` / ``ME.TensorField`` are leaves, and so are a list / tuple of non-tensors under a
+dict key (per-sample names, paths) and a numpy array: :func:`is_sequence_leaf`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp.split.records import ROLES, BatchLayoutError, Leaf
+
+
+def is_me_tensor(x: Any) -> bool:
+    """An ``ME.SparseTensor`` or ``ME.TensorField``."""
+    return is_sparse_tensor(x) or is_tensor_field(x)
+
+
+def _is_atom(x: Any) -> bool:
+    """Not a tensor, array or container: a string, number, path, ``None`` or other plain object."""
+    return not isinstance(x, (Tensor, Mapping, list, tuple, np.ndarray)) and not is_me_tensor(x)
+
+
+def is_sequence_leaf(x: Any) -> bool:
+    """A plain ``list`` / ``tuple`` of non-tensors (scene names, file paths, ids) or a numpy array.
+
+    Under a dict key these are per-sample data when their length is the number of samples ``B``
+    (split like per-sample tensors); the split does not descend into them.
+    """
+    if isinstance(x, np.ndarray):
+        return True
+    return type(x) in (list, tuple) and all(_is_atom(v) for v in x)
+
+
+def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any], bool]:
+    """``is_leaf`` for ``torch.utils._pytree``: ME tensors, and sequence leaves that are dict values.
+
+    pytree asks about a node before its children, so a dict marks its values that are
+    :func:`is_sequence_leaf` and they are then taken whole. ``extra`` marks more leaves.
+    """
+    marked: set[int] = set()
+
+    def is_leaf(x: Any) -> bool:
+        if is_me_tensor(x) or isinstance(x, np.ndarray) or id(x) in marked or (extra is not None and extra(x)):
+            return True
+        if isinstance(x, Mapping):
+            marked.update(id(v) for v in x.values() if is_sequence_leaf(v))
+        return False
+
+    return is_leaf
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """``batch['coordinates'][0]`` style name of a pytree key path, for error messages."""
+    return "batch" + "".join(str(k) for k in path)
+
+
+def key_of(path: Sequence[Any]) -> Any:
+    """The innermost dict key or sequence index of a pytree key path (None at the top)."""
+    if not path:
+        return None
+    last = path[-1]
+    for attr in ("key", "idx", "name"):
+        if hasattr(last, attr):
+            return getattr(last, attr)
+    return None
+
+
+def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> str | None:
+    """Role the user gave for this leaf in ``layout`` (by innermost key/index or by path name)."""
+    if not layout:
+        return None
+    for candidate in (path_name(path), key_of(path)):
+        if candidate in layout:
+            role = layout[candidate]
+            if role not in ROLES:
+                raise BatchLayoutError(f"layout[{candidate!r}] = {role!r}; use one of {ROLES}.")
+            return role
+    return None
+
+
+def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, ...], Any]:
+    """The leaves of ``batch`` (roles from ``layout`` where it names them) and its pytree spec.
+
+    Raises:
+        BatchLayoutError: a ``layout`` key that matches no leaf (the message lists the keys there are),
+            or a role not in :data:`~lightning_sparse_dp.split.records.ROLES`.
+    """
+    flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=leaf_predicate())
+    leaves = tuple(Leaf(tuple(p), path_name(p), x, _layout_role(p, layout)) for p, x in flat)
+    if layout:
+        known = {k for leaf in leaves for k in (leaf.name, key_of(leaf.path))}
+        unknown = [key for key in layout if key not in known]
+        if unknown:
+            keys = sorted({repr(key_of(leaf.path)) for leaf in leaves if key_of(leaf.path) is not None})
+            raise BatchLayoutError(
+                f"layout names {', '.join(map(repr, unknown))}, which matches nothing in the batch. The batch has "
+                f"the keys / indices {', '.join(keys) or '(none)'} (leaves: {', '.join(leaf.name for leaf in leaves)}); "
+                "name a leaf by its key or index, or by its path as printed here."
+            )
+    return leaves, spec
+
+
+def list_parent(leaf: Leaf) -> str | None:
+    """The name of the list / tuple a tensor leaf is an element of, else None."""
+    if isinstance(leaf.value, Tensor) and leaf.path and hasattr(leaf.path[-1], "idx"):
+        return path_name(leaf.path[:-1])
+    return None
+
+
+__all__ = ["flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "leaf_predicate", "list_parent", "path_name"]

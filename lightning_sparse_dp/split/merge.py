@@ -1,0 +1,96 @@
+"""Merge: per-chunk results back into the batch's order, and a split batch back into the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_sparse_dp.split.leaves import leaf_predicate
+from lightning_sparse_dp.split.records import SparseSpec, SplitPlan
+
+
+def _check_lengths(lengths: Sequence[int], order: Sequence[Tensor]) -> Tensor:
+    """The inverse permutation of the concatenated ``order``, after checking each piece's length."""
+    for j, (n, o) in enumerate(zip(lengths, order, strict=True)):
+        if n != o.numel():
+            raise ValueError(f"chunk {j} has {n} rows but its plan has {o.numel()}.")
+    ids = torch.cat(list(order))
+    inverse = torch.empty_like(ids)
+    inverse[ids] = torch.arange(ids.numel(), device=ids.device)
+    return inverse
+
+
+def merge_chunks(pieces: Sequence[Tensor], order: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """Concatenate per-chunk pieces and put their rows back into the original order.
+
+    Args:
+        pieces: per chunk, a tensor ``[n_i, ...]`` (rows along ``dim``).
+        order: per chunk, int64 ``[n_i]`` original row ids of its rows, e.g. ``plan.chunk_samples`` for
+            per-sample results or ``plan.point_rows[0]`` for per-point results.
+
+    Returns:
+        ``[sum n_i, ...]``: row ``r`` is the piece row whose original id is ``r``.
+
+    Raises:
+        ValueError: a piece's length differs from its order's.
+    """
+    inverse = _check_lengths([p.shape[dim] for p in pieces], order)
+    merged = torch.cat(list(pieces), dim=dim)
+    return merged.index_select(dim, inverse.to(merged.device))
+
+
+def merge_rows(pieces: Sequence[Any], order: Sequence[Tensor]) -> Any:
+    """:func:`merge_chunks` for tensors, numpy arrays, lists and tuples (per-sample names, paths, ids).
+
+    Raises:
+        ValueError: a piece's length differs from its order's.
+    """
+    if isinstance(pieces[0], Tensor):
+        return merge_chunks(pieces, order)
+    inverse = _check_lengths([len(p) for p in pieces], order)
+    if isinstance(pieces[0], np.ndarray):
+        return np.concatenate(list(pieces))[inverse.numpy()]
+    rows = [x for p in pieces for x in p]
+    return type(pieces[0])(rows[r] for r in inverse.tolist())
+
+
+def _restore(coordinates: Tensor, samples: Tensor) -> Tensor:
+    """Chunk coordinates with column 0 back to the whole batch's sample ids (``samples``: the chunk's)."""
+    out = coordinates.clone()
+    out[:, 0] = samples.to(out.device)[out[:, 0].long()].to(out.dtype)
+    return out
+
+
+def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
+    """Undo :func:`~lightning_sparse_dp.split.split_batch`: the whole batch from its chunks (the inverse the property tests check).
+
+    ``SparseSpec`` leaves come back as ``(features, coordinates)`` with the original batch indices.
+    """
+    flat = [pytree.tree_flatten(c, is_leaf=leaf_predicate(lambda x: isinstance(x, SparseSpec))) for c in chunks]
+    spec = flat[0][1]
+    merged = []
+    for i, role in enumerate(plan.roles):
+        pieces = [f[0][i] for f in flat]
+        if role == "replicate":
+            merged.append(pieces[0])
+        elif role == "samples":
+            merged.append(merge_rows(pieces, plan.chunk_samples))
+        elif role == "points":
+            merged.append(merge_chunks(pieces, plan.point_rows[plan.leaf_sources[i]]))
+        else:
+            rows = plan.point_rows[plan.leaf_sources[i]]
+            if isinstance(pieces[0], SparseSpec):
+                feats = merge_chunks([p.features for p in pieces], rows)
+                coords = merge_chunks([_restore(p.coordinates, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
+                merged.append((feats, coords))
+            else:
+                merged.append(merge_chunks([_restore(p, s) for p, s in zip(pieces, plan.chunk_samples)], rows))
+    return pytree.tree_unflatten(merged, spec)
+
+
+__all__ = ["merge_batch", "merge_chunks", "merge_rows"]

@@ -1,0 +1,133 @@
+"""Records: what a split produces (:class:`SplitPlan`, :class:`SparseSpec`) and what it learns on the way.
+
+:class:`Leaf` and :class:`Source` are immutable: each step of :func:`~lightning_sparse_dp.split.split_batch`
+returns new records (``dataclasses.replace``) instead of changing shared state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+#: Roles a leaf of a batch can have (also the roles ``layout=`` may give).
+ROLES: tuple[str, ...] = ("coordinates", "points", "samples", "replicate")
+
+#: Dict keys whose value is taken to be collated coordinates (as in ME's Lightning example).
+COORDINATE_KEYS = frozenset({"coordinates", "coords", "coordinate", "coord"})
+
+
+class BatchLayoutError(ValueError):
+    """The batch cannot be split into whole-sample chunks as it is; the message says how to fix it."""
+
+
+@dataclass
+class SparseSpec:
+    """A SparseTensor / TensorField still to be built on a device by :mod:`~lightning_sparse_dp.place`.
+
+    Attributes:
+        cls: ``ME.SparseTensor`` or ``ME.TensorField``.
+        features: ``[n, C]`` features of the chunk (still on the source device).
+        coordinates: ``[n, D+1]`` coordinates of the chunk, column 0 renumbered to ``0..b-1``
+            (int32 for a SparseTensor, float for a TensorField, as ME stores them).
+        kwargs: constructor keywords kept from the source tensor (``tensor_stride``,
+            ``quantization_mode``, ``minkowski_algorithm``).
+        source: the whole source tensor when the chunk is the whole batch; placing it on the device
+            it already lives on reuses it instead of building it again.
+    """
+
+    cls: type
+    features: Tensor
+    coordinates: Tensor
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    source: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitPlan:
+    """Which samples and points went to which chunk; enough to undo the split.
+
+    Attributes:
+        num_samples: ``B``, samples in the whole batch.
+        chunk_samples: per chunk, int64 ``[b_i]`` ids of its samples in the whole batch (ascending
+            inside each chunk).
+        point_rows: per coordinate source (in the order found), per chunk, int64 ``[n_i]`` rows of
+            that source's points in the whole batch. Empty for a dense batch.
+        roles: per flattened leaf of the batch, the role it was split by (with one chunk, leaves
+            whose role cannot be told apart are ``"replicate"``).
+        leaf_sources: per flattened leaf, the index of its coordinate source (-1 for none).
+        point_targets: names of per-point tensors that are not a coordinate source's features
+            (integer labels, or a floating-point tensor after the features), e.g. ``("batch['labels']",)``.
+        sample_tensors: names of per-sample tensors (not per-sample lists of names or paths).
+            These two settle ``loss_weighting="auto"`` (:func:`lightning_sparse_dp.gather.resolve_auto`).
+    """
+
+    num_samples: int
+    chunk_samples: tuple[Tensor, ...]
+    point_rows: tuple[tuple[Tensor, ...], ...] = ()
+    roles: tuple[str, ...] = ()
+    leaf_sources: tuple[int, ...] = ()
+    point_targets: tuple[str, ...] = ()
+    sample_tensors: tuple[str, ...] = ()
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_samples)
+
+    @property
+    def samples_per_chunk(self) -> list[int]:
+        """Samples in each chunk, ``[num_chunks]``."""
+        return [int(s.numel()) for s in self.chunk_samples]
+
+    @property
+    def points_per_chunk(self) -> list[int]:
+        """Points of the first coordinate source in each chunk; samples for a dense batch."""
+        if not self.point_rows:
+            return self.samples_per_chunk
+        return [int(r.numel()) for r in self.point_rows[0]]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One flattened leaf of a batch and what the split knows of it.
+
+    Attributes:
+        path: its ``torch.utils._pytree`` key path.
+        name: ``batch['coordinates'][0]`` style name, for messages and :class:`SplitPlan`.
+        value: the leaf itself.
+        role: one of :data:`ROLES`, or ``None`` while not known.
+        source: index of its coordinate source (coordinates and per-point leaves), else -1.
+    """
+
+    path: tuple[Any, ...]
+    name: str
+    value: Any
+    role: str | None = None
+    source: int = -1
+
+
+@dataclass(frozen=True)
+class Source:
+    """A set of points with a batch index: collated coordinates or a SparseTensor / TensorField.
+
+    Attributes:
+        name: its leaf's name.
+        leaf: index of its leaf.
+        batch_index: int64 ``[N]`` batch index of every point, on the CPU.
+        counts: int64 ``[B]`` points per sample (once counted).
+        rows: per chunk, int64 ``[n_j]`` rows of the chunk's points (once assigned).
+    """
+
+    name: str
+    leaf: int
+    batch_index: Tensor
+    counts: Tensor | None = None
+    rows: tuple[Tensor, ...] = ()
+
+    @property
+    def num_points(self) -> int:
+        return int(self.batch_index.numel())
+
+
+__all__ = ["BatchLayoutError", "COORDINATE_KEYS", "Leaf", "ROLES", "Source", "SparseSpec", "SplitPlan"]

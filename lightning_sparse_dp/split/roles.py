@@ -1,0 +1,156 @@
+"""Roles: what every leaf that is not coordinates is, per point (of which source), per sample or whole.
+
+A tensor of length ``N`` (a coordinate source's points) is per-point, of length ``B`` per-sample; a
+list / tuple / numpy array of length ``B`` is per-sample; 0-dim tensors and other values go whole to
+every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source
+
+
+def resolve_roles(
+    leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int, num_chunks: int
+) -> tuple[Leaf, ...]:
+    """The leaves, each with a role: points (and its source), samples or replicate.
+
+    With one chunk nothing is cut, so a leaf whose role cannot be told apart (``N == B``, or a length
+    that matches nothing) is passed whole (``"replicate"``) instead of raising.
+
+    Raises:
+        BatchLayoutError: a role in ``layout`` the leaf cannot have; a length that is both ``N`` and
+            ``B``, or neither (naming an empty last sample when that is the likely cause); a length
+            shared by sources of different batch indices; a numpy array with one row per point.
+    """
+    return tuple(_resolve(leaf, sources, num_samples, num_chunks) for leaf in leaves)
+
+
+def _resolve(leaf: Leaf, sources: tuple[Source, ...], num_samples: int, num_chunks: int) -> Leaf:
+    role, x = leaf.role, leaf.value
+    if role == "coordinates":
+        return leaf
+    if role == "samples" and not _has_length(x):
+        raise BatchLayoutError(f"layout gives {leaf.name} the role 'samples' but it has no length.")
+    if role is not None and role != "points":
+        return leaf
+    not_points = f"layout gives {leaf.name} the role 'points' but it is not a tensor [N, ...]."
+    if isinstance(x, np.ndarray) or type(x) in (list, tuple):
+        if role == "points":
+            raise BatchLayoutError(not_points)
+        return dataclasses.replace(leaf, role=_sequence_role(leaf, sources, num_samples))
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        if role == "points":
+            raise BatchLayoutError(not_points)
+        return dataclasses.replace(leaf, role="replicate")
+    length = x.shape[0]
+    matches = [n for n, src in enumerate(sources) if src.num_points == length]
+    whole = dataclasses.replace(leaf, role="replicate")  # one chunk holds everything: nothing to tell apart
+    if role == "points":
+        if not matches:
+            raise BatchLayoutError(
+                f"layout gives {leaf.name} the role 'points' but its length {length} is the number of points of "
+                "no coordinate source in the batch."
+            )
+    elif matches and length == num_samples:
+        if num_chunks == 1:
+            return whole
+        raise BatchLayoutError(
+            f"{leaf.name} has length {length}, which is both the number of points of "
+            f"{sources[matches[0]].name} and the number of samples, so it cannot be told whether it is per-point "
+            f"or per-sample. Say which with SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
+            "'points'}) (or 'samples'), or with split_batch(..., layout=...)."
+        )
+    elif length == num_samples:
+        return dataclasses.replace(leaf, role="samples")
+    elif not matches:
+        if num_chunks == 1:
+            return whole
+        raise BatchLayoutError(
+            f"{leaf.name} has length {length} in dim 0, which matches neither the number of samples "
+            f"({num_samples}) nor the number of points "
+            f"({', '.join(f'{s.name}: {s.num_points}' for s in sources) or 'no coordinates'}). "
+            + _empty_sample_hint(sources, length, num_samples)
+            + "Per-point tensors must have one row per coordinate row, per-sample tensors one row per sample; give "
+            "it the role 'replicate' in layout= to pass it whole to every replica."
+        )
+    first = sources[matches[0]].batch_index
+    if any(not torch.equal(first, sources[n].batch_index) for n in matches[1:]):
+        if num_chunks == 1:
+            return whole
+        raise BatchLayoutError(
+            f"{leaf.name} has length {length}, the number of points of several coordinate sources "
+            f"({', '.join(sources[n].name for n in matches)}) with different batch indices. Give it the role "
+            "'replicate' in layout=, or pass the sources separately."
+        )
+    return dataclasses.replace(leaf, role="points", source=matches[0])
+
+
+def _has_length(x: Any) -> bool:
+    return (isinstance(x, (Tensor, np.ndarray)) and x.ndim > 0) or type(x) in (list, tuple)
+
+
+def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) -> str:
+    """A list / tuple / numpy array: per-sample when its length is ``B``, else passed whole.
+
+    A numpy array with one row per point is refused: ME needs tensors.
+    """
+    x = leaf.value
+    length = len(x) if not isinstance(x, np.ndarray) or x.ndim > 0 else -1
+    if length == num_samples:
+        return "samples"
+    if isinstance(x, np.ndarray) and any(src.num_points == length for src in sources):
+        raise BatchLayoutError(
+            f"{leaf.name} is a numpy array with one row per point ({length}); convert it with torch.as_tensor(...) in "
+            "the collate function (ME.utils.sparse_collate does so), or give it the role 'replicate' in layout=."
+        )
+    return "replicate"
+
+
+def _empty_sample_hint(sources: tuple[Source, ...], length: int, num_samples: int) -> str:
+    """Words for a per-sample tensor longer than ``B``: the last samples had no points."""
+    if not sources or not num_samples < length < min(src.num_points for src in sources):
+        return ""
+    missing = length - num_samples
+    return (
+        f"If the batch has {length} samples, the last {missing} of them ha{'s' if missing == 1 else 've'} no points "
+        f"(the batch index numbers only samples 0..{num_samples - 1}, which have points): an empty sample cannot be "
+        "split or fed to ME. Drop empty samples before collation (in the Dataset or the collate function). "
+    )
+
+
+def targets(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Names of the per-point targets and of the per-sample tensors of the batch (see :class:`~lightning_sparse_dp.split.records.SplitPlan`).
+
+    A coordinate source's first floating-point per-point tensor is its features, not a target (an ME
+    tensor carries its own features).
+    """
+    point_targets, sample_tensors = [], []
+    features_seen: set[int] = set()
+    for leaf in leaves:
+        if not isinstance(leaf.value, Tensor):
+            continue
+        if leaf.role == "samples":
+            sample_tensors.append(leaf.name)
+        elif leaf.role == "points":
+            is_features = (
+                leaf.value.dtype.is_floating_point
+                and not is_me_tensor(leaves[sources[leaf.source].leaf].value)
+                and leaf.source not in features_seen
+            )
+            if is_features:
+                features_seen.add(leaf.source)
+            else:
+                point_targets.append(leaf.name)
+    return tuple(point_targets), tuple(sample_tensors)
+
+
+__all__ = ["resolve_roles", "targets"]

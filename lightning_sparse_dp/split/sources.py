@@ -1,0 +1,237 @@
+"""Sources: find the coordinate sources of a batch, check them, and count its samples ``B``.
+
+A coordinate source is a set of points with a batch index (ME's convention: column 0 of collated
+coordinates ``[N, D+1]``, ``0..B-1``, see ``MinkowskiEngine/utils/collation.py``): the ``C`` of an
+``ME.SparseTensor`` / ``ME.TensorField``, a dict value under a :data:`~lightning_sparse_dp.split.records.COORDINATE_KEYS`
+key or given the role ``"coordinates"``, or else a tensor that looks like ``sparse_collate``'s output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent
+from lightning_sparse_dp.split.records import COORDINATE_KEYS, BatchLayoutError, Leaf, Source
+
+
+def looks_like_collated_coordinates(t: Tensor) -> bool:
+    """A ``[N, D+1]`` tensor whose column 0 is sorted and starts at 0, as sparse_collate makes.
+
+    Integer, or floating point (``sparse_collate(..., dtype=torch.float32)``, as ME's examples
+    collate) with column 0 going up in steps of 0 or 1 (a batch index without gaps).
+    """
+    if t.dtype == torch.bool or t.is_complex():
+        return False
+    if t.dim() != 2 or t.shape[1] < 2 or t.shape[0] == 0:
+        return False
+    col = t[:, 0]
+    if t.dtype.is_floating_point:  # stricter: whole numbers 0, 1, 2, ... in steps of 0 or 1, as a batch index is
+        steps = col[1:] - col[:-1]
+        return bool(col[0] == 0) and bool(((steps == 0) | (steps == 1)).all())
+    return bool(col[0] == 0) and bool((col[1:] >= col[:-1]).all())
+
+
+def check_coordinates(t: Tensor, name: str) -> Tensor:
+    """Validate collated coordinates ``[N, D+1]`` and return their batch index as int64 ``[N]``.
+
+    Integer or floating-point coordinates (ME's ``SparseTensor`` floors float coordinates, a
+    ``TensorField`` keeps them continuous); column 0, the batch index, must hold whole numbers.
+
+    Raises:
+        BatchLayoutError: a bool / complex dtype, a shape other than ``[N, D+1]``, or a batch column
+            that is not whole numbers.
+    """
+    if t.is_complex() or t.dtype == torch.bool:
+        raise BatchLayoutError(
+            f"{name} has dtype {t.dtype}, but coordinates must be an integer or floating-point tensor [N, D+1] with "
+            "the batch index in column 0. Collate samples with ME.utils.sparse_collate."
+        )
+    if t.dim() != 2 or t.shape[1] < 2:
+        raise BatchLayoutError(
+            f"{name} has shape {tuple(t.shape)}, but coordinates must be [N, D+1] with the batch index in "
+            "column 0. Collate samples with ME.utils.sparse_collate or ME.utils.batched_coordinates, which "
+            "prepend the batch column."
+        )
+    col = t[:, 0]
+    if t.dtype.is_floating_point:
+        bad = ~torch.isfinite(col) | (col != col.round())
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise BatchLayoutError(
+                f"{name} has dtype {t.dtype} and a batch index (column 0) that is not a whole number "
+                f"({float(col[row])!r} in row {row}). Column 0 must be the batch index 0..B-1 (floating-point "
+                "coordinates are fine, but their batch column must hold whole numbers); collate with "
+                "ME.utils.sparse_collate, which prepends it."
+            )
+    return col.long()
+
+
+def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
+    """Check that ``batch_index`` (int64 ``[N]``) holds every sample ``0..B-1``; return the points per sample ``[B]``.
+
+    Raises:
+        BatchLayoutError: no points, a negative batch index, or samples with no points (gaps).
+    """
+    if batch_index.numel() == 0:
+        raise BatchLayoutError(f"{name} is empty: the batch has no points. Filter out empty samples before collation.")
+    low = int(batch_index.min())
+    if low < 0:
+        raise BatchLayoutError(
+            f"{name} has a negative batch index ({low}) in column 0; column 0 must be the batch index 0..B-1. "
+            "Collate with ME.utils.sparse_collate or ME.utils.batched_coordinates."
+        )
+    counts = torch.bincount(batch_index.cpu())
+    missing = (counts == 0).nonzero().flatten().tolist()
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        raise BatchLayoutError(
+            f"{name} has gaps in its batch indices (column 0): no points for sample(s) {shown} of 0..{counts.numel() - 1}. "
+            "Batch indices must be contiguous 0..B-1 (is column 0 really the batch index?). Drop empty samples "
+            "before collation, or collate with ME.utils.sparse_collate, which numbers samples 0..B-1."
+        )
+    return counts
+
+
+def _as_source(leaves: list[Leaf], sources: list[Source], i: int, batch_index: Tensor) -> None:
+    leaves[i] = dataclasses.replace(leaves[i], role="coordinates", source=len(sources))
+    sources.append(Source(leaves[i].name, i, batch_index.cpu()))
+
+
+def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Source, ...]]:
+    """The leaves with their coordinate leaves marked (role ``"coordinates"``), and the sources found.
+
+    Raises:
+        BatchLayoutError: coordinates that are numpy arrays or not ``[N, D+1]`` tensors (see
+            :func:`check_coordinates`), or a list of per-sample coordinate tensors (not collated).
+    """
+    out, sources = list(leaves), []
+    for i, leaf in enumerate(leaves):
+        key = key_of(leaf.path)
+        named = leaf.role == "coordinates" or (leaf.role is None and isinstance(key, str) and key.lower() in COORDINATE_KEYS)
+        if is_me_tensor(leaf.value):
+            _as_source(out, sources, i, leaf.value.C[:, 0].long())
+        elif isinstance(leaf.value, Tensor) and named:
+            _as_source(out, sources, i, check_coordinates(leaf.value, leaf.name))
+        elif named and (isinstance(leaf.value, np.ndarray) or leaf.role == "coordinates"):
+            raise BatchLayoutError(
+                f"{leaf.name} holds coordinates but is a {_kind(leaf.value)}, not a torch tensor. Convert it with "
+                "torch.as_tensor(...) in the collate function, or collate samples with ME.utils.sparse_collate, "
+                "which returns tensors [N, D+1] with the batch index in column 0."
+            )
+    for leaf in out:  # coordinates left as numpy arrays would go whole to every replica
+        x = leaf.value
+        if leaf.role is None and isinstance(x, np.ndarray) and x.dtype.kind in "iuf":
+            if looks_like_collated_coordinates(torch.from_numpy(x)):
+                raise BatchLayoutError(
+                    f"{leaf.name} looks like collated coordinates [N, D+1] but is a numpy array, not a torch tensor. "
+                    "Convert it with torch.as_tensor(...) in the collate function, or collate samples with "
+                    "ME.utils.sparse_collate, which returns tensors."
+                )
+    if not sources:  # ME's sparse_collate tuple: find coordinates by their look (integer first, else float)
+        candidates = [
+            i
+            for i, leaf in enumerate(out)
+            if leaf.role is None and isinstance(leaf.value, Tensor) and looks_like_collated_coordinates(leaf.value)
+        ]
+        parents = [p for p in (list_parent(out[i]) for i in candidates) if p is not None]
+        if len(parents) != len(set(parents)):  # several in one list: per-sample coordinates, not collated
+            raise BatchLayoutError(uncollated_hint(out))
+        integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
+        for i in integer or _float_coordinates(out, candidates):
+            _as_source(out, sources, i, out[i].value[:, 0].long())
+    return tuple(out), tuple(sources)
+
+
+def _kind(x: Any) -> str:
+    return "numpy array" if isinstance(x, np.ndarray) else type(x).__name__
+
+
+def _float_coordinates(leaves: list[Leaf], candidates: list[int]) -> list[int]:
+    """Float look-alike coordinates, more strictly (a float features tensor can look alike): the first
+    tensor of the batch, when another tensor has as many rows (``sparse_collate``'s tuple order)."""
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf.value, Tensor)]
+    if not candidates or candidates[0] != tensors[0]:
+        return []
+    n = leaves[candidates[0]].value.shape[0]
+    others = [leaves[i].value for i in tensors[1:]]
+    return candidates[:1] if any(x.dim() > 0 and x.shape[0] == n for x in others) else []
+
+
+def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[int, tuple[Source, ...]]:
+    """``B`` and the sources with their points per sample: from the batch indices of the coordinate
+    sources, else from dim 0 of the dense tensors.
+
+    Raises:
+        BatchLayoutError: bad batch indices (:func:`check_batch_index`), sources or dense tensors that
+            disagree on ``B``, no tensor to split, or an empty batch.
+    """
+    if sources:
+        sources = tuple(dataclasses.replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
+        samples = {s.name: int(s.counts.numel()) for s in sources}
+        if len(set(samples.values())) > 1:
+            raise BatchLayoutError(
+                f"coordinate sources disagree on the number of samples: {samples}. Every coordinate tensor in a batch "
+                "must number the same samples 0..B-1; give the odd one the role 'replicate' in layout= if it is not "
+                "part of the batch."
+            )
+        return next(iter(samples.values())), sources
+    lengths = {
+        leaf.name: leaf.value.shape[0]
+        for leaf in leaves
+        if isinstance(leaf.value, Tensor) and leaf.value.dim() > 0 and leaf.role != "replicate"
+    }
+    if not lengths:
+        raise BatchLayoutError(
+            "the batch has no tensor to split (and no coordinates). A batch must hold collated coordinates "
+            "[N, D+1], an ME.SparseTensor / ME.TensorField, or tensors [B, ...]." + _numpy_hint(leaves)
+        )
+    if len(set(lengths.values())) > 1:
+        raise BatchLayoutError(
+            f"dense batch tensors disagree on the batch size (dim 0): {lengths}. " + (uncollated_hint(leaves) or (
+                "Without coordinates every tensor is split along dim 0 and must have the same length; give a tensor "
+                "the role 'replicate' in layout= to pass it whole to every replica." + _numpy_hint(leaves)
+            ))
+        )
+    num_samples = next(iter(lengths.values()))
+    if num_samples == 0:
+        raise BatchLayoutError(
+            "the batch is empty (dim 0 has size 0): there are no samples to split. Drop empty samples and batches "
+            "before they reach the Trainer (in the Dataset, the sampler or the collate function)."
+        )
+    return num_samples, sources
+
+
+def _numpy_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
+    arrays = [leaf.name for leaf in leaves if isinstance(leaf.value, np.ndarray) and leaf.value.ndim > 1]
+    if not arrays:
+        return ""
+    return (
+        f" {', '.join(arrays)} {'is a numpy array' if len(arrays) == 1 else 'are numpy arrays'}: convert coordinates, "
+        "features and labels with torch.as_tensor(...) in the collate function, or collate samples with "
+        "ME.utils.sparse_collate."
+    )
+
+
+def uncollated_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
+    """A hint when the tensors that disagree are the elements of one list / tuple: samples not collated."""
+    parents: dict[str, int] = {}
+    for leaf in leaves:
+        parent = list_parent(leaf)
+        if parent is not None:
+            parents[parent] = parents.get(parent, 0) + 1
+    lists = [p for p, n in parents.items() if n > 1]
+    if not lists:
+        return ""
+    return (
+        f"{lists[0]} looks like a list of per-sample tensors that were not collated. Collate samples into one batch "
+        "with ME.utils.sparse_collate(coordinates, features, labels) (coordinates [N, D+1] with the batch index in "
+        "column 0) or ME.utils.batched_coordinates, e.g. as the DataLoader's collate_fn."
+    )
+
+
+__all__ = ["check_batch_index", "check_coordinates", "count_samples", "find_sources", "looks_like_collated_coordinates"]
