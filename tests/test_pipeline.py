@@ -171,15 +171,33 @@ def test_log_recorder_binds_lightning_module_log_signature():
         rec("b", 1.0, prog_bra=True)
 
 
+class _SnapshotAtTeardown(SparseDataParallelStrategy):
+    """Notes each replica batch-norm layer's group membership when teardown begins."""
+
+    def teardown(self):
+        self.memberships = [
+            (layer.collective, layer.update_running_stats) for layers in self._replica_sync_layers for layer in layers
+        ]
+        super().teardown()
+
+
 def test_a_failed_step_leaves_no_layer_in_its_batch_norm_group():
     model = SparseNet(batch_norm=True, fail_on_replica_with=2)
-    strategy = SparseDataParallelStrategy(sync_batchnorm=True)
+    strategy = _SnapshotAtTeardown(sync_batchnorm=True)
     with pytest.raises(RuntimeError, match="boom"):
         trainer(strategy=strategy, devices=3).fit(model, loader(_batch()))
-    # the step raised before any replica reached batch norm; the group was still made and must be let go
-    assert strategy._replica_sync_layers == []  # teardown dropped the replicas
-    for m in model.modules():
-        assert not isinstance(m, SyncBatchNorm)
+    # the step raised in one replica; the group the step made must not stay attached to the layers
+    assert len(strategy.memberships) == 3  # one synchronized layer per replica
+    assert strategy.memberships == [(None, True)] * 3
+    assert not any(isinstance(m, SyncBatchNorm) for m in model.modules())  # reverted at teardown
+
+
+def test_a_successful_step_keeps_its_group_for_the_backward_pass():
+    strategy = _SnapshotAtTeardown(sync_batchnorm=True)
+    trainer(strategy=strategy, devices=3).fit(SparseNet(batch_norm=True), loader(_batch()))
+    # the replicas' backward passes were the group's second phase; the next step's group would replace it
+    assert [m is not None for m, _ in strategy.memberships] == [True] * 3
+    assert [root for _, root in strategy.memberships] == [True, False, False]  # only the root replica updates stats
 
 
 def test_a_step_before_setup_says_so():
