@@ -1,4 +1,4 @@
-"""Shared test helpers: random sparse samples, a small ME network, one-batch loaders."""
+"""Shared test helpers: random sparse samples, a small ME network, one-batch loaders, and the exactness measure."""
 
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ class SparseNet(L.LightningModule):
         self.step_losses: list[float] = []
 
     def forward(self, x):
-        out = self.net(x)  # one row per sample, sorted by batch index (ME's pooling does not sort them)
-        return out.F[out.C[:, 0].argsort()]
+        return self.net(x).F  # row b is sample b: our ME build's global pooling keeps batch order (patch 01)
 
     def loss(self, batch):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
@@ -161,3 +160,36 @@ def field_batch(num_samples: int, seed: int = 0, dtype: torch.dtype = torch.floa
     continuous[:, 1:] = (continuous[:, 1:] * 0.5).floor() + torch.rand(continuous.shape[0], 3, generator=g)
     labels = torch.randint(0, NUM_CLASSES, (coordinates.shape[0],), generator=g)
     return {"x": ME.TensorField(features.to(dtype), continuous.to(dtype)), "labels": labels}
+
+
+def same_start(cls=SparseNet, *args, seed: int | None = None, **kwargs):
+    """Two modules ``cls(*args, **kwargs)`` with the same parameters and buffers (ME modules cannot be deep-copied).
+
+    ``seed``: ``torch.manual_seed(seed)`` first, for modules whose construction draws more than parameters.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    a, b = cls(*args, **kwargs), cls(*args, **kwargs)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def relative_difference(a, b) -> float:
+    """The exactness measure: max |a - b| / max |b| per tensor (the absolute difference where b is all 0; 0 when empty)."""
+    a, b = torch.as_tensor(a).detach().double().cpu(), torch.as_tensor(b).detach().double().cpu()
+    if b.numel() == 0:
+        return 0.0
+    scale, diff = b.abs().max().item(), (a - b).abs().max().item()
+    return diff / scale if scale else diff
+
+
+def state_differences(ours, reference) -> dict[str, float]:
+    """:func:`relative_difference` of every state-dict tensor (parameters and buffers) of two modules."""
+    ref = reference.state_dict()
+    return {name: relative_difference(value, ref[name]) for name, value in ours.state_dict().items()}
+
+
+def assert_same_states(ours, reference, rel: float = 1e-10) -> None:
+    """Every state-dict tensor of ``ours`` within ``rel`` of ``reference`` (:func:`relative_difference`)."""
+    worse = {name: d for name, d in state_differences(ours, reference).items() if not d <= rel}
+    assert not worse, f"state tensors further than {rel:g} from the reference: {worse}"

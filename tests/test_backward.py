@@ -11,28 +11,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+from tests.helpers import (
+    SparseNet, assert_same_states, collate_dict, loader, random_samples, relative_difference, same_start,
+    trainer
+)
 
 F64 = dict(precision="64-true")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
-
-
-def _pair(cls=SparseNet, **kwargs):
-    a, b = cls(**kwargs), cls(**kwargs)
-    b.load_state_dict(a.state_dict())
-    return a, b
-
-
-def _assert_exact(ours, reference, bound=1e-10):
-    ref = reference.state_dict()
-    for name, value in ours.state_dict().items():
-        if value.is_floating_point():
-            assert rel(value, ref[name]) < bound, name
-        else:
-            assert torch.equal(value, ref[name]), name
 
 
 def _batches(n=3, samples=7, seed=70):
@@ -81,17 +65,17 @@ class _Hooks(SparseNet):
 
 
 def test_backward_hooks_see_the_one_device_loss_and_gradients():
-    ours, reference = _pair(_Hooks)
+    ours, reference = same_start(_Hooks)
     batches = _batches()
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=3, **F64).fit(ours, loader(*batches))
     trainer(devices=1, max_steps=3, **F64).fit(reference, loader(*batches))
     assert len(ours.before) == len(ours.after) == 3
     for got, want in zip(ours.before, reference.before):
-        assert rel(got, want) < 1e-10
+        assert relative_difference(got, want) < 1e-10
     for got, want in zip(ours.after, reference.after):
         for g, w in zip(got, want):
-            assert rel(g, w) < 1e-10
-    _assert_exact(ours, reference)
+            assert relative_difference(g, w) < 1e-10
+    assert_same_states(ours, reference)
 
 
 class _ScaledBackward(SparseNet):
@@ -102,12 +86,12 @@ class _ScaledBackward(SparseNet):
 
 
 def test_a_backward_override_runs_in_the_main_thread_and_its_changes_reach_every_replica():
-    ours, reference = _pair(_ScaledBackward, batch_norm=True)
+    ours, reference = same_start(_ScaledBackward, batch_norm=True)
     batches = _batches()
     kwargs = dict(max_steps=3, gradient_clip_val=0.5, **F64)
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **kwargs).fit(ours, loader(*batches))
     trainer(devices=1, **kwargs).fit(reference, loader(*batches))
-    _assert_exact(ours, reference)
+    assert_same_states(ours, reference)
 
 
 @pytest.mark.parametrize(
@@ -116,17 +100,17 @@ def test_a_backward_override_runs_in_the_main_thread_and_its_changes_reach_every
     ids=["accumulate", "clip-norm", "clip-value"],
 )
 def test_accumulation_and_clipping_in_float64(kwargs):
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     batches = _batches(6)
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=2, **kwargs, **F64).fit(ours, loader(*batches))
     trainer(devices=1, max_steps=2, **kwargs, **F64).fit(reference, loader(*batches))
-    _assert_exact(ours, reference)
+    assert_same_states(ours, reference)
 
 
 def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
     """16-mixed with a GradScaler: the scaled loss's gradient reaches every replica, and the unscaled step is right."""
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)]
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     batches = _batches()
     seen = []
 
@@ -202,7 +186,7 @@ class _Freeze(Callback):
 
 
 def test_replicas_persist_across_steps_and_are_rebuilt_when_layers_are_frozen():
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     frozen_start = ours.net[0].kernel.detach().clone()
     batches = _batches(4)
     record = _Freeze()
@@ -213,4 +197,4 @@ def test_replicas_persist_across_steps_and_are_rebuilt_when_layers_are_frozen():
     first, second, third, fourth = record.replicas
     assert first is not None and second is not first and third is second and fourth is second
     assert not torch.equal(ours.net[0].kernel, frozen_start.double())  # moved in step 1, then frozen
-    _assert_exact(ours, reference)
+    assert_same_states(ours, reference)

@@ -18,11 +18,7 @@ from lightning_sparse_dp.batchnorm import (
 )
 from lightning_sparse_dp.collective import ReplicaAborted, ThreadGroup
 from tests.test_collective import run_ranks
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (the project's exactness measure)."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+from tests.helpers import relative_difference
 
 
 def make_layer(cls, channels, dtype, momentum=0.1, affine=True):
@@ -102,13 +98,13 @@ def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail):
         if name == "num_batches_tracked":
             assert int(got[name]) == int(want[name]) == 1
         else:
-            assert rel(got[name], want[name]) < 1e-10, name
+            assert relative_difference(got[name], want[name]) < 1e-10, name
 
 
 def test_cumulative_average_and_no_affine():
     got, want, _ = sync_step([5, 4], channels=3, momentum=None, affine=False)
     for name in want:
-        assert rel(got[name], want[name]) < 1e-10, name
+        assert relative_difference(got[name], want[name]) < 1e-10, name
 
 
 def test_only_the_rank_that_updates_touches_its_running_statistics():
@@ -126,7 +122,7 @@ def test_lower_precision_inputs_are_computed_in_at_least_float32(dtype):
     # the reference ran in ``dtype`` too; both are rounded results of the same float64 math
     bound = 1e-5 if dtype == torch.float32 else 2e-2
     for name in ("output", "grad_input", "grad_weight", "grad_bias", "running_mean", "running_var"):
-        assert rel(got[name], want[name]) < bound, name
+        assert relative_difference(got[name], want[name]) < bound, name
 
 
 def test_float32_statistics_accumulate_in_float64_on_cpu():
@@ -142,7 +138,7 @@ def test_float32_statistics_accumulate_in_float64_on_cpu():
     parts = x.split(2000)
     outs = run_ranks(group, lambda rank, member: layers[rank](parts[rank]).detach())
     expected = F.batch_norm(x.double(), None, None, training=True).float()
-    assert rel(torch.cat(outs), expected) < 1e-6
+    assert relative_difference(torch.cat(outs), expected) < 1e-6
 
 
 def test_combine_statistics_refuses_a_single_value_per_channel():

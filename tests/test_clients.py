@@ -13,7 +13,7 @@ import torch
 
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from tests.clients import CLIENTS, fresh_loader
-from tests.helpers import trainer
+from tests.helpers import same_start, state_differences, trainer
 
 
 class _LoggedLosses(L.Callback):
@@ -22,24 +22,6 @@ class _LoggedLosses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["train_loss"].item())
-
-
-def _pair(cls):
-    torch.manual_seed(0)
-    ours, reference = cls(), cls()
-    reference.load_state_dict(ours.state_dict())
-    return ours, reference
-
-
-def _relative_differences(ours, reference) -> dict[str, float]:
-    """Per state-dict tensor: max |difference| / max |reference value| (absolute where the reference is 0)."""
-    ref = reference.state_dict()
-    out = {}
-    for name, value in ours.state_dict().items():
-        r = ref[name].double()
-        scale = r.abs().max().item() if r.numel() else 0.0
-        out[name] = (value.double() - r).abs().max().item() / (scale or 1.0) if r.numel() else 0.0
-    return out
 
 
 @pytest.mark.parametrize("name", sorted(CLIENTS))
@@ -61,7 +43,7 @@ def test_client_fits_and_validates_unchanged_on_three_replicas(name):
 def test_client_two_sync_batchnorm_steps_equal_one_device_in_float64(name):
     cls, make = CLIENTS[name]
     batches = [make(range(20, 27)), make(range(27, 32))]  # 7 and 5 samples on 3 replicas: uneven chunks
-    ours, reference = _pair(cls)
+    ours, reference = same_start(cls, seed=0)
     initial = copy.deepcopy(reference.state_dict())
     logged_ours, logged_reference = _LoggedLosses(), _LoggedLosses()
     common = dict(max_steps=2, precision="64-true")
@@ -69,7 +51,7 @@ def test_client_two_sync_batchnorm_steps_equal_one_device_in_float64(name):
         ours, fresh_loader(batches)
     )
     trainer(devices=1, callbacks=[logged_reference], **common).fit(reference, fresh_loader(batches))
-    differences = _relative_differences(ours, reference)
+    differences = state_differences(ours, reference)
     worst = max(differences, key=differences.get)
     assert differences[worst] <= 1e-10, f"{worst}: {differences[worst]:.3g}"
     assert len(logged_ours.losses) == 2

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.ddp_helpers import SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
+from tests.helpers import relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-10
@@ -83,11 +84,6 @@ def _reference(name: str) -> dict:
     return out
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)) if b.numel() else 0.0
-
-
 def _logged(history) -> dict[str, list[float]]:
     series: dict[str, list[float]] = {}
     for _, metrics in history:
@@ -101,7 +97,7 @@ def _assert_same_as_reference(ours: dict, ref: dict, resumed: bool = False) -> N
     for k, v in ours["state"].items():
         if v.is_floating_point():
             assert v.dtype == torch.float64, k
-            assert _relative(v, ref["state"][k]) <= RTOL, (k, _relative(v, ref["state"][k]))
+            assert relative_difference(v, ref["state"][k]) <= RTOL, (k, relative_difference(v, ref["state"][k]))
         else:
             assert torch.equal(v, ref["state"][k]), k
     mine, theirs = _logged(ours["history"]), _logged(ref["history"])
@@ -137,7 +133,7 @@ def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fai
     out.mkdir()
     _run([[sys.executable, "-m", "tests.ddp_script", str(out), "points", "1", "equal"]], timeout=120)
     ours = _load(out, "points", 0)
-    worst = max(_relative(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point())
+    worst = max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point())
     assert worst > 1e-4
 
 

@@ -19,29 +19,12 @@ from torch import nn
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs, resolve_auto
 from lightning_sparse_dp.split import merge_batch
-from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer
+from tests.helpers import (
+    IN_CHANNELS, NUM_CLASSES, SparseNet, assert_same_states, collate_dict, loader, random_samples,
+    relative_difference, same_start, trainer
+)
 
 IGNORE = -100  # torch's default ignore_index
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are 0)."""
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale else diff
-
-
-def _assert_same_states(ours: nn.Module, reference: nn.Module, tol: float = 1e-10) -> None:
-    ref = reference.state_dict()
-    for name, value in ours.state_dict().items():
-        assert _rel(value, ref[name]) <= tol, (name, _rel(value, ref[name]))
-
-
-def _pair(cls, *args, **kwargs):
-    a, b = cls(*args, **kwargs), cls(*args, **kwargs)
-    b.load_state_dict(a.state_dict())
-    return a, b
 
 
 def _fit(model, batch, strategy="auto", devices=1, **kwargs):
@@ -120,11 +103,11 @@ def test_float32_sparse_collate_batch_trains_like_one_device():
     c, f = ME.utils.sparse_collate(list(coords), list(feats), dtype=torch.float32)
     batch = (c, f, torch.tensor(labels))
     assert batch[0].dtype == torch.float32
-    ours, reference = _pair(FloatCoordinateNet)
+    ours, reference = same_start(FloatCoordinateNet)
     t = _fit(ours, batch, strategy="sparse_dp", devices=3)
     r = _fit(reference, batch)
-    _assert_same_states(ours, reference)
-    assert _rel(t.callback_metrics["train_loss"], r.callback_metrics["train_loss"]) <= 1e-10
+    assert_same_states(ours, reference)
+    assert relative_difference(t.callback_metrics["train_loss"], r.callback_metrics["train_loss"]) <= 1e-10
 
 
 def test_continuous_coordinates_reach_each_tensor_field_unchanged():
@@ -139,14 +122,14 @@ def test_continuous_coordinates_reach_each_tensor_field_unchanged():
             seen.append(batch["coordinates"])
             return super().loss(batch)
 
-    ours, reference = _pair(Spy)
+    ours, reference = same_start(Spy)
     _fit(ours, batch, strategy="sparse_dp", devices=3)
     assert all(c.dtype == torch.float64 for c in seen)  # precision="64-true" turns them into float64
     assert sum(c.shape[0] for c in seen) == coords.shape[0]
     assert any(not torch.equal(c[:, 1:], c[:, 1:].floor()) for c in seen)
     reference.loss = FieldNet.loss.__get__(reference)
     _fit(reference, batch)
-    _assert_same_states(ours, reference)
+    assert_same_states(ours, reference)
 
 
 # --- issue 7: loss weighting that is right by default --------------------------------------------
@@ -189,22 +172,22 @@ def _point_batch(num_samples, seed, ignore=None):
 
 def test_auto_weighting_is_the_default_and_exact_for_a_per_point_loss(caplog):
     batch = _point_batch(7, seed=5)
-    ours, reference = _pair(PointNet)
+    ours, reference = same_start(PointNet)
     with caplog.at_level(logging.INFO):
         t = _fit(ours, batch, strategy="sparse_dp", devices=3)
     assert "loss_weighting='auto' weights each replica's loss by its points" in caplog.text
     assert "batch['labels']" in caplog.text
     r = _fit(reference, batch)
-    _assert_same_states(ours, reference)
-    assert _rel(t.callback_metrics["train_loss"], r.callback_metrics["train_loss"]) <= 1e-10
+    assert_same_states(ours, reference)
+    assert relative_difference(t.callback_metrics["train_loss"], r.callback_metrics["train_loss"]) <= 1e-10
 
 
 def test_samples_weighting_of_a_per_point_loss_is_not_exact():  # the comparison above can fail
     batch = _point_batch(7, seed=5)
-    ours, reference = _pair(PointNet)
+    ours, reference = same_start(PointNet)
     _fit(ours, batch, strategy=SparseDataParallelStrategy(loss_weighting="samples"), devices=3)
     _fit(reference, batch)
-    assert max(_rel(v, reference.state_dict()[k]) for k, v in ours.state_dict().items()) > 1e-6
+    assert max(relative_difference(v, reference.state_dict()[k]) for k, v in ours.state_dict().items()) > 1e-6
 
 
 def test_auto_rule():
@@ -253,22 +236,22 @@ def _valid_labels(chunk):
 def test_callable_weighting_is_exact_with_ignored_labels(ignore):
     # contiguous split: chunks of samples 0-2, 3-4, 5-6; with [0, 1, 2] the first chunk has nothing to count
     batch = _point_batch(7, seed=8, ignore=ignore)
-    ours, reference = _pair(PointNet)
+    ours, reference = same_start(PointNet)
     strategy = SparseDataParallelStrategy(loss_weighting=_valid_labels, split="contiguous")
     t = _fit(ours, batch, strategy=strategy, devices=3)
     r = _fit(reference, batch)
     loss = t.callback_metrics["train_loss"]
     assert torch.isfinite(loss)
-    assert _rel(loss, r.callback_metrics["train_loss"]) <= 1e-10
-    _assert_same_states(ours, reference)
+    assert relative_difference(loss, r.callback_metrics["train_loss"]) <= 1e-10
+    assert_same_states(ours, reference)
 
 
 def test_points_weighting_with_ignored_labels_is_not_exact():  # the comparison above can fail
     batch = _point_batch(7, seed=8, ignore="some")
-    ours, reference = _pair(PointNet)
+    ours, reference = same_start(PointNet)
     _fit(ours, batch, strategy=SparseDataParallelStrategy(loss_weighting="points", split="contiguous"), devices=3)
     _fit(reference, batch)
-    assert max(_rel(v, reference.state_dict()[k]) for k, v in ours.state_dict().items()) > 1e-6
+    assert max(relative_difference(v, reference.state_dict()[k]) for k, v in ours.state_dict().items()) > 1e-6
 
 
 def test_a_batch_with_nothing_to_count_gives_zero_loss_not_nan():
@@ -315,11 +298,11 @@ def test_names_pair_with_their_predictions_through_the_trainer():
             return {"names": batch["names"], "logits": self(x)}
 
     batch = _named_batch(9)
-    ours, reference = _pair(Named)
+    ours, reference = same_start(Named)
     [out] = trainer(strategy="sparse_dp", devices=3, precision="64-true").predict(ours, loader(batch))
     [ref] = trainer(devices=1, precision="64-true").predict(reference, loader(batch))
     assert out["names"] == batch["names"] == ref["names"]
-    assert _rel(out["logits"], ref["logits"]) <= 1e-10
+    assert relative_difference(out["logits"], ref["logits"]) <= 1e-10
 
 
 def test_layout_names_a_list_and_an_unknown_layout_key_is_an_error():
@@ -398,14 +381,14 @@ class Logs(SparseNet):
 
 def test_logged_counts_and_the_loss_under_max_are_the_one_device_values():
     batch = collate_dict(random_samples(5, seed=12))
-    ours, reference = _pair(Logs)
+    ours, reference = same_start(Logs)
     with pytest.warns(UserWarning, match=r"self.log\('n', <integer>\).*sum over the replicas"):
         t = _fit(ours, batch, strategy="sparse_dp", devices=3)
     r = _fit(reference, batch)
     assert t.callback_metrics["n"].item() == r.callback_metrics["n"].item() == 5
     assert t.callback_metrics["points"].item() == r.callback_metrics["points"].item() == batch["coordinates"].shape[0]
     for name in ("loss_max", "train_loss"):
-        assert _rel(t.callback_metrics[name], r.callback_metrics[name]) <= 1e-10, name
+        assert relative_difference(t.callback_metrics[name], r.callback_metrics[name]) <= 1e-10, name
 
 
 def test_max_of_a_value_that_is_not_the_loss_warns():

@@ -23,7 +23,10 @@ from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.sync import ReplicaSyncBatchNorm
-from tests.helpers import NUM_CLASSES, SegNet, SparseNet, collate_dict, field_batch, loader, random_samples
+from tests.helpers import (
+    NUM_CLASSES, SegNet, SparseNet, assert_same_states, collate_dict, field_batch, loader, random_samples,
+    same_start, state_differences
+)
 from tests.helpers import trainer as _trainer
 
 #: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
@@ -32,41 +35,28 @@ trainer = partial(_trainer, precision="64-true")
 REL = 1e-10
 
 
-def _pair(cls=SparseNet, **kwargs):
-    a, b = cls(**kwargs), cls(**kwargs)
-    b.load_state_dict(a.state_dict())
-    return a, b
-
-
-def _exact_states(ours, reference, rel=REL):
-    """Every state-dict tensor within ``rel`` of the reference: max |difference| / max |reference value|."""
-    ref = reference.state_dict()
-    for name, value in ours.state_dict().items():
-        r = ref[name].double()
-        scale = r.abs().max().item() if r.numel() else 0.0
-        difference = (value.double() - r).abs().max().item() if r.numel() else 0.0
-        assert difference <= rel * (scale or 1.0), f"{name}: {difference:.3g} of {scale:.3g}"
-
-
 def _close_states(ours, reference, rtol, atol):
     ref = reference.state_dict()
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=name)
 
 
-def _max_state_difference(ours, reference) -> float:
-    ref = reference.state_dict()
-    return max((v.double() - ref[k].double()).abs().max().item() for k, v in ours.state_dict().items())
-
-
 # --- synchronized batch norm ------------------------------------------------------------------------
+
+class WithMESync(SparseNet):
+    """SparseNet with ME's own MinkowskiSyncBatchNorm (which in one process runs plain batch norm)."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.net[3] = ME.MinkowskiSyncBatchNorm(16)
+
 
 def test_sync_batchnorm_step_equals_one_device_uneven_batch():
     batch = collate_dict(random_samples(7, seed=21))
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True).fit(ours, loader(batch))
     trainer(devices=1).fit(reference, loader(batch))
-    _exact_states(ours, reference)  # parameters and running mean / var / num_batches_tracked
+    assert_same_states(ours, reference)  # parameters and running mean / var / num_batches_tracked
     bn = ours.net[3].bn
     assert type(bn) is nn.BatchNorm1d  # reverted at teardown
     assert int(bn.num_batches_tracked) == 1
@@ -74,47 +64,37 @@ def test_sync_batchnorm_step_equals_one_device_uneven_batch():
 
 def test_without_sync_batchnorm_the_step_differs():  # the comparison above can fail
     batch = collate_dict(random_samples(7, seed=21))
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     trainer(strategy="sparse_dp", devices=3).fit(ours, loader(batch))
     trainer(devices=1).fit(reference, loader(batch))
-    assert _max_state_difference(ours, reference) > 1e-4
+    assert max(state_differences(ours, reference).values()) > 1e-4
 
 
 def test_strategy_option_and_me_sync_batchnorm_layers():
-    class WithMESync(SparseNet):
-        def __init__(self):
-            super().__init__(batch_norm=True)
-            self.net[3] = ME.MinkowskiSyncBatchNorm(16)
-
     batch = collate_dict(random_samples(7, seed=22))
-    ours, reference = _pair(WithMESync)
+    ours, reference = same_start(WithMESync)
     trainer(strategy=SparseDataParallelStrategy(sync_batchnorm=True), devices=3).fit(ours, loader(batch))
     trainer(devices=1).fit(reference, loader(batch))
-    _exact_states(ours, reference)
+    assert_same_states(ours, reference)
     assert type(ours.net[3].bn) is nn.SyncBatchNorm
 
 
 def test_me_sync_batchnorm_without_the_flag_warns():
-    class WithMESync(SparseNet):
-        def __init__(self):
-            super().__init__(batch_norm=True)
-            self.net[3] = ME.MinkowskiSyncBatchNorm(16)
-
     with pytest.warns(UserWarning, match="sync_batchnorm is off"):
         trainer(strategy="sparse_dp", devices=3).fit(WithMESync(), loader(collate_dict(random_samples(5))))
 
 
 def test_sync_batchnorm_with_fewer_samples_than_devices():
     batch = collate_dict(random_samples(2, seed=23))
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True).fit(ours, loader(batch))
     trainer(devices=1).fit(reference, loader(batch))
-    _exact_states(ours, reference)
+    assert_same_states(ours, reference)
 
 
 def test_eval_uses_running_statistics_without_sync():
     batches = [collate_dict(random_samples(7, seed=24)), collate_dict(random_samples(4, seed=25))]
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     with torch.no_grad():  # non-trivial running statistics
         ours.net[3].bn.running_mean.uniform_(-1, 1)
         ours.net[3].bn.running_var.uniform_(0.5, 2)
@@ -124,7 +104,7 @@ def test_eval_uses_running_statistics_without_sync():
     r = trainer(devices=1, limit_val_batches=1.0)
     r.validate(reference, loader(*batches), verbose=False)
     assert t.callback_metrics["val_loss"].item() == pytest.approx(r.callback_metrics["val_loss"].item(), rel=REL)
-    _exact_states(ours, reference, rel=0.0)  # running statistics untouched
+    assert_same_states(ours, reference, rel=0.0)  # running statistics untouched
 
 
 class _TwoNorms(SparseNet):
@@ -170,22 +150,22 @@ def test_replicas_never_wait_forever_in_batch_norm(mode, error, message):
 
 def test_points_weighting_is_exact_for_per_point_losses_with_sync_batchnorm():
     batch = field_batch(7, seed=26, dtype=torch.float64)
-    ours, reference = _pair(SegNet)
+    ours, reference = same_start(SegNet)
     strategy = SparseDataParallelStrategy(loss_weighting="points", sync_batchnorm=True)
     t = trainer(strategy=strategy, devices=3)
     t.fit(ours, loader(batch))
     trainer(devices=1).fit(reference, loader(batch))
-    _exact_states(ours, reference)
+    assert_same_states(ours, reference)
 
 
 def test_samples_weighting_is_not_exact_for_per_point_losses():  # the comparison above can fail
     batch = field_batch(7, seed=26, dtype=torch.float64)
-    ours, reference = _pair(SegNet)
+    ours, reference = same_start(SegNet)
     trainer(strategy=SparseDataParallelStrategy(loss_weighting="samples", sync_batchnorm=True), devices=3).fit(
         ours, loader(batch)
     )
     trainer(devices=1).fit(reference, loader(batch))
-    assert _max_state_difference(ours, reference) > 1e-5
+    assert max(state_differences(ours, reference).values()) > 1e-5
 
 
 # --- torchmetrics ----------------------------------------------------------------------------------
@@ -217,7 +197,7 @@ class _WithMetrics(SparseNet):
 
 def test_metric_state_after_a_step_equals_one_update_with_the_whole_batch():
     batch = collate_dict(random_samples(7, seed=27))
-    ours, reference = _pair(_WithMetrics)
+    ours, reference = same_start(_WithMetrics)
     t = trainer(strategy="sparse_dp", devices=3, logger=False)
     with torch.no_grad():
         whole = reference(ME.SparseTensor(batch["features"], batch["coordinates"]))
@@ -231,7 +211,7 @@ def test_metric_state_after_a_step_equals_one_update_with_the_whole_batch():
 
 def test_epoch_level_metric_compute_equals_single_device():
     batches = [collate_dict(random_samples(7, seed=28)), collate_dict(random_samples(5, seed=29))]
-    ours, reference = _pair(_WithMetrics)
+    ours, reference = same_start(_WithMetrics)
     t = trainer(strategy="sparse_dp", devices=3, limit_val_batches=1.0)
     t.validate(ours, loader(*batches), verbose=False)
     r = trainer(devices=1, limit_val_batches=1.0)
@@ -254,7 +234,7 @@ def _reversed_split(batch, num_chunks):
 
 def test_predict_returns_per_point_outputs_in_the_original_order():
     batches = [field_batch(7, seed=30, dtype=torch.float64), field_batch(4, seed=31, dtype=torch.float64)]
-    ours, reference = _pair(SegNet)
+    ours, reference = same_start(SegNet)
     ours.eval(), reference.eval()
     got = trainer(strategy=SparseDataParallelStrategy(split_fn=_reversed_split), devices=3).predict(ours, loader(*batches))
     want = trainer(devices=1).predict(reference, loader(*batches))
@@ -270,7 +250,7 @@ def test_predict_returns_per_sample_outputs_in_the_original_order():
             return {"logits": self(x), "labels": batch["labels"]}
 
     batch = collate_dict(random_samples(7, seed=32))
-    ours, reference = _pair(Classify)
+    ours, reference = same_start(Classify)
     got = trainer(strategy=SparseDataParallelStrategy(split_fn=_reversed_split), devices=3).predict(ours, loader(batch))
     want = trainer(devices=1).predict(reference, loader(batch))
     assert torch.equal(got[0]["labels"], batch["labels"])
@@ -290,11 +270,12 @@ def test_bf16_autocast_reaches_the_replicas():
             return super().training_step(batch, batch_idx)
 
     batch = collate_dict(random_samples(7, seed=33))
-    ours, reference = _pair(Probe)
+    ours, reference = same_start(Probe)
     trainer(strategy="sparse_dp", devices=3, precision="bf16-mixed").fit(ours, loader(batch))
     assert seen == [(True, torch.bfloat16, torch.bfloat16)] * 3
     seen.clear()
     trainer(devices=1, precision="bf16-mixed").fit(reference, loader(batch))
+    assert seen == [(True, torch.bfloat16, torch.bfloat16)]  # and the reference ran under the same autocast
     _close_states(ours, reference, rtol=2e-2, atol=2e-3)  # bf16 rounding differs between chunk and whole batch
 
 
@@ -309,10 +290,10 @@ def test_bf16_autocast_reaches_the_replicas():
 )
 def test_clipping_and_accumulation_equal_one_device(kwargs):
     batches = [collate_dict(random_samples(7, seed=34 + i)) for i in range(4)]
-    ours, reference = _pair(batch_norm=True)
+    ours, reference = same_start(batch_norm=True)
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **kwargs).fit(ours, loader(*batches))
     trainer(devices=1, **kwargs).fit(reference, loader(*batches))
-    _exact_states(ours, reference)
+    assert_same_states(ours, reference)
 
 
 _REPEATABLE_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -374,7 +355,7 @@ def _fit_epochs(model, strategy, devices, epochs, tmp_path, callbacks=(), ckpt_p
 
 
 def test_schedulers_several_val_loaders_checkpointing_and_early_stopping(tmp_path):
-    ours, reference = _pair(_Scheduled, batch_norm=True)
+    ours, reference = same_start(_Scheduled, batch_norm=True)
     best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss/dataloader_idx_0", mode="min")
     stop = EarlyStopping(monitor="val_loss/dataloader_idx_1", patience=0, mode="min", check_finite=True)
     t = _fit_epochs(ours, "sparse_dp", 3, 4, tmp_path / "a", [best, stop], sync_batchnorm=True, enable_checkpointing=True)
@@ -386,7 +367,7 @@ def test_schedulers_several_val_loaders_checkpointing_and_early_stopping(tmp_pat
     for key in ("val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"):
         assert t.callback_metrics[key].item() == pytest.approx(r.callback_metrics[key].item(), rel=REL)
     assert best.best_model_score.item() == pytest.approx(r_best.best_model_score.item(), rel=REL)
-    _exact_states(ours, reference)
+    assert_same_states(ours, reference)
     saved = torch.load(best.best_model_path, weights_only=False)["state_dict"]
     assert set(saved) == set(reference.state_dict())  # the user's layer types and keys
 
@@ -396,9 +377,10 @@ def test_resuming_continues_exactly_as_an_uninterrupted_run(tmp_path):
         """
         import torch, lightning_sparse_dp
         from pathlib import Path
-        from tests.test_exactness import _Scheduled, _fit_epochs, _pair
+        from tests.helpers import same_start
+        from tests.test_exactness import _Scheduled, _fit_epochs
         tmp = Path(".")
-        straight, first_half = _pair(_Scheduled, batch_norm=True)
+        straight, first_half = same_start(_Scheduled, batch_norm=True)
         straight, first_half = straight.double(), first_half.double()
         _fit_epochs(straight, "sparse_dp", 3, 4, tmp / "straight", sync_batchnorm=True)
         t = _fit_epochs(first_half, "sparse_dp", 3, 2, tmp / "half", sync_batchnorm=True)

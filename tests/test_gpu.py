@@ -21,7 +21,10 @@ import pytest
 import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer
+from tests.helpers import (
+    SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, same_start, state_differences,
+    trainer
+)
 
 ON_CPU = os.environ.get("LSDP_GPU_TESTS_ON_CPU") == "1"
 ACCELERATOR = "cpu" if ON_CPU else "gpu"
@@ -34,24 +37,6 @@ pytestmark = pytest.mark.skipif(
     "LSDP_GPU_TESTS_ON_CPU=1 runs these tests on CPU replicas",
 )
 DEVICE_COUNTS = list(range(1, max(NUM_DEVICES, 1) + 1))
-
-
-def _pair(cls, **kwargs):
-    a, b = cls(**kwargs), cls(**kwargs)
-    b.load_state_dict(a.state_dict())
-    return a, b
-
-
-def _max_relative_difference(ours, reference) -> float:
-    """max over tensors of max|a - b| / max|b| (|b| = 0: the absolute difference)."""
-    ref = reference.state_dict()
-    worst = 0.0
-    for name, value in ours.state_dict().items():
-        a, b = value.detach().double().cpu(), ref[name].detach().double().cpu()
-        scale = b.abs().max().item() if b.numel() else 0.0
-        diff = (a - b).abs().max().item() if b.numel() else 0.0
-        worst = max(worst, diff / scale if scale > 0 else diff)
-    return worst
 
 
 def _double_field(batch):
@@ -75,7 +60,7 @@ def _compare(name, ours, reference, batches, devices, steps=2, **strategy_kwargs
     trainer(devices=1, **kwargs).fit(reference, loader(*batches))
     moved = [k for k, v in ours.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v.cpu(), start[k])]
     assert moved, "the steps changed nothing: the comparison would prove nothing"
-    diff = _max_relative_difference(ours, reference)
+    diff = max(state_differences(ours, reference).values())
     _report(name, devices, diff)
     assert diff <= TOLERANCE, f"{name} on {devices} device(s): max relative difference {diff:.3e}"
 
@@ -83,21 +68,21 @@ def _compare(name, ours, reference, batches, devices, steps=2, **strategy_kwargs
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
 def test_classification_steps_equal_one_device(devices):
     batches = [collate_dict(random_samples(7, seed=s)) for s in (1, 2)]  # uneven chunks
-    ours, reference = _pair(SparseNet)
+    ours, reference = same_start(SparseNet)
     _compare("classification", ours, reference, batches, devices)
 
 
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
 def test_sync_batchnorm_steps_equal_one_device(devices):
     batches = [collate_dict(random_samples(7, seed=s)) for s in (3, 4)]
-    ours, reference = _pair(SparseNet, batch_norm=True)
+    ours, reference = same_start(SparseNet, batch_norm=True)
     _compare("sync_batchnorm", ours, reference, batches, devices, sync_batchnorm=True)
 
 
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)
 def test_segmentation_per_point_loss_equals_one_device(devices):
     batches = [_double_field(field_batch(5, seed=s)) for s in (5, 6)]
-    ours, reference = _pair(SegNet)
+    ours, reference = same_start(SegNet)
     _compare("segmentation", ours, reference, batches, devices, sync_batchnorm=True, loss_weighting="points")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import lightning as L
 import pytest
@@ -13,21 +14,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_sparse_dp
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.strategy import check_devices
-from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, same_start, trainer
 
 
 def _fit_one_step(model, batch, **trainer_kwargs):
     t = trainer(**trainer_kwargs)
     t.fit(model, loader(batch))
     return t
-
-
-def _same_start(cls=None, **kwargs):
-    """Two networks with the same parameters (ME modules cannot be deep-copied)."""
-    cls = cls or SparseNet
-    a, b = cls(**kwargs), cls(**kwargs)
-    b.load_state_dict(a.state_dict())
-    return a, b
 
 
 def _assert_same_step(ours, reference, batch, devices=3, **strategy_kwargs):
@@ -53,12 +46,12 @@ def test_strategy_is_registered():
 
 def test_one_step_on_three_replicas_equals_one_step_on_one_device_uneven_batch():
     batch = collate_dict(random_samples(7, seed=1))  # chunks of 3, 2 and 2 samples
-    _assert_same_step(*_same_start(), batch)
+    _assert_same_step(*same_start(), batch)
 
 
 def test_replicas_really_run_on_several_threads_and_parameters_change():
     batch = collate_dict(random_samples(7, seed=2))
-    model, untouched = _same_start()
+    model, untouched = same_start()
     seen = []
 
     class Spy(SparseNet):
@@ -76,7 +69,7 @@ def test_replicas_really_run_on_several_threads_and_parameters_change():
 
 def test_logged_loss_equals_whole_batch_loss(tmp_path):
     batch = collate_dict(random_samples(7, seed=3))
-    model, reference = _same_start()
+    model, reference = same_start()
     expected = reference.loss(batch).item()
     t = _fit_one_step(model, batch, strategy="sparse_dp", devices=3, logger=CSVLogger(tmp_path), log_every_n_steps=1)
     assert t.callback_metrics["train_loss"].item() == pytest.approx(expected, rel=1e-5)
@@ -87,7 +80,7 @@ def test_logged_loss_equals_whole_batch_loss(tmp_path):
 
 def test_validation_loss_is_the_whole_batch_mean_over_an_epoch():
     batches = [collate_dict(random_samples(7, seed=4)), collate_dict(random_samples(5, seed=5))]
-    model, reference = _same_start()
+    model, reference = same_start()
     t = trainer(strategy="sparse_dp", devices=3, limit_val_batches=1.0)
     t.validate(model, loader(*batches), verbose=False)
     with torch.no_grad():
@@ -117,12 +110,12 @@ def test_exception_in_one_replica_surfaces_without_hang():
 
 
 def test_fewer_samples_than_devices():
-    _assert_same_step(*_same_start(), collate_dict(random_samples(2, seed=7)))
+    _assert_same_step(*same_start(), collate_dict(random_samples(2, seed=7)))
 
 
 def test_loss_weighting_equal_differs_from_samples_on_uneven_batches():
     batch = collate_dict(random_samples(7, seed=8))
-    equal, samples = _same_start()
+    equal, samples = same_start()
     _fit_one_step(equal, batch, strategy=SparseDataParallelStrategy(loss_weighting="equal"), devices=3)
     _fit_one_step(samples, batch, strategy=SparseDataParallelStrategy(loss_weighting="samples"), devices=3)
     assert any(not torch.allclose(p, q) for p, q in zip(equal.parameters(), samples.parameters()))
@@ -191,7 +184,7 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
             built.append(batch["x"])
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
-    _assert_same_step(*_same_start(FromSparse), batch, devices=2, split="contiguous")
+    _assert_same_step(*same_start(FromSparse), batch, devices=2, split="contiguous")
     assert [x.C[:, 0].max().item() for x in built[:2]] == [2, 1]  # two replicas, batch indices renumbered
     assert len({id(x.coordinate_manager) for x in built[:2]}) == 2
 
@@ -211,7 +204,7 @@ def test_dense_batches_split_like_data_parallel():
 
     torch.manual_seed(0)
     batch = (torch.randn(7, 3), torch.randint(0, 2, (7,)))
-    _assert_same_step(*_same_start(Dense), batch)
+    _assert_same_step(*same_start(Dense), batch)
 
 
 def test_tensor_field_batches_quantize_on_each_replica():
@@ -226,7 +219,7 @@ def test_tensor_field_batches_quantize_on_each_replica():
         def loss(self, batch):
             return torch.nn.functional.cross_entropy(self(batch["x"].sparse()), batch["labels"])
 
-    _assert_same_step(*_same_start(FromField), batch)
+    _assert_same_step(*same_start(FromField), batch)
 
 
 def test_values_show_in_tensorboard_and_the_progress_bar(tmp_path):
@@ -240,7 +233,7 @@ def test_values_show_in_tensorboard_and_the_progress_bar(tmp_path):
             return loss
 
     batch = collate_dict(random_samples(7, seed=12))
-    model, reference = _same_start(WithBar)
+    model, reference = same_start(WithBar)
     expected = reference.loss(batch).item()
     t = _fit_one_step(
         model, batch, strategy="sparse_dp", devices=3, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1
@@ -274,7 +267,7 @@ def _sample_loader(samples, **kwargs):
 
 def test_presplit_in_worker_processes_equals_one_device():
     samples = random_samples(14, seed=13)
-    ours, reference = _same_start()
+    ours, reference = same_start()
     strategy = SparseDataParallelStrategy(record_stage_times=True)
     t = trainer(strategy=strategy, devices=3, max_steps=2)
     train = _sample_loader(samples, num_workers=2)
@@ -286,7 +279,29 @@ def test_presplit_in_worker_processes_equals_one_device():
     steps = list(strategy.stage_times.steps)
     assert len(steps) == 2
     assert {"split", "place", "replicate", "apply", "replica0", "replica2", "gather", "log", "backward"} <= set(steps[0])
-    assert steps[0]["apply"] >= max(steps[0][f"replica{i}"] for i in range(3)) * 0.5
+
+
+DELAY = 1.0  # seconds; far above what any stage of this tiny step takes, even on a loaded machine
+
+
+class _SlowReplica(SparseNet):
+    """Replica 1's training step waits ``DELAY`` seconds; the others do not."""
+
+    def training_step(self, batch, batch_idx):
+        if threading.current_thread().name.startswith("sparse_dp-replica1"):
+            time.sleep(DELAY)
+        return super().training_step(batch, batch_idx)
+
+
+def test_stage_times_measure_what_they_name():
+    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    trainer(strategy=strategy, devices=3).fit(_SlowReplica(), loader(collate_dict(random_samples(7, seed=14))))
+    (step,) = strategy.stage_times.steps
+    assert step["replica1"] >= DELAY  # replica 1's own timer holds its wait
+    assert step["apply"] >= DELAY  # the apply stage waits for every replica
+    assert step["replica0"] < DELAY and step["replica2"] < DELAY  # the others run beside it, not after it
+    for stage in ("split", "place", "replicate", "gather", "log", "backward", "backward0", "backward1", "reduce"):
+        assert step[stage] < DELAY, stage
 
 
 def test_presplit_batch_with_more_chunks_than_devices_is_refused():
