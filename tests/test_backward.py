@@ -69,7 +69,7 @@ def test_backward_hooks_see_the_one_device_loss_and_gradients():
     batches = _batches()
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=3, **F64).fit(ours, loader(*batches))
     trainer(devices=1, max_steps=3, **F64).fit(reference, loader(*batches))
-    assert len(ours.before) == len(ours.after) == 3
+    assert len(ours.before) == len(ours.after) == len(reference.before) == len(reference.after) == 3
     for got, want in zip(ours.before, reference.before):
         assert relative_difference(got, want) < 1e-10
     for got, want in zip(ours.after, reference.after):
@@ -124,6 +124,7 @@ def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         ).fit(model, loader(*batches))
     assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert len(seen) == 6  # three steps each
     ours_seen, ref_seen = seen[:3], seen[3:]
     for a, b in zip(ours_seen, ref_seen):
         assert a == pytest.approx(b, rel=1e-3) and a > 10  # scaled gradients (the unscaled ones are < 1)

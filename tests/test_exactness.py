@@ -238,6 +238,7 @@ def test_predict_returns_per_point_outputs_in_the_original_order():
     ours.eval(), reference.eval()
     got = trainer(strategy=SparseDataParallelStrategy(split_fn=_reversed_split), devices=3).predict(ours, loader(*batches))
     want = trainer(devices=1).predict(reference, loader(*batches))
+    assert len(got) == len(want) == 2
     for g, w in zip(got, want):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
