@@ -279,8 +279,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         inputs, plan = self.scatter(args[0])
         devices = self.parallel_devices[: len(inputs)]
         replicas = self.replicate(module, devices)
-        with self._replica_state(module, replicas, devices) as (recorders, group):
+        with ExitStack() as state:
+            with self._timer.stage("state"):  # the replicas' per-step state, installed ...
+                recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan)
+            with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
+                state.close()
         losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
         if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():

@@ -1,6 +1,8 @@
 """Timing: wall-clock seconds of each stage of each step, for benchmarks, tuning and Lightning's profilers.
 
-Stages: ``split``, ``place``, ``replicate``, ``apply`` (all replicas' steps, wall clock),
+Stages: ``split``, ``place``, ``replicate``, ``state`` (installing and undoing the replicas'
+per-step state: metric copies and their merge into the root's, log recorders, the batch-norm group),
+``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (metric merging and
 logging), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
 ``backward<i>`` (replica ``i``'s backward pass, inside its thread) and ``reduce`` (the replicas'

@@ -19,7 +19,7 @@ from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.log import LogRecorder
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
-STAGES = ("split", "place", "replicate", "apply", "gather", "log", "backward")
+STAGES = ("split", "place", "replicate", "apply", "gather", "log", "backward")  # once per step each
 
 
 def _batch(n=7, seed=3):
@@ -31,7 +31,8 @@ def test_stages_are_lightning_profiler_actions():
     t.fit(SparseNet(), loader(_batch(), _batch(seed=4)))
     durations = t.profiler.recorded_durations
     for stage in STAGES:
-        assert len(durations[f"[sparse_dp]{stage}"]) == 2, stage  # once per step, each step
+        assert len(durations[f"[sparse_dp]{stage}"]) == 2, stage
+    assert len(durations["[sparse_dp]state"]) == 4  # installed and undone, each step
     step = durations["[Strategy]SparseDataParallelStrategy.training_step"]
     apply = durations["[sparse_dp]apply"]
     assert all(a <= s for a, s in zip(apply, step))  # the stage runs inside Lightning's own training_step action
