@@ -1,8 +1,11 @@
 """The ``sparse_dp`` strategy: single-process data parallelism for MinkowskiEngine networks.
 
-A thin orchestrator over the stages of one step (see the package docstring):
-split (:mod:`.split`) -> place (:mod:`.place`) -> replicate (:mod:`.replicate`) ->
-apply (:mod:`.apply`) -> gather (:mod:`.gather`) -> log (:mod:`.log`).
+A thin orchestrator over the stages of one step (``docs/architecture.md`` draws them), each an
+overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParallelStrategy.scatter`
+(split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
+(:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
+:meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
+(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`) -> log (:mod:`.log`).
 Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
 the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
 state dict.
