@@ -21,6 +21,7 @@ cluster environments, process groups and gradient all-reduce are used as they ar
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,6 +66,19 @@ def local_count(
     if infos is not None:
         say_auto_choice(plan, loss_weighting, infos, strategy="sparse_ddp")
     return count
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group, if one is still up, while the interpreter is alive.
+
+    A process that exits with a gloo process group alive can abort during interpreter shutdown
+    ("terminate called without an active exception", exit code -6: gloo's worker threads are
+    destroyed unjoined; pytorch/pytorch issue #190489). Lightning's ``DDPStrategy`` leaves the group
+    up after ``fit`` (a later ``validate`` / ``test`` reuses it), so :class:`SparseDDPStrategy` registers
+    this with ``atexit`` when it sets the group up.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -127,6 +141,12 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._infos = WarningCache()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        atexit.unregister(destroy_process_group_at_exit)  # registered once per process, however many runs
+        atexit.register(destroy_process_group_at_exit)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -273,4 +293,4 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SparseDDPStrategy", "local_count", "replace_batch_sampler"]
+__all__ = ["SparseDDPStrategy", "destroy_process_group_at_exit", "local_count", "replace_batch_sampler"]

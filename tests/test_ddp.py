@@ -230,3 +230,21 @@ def test_local_count_reads_the_batch_as_sparse_dp_chunks_do():
     assert local_count(batch, ignored) == float((batch["point_labels"] != 0).sum())
     with pytest.raises(ValueError, match="loss_weighting"):
         local_count(batch, "voxels")
+
+
+def test_the_process_group_is_destroyed_at_exit(monkeypatch):
+    """sparse_ddp registers destroy_process_group_at_exit (gloo can abort at interpreter shutdown otherwise)."""
+    import atexit
+
+    from lightning_sparse_dp import ddp
+
+    calls = []
+    monkeypatch.setattr(ddp.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ddp.dist, "destroy_process_group", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(ddp.DDPStrategy, "setup_distributed", lambda self: None)
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    ddp.SparseDDPStrategy().setup_distributed()
+    assert registered == [ddp.destroy_process_group_at_exit]
+    registered[0]()
+    assert calls == ["destroyed"]
