@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from typing_extensions import override
 
 from lightning_sparse_dp.gather import check_loss_weighting
 from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
@@ -55,6 +56,7 @@ class SparseStrategyMixin:
         self.__dict__["_layer_sync_plugin"] = plugin
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # not the Lightning base class's: DDPStrategy's would register the "ddp" names again, for this class
         if cls.strategy_name not in strategy_registry:
