@@ -367,11 +367,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         Yields:
             ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
         """
-        sync = self._replica_sync_layers[: len(replicas)] if replicas[0] is not module else []
         with ExitStack() as stack:
             stack.enter_context(self._replica_metrics.installed(module, replicas, list(devices)))
             recorders = stack.enter_context(recording(replicas))
-            group = stack.enter_context(synchronized(sync))
+            group = stack.enter_context(synchronized(self._replica_sync_layers[: len(replicas)]))  # None for one
             yield recorders, group
 
     def parallel_apply(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import MinkowskiEngine as ME
 import pytest
 import torch
 import torchmetrics
@@ -130,16 +131,10 @@ class _WithMetric(SparseNet):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        x = ME_sparse(batch, self.device)
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
         self.acc(self(x).argmax(1), batch["labels"])
         self.log("acc", self.acc, True)  # prog_bar given positionally, as LightningModule.log allows
         return loss
-
-
-def ME_sparse(batch, device):
-    import MinkowskiEngine as ME
-
-    return ME.SparseTensor(batch["features"], batch["coordinates"], device=device)
 
 
 def test_per_step_replica_state_is_undone_after_the_step():

@@ -14,8 +14,12 @@ from lightning_sparse_dp.split.leaves import leaf_predicate
 from lightning_sparse_dp.split.records import SparseSpec, SplitPlan
 
 
-def _check_lengths(lengths: Sequence[int], order: Sequence[Tensor]) -> Tensor:
-    """The inverse permutation of the concatenated ``order``, after checking each piece's length."""
+def _inverse_order(lengths: Sequence[int], order: Sequence[Tensor]) -> Tensor:
+    """The inverse permutation of the concatenated ``order``, after checking each piece's length against it.
+
+    Raises:
+        ValueError: a piece's length differs from its order's.
+    """
     for j, (n, o) in enumerate(zip(lengths, order, strict=True)):
         if n != o.numel():
             raise ValueError(f"chunk {j} has {n} rows but its plan has {o.numel()}.")
@@ -39,7 +43,7 @@ def merge_chunks(pieces: Sequence[Tensor], order: Sequence[Tensor], dim: int = 0
     Raises:
         ValueError: a piece's length differs from its order's.
     """
-    inverse = _check_lengths([p.shape[dim] for p in pieces], order)
+    inverse = _inverse_order([p.shape[dim] for p in pieces], order)
     merged = torch.cat(list(pieces), dim=dim)
     return merged.index_select(dim, inverse.to(merged.device))
 
@@ -52,7 +56,7 @@ def merge_rows(pieces: Sequence[Any], order: Sequence[Tensor]) -> Any:
     """
     if isinstance(pieces[0], Tensor):
         return merge_chunks(pieces, order)
-    inverse = _check_lengths([len(p) for p in pieces], order)
+    inverse = _inverse_order([len(p) for p in pieces], order)
     if isinstance(pieces[0], np.ndarray):
         return np.concatenate(list(pieces))[inverse.numpy()]
     rows = [x for p in pieces for x in p]
