@@ -1,12 +1,10 @@
 """Gather: per-replica step outputs to the root device, as one output.
 
-A step's loss must be the loss of the whole batch. Replica ``i`` returns the mean loss over its
-chunk; with weights ``w_i = n_i / sum_j n_j`` (``n_i`` what the loss of chunk ``i`` is a mean over:
-its samples, its points, or what a callable counts, e.g. its points whose label is not
-``ignore_index``) the gathered loss ``sum_i w_i * loss_i`` is exactly the mean over the whole batch,
-uneven chunks included (PL 1.x "dp" averaged chunks equally: Lightning issue #681). A chunk with
-nothing to count (``n_i = 0``, e.g. every label ignored) has weight 0: its loss, often NaN (a mean
-over nothing), is replaced by 0 and adds nothing, so it never turns the gathered loss into NaN.
+A 0-dim output (a loss, a metric) is gathered as ``sum_i w_i * x_i`` with the replicas' weights
+(:mod:`lightning_sparse_dp.weighting`: ``w_i = n_i / sum_j n_j``, ``n_i`` what chunk ``i``'s value
+is a mean over); a weight-0 chunk adds an exact 0, so its NaN (a mean over nothing) never spreads.
+The step's loss under ``loss_weighting="terms"`` is made exact term by term afterwards
+(:mod:`lightning_sparse_dp.term_weights`).
 
 Other outputs are combined leaf by leaf (:func:`gather_outputs`), by the role ``output_layout``
 gives them or, failing that, by their lengths.
@@ -14,157 +12,30 @@ gives them or, failing that, by their lengths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from lightning.pytorch.utilities.rank_zero import WarningCache
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_sparse_dp.split import SparseSpec, SplitPlan, leaf_predicate, merge_chunks, merge_rows
+from lightning_sparse_dp.split import SplitPlan, leaf_predicate, merge_chunks, merge_rows
+from lightning_sparse_dp.weighting import (  # noqa: F401  (loss weighting lived here; its names stay importable)
+    LOSS_WEIGHTINGS,
+    check_loss_weighting,
+    chunk_counts,
+    chunk_weights,
+    resolve_auto,
+    say_auto_choice,
+    step_weights,
+)
 
-LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "points", "equal")
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`).
 OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list")
 
 _warnings = WarningCache()
-
-
-def check_loss_weighting(loss_weighting: Any) -> None:
-    """Raise ``ValueError`` unless ``loss_weighting`` is one of :data:`LOSS_WEIGHTINGS` or a callable."""
-    if not callable(loss_weighting) and loss_weighting not in LOSS_WEIGHTINGS:
-        raise ValueError(
-            f"loss_weighting={loss_weighting!r}; use one of {LOSS_WEIGHTINGS} or a callable chunk -> number."
-        )
-
-
-def resolve_auto(plan: SplitPlan) -> tuple[str, str]:
-    """What ``loss_weighting="auto"`` means for the batch of ``plan``: ``(weighting, reason)``.
-
-    The rule: ``"samples"`` when the batch has a per-sample tensor (a scene label ``[B]``: a loss
-    averaged over samples); else ``"points"`` when it has a per-point target (an integer tensor
-    ``[N]``, or a floating-point one besides the features: a loss averaged over points, as in ME's
-    segmentation examples); else ``"samples"``. Per-sample lists of names or paths do not count.
-    The names come from :attr:`SplitPlan.sample_tensors` / :attr:`SplitPlan.point_targets`.
-    The rule reads the batch, not the loss: a per-sample loss on a batch with per-point labels it
-    does not use needs ``"samples"`` given explicitly.
-    """
-    if plan.sample_tensors:
-        return "samples", f"the batch has per-sample tensor(s) {', '.join(plan.sample_tensors)}"
-    if plan.point_targets:
-        return "points", f"the batch has per-point target(s) {', '.join(plan.point_targets)} and no per-sample tensor"
-    return "samples", "the batch has neither per-sample tensors nor per-point targets"
-
-
-def _unbuilt(chunk: Any) -> Any:
-    """A split chunk as the step would see it: a whole-batch SparseSpec becomes its source tensor."""
-    return apply_to_collection(chunk, SparseSpec, lambda s: s.source if s.source is not None else s)
-
-
-def _callable_count(fn: Callable[[Any], Any], chunk: Any, j: int) -> float:
-    value = fn(_unbuilt(chunk))
-    try:
-        count = float(value.item() if isinstance(value, Tensor) else value)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(
-            f"loss_weighting callable returned {value!r} for chunk {j}; it must return a number (or a one-element "
-            "tensor): what the chunk's loss is a mean over, e.g. (chunk['labels'] != ignore_index).sum()."
-        ) from err
-    if not np.isfinite(count) or count < 0:
-        raise ValueError(
-            f"loss_weighting callable returned {count} for chunk {j}; a count must be finite and >= 0."
-        )
-    return count
-
-
-def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any]) -> list[float]:
-    """The un-normalized count ``n_i`` of every chunk; the loss weights are ``n_i / sum_j n_j``.
-
-    Args:
-        plan: the split of this step (``plan.num_chunks == len(chunks)``).
-        chunks: the chunks, as the replicas' steps get them (placed), or as :func:`split_batch`
-            returns them (a whole-batch ``SparseSpec`` is then handed to a callable as its source
-            tensor). Only a callable looks at them.
-        loss_weighting: ``"samples"`` (samples per chunk), ``"points"`` (points of the first
-            coordinate source), ``"equal"`` (1 each), ``"auto"`` (one of these by the rule of
-            :func:`resolve_auto`), or a callable ``fn(chunk) -> number`` (a Python number or a
-            one-element tensor), e.g. ``lambda c: (c["labels"] != 255).sum()`` for a
-            cross-entropy with ``ignore_index=255``.
-
-    Returns:
-        ``[num_chunks]`` floats ``>= 0``.
-
-    Raises:
-        ValueError: an unknown ``loss_weighting``; a callable that returns a negative or non-finite count.
-        TypeError: a callable that returns something other than a number.
-    """
-    check_loss_weighting(loss_weighting)
-    if callable(loss_weighting):
-        if len(chunks) != plan.num_chunks:
-            raise ValueError(f"{len(chunks)} chunks for a plan of {plan.num_chunks}.")
-        return [_callable_count(loss_weighting, c, j) for j, c in enumerate(chunks)]
-    if loss_weighting == "auto":
-        loss_weighting = resolve_auto(plan)[0]
-    if loss_weighting == "samples":
-        return [float(n) for n in plan.samples_per_chunk]
-    if loss_weighting == "points":
-        return [float(n) for n in plan.points_per_chunk]
-    return [1.0] * plan.num_chunks
-
-
-def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], chunks: Sequence[Any] | None = None) -> list[float]:
-    """Weights ``w_i = n_i / sum_j n_j`` of the chunks of ``plan`` (``n_i`` from :func:`chunk_counts`).
-
-    ``"auto"`` is ``"samples"`` when the batch has a per-sample tensor, else ``"points"`` when it has
-    a per-point target, else ``"samples"`` (:func:`resolve_auto`). When every count is 0 (nothing in
-    the batch to count) every weight is 0.
-
-    Args:
-        plan, loss_weighting: as for :func:`chunk_counts`.
-        chunks: needed for a callable ``loss_weighting``.
-
-    Raises:
-        ValueError: as :func:`chunk_counts`, or a callable ``loss_weighting`` without ``chunks``.
-    """
-    if callable(loss_weighting) and chunks is None:
-        raise ValueError("a callable loss_weighting needs the chunks: chunk_weights(plan, fn, chunks).")
-    counts = chunk_counts(plan, chunks if chunks is not None else [None] * plan.num_chunks, loss_weighting)
-    total = sum(counts)
-    return [c / total if total > 0 else 0.0 for c in counts]
-
-
-def step_weights(
-    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], infos: WarningCache | None = None
-) -> list[float]:
-    """:func:`chunk_weights` for a step, saying once what ``"auto"`` chose (:func:`say_auto_choice`),
-    and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
-    infos = _warnings if infos is None else infos
-    weights = chunk_weights(plan, loss_weighting, chunks)
-    say_auto_choice(plan, loss_weighting, infos)
-    if not any(weights):
-        infos.warn(
-            "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "
-            "every label is ignore_index): the step's loss is 0 and its gradients are 0, where one device would "
-            "give NaN."
-        )
-    return weights
-
-
-def say_auto_choice(
-    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], infos: WarningCache, strategy: str = "sparse_dp"
-) -> None:
-    """For ``loss_weighting="auto"``, say once (rank-zero info through ``infos``) what it chose and why."""
-    if loss_weighting != "auto":
-        return
-    choice, reason = resolve_auto(plan)
-    infos.info(
-        f"{strategy}: loss_weighting='auto' weights each {'replica' if strategy == 'sparse_dp' else 'rank'}'s loss by "
-        f"its {choice} ({choice!r}): {reason}. Pass loss_weighting= 'samples', 'points' or a callable chunk -> count "
-        "(e.g. points whose label is not ignore_index) to the strategy to choose."
-    )
 
 
 def zeroed(v: Tensor) -> Tensor:

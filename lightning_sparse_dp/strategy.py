@@ -31,6 +31,7 @@ from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
 from lightning_sparse_dp.gather import gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
@@ -117,7 +118,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     def __init__(
         self,
         *,
-        loss_weighting: str | Callable[[Any], Any] = "auto",
+        loss_weighting: str | Callable[[Any], Any] = "terms",
         layout: Mapping[Any, str] | None = None,
         output_layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
@@ -285,11 +286,14 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan)
+            terms = self._step_terms(step_name, len(replicas))  # the replicas' mean-reduced losses, captured
+            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
         losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
+        if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
+            terms.weigh(losses, plan)
         if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
@@ -297,9 +301,18 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
                 outputs, self._replicas, executor=self._executor, group=group, times=self._timer
             )
         output = self.gather(outputs, plan, weights)
+        if terms is not None:
+            output = terms.exact_output(output, step_losses(outputs), self.root_device)
         with self._timer.stage("log"):
-            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings))
+            exact = terms.log_value if terms is not None else None
+            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact))
         return output
+
+    def _step_terms(self, step_name: str, count: int) -> StepTerms | None:
+        """Term capture for the step's replicas: ``loss_weighting="terms"``, more than one replica, not predict."""
+        if self.loss_weighting != "terms" or count < 2 or step_name == "predict_step":
+            return None
+        return StepTerms(count, self._warnings)
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.
@@ -382,6 +395,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         kwargs: Mapping[str, Any] | None = None,
         group: ThreadGroup | None = None,
         plan: SplitPlan | None = None,
+        terms: StepTerms | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 
@@ -392,6 +406,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             args, kwargs: the step's other arguments (``batch_idx``, ``dataloader_idx``).
             group: the step's batch-norm group: each replica's step is its rank's part of it.
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
+            terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.terms`).
 
         Returns:
             the replicas' outputs, replica order.
@@ -405,6 +420,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
         steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
+        if terms is not None:
+            steps = terms.wrap(steps)
         if group is not None:
             steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
         steps = [self._timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]

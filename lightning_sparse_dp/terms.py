@@ -219,7 +219,7 @@ class TermCapture(TorchFunctionMode):
             return f"it has shape {tuple(value.shape)}"
         coeffs = [form.coeffs.get(k, 0.0) for k in range(len(self.terms))]
         parts = [c * t.numbers()[1] for c, t in zip(coeffs, self.terms) if c != 0.0]
-        v = float(value)
+        v = float(value.detach())
         r, scale = v - sum(parts), abs(v) + sum(abs(p) for p in parts)
         if abs(r) <= 64 * torch.finfo(value.dtype).eps * scale:
             r = 0.0

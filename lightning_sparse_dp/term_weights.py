@@ -1,0 +1,246 @@
+"""Term weights: each captured loss of each replica (rank) weighted by its own share of the batch.
+
+Replica ``i``'s step calls torch's mean-reduced losses ``L_ik`` with denominators ``D_ik``
+(:mod:`lightning_sparse_dp.terms`) and returns ``loss_i = sum_k c_k L_ik + r``. The whole batch's
+term is ``T_k = sum_i D_ik L_ik / D_k`` with ``D_k = sum_j D_jk`` (research notes, "Losses as users
+write them"), so the whole batch's loss is ``sum_k c_k T_k + r`` and its gradient reaches term ``k``
+of replica ``i`` with weight ``c_k D_ik / D_k``: each term gets its own weight, which no single
+weight per replica can give when the terms' denominators differ (an ignore label, levels of a
+decoder, heads over different masks).
+
+Each replica (rank) sums up its step in one vector (:func:`pack`): its terms' ``D_ik`` and
+``D_ik L_ik``, its loss's remainder ``r``, and checks that every replica called the same losses in
+the same order with the same coefficients. The vectors are added (in ``sparse_ddp`` by the one
+all-reduce that already gave the loss weights), and :func:`decide` reads the sum: the whole batch's
+value, or why the loss is not such a combination (then the strategy weights each replica's loss as
+``"auto"`` does, and says so once). ``r`` may be a constant or a penalty on the parameters, the
+same in every replica; a remainder that differs between replicas (a hand-written masked mean) is
+not a combination of terms.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_sparse_dp.gather import weighted_sum
+from lightning_sparse_dp.split import SplitPlan
+from lightning_sparse_dp.terms import TermCapture
+from lightning_sparse_dp.weighting import resolve_auto
+
+#: The most terms one step may capture (the summary vector has a fixed length, so that ranks agree on it).
+CAPACITY = 64
+_HEADER = 10  # count, n, K, K^2, signature, signature^2, not-a-combination, r, r^2, scale
+_SPREAD = 1e-6  # relative spread of the replicas' remainders still taken as one value (rounding: ~1e-16)
+
+
+@dataclass
+class Decision:
+    """What the summed vectors say: ``value`` (the whole batch's), or ``reason`` it is not a combination.
+
+    ``totals[k]`` is ``D_k``; ``empty`` names the terms the value uses whose ``D_k`` is 0 in the whole batch.
+    """
+
+    value: float | None
+    reason: str | None = None
+    totals: list[float] = field(default_factory=list)
+    empty: list[str] = field(default_factory=list)
+    count: float = 0.0  # replicas or ranks
+    n: float = 0.0  # sum of the n_i packed (the "auto" counts)
+
+
+def pack(capture: TermCapture | None, value: Any, n: float = 0.0) -> tuple[Tensor, str | None]:
+    """The summary vector ``float64 [10 + 2 * CAPACITY]`` of one replica's ``value``, and why it is not a combination.
+
+    ``n`` rides along (the replica's ``"auto"`` count, summed by the same reduction).
+    """
+    head = [1.0, float(n)] + [0.0] * (_HEADER - 2)
+    ds, dls = [0.0] * CAPACITY, [0.0] * CAPACITY
+    comb = capture.combination(value) if capture is not None else "nothing was captured"
+    if not isinstance(comb, str) and len(capture.terms) > CAPACITY:  # type: ignore[union-attr]
+        comb = f"it captures more than {CAPACITY} mean-reduced losses in one step"
+    if isinstance(comb, str):
+        head[6] = 1.0
+    else:
+        coeffs, r, scale = comb
+        k = len(coeffs)
+        names = [t.name for t in capture.terms]  # type: ignore[union-attr]
+        sig = float(zlib.crc32(repr((names, coeffs)).encode()) % (1 << 20))
+        head[2:] = [k, k * k, sig, sig * sig, 0.0, r, r * r, scale]
+        for j, term in enumerate(capture.terms):  # type: ignore[union-attr]
+            d, v = term.numbers()
+            ds[j], dls[j] = d, d * v
+    return torch.tensor(head + ds + dls, dtype=torch.float64), (comb if isinstance(comb, str) else None)
+
+
+def decide(total: Tensor, capture: TermCapture | None, value: Any, reasons: Sequence[str | None], who: str = "replica") -> Decision:
+    """Read the sum of every replica's :func:`pack` of ``value`` (``capture``: this replica's own).
+
+    Args:
+        total: the summed vectors.
+        reasons: the reasons :func:`pack` gave here (every replica's in ``sparse_dp``, this rank's in ``sparse_ddp``).
+        who: ``"replica"`` or ``"rank"``, for the reason.
+    """
+    t = total.tolist()
+    count, n = t[0], t[1]
+    out = Decision(None, count=count, n=n)
+    if t[6] > 0:
+        local = next((r for r in reasons if r is not None), None)
+        out.reason = local or f"another {who}'s loss is not such a combination"
+        return out
+    if t[3] * count != t[2] ** 2 or t[5] * count != t[4] ** 2:
+        out.reason = (
+            f"the {who}s' steps called different sequences of mean-reduced losses (or combined them with different "
+            "coefficients), e.g. a loss computed only when the chunk has something for it"
+        )
+        return out
+    s1, s2, scale = t[7], t[8], t[9] / count
+    if s2 / count - (s1 / count) ** 2 > (_SPREAD * scale) ** 2 or not all(map(math.isfinite, (s1, s2, scale))):
+        out.reason = (
+            f"a part of it differs from {who} to {who} and is not one of torch's mean-reduced losses (e.g. a "
+            "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
+        )
+        return out
+    assert capture is not None
+    coeffs = capture.combination(value)[0]  # type: ignore[index]
+    k = len(coeffs)
+    out.totals = t[_HEADER : _HEADER + k]
+    weighted = t[_HEADER + CAPACITY : _HEADER + CAPACITY + k]
+    result = s1 / count
+    for j, c in enumerate(coeffs):
+        if c == 0.0:
+            continue
+        if out.totals[j] > 0:
+            result += c * weighted[j] / out.totals[j]
+        else:
+            result, out.empty = math.nan, out.empty + [capture.terms[j].name]
+    out.value = result
+    return out
+
+
+def set_scales(capture: TermCapture, totals: Sequence[float], count: float) -> None:
+    """Scale the gradient of this replica's term ``k`` by ``count * D_ik / D_k`` (0 where ``D_k = 0``).
+
+    ``count`` undoes the ``1 / count`` every replica's loss gets in :func:`exact_loss` (``sparse_dp``)
+    or in DDP's gradient average (``sparse_ddp``).
+    """
+    for term, d_total in zip(capture.terms, totals):
+        term.scale = count * term.numbers()[0] / d_total if d_total > 0 else 0.0
+
+
+def combine(captures: Sequence[TermCapture], values: Sequence[Any], counts: Sequence[float] | None = None) -> Decision:
+    """:func:`decide` over the replicas of one process (``sparse_dp``): their vectors added here."""
+    packed = [pack(c, v, n) for c, v, n in zip(captures, values, counts or [0.0] * len(values))]
+    total = torch.stack([p[0] for p in packed]).sum(0)
+    return decide(total, captures[0], values[0], [p[1] for p in packed])
+
+
+def exact_loss(losses: Sequence[Tensor], value: float, device: torch.device) -> Tensor:
+    """``value`` on ``device``, differentiable as ``sum_i loss_i / k`` (each replica's gradient ``1/k``).
+
+    With :func:`set_scales` (``count = k``), replica ``i``'s term ``k`` then gets the gradient ``c_k D_ik / D_k``
+    and its remainder ``1/k`` of the remainder's: the whole batch's.
+    """
+    k = len(losses)
+    base = weighted_sum(losses, [1.0 / k] * k, device)
+    return torch.as_tensor(value, dtype=base.dtype, device=device) + (base - base.detach())
+
+
+def log_value(captures: Sequence[TermCapture], values: Sequence[Any]) -> float | None:
+    """The whole batch's value of a logged value (one per replica) that is a combination of terms, else ``None``."""
+    if any(not isinstance(v, Tensor) or not v.is_floating_point() for v in values):
+        return None
+    return combine(captures, values).value
+
+
+def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
+    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative."""
+    who, cls = ("replica", "SparseDataParallelStrategy") if strategy == "sparse_dp" else ("rank", "SparseDDPStrategy")
+    return (
+        f"{strategy}: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Each {who}'s loss is "
+        f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
+        f"is one mean over those. For an exact loss pass a callable counting what the loss is a mean over, e.g. "
+        f"{cls}(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
+    )
+
+
+def empty_message(strategy: str, names: Sequence[str]) -> str:
+    """The one warning of a term with nothing to average over in the whole batch."""
+    return (
+        f"{strategy}: {', '.join(sorted(set(names)))} has nothing to average over in the whole batch (denominator 0, "
+        "e.g. every label is ignore_index): the step's loss is NaN, as on one device."
+    )
+
+
+class StepTerms:
+    """The terms of one ``sparse_dp`` step: a :class:`TermCapture` per replica, the loss's decision, exact values.
+
+    Args:
+        count: replicas in the step.
+        infos: where the fallback info line and the empty-term warning go (each said once).
+    """
+
+    def __init__(self, count: int, infos: WarningCache) -> None:
+        self.captures = [TermCapture() for _ in range(count)]
+        self.infos = infos
+        self.decision: Decision | None = None
+
+    def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
+        """Each replica's step run under its own capture (entered in the replica's thread)."""
+        return [partial(c.run, step) for c, step in zip(self.captures, steps)]
+
+    def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan) -> None:
+        """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not."""
+        if any(loss is None for loss in losses):
+            return
+        self.decision = combine(self.captures, losses)
+        if self.decision.value is None:
+            choice, why = resolve_auto(plan)
+            self.infos.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
+            return
+        if self.decision.empty:
+            self.infos.warn(empty_message("sparse_dp", self.decision.empty))
+        for capture in self.captures:
+            set_scales(capture, self.decision.totals, len(self.captures))
+
+    def exact_output(self, output: Any, losses: Sequence[Tensor | None], device: torch.device) -> Any:
+        """``output`` with its loss replaced by the whole batch's (:func:`exact_loss` of the replicas' ``losses``)."""
+        if self.decision is None or self.decision.value is None or any(loss is None for loss in losses):
+            return output
+        loss = exact_loss(losses, self.decision.value, device)  # type: ignore[arg-type]
+        if isinstance(output, Tensor):
+            return loss
+        output = dict(output)
+        output["loss"] = loss
+        return output
+
+    def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
+        """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
+        if len(replicas) != len(self.captures):
+            return None
+        value = log_value([self.captures[i] for i in replicas], values)
+        return None if value is None else torch.tensor(value, dtype=values[0].dtype)
+
+
+__all__ = [
+    "CAPACITY",
+    "Decision",
+    "StepTerms",
+    "combine",
+    "decide",
+    "empty_message",
+    "exact_loss",
+    "fallback_message",
+    "log_value",
+    "pack",
+    "set_scales",
+]
