@@ -293,16 +293,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
-            terms.weigh(losses, plan)
+            terms.weigh(losses, plan, weights)
         if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
             outputs = parallel_backward(
                 outputs, self._replicas, executor=self._executor, group=group, times=self._timer
             )
+        if terms is not None:  # the losses shifted so that the gather's weighted sum is the whole batch's loss
+            outputs = terms.exact_outputs(outputs, weights)
         output = self.gather(outputs, plan, weights)
-        if terms is not None:
-            output = terms.exact_output(output, step_losses(outputs), self.root_device)
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
             emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact))

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.gather import weighted_sum
+from lightning_sparse_dp.backward import loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.weighting import resolve_auto
@@ -127,14 +127,14 @@ def decide(total: Tensor, capture: TermCapture | None, value: Any, reasons: Sequ
     return out
 
 
-def set_scales(capture: TermCapture, totals: Sequence[float], count: float) -> None:
-    """Scale the gradient of this replica's term ``k`` by ``count * D_ik / D_k`` (0 where ``D_k = 0``).
+def set_scales(capture: TermCapture, totals: Sequence[float], factor: float) -> None:
+    """Scale the gradient of this replica's term ``k`` by ``factor * D_ik / D_k`` (0 where ``D_k = 0``).
 
-    ``count`` undoes the ``1 / count`` every replica's loss gets in :func:`exact_loss` (``sparse_dp``)
-    or in DDP's gradient average (``sparse_ddp``).
+    ``factor`` undoes the weight the replica's loss gets as a whole: ``1 / w_i`` in ``sparse_dp`` (the
+    gathered loss is ``sum_i w_i loss_i``), the world size in ``sparse_ddp`` (DDP averages gradients).
     """
     for term, d_total in zip(capture.terms, totals):
-        term.scale = count * term.numbers()[0] / d_total if d_total > 0 else 0.0
+        term.scale = factor * term.numbers()[0] / d_total if d_total > 0 else 0.0
 
 
 def combine(captures: Sequence[TermCapture], values: Sequence[Any], counts: Sequence[float] | None = None) -> Decision:
@@ -144,15 +144,16 @@ def combine(captures: Sequence[TermCapture], values: Sequence[Any], counts: Sequ
     return decide(total, captures[0], values[0], [p[1] for p in packed])
 
 
-def exact_loss(losses: Sequence[Tensor], value: float, device: torch.device) -> Tensor:
-    """``value`` on ``device``, differentiable as ``sum_i loss_i / k`` (each replica's gradient ``1/k``).
+def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: float) -> list[Tensor]:
+    """The replicas' losses shifted by one constant so that ``sum_i weights[i] * loss_i`` is ``value``.
 
-    With :func:`set_scales` (``count = k``), replica ``i``'s term ``k`` then gets the gradient ``c_k D_ik / D_k``
-    and its remainder ``1/k`` of the remainder's: the whole batch's.
+    The shift is detached: each replica's loss keeps its gradient ``w_i``, which :func:`set_scales`
+    (``factor = 1 / w_i``) turns into ``c_k D_ik / D_k`` at term ``k``, and its remainder's gradient
+    ``w_i`` adds up to the remainder's own. The gather (the strategy's, or an override) then
+    combines them as any loss.
     """
-    k = len(losses)
-    base = weighted_sum(losses, [1.0 / k] * k, device)
-    return torch.as_tensor(value, dtype=base.dtype, device=device) + (base - base.detach())
+    base = sum(w * float(loss.detach()) for w, loss in zip(weights, losses))
+    return [loss + (value - base) for loss in losses]
 
 
 def log_value(captures: Sequence[TermCapture], values: Sequence[Any]) -> float | None:
@@ -198,8 +199,12 @@ class StepTerms:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
         return [partial(c.run, step) for c, step in zip(self.captures, steps)]
 
-    def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan) -> None:
-        """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not."""
+    def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
+        """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.
+
+        ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
+        point, so none is 0).
+        """
         if any(loss is None for loss in losses):
             return
         self.decision = combine(self.captures, losses)
@@ -209,19 +214,16 @@ class StepTerms:
             return
         if self.decision.empty:
             self.infos.warn(empty_message("sparse_dp", self.decision.empty))
-        for capture in self.captures:
-            set_scales(capture, self.decision.totals, len(self.captures))
+        for capture, w in zip(self.captures, weights):
+            set_scales(capture, self.decision.totals, 1.0 / w)
 
-    def exact_output(self, output: Any, losses: Sequence[Tensor | None], device: torch.device) -> Any:
-        """``output`` with its loss replaced by the whole batch's (:func:`exact_loss` of the replicas' ``losses``)."""
+    def exact_outputs(self, outputs: Sequence[Any], weights: Sequence[float]) -> list[Any]:
+        """The replicas' outputs, their losses shifted so that their weighted sum is the whole batch's loss."""
+        losses = [loss_of(o) for o in outputs]
         if self.decision is None or self.decision.value is None or any(loss is None for loss in losses):
-            return output
-        loss = exact_loss(losses, self.decision.value, device)  # type: ignore[arg-type]
-        if isinstance(output, Tensor):
-            return loss
-        output = dict(output)
-        output["loss"] = loss
-        return output
+            return list(outputs)
+        shifted = exact_losses(losses, weights, self.decision.value)  # type: ignore[arg-type]
+        return [loss if isinstance(o, Tensor) else {**o, "loss": loss} for o, loss in zip(outputs, shifted)]
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
@@ -238,7 +240,7 @@ __all__ = [
     "combine",
     "decide",
     "empty_message",
-    "exact_loss",
+    "exact_losses",
     "fallback_message",
     "log_value",
     "pack",

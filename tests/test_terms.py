@@ -11,7 +11,8 @@ from torch import nn
 from lightning_sparse_dp.losses import CAPTURED, bind, denominator
 from lightning_sparse_dp.terms import TermCapture
 
-torch.set_default_dtype(torch.float64)
+_DEFAULT_DTYPE = torch.get_default_dtype()
+torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
 g = torch.Generator().manual_seed(0)
 N, C = 23, 5
 logits = torch.randn(N, C, generator=g)
@@ -54,6 +55,7 @@ CASES = {
     "kl_mean": (F.kl_div, (torch.log_softmax(logits, 1), probs), {}),
     "legacy_size_average": (F.mse_loss, (x, y), {"size_average": True}),
 }
+torch.set_default_dtype(_DEFAULT_DTYPE)
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size", "ignore:reduction. 'mean' divides", "ignore:size_average")
