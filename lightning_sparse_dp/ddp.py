@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,8 +36,12 @@ from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import chunk_counts, say_auto_choice, zeroed
+from lightning_sparse_dp.backward import loss_of
+from lightning_sparse_dp.gather import zeroed
 from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.term_weights import decide, empty_message, fallback_message, pack, set_scales
+from lightning_sparse_dp.terms import TermCapture
+from lightning_sparse_dp.weighting import chunk_counts, resolve_auto, say_auto_choice
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import split_batch
@@ -138,6 +143,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         super().__init__(**kwargs)
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
+        self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._infos = WarningCache()
@@ -175,8 +181,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         return float(total.item())
 
     def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout, self._infos)
-        if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
+        batch = args[0] if args else kwargs.get("batch")
+        n = local_count(batch, self.loss_weighting, self.layout, self._infos)
+        terms = self.loss_weighting == "terms"
+        if hook == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
@@ -184,10 +192,45 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
+        self._capture = TermCapture() if terms else None
         try:
-            return getattr(super(), hook)(*args, **kwargs)
+            if self._capture is None:
+                return getattr(super(), hook)(*args, **kwargs)
+            output = self._capture.run(partial(getattr(super(), hook), *args, **kwargs))
+            if hook == "training_step":
+                self._loss_scale = self._term_scale(output, n, batch)
+            return output
         finally:
             self._count = None
+            self._capture = None
+
+    def _all_reduce(self, vector: Tensor) -> Tensor:
+        """``vector`` summed over the ranks (one all-reduce; itself without a process group)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return vector
+        on_device = vector.to(self.root_device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        return on_device.cpu()
+
+    def _term_scale(self, output: Any, n: float, batch: Any) -> float:
+        """After the step: each term's gradient scale ``W D_rk / D_k`` and the loss scale (1), from one all-reduce.
+
+        The all-reduce of :func:`~lightning_sparse_dp.term_weights.pack`'s vector carries ``n_r`` too: when
+        the loss is not a combination of terms, the loss scale is ``"auto"``'s ``W n_r / N`` (said once).
+        """
+        assert self._capture is not None
+        loss = loss_of(output)
+        vector, reason = pack(self._capture, loss, n)
+        decision = decide(self._all_reduce(vector), self._capture, loss, [reason], who="rank")
+        if decision.value is None:
+            if loss is not None:
+                choice, why = resolve_auto(split_batch(batch, 1, layout=self.layout)[1])
+                self._infos.info(fallback_message("sparse_ddp", decision.reason or "", choice, why))
+            return self.world_size * n / decision.n if decision.n > 0 else 0.0
+        if decision.empty:
+            self._infos.warn(empty_message("sparse_ddp", decision.empty))
+        set_scales(self._capture, decision.totals, self.world_size)
+        return 1.0
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -224,6 +267,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             return total / dist.get_world_size(group)
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self._capture is not None and id(tensor) in self._capture.forms and group is None:
+            # a combination of the step's terms: its whole-batch value, from one all-reduce of the terms' vector
+            decision = decide(self._all_reduce(pack(self._capture, tensor)[0]), self._capture, tensor, [None], who="rank")
+            if decision.value is not None:
+                return torch.tensor(decision.value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
         # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
         n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
         pair = torch.stack([value * n, torch.full_like(value, n)])

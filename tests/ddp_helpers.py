@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp")
 
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
+from tests.term_models import LevelCompletion, ScenesIgnoreSeg
 
 SEED = 7  # initial weights
 
@@ -153,7 +154,10 @@ class Scenario:
 
     def build(self, reference: bool) -> L.LightningModule:
         torch.manual_seed(SEED)
-        model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
+        if self.model in TERM_MODELS:
+            model = TERM_MODELS[self.model]()
+        else:
+            model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
         # float64 from the start: Lightning loads a resumed checkpoint into the module *before* "64-true" converts
         # it, so a float32 module would round the checkpoint's float64 weights (seen: 2.7e-8 relative)
         return model.double()
@@ -167,6 +171,16 @@ SCENARIOS = {
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
         Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2}),
         Scenario("resume", "class", batch_norm=True, resume=True, trainer={"sync_batchnorm": True}),
+    ]
+}
+
+#: loss_weighting="terms" (the default) with losses as users write them; their own launch (tests/test_ddp.py)
+TERM_MODELS = {"ignore": ScenesIgnoreSeg, "levels": LevelCompletion}
+TERM_SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("terms_ignore", "ignore", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_levels", "levels", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 

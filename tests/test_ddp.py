@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.ddp_helpers import SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
+from tests.ddp_helpers import SCENARIOS, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
 from tests.helpers import relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def ddp_runs(tmp_path_factory) -> Path:
 
 
 def _reference(name: str) -> dict:
-    s = SCENARIOS[name]
+    s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
     model = s.build(reference=True)
     train, val = loaders(s.per_rank, world_size=2)
     logger = Capture()
@@ -125,6 +125,37 @@ def test_two_processes_equal_one_device(ddp_runs, name):
     if SCENARIOS[name].evaluate:  # test: the same logged loss; predict: every sample once over the ranks
         assert ranks[0]["test_loss"] == ranks[1]["test_loss"] == pytest.approx(ref["test_loss"], rel=RTOL)
         assert ranks[0]["predicted_rows"] + ranks[1]["predicted_rows"] == ref["predicted_rows"] == VAL_SAMPLES
+
+
+@pytest.fixture(scope="module")
+def ddp_term_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sparse_ddp_terms")
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join(TERM_SCENARIOS)]], timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("name", list(TERM_SCENARIOS))
+def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name):
+    """loss_weighting="terms": an ignore label (some ranks' shares all ignored) and a BCE per decoder level."""
+    ranks = [_load(ddp_term_runs, name, r) for r in range(2)]
+    for k, v in ranks[0]["state"].items():
+        assert torch.equal(v, ranks[1]["state"][k]), k
+    ref = _reference(name)
+    for k, v in ranks[0]["state"].items():
+        if v.is_floating_point():
+            assert relative_difference(v, ref["state"][k]) <= RTOL, (k, relative_difference(v, ref["state"][k]))
+    mine, theirs = _logged(ranks[0]["history"]), _logged(ref["history"])
+    assert len(mine["train_loss"]) >= 4
+    assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=RTOL)  # each step's whole-batch value
+
+
+def test_one_weight_per_rank_is_not_exact_for_an_ignore_label(ddp_term_runs):  # the comparison above can fail
+    ref = _reference("terms_ignore")
+    out = ddp_term_runs / "points"
+    out.mkdir()
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), "terms_ignore", "1", "points"]], timeout=120)
+    ours = _load(out, "terms_ignore", 0)
+    assert max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point()) > 1e-4
 
 
 def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fail: uneven shares, equal weights
