@@ -5,13 +5,20 @@ machines on ``torch.distributed``, as a thin subclass of Lightning's ``DDPStrate
 cluster environments, process groups and gradient all-reduce are used as they are). What it adds:
 
 - **exact loss**: DDP averages gradients equally over ranks, which is the gradient of the global
-  batch's mean only when every rank has the same share. Rank ``r`` with ``n_r`` samples (or points,
-  ``loss_weighting="points"``) of the global batch's ``N = sum_r n_r`` (one all-reduce per step) has
-  its loss scaled by ``world_size * n_r / N`` before backward, so the averaged gradient is
-  ``sum_r (n_r / N) grad loss_r``: the gradient of the global mean;
-- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step means are
-  ``sum_r n_r v_r / N``, and epoch means weight each rank's step by ``n_r`` (Lightning's
-  ``batch_size``), so logs equal one device with the whole global batch;
+  batch's mean only when every rank has the same share. By default (``loss_weighting="terms"``) each
+  of torch's mean-reduced losses the step calls is captured with its denominator ``D_rk``
+  (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled by ``world_size * D_rk / D_k``, with
+  ``D_k = sum_r D_rk`` from one all-reduce after the step (:mod:`~lightning_sparse_dp.term_weights`),
+  so any linear combination of such losses gets the gradient of the global batch's loss. Otherwise
+  (a loss that is not such a combination, said once, or ``loss_weighting="samples"`` / ``"points"`` /
+  a callable) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same all-reduce)
+  has its loss scaled by ``world_size * n_r / N`` before backward, so the averaged gradient is
+  ``sum_r (n_r / N) grad loss_r``: the gradient of the global mean over what ``n_r`` counts;
+- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
+  that are combinations of captured losses are the global batch's, other means are
+  ``sum_r n_r v_r / N``; epoch means weight each rank's step by ``n_r`` (Lightning's ``batch_size``),
+  so they equal one device's for means over what ``n_r`` counts (not for terms with other
+  denominators, e.g. a loss with an ignore label);
 - **point-balanced batches**: the ``DistributedSampler`` Lightning injects is replaced by
   :class:`~lightning_sparse_dp.sampler.PointBalancedBatchSampler` (whole samples, even point
   counts, no padding, the same number of steps on every rank);
@@ -54,10 +61,10 @@ def local_count(
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.gather.resolve_auto`; said once through ``infos`` when given) or
+    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``infos`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -105,8 +112,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     gloo on CPU, NCCL on CUDA); the module docstring lists what it adds.
 
     Args:
-        loss_weighting: ``"auto"`` (default: samples when the batch has a per-sample tensor, else points
-            when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"``
+        loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
+            share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
+            combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
+            points when it has a per-point target; :func:`~lightning_sparse_dp.weighting.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.
@@ -133,7 +142,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     def __init__(
         self,
         *,
-        loss_weighting: Any = "auto",
+        loss_weighting: Any = "terms",
         split: str = "balanced",
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
@@ -204,12 +213,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             self._count = None
             self._capture = None
 
-    def _all_reduce(self, vector: Tensor) -> Tensor:
-        """``vector`` summed over the ranks (one all-reduce; itself without a process group)."""
-        if not dist.is_available() or not dist.is_initialized():
-            return vector
-        on_device = vector.to(self.root_device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+    def _all_reduce(self, vector: list[float]) -> Tensor:
+        """``vector`` (float64) summed over the ranks (one all-reduce; itself without a process group)."""
+        on_device = torch.tensor(vector, dtype=torch.float64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
         return on_device.cpu()
 
     def _term_scale(self, output: Any, n: float, batch: Any) -> float:

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
 
-Denominator = Callable[[inspect.BoundArguments], "float | Tensor"]
+Arguments = dict[str, Any]  # a call's arguments by name, defaults filled in (:func:`bind`)
+Denominator = Callable[[Arguments], "float | Tensor"]
 
 
-def _class_targets(bound: inspect.BoundArguments) -> float | Tensor:
+def _class_targets(a: Arguments) -> float | Tensor:
     """``cross_entropy`` / ``nll_loss``: weight sum of the non-ignored class-index targets, or the samples."""
-    a = bound.arguments
     x, target, weight = a["input"], a["target"], a.get("weight")
     if target.is_floating_point():  # probability targets (cross_entropy only): a mean over samples
         return float(x.numel() // x.shape[1]) if x.dim() >= 2 else 1.0
@@ -48,22 +48,21 @@ def _class_targets(bound: inspect.BoundArguments) -> float | Tensor:
     return (weight.to(torch.float64)[safe] * keep).sum()
 
 
-def _elements(bound: inspect.BoundArguments) -> float:
-    a = bound.arguments
+def _elements(a: Arguments) -> float:
     return float(torch.broadcast_shapes(a["input"].shape, a["target"].shape).numel())
 
 
-def _weighted_elements(bound: inspect.BoundArguments) -> float | Tensor:
+def _weighted_elements(a: Arguments) -> float | Tensor:
     """``mse_loss`` / ``l1_loss``: with an element ``weight``, the weights' sum."""
-    weight = bound.arguments.get("weight")
-    return _elements(bound) if weight is None else weight.sum(dtype=torch.float64)
+    weight = a.get("weight")
+    return _elements(a) if weight is None else weight.sum(dtype=torch.float64)
 
 
-def _kl_div(bound: inspect.BoundArguments) -> float:
-    x = bound.arguments["input"]
-    if _reduction_of(bound) == "batchmean":
+def _kl_div(a: Arguments) -> float:
+    x = a["input"]
+    if _reduction_of(a) == "batchmean":
         return float(x.shape[0]) if x.dim() > 0 else 1.0
-    return _elements(bound)
+    return _elements(a)
 
 
 #: torch's losses whose mean is captured, and their denominators.
@@ -90,32 +89,35 @@ UNCAPTURED: tuple[Callable[..., Tensor], ...] = tuple(
     if hasattr(F, name)
 )
 
-_SIGNATURES: dict[Callable[..., Any], inspect.Signature] = {}
+_PARAMETERS: dict[Callable[..., Any], tuple[list[str], dict[str, Any]]] = {}
 
 
-def bind(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> inspect.BoundArguments:
-    """``func``'s arguments bound by name, defaults applied (signatures cached)."""
-    sig = _SIGNATURES.get(func)
-    if sig is None:
-        sig = _SIGNATURES[func] = inspect.signature(func)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound
+def bind(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Arguments:
+    """``func``'s arguments by name, defaults filled in (its signature read once; cheaper than
+    ``inspect.Signature.bind``, which the call itself has already checked)."""
+    params = _PARAMETERS.get(func)
+    if params is None:
+        sig = inspect.signature(func).parameters.values()
+        params = _PARAMETERS[func] = ([p.name for p in sig], {p.name: p.default for p in sig if p.default is not p.empty})
+    names, defaults = params
+    out = dict(defaults)
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return out
 
 
-def _reduction_of(bound: inspect.BoundArguments) -> str:
-    a = bound.arguments
+def _reduction_of(a: Arguments) -> str:
     if a.get("size_average") is not None or a.get("reduce") is not None:  # torch's legacy arguments
         return _reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
     return a.get("reduction", "mean")
 
 
-def is_mean(bound: inspect.BoundArguments) -> bool:
+def is_mean(a: Arguments) -> bool:
     """Whether the call reduces by a mean (``"mean"``, or ``kl_div``'s ``"batchmean"``)."""
-    return _reduction_of(bound) in ("mean", "batchmean", "elementwise_mean")
+    return _reduction_of(a) in ("mean", "batchmean", "elementwise_mean")
 
 
-def denominator(func: Callable[..., Tensor], bound: inspect.BoundArguments) -> float | Tensor:
+def denominator(func: Callable[..., Tensor], a: Arguments) -> float | Tensor:
     """``D`` of one mean-reduced call of a :data:`CAPTURED` loss: its value times ``D`` is its ``"sum"`` value.
 
     Returns a Python float, or a float64 0-dim tensor on the target's device (no device sync).
@@ -123,7 +125,7 @@ def denominator(func: Callable[..., Tensor], bound: inspect.BoundArguments) -> f
     Raises:
         KeyError: ``func`` is not in :data:`CAPTURED`.
     """
-    return CAPTURED[func](bound)
+    return CAPTURED[func](a)
 
 
 def loss_name(func: Callable[..., Any]) -> str:

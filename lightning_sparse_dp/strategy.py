@@ -71,13 +71,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     profiler action ``[sparse_dp]<stage>``.
 
     Args:
-        loss_weighting: ``"auto"`` (default: ``"samples"`` when the batch has a per-sample tensor,
-            else ``"points"`` when it has per-point targets, else ``"samples"``; said once at info
-            level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
+        loss_weighting: ``"terms"`` (default: every call of torch's mean-reduced losses in a replica's
+            step, functional or ``nn.*Loss``, weighted by its own share ``D_ik / sum_j D_jk``, exact for
+            any linear combination of them; ``"auto"`` where the loss is not one, said once:
+            :mod:`~lightning_sparse_dp.term_weights`), ``"auto"`` (``"samples"`` when the batch has a
+            per-sample tensor, else ``"points"`` when it has per-point targets, else ``"samples"``; said
+            once at info level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
             samples), ``"points"`` (share of points, exact for losses averaged over points),
             ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
             loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
-            ``ignore_index=255``); see :func:`~lightning_sparse_dp.gather.chunk_counts`.
+            ``ignore_index=255``); see :func:`~lightning_sparse_dp.weighting.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
@@ -434,7 +437,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.gather.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.weighting.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
         order by ``output_layout`` or their lengths.
         """

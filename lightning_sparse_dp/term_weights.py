@@ -58,16 +58,17 @@ class Decision:
     n: float = 0.0  # sum of the n_i packed (the "auto" counts)
 
 
-def pack(capture: TermCapture | None, value: Any, n: float = 0.0) -> tuple[Tensor, str | None]:
-    """The summary vector ``float64 [10 + 2 * CAPACITY]`` of one replica's ``value``, and why it is not a combination.
+def pack(capture: TermCapture | None, value: Any, n: float = 0.0, capacity: int = CAPACITY) -> tuple[list[float], str | None]:
+    """The summary vector (``10 + 2 * capacity`` floats) of one replica's ``value``, and why it is not a combination.
 
-    ``n`` rides along (the replica's ``"auto"`` count, summed by the same reduction).
+    ``n`` rides along (the replica's ``"auto"`` count, summed by the same reduction). Ranks use the
+    fixed :data:`CAPACITY`, so that their vectors agree in length whatever each captured.
     """
     head = [1.0, float(n)] + [0.0] * (_HEADER - 2)
-    ds, dls = [0.0] * CAPACITY, [0.0] * CAPACITY
+    ds, dls = [0.0] * capacity, [0.0] * capacity
     comb = capture.combination(value) if capture is not None else "nothing was captured"
-    if not isinstance(comb, str) and len(capture.terms) > CAPACITY:  # type: ignore[union-attr]
-        comb = f"it captures more than {CAPACITY} mean-reduced losses in one step"
+    if not isinstance(comb, str) and len(capture.terms) > capacity:  # type: ignore[union-attr]
+        comb = f"it captures more than {capacity} mean-reduced losses in one step"
     if isinstance(comb, str):
         head[6] = 1.0
     else:
@@ -79,18 +80,21 @@ def pack(capture: TermCapture | None, value: Any, n: float = 0.0) -> tuple[Tenso
         for j, term in enumerate(capture.terms):  # type: ignore[union-attr]
             d, v = term.numbers()
             ds[j], dls[j] = d, d * v
-    return torch.tensor(head + ds + dls, dtype=torch.float64), (comb if isinstance(comb, str) else None)
+    return head + ds + dls, (comb if isinstance(comb, str) else None)
 
 
-def decide(total: Tensor, capture: TermCapture | None, value: Any, reasons: Sequence[str | None], who: str = "replica") -> Decision:
+def decide(
+    total: Sequence[float], capture: TermCapture | None, value: Any, reasons: Sequence[str | None], who: str = "replica"
+) -> Decision:
     """Read the sum of every replica's :func:`pack` of ``value`` (``capture``: this replica's own).
 
     Args:
-        total: the summed vectors.
+        total: the summed vectors (a list, or a tensor from an all-reduce).
         reasons: the reasons :func:`pack` gave here (every replica's in ``sparse_dp``, this rank's in ``sparse_ddp``).
         who: ``"replica"`` or ``"rank"``, for the reason.
     """
-    t = total.tolist()
+    t = total.tolist() if isinstance(total, Tensor) else list(total)
+    capacity = (len(t) - _HEADER) // 2
     count, n = t[0], t[1]
     out = Decision(None, count=count, n=n)
     if t[6] > 0:
@@ -114,7 +118,7 @@ def decide(total: Tensor, capture: TermCapture | None, value: Any, reasons: Sequ
     coeffs = capture.combination(value)[0]  # type: ignore[index]
     k = len(coeffs)
     out.totals = t[_HEADER : _HEADER + k]
-    weighted = t[_HEADER + CAPACITY : _HEADER + CAPACITY + k]
+    weighted = t[_HEADER + capacity : _HEADER + capacity + k]
     result = s1 / count
     for j, c in enumerate(coeffs):
         if c == 0.0:
@@ -139,8 +143,9 @@ def set_scales(capture: TermCapture, totals: Sequence[float], factor: float) -> 
 
 def combine(captures: Sequence[TermCapture], values: Sequence[Any], counts: Sequence[float] | None = None) -> Decision:
     """:func:`decide` over the replicas of one process (``sparse_dp``): their vectors added here."""
-    packed = [pack(c, v, n) for c, v, n in zip(captures, values, counts or [0.0] * len(values))]
-    total = torch.stack([p[0] for p in packed]).sum(0)
+    capacity = max(len(c.terms) for c in captures)
+    packed = [pack(c, v, n, capacity) for c, v, n in zip(captures, values, counts or [0.0] * len(values))]
+    total = [sum(column) for column in zip(*(p[0] for p in packed))]
     return decide(total, captures[0], values[0], [p[1] for p in packed])
 
 
@@ -194,6 +199,7 @@ class StepTerms:
         self.captures = [TermCapture() for _ in range(count)]
         self.infos = infos
         self.decision: Decision | None = None
+        self._losses: list[Any] = []
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
@@ -208,6 +214,7 @@ class StepTerms:
         if any(loss is None for loss in losses):
             return
         self.decision = combine(self.captures, losses)
+        self._losses = list(losses)
         if self.decision.value is None:
             choice, why = resolve_auto(plan)
             self.infos.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
@@ -229,7 +236,10 @@ class StepTerms:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
         if len(replicas) != len(self.captures):
             return None
-        value = log_value([self.captures[i] for i in replicas], values)
+        if self.decision is not None and all(v is loss for v, loss in zip(values, self._losses)):
+            value = self.decision.value  # the logged loss itself: decided already
+        else:
+            value = log_value([self.captures[i] for i in replicas], values)
         return None if value is None else torch.tensor(value, dtype=values[0].dtype)
 
 

@@ -1,13 +1,15 @@
 """Terms: capture torch's mean-reduced losses inside a replica's step, and how its loss combines them.
 
 While a replica's step (a rank's, in ``sparse_ddp``) runs, a :class:`TermCapture` is the thread's
-``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own).
+``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own),
+from the step's first loss call on (:meth:`TermCapture.run`: before it, the network's forward runs
+without the mode's per-call cost).
 Every call of a loss in :data:`~lightning_sparse_dp.losses.CAPTURED` with a mean reduction,
 functional or through its ``nn.*Loss`` module (which calls the functional), becomes a *term*: its
 value ``L`` and its denominator ``D`` as torch defines it (:func:`~lightning_sparse_dp.losses.denominator`).
-The value handed back to the step is ``L`` through :class:`_ScaledIdentity`, an identity whose
-backward scales the gradient by :attr:`Term.scale`, set after the step when every replica's ``D``
-is known; where ``D = 0`` (every label ignored, no voxel at a level) it is 0, not NaN.
+The value handed back to the step is ``L`` times a factor of 1 whose value :attr:`Term.scale` sets
+after the step, when every replica's ``D`` is known, so that it scales the gradient only; where
+``D = 0`` (every label ignored, no voxel at a level) the value is 0, not NaN.
 
 After a term, the mode follows the arithmetic the step does on terms: sums, differences, products and
 quotients by numbers (or by tensors that need no gradient: a scheduled coefficient), negation,
@@ -20,17 +22,63 @@ combines replicas' terms into whole-batch values.
 
 from __future__ import annotations
 
+import functools
 import numbers
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_sparse_dp.losses import CAPTURED, UNCAPTURED, bind, denominator, is_mean, loss_name
 
 T = TypeVar("T")
+
+_local = threading.local()  # .pending: the capture of this thread's step, until its first loss call enters it
+_patch_lock = threading.Lock()
+_patch_users = 0
+_saved: dict[str, Any] = {}
+
+
+def _trigger(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``original`` (a loss of ``torch.nn.functional``) that first enters the thread's pending capture, if any."""
+
+    @functools.wraps(original)
+    def trigger(*args: Any, **kwargs: Any) -> Tensor:
+        capture = getattr(_local, "pending", None)
+        if capture is not None:
+            capture._activate()
+        return original(*args, **kwargs)  # with the mode entered, torch hands the call to it
+
+    return trigger
+
+
+_TRIGGERS = {f.__name__: _trigger(f) for f in (*CAPTURED, *UNCAPTURED)}
+_ORIGINALS: dict[Any, Any] = {_TRIGGERS[f.__name__]: f for f in (*CAPTURED, *UNCAPTURED)}
+
+
+@contextmanager
+def _triggers_installed() -> Iterator[None]:
+    """``torch.nn.functional``'s losses are triggers while any step runs under a capture (reference-counted)."""
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            for name, trigger in _TRIGGERS.items():
+                _saved[name] = getattr(F, name)
+                setattr(F, name, trigger)
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for name, original in _saved.items():
+                    setattr(F, name, original)
 
 _UNCAPTURED = frozenset(UNCAPTURED)
 _SAME = frozenset({
@@ -51,38 +99,41 @@ _IGNORED = frozenset({"__get__", "__set__", "item", "tolist", "size", "dim", "nu
 class Term:
     """One captured call: ``name`` (``"F.cross_entropy"``), denominator ``D`` and value ``L`` (0 where ``D = 0``).
 
-    ``scale`` multiplies the gradient that reaches the call's value (1 until the strategy sets it).
+    The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
+    after the step, without a version bump, so the multiplication's backward (which reads ``s``
+    then) scales the gradient that reaches the call. A plain multiplication costs less than a
+    Python autograd function's backward (seen: about 10 against 30 microseconds).
     """
 
-    __slots__ = ("name", "denominator", "value", "scale")
+    __slots__ = ("name", "denominator", "value", "_scale", "_factor")
 
-    def __init__(self, name: str, denominator: float | Tensor, value: Tensor) -> None:
-        self.name, self.denominator, self.value = name, denominator, value
-        self.scale = 1.0
+    def __init__(self, name: str, denominator: float | Tensor, factor: Tensor) -> None:
+        self.name, self.denominator, self._factor = name, denominator, factor
+        self.value: Tensor | None = None
+        self._scale = 1.0
+
+    @property
+    def scale(self) -> float:
+        """What multiplies the gradient that reaches the call's value (1 until the strategy sets it)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, scale: float) -> None:
+        self._scale = scale
+        self._factor.data.fill_(scale)  # .data: no version bump, or backward would refuse the saved factor
 
     def numbers(self) -> tuple[float, float]:
         """``(D, L)`` as Python floats."""
-        return float(self.denominator), float(self.value)
+        return float(self.denominator), float(self.value)  # type: ignore[arg-type]
 
 
-class _ScaledIdentity(torch.autograd.Function):
-    """``apply(value, keep, term)``: ``value`` (0 where ``keep`` is false); backward: the gradient times ``term.scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, value: Tensor, keep: Tensor | bool, term: Term) -> Tensor:
-        ctx.term, ctx.keep = term, keep
-        if isinstance(keep, Tensor):
-            return torch.where(keep, value, torch.zeros_like(value))
-        return value.clone() if keep else torch.zeros_like(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        grad = grad * ctx.term.scale
-        if isinstance(ctx.keep, Tensor):
-            grad = torch.where(ctx.keep, grad, torch.zeros_like(grad))
-        elif not ctx.keep:
-            grad = torch.zeros_like(grad)
-        return grad, None, None
+def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
+    """``value * factor``; 0 where ``keep`` is false (a mean over nothing), still in the graph, with gradient 0."""
+    if keep is True:
+        return value * factor
+    if keep is False:
+        return value.nan_to_num(0.0, 0.0, 0.0) * 0.0
+    return torch.where(keep, value, torch.zeros_like(value)) * factor
 
 
 class Form:
@@ -119,15 +170,40 @@ class TermCapture(TorchFunctionMode):
         super().__init__()
         self.terms: list[Term] = []
         self.forms: dict[int, Form] = {}
+        self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
+        self._entered = False
+        self.blocked: str | None = None  # why the mode could not be entered
 
     def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with this capture as the calling thread's torch function mode."""
-        with self:
-            return fn()
+        """``fn()`` with this capture as the calling thread's torch function mode from its first loss call on.
+
+        Until then the step runs without the mode, at no cost: the losses of ``torch.nn.functional``
+        (which ``nn.*Loss`` modules call) are replaced, while any capture runs, by triggers that enter
+        the pending capture of their thread. A loss imported by name before (``from
+        torch.nn.functional import cross_entropy``) is captured once the mode is entered.
+        """
+        with _triggers_installed():
+            _local.pending = self
+            try:
+                return fn()
+            finally:
+                _local.pending = None
+                if self._entered:
+                    self._entered = False
+                    self.__exit__(None, None, None)
+
+    def _activate(self) -> None:
+        _local.pending = None
+        if torch._C._len_torch_function_stack() > 0:  # the step's own mode (e.g. ``with torch.device(...)``)
+            self.blocked = "the step had a torch function mode of its own active (e.g. `with torch.device(...)`) at its first loss"
+            return
+        self.__enter__()
+        self._entered = True
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         try:
+            func = _ORIGINALS.get(func, func)
             captured = func in CAPTURED
         except TypeError:  # an unhashable callable: not a loss
             captured = None
@@ -149,9 +225,11 @@ class TermCapture(TorchFunctionMode):
         if not is_mean(bound):
             return out  # "sum" / "none": what the step does with it is its own arithmetic
         d = denominator(func, bound)
+        if isinstance(d, Tensor) and d.device.type == "cpu":
+            d = float(d)  # no device to wait for
         keep: Tensor | bool = d > 0 if isinstance(d, Tensor) else bool(d > 0)
-        term = Term(loss_name(func), d, out)
-        value = _ScaledIdentity.apply(out, keep, term)
+        term = Term(loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device))
+        value = _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
         self.terms.append(term)
@@ -211,6 +289,18 @@ class TermCapture(TorchFunctionMode):
         within rounding of ``scale = |value| + sum_k |c_k L_k|``.
         """
         form = self.forms.get(id(value)) if isinstance(value, Tensor) else None
+        cached = self._combinations.get(id(value))
+        if form is not None and cached is not None and cached[0] is form:
+            return cached[1]
+        result = self._combination(value)
+        if form is not None:  # keyed by the form, which an in-place change of the value replaces
+            self._combinations[id(value)] = (form, result)
+        return result
+
+    def _combination(self, value: Any) -> tuple[list[float], float, float] | str:
+        form = self.forms.get(id(value)) if isinstance(value, Tensor) else None
+        if form is None and self.blocked:
+            return self.blocked
         if form is None:
             return "it is not computed from torch's mean-reduced losses (F.cross_entropy, F.mse_loss, ... or their nn.*Loss modules)"
         if form.coeffs is None:

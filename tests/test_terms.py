@@ -134,3 +134,29 @@ def test_gradient_is_scaled_by_the_terms_scale():
     b = x.clone().requires_grad_()
     (3 * F.mse_loss(b, y)).backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=0)
+
+
+def test_run_enters_the_mode_at_the_first_loss_and_restores_torch():
+    from torch.nn.functional import cross_entropy  # imported by name: torch's own function
+
+    original = F.mse_loss
+    capture = TermCapture()
+
+    def step():
+        assert torch._C._len_torch_function_stack() == 0  # the forward runs without the mode
+        first = nn.MSELoss()(x, y)  # nn.*Loss -> F.mse_loss, a trigger while the step runs
+        assert torch._C._len_torch_function_stack() == 1
+        return first + cross_entropy(logits, labels)  # by name: captured once the mode is in
+
+    loss = capture.run(step)
+    assert torch._C._len_torch_function_stack() == 0 and F.mse_loss is original
+    assert [t.name for t in capture.terms] == ["F.mse_loss", "F.cross_entropy"]
+    assert capture.combination(loss)[0] == [1.0, 1.0]
+
+
+def test_a_loss_imported_by_name_before_any_other_is_not_captured_and_said():
+    from torch.nn.functional import cross_entropy
+
+    capture = TermCapture()
+    loss = capture.run(lambda: cross_entropy(logits, labels))
+    assert capture.terms == [] and "not computed from torch's mean-reduced losses" in capture.combination(loss)
