@@ -286,7 +286,8 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
     Side by side in one run: the whole step with ``"terms"`` and with ``"auto"`` (no capture), alternating
     ``pairs`` times, pooled medians and the range of the per-pair ratios; and, below the noise of whole
     steps, one replica's forward + loss + backward on its chunk with and without the capture mode
-    (interleaved, ``reps`` each, median difference) and the weighting alone (decision, gradient scales,
+    (interleaved ABBA, ``reps`` each, median difference; ``calls_in_mode``: torch calls the mode sees, as it
+    is entered at the loss) and the weighting alone (decision, gradient scales,
     shifted losses, one logged value; median of ``reps``). ``cost_fraction`` is (capture + weighting) over
     the step with ``"auto"``: the replicas capture at once, in their own threads.
     """
@@ -319,11 +320,20 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
         return loss
 
     plain, captured = [], []
-    for _ in range(reps):
-        for store, terms in ((plain, None), (captured, StepTerms(1, WarningCache()))):
+    for i in range(reps):  # ABBA: neither case always runs second
+        cases = ((plain, None), (captured, StepTerms(1, WarningCache())))
+        for store, terms in cases if i % 2 else cases[::-1]:
             start = time.perf_counter()
             replica_pass(chunks[0], terms.captures[0] if terms is not None else None)
             store.append(time.perf_counter() - start)
+    calls = []
+
+    class Counting(type(StepTerms(1, WarningCache()).captures[0])):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    replica_pass(chunks[0], Counting())
     weighing = []
     for _ in range(reps):
         terms = StepTerms(2, WarningCache())
@@ -342,6 +352,7 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
         "step_ratio": round(on / off, 4), "step_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
         "replica_pass_ms": round(statistics.median(plain) * 1e3, 3), "capture_ms": round(capture_s * 1e3, 3),
         "weighting_ms": round(weighting_s * 1e3, 3), "cost_fraction": round((capture_s + weighting_s) / off, 4),
+        "calls_in_mode": len(calls), "load_average": round(os.getloadavg()[0], 2),
     }
 
 

@@ -11,6 +11,10 @@ module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics`
 
 Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
+- under ``loss_weighting="terms"``, a value that is a combination of the step's captured losses
+  (a term, the loss, a sum of terms) in every replica: its whole-batch value
+  (:mod:`lightning_sparse_dp.term_weights`), before any of the rules below;
+
 - the step's loss itself (the tensor the step returns, ``self.log("loss", loss)``): the weighted
   mean the loss is gathered by, whatever ``reduce_fx`` says (``reduce_fx`` is Lightning's reduction
   over the steps of an epoch; a loss is a mean whatever it is later reduced by);
