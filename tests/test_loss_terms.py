@@ -13,11 +13,11 @@ from functools import partial
 import pytest
 import torch
 
-from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.clients import fresh_loader
 from tests.helpers import relative_difference, state_differences
 from tests.helpers import trainer as _trainer
-from tests.term_models import LevelCompletion, MaskedMean, MultiHead, ScanNetSeg, seg_batch
+from tests.term_models import LevelCompletion, MaskedMean, MultiHead, ScanNetSeg, SometimesL1, WithPenalty, seg_batch
 
 trainer = partial(_trainer, precision="64-true")
 REL = 1e-10
@@ -138,3 +138,17 @@ def test_a_term_empty_in_the_whole_batch_is_nan_as_on_one_device(caplog):
     r = _fit(reference, [batch], steps=1)
     assert torch.isnan(r.logged_metrics["train_loss"]) and torch.isnan(t.logged_metrics["train_loss"])
     assert _worst(ours, reference) <= REL
+
+
+def test_a_penalty_on_the_parameters_beside_the_terms_is_exact():
+    worst, _, _ = _compare(WithPenalty, [seg_batch(7, seed=s, fractions=(0.0, 0.3, 1.0)) for s in (1, 2)], 3)
+    assert worst <= REL
+
+
+def test_replicas_calling_different_losses_fall_back_and_say_so(caplog):
+    batch = seg_batch(7, seed=1, ignore=-100, fractions=(0.0, 0.2, 0.0))
+    chunks, _ = split_batch(batch, 3)
+    assert len({bool(c["coordinates"][:, 0].max() >= 2) for c in chunks}) == 2  # some chunks call l1_loss, some not
+    with caplog.at_level(logging.INFO):
+        _fit(_same(SometimesL1)[0], [batch], "sparse_dp", 3, steps=1)
+    assert "different sequences of mean-reduced losses" in caplog.text
