@@ -160,3 +160,15 @@ def test_a_loss_imported_by_name_before_any_other_is_not_captured_and_said():
     capture = TermCapture()
     loss = capture.run(lambda: cross_entropy(logits, labels))
     assert capture.terms == [] and "not computed from torch's mean-reduced losses" in capture.combination(loss)
+
+
+@pytest.mark.parametrize("keep", [True, False, torch.tensor(True), torch.tensor(False)])  # tensors: the CUDA path
+def test_scaled_value_and_gradient(keep):
+    from lightning_sparse_dp.terms import _scaled
+
+    a = torch.tensor(float("nan") if not bool(keep) else 2.0, dtype=torch.float64, requires_grad=True)
+    factor = torch.ones((), dtype=torch.float64)
+    out = _scaled(a, keep, factor)
+    factor.data.fill_(3.0)  # as Term.scale does after the step
+    out.backward()
+    assert float(out.detach()) == (2.0 if bool(keep) else 0.0) and float(a.grad) == (3.0 if bool(keep) else 0.0)
