@@ -302,7 +302,11 @@ class TermCapture(TorchFunctionMode):
         if form is None and self.blocked:
             return self.blocked
         if form is None:
-            return "it is not computed from torch's mean-reduced losses (F.cross_entropy, F.mse_loss, ... or their nn.*Loss modules)"
+            return (
+                "it is not computed from torch's mean-reduced losses (F.cross_entropy, F.mse_loss, ... with "
+                "reduction='mean', or their nn.*Loss modules), e.g. a hand-written masked mean such as "
+                "(loss * mask).sum() / mask.sum() or a loss torch does not define (Dice, Lovasz)"
+            )
         if form.coeffs is None:
             return form.why or "it is not a linear combination of mean-reduced losses"
         if value.numel() != 1:
