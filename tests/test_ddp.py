@@ -279,3 +279,29 @@ def test_the_process_group_is_destroyed_at_exit(monkeypatch):
     assert registered == [ddp.destroy_process_group_at_exit]
     registered[0]()
     assert calls == ["destroyed"]
+
+
+def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
+    import logging
+
+    import torch.nn.functional as F
+
+    from lightning_sparse_dp import SparseDDPStrategy
+    from lightning_sparse_dp.terms import TermCapture
+    from tests.ddp_helpers import Scenes, collate
+
+    t = L.Trainer(strategy=SparseDDPStrategy(), accelerator="cpu", devices=1, logger=False)
+    strategy, batch = t.strategy, collate([Scenes(3, seed=1)[i] for i in range(3)])
+    logits = torch.randn(batch["point_labels"].shape[0], 4, requires_grad=True)
+    mask = batch["point_labels"] != 0
+
+    strategy._capture = TermCapture()  # as _weighted sets it around the step
+    loss = strategy._capture.run(lambda: (F.cross_entropy(logits, batch["point_labels"], reduction="none") * mask).sum() / mask.sum())
+    with caplog.at_level(logging.INFO):
+        assert strategy._term_scale(loss, 3.0, batch) == 1.0  # "auto"'s world_size * n_r / N, with one rank
+    assert "sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term" in caplog.text
+    assert "hand-written masked mean" in caplog.text and "SparseDDPStrategy(loss_weighting=lambda chunk" in caplog.text
+
+    strategy._capture = TermCapture()
+    loss = strategy._capture.run(lambda: F.cross_entropy(logits, batch["point_labels"], ignore_index=0))
+    assert strategy._term_scale(loss, 3.0, batch) == 1.0 and strategy._capture.terms[0].scale == 1.0
