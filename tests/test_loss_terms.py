@@ -17,7 +17,9 @@ from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.clients import fresh_loader
 from tests.helpers import relative_difference, state_differences
 from tests.helpers import trainer as _trainer
-from tests.term_models import LevelCompletion, MaskedMean, MultiHead, ScanNetSeg, SometimesL1, WithPenalty, seg_batch
+from tests.term_models import (
+    LevelCompletion, LoggedOnly, MaskedMean, MultiHead, ScanNetSeg, SometimesL1, WithPenalty, seg_batch
+)
 
 trainer = partial(_trainer, precision="64-true")
 REL = 1e-10
@@ -153,3 +155,11 @@ def test_replicas_calling_different_losses_fall_back_and_say_so(caplog):
     with caplog.at_level(logging.INFO):
         _fit(_same(SometimesL1)[0], [batch], "sparse_dp", 3, steps=1)
     assert "different sequences of mean-reduced losses" in caplog.text
+
+
+def test_a_loss_computed_only_to_be_logged_has_its_own_weights_and_no_gradient():
+    batches = [seg_batch(7, seed=s, fractions=(0.1, 0.0, 0.3)) for s in (10, 11)]
+    worst, t, r = _compare(LoggedOnly, batches, 3)
+    assert worst <= REL  # the gradients are the loss's alone
+    for name in ("aux", "total"):
+        assert relative_difference(t.logged_metrics[name], r.logged_metrics[name]) <= REL, name
