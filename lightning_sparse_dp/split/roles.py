@@ -8,6 +8,7 @@ every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,8 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
         )
     first = sources[matches[0]].batch_index
     if any(not torch.equal(first, sources[n].batch_index) for n in matches[1:]):
+        matches = _same_number(leaf, leaves, sources, matches)
+    if any(not torch.equal(sources[matches[0]].batch_index, sources[n].batch_index) for n in matches[1:]):
         if num_chunks == 1:
             return whole
         raise BatchLayoutError(
@@ -112,6 +115,14 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
     return dataclasses.replace(leaf, role="points", source=matches[0])
+
+
+def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:
+    """Of sources of the same length, the one whose key carries the same number as the leaf's
+    (``feats0`` -> ``coords0``, ``sinput1_F`` -> ``sinput1_C``), when exactly one does; else all of them."""
+    number = re.findall(r"\d+", str(key_of(leaf.path)))
+    same = [n for n in matches if number and re.findall(r"\d+", str(key_of(leaves[sources[n].leaf].path))) == number]
+    return same if len(same) == 1 else matches
 
 
 def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
