@@ -15,7 +15,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import lightning as L
 import MinkowskiEngine as ME
 import pytest
 import torch
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.helpers import assert_same_states, relative_difference, same_start, trainer
+from tests.pairs import PairNet, pair_batch, pairs_in
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,74 +110,6 @@ def test_completion_with_a_per_sample_loss_trains_to_one_devices_parameters():
 
 # --- registration ------------------------------------------------------------------------------------
 
-def _scan(g: torch.Generator, n: int) -> torch.Tensor:
-    cells = torch.randperm(8**3, generator=g)[:n]
-    return torch.stack([cells // 64, (cells // 8) % 8, cells % 8], 1).int()
-
-
-def pair_batch(seeds) -> dict:
-    """FCGF's ``collate_pair_fn`` layout: two collated scans per sample and correspondences [K, 2] of
-    rows of the collated scans (each sample's indices offset by the points of the samples before)."""
-    coords0, coords1, rows, transforms, off0, off1 = [], [], [], [], 0, 0
-    for s in seeds:
-        g = torch.Generator().manual_seed(s)
-        n0, n1 = (int(v) for v in torch.randint(12, 40, (2,), generator=g))
-        c0, c1 = _scan(g, n0), _scan(g, n1)
-        k = int(torch.randint(3, 10, (1,), generator=g))
-        rows.append(torch.stack([torch.randperm(n0, generator=g)[:k] + off0, torch.randperm(n1, generator=g)[:k] + off1], 1))
-        coords0.append(c0)
-        coords1.append(c1)
-        transforms.append(torch.eye(4))
-        off0, off1 = off0 + n0, off1 + n1
-    c0, c1 = ME.utils.batched_coordinates(coords0), ME.utils.batched_coordinates(coords1)
-    return {
-        "sinput0_C": c0, "sinput0_F": torch.ones(len(c0), 1),
-        "sinput1_C": c1, "sinput1_F": torch.ones(len(c1), 1),
-        "correspondences": torch.cat(rows).int(),
-        "T_gt": torch.stack(transforms),
-    }
-
-
-class PairNet(L.LightningModule):
-    """A fully convolutional feature network (FCGF style) with a hardest-negative contrastive loss: for every
-    matched pair, the squared distance of the pair's features plus the squared hinge of the nearest
-    non-matching point of the same sample's other scan; averaged over pairs."""
-
-    margin = 1.4
-
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            ME.MinkowskiConvolution(1, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8), ME.MinkowskiReLU(),
-            ME.MinkowskiConvolution(8, 8, kernel_size=3, dimension=3),
-        )
-
-    def features(self, batch, i):
-        x = ME.SparseTensor(batch[f"sinput{i}_F"], batch[f"sinput{i}_C"])
-        return F.normalize(self.net(x).F, dim=1)
-
-    def training_step(self, batch, batch_idx):
-        f0, f1 = self.features(batch, 0), self.features(batch, 1)
-        corr = batch["correspondences"].long()
-        anchors, positives = f0[corr[:, 0]], f1[corr[:, 1]]
-        pos = (anchors - positives).pow(2).sum(1)
-        distances = torch.cdist(anchors, f1)
-        other = batch["sinput1_C"][:, 0][None, :] != batch["sinput0_C"][corr[:, 0], 0][:, None]
-        other[torch.arange(len(corr)), corr[:, 1]] = True  # the match itself is no negative
-        neg = distances.masked_fill(other, float("inf")).min(dim=1).values
-        loss = (pos + F.relu(self.margin - neg).pow(2)).mean()
-        self.log("train_loss", loss, batch_size=len(corr))
-        return loss
-
-    def predict_step(self, batch, batch_idx):
-        f0, f1 = self.features(batch, 0), self.features(batch, 1)
-        b0, b1 = batch["sinput0_C"][:, 0], batch["sinput1_C"][:, 0]
-        return [(f0[b0 == i], f1[b1 == i]) for i in range(int(b0.max()) + 1)]
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def _pairs(batches):
     return DataLoader(batches, batch_size=None)
 
@@ -186,7 +118,7 @@ def test_registration_pairs_train_to_one_devices_parameters_and_predict_its_feat
     batches = [pair_batch(range(0, 7)), pair_batch(range(7, 12))]
     ours, reference = same_start(PairNet, seed=0)
     start = {k: v.clone() for k, v in reference.state_dict().items()}
-    pairs = SparseDataParallelStrategy(loss_weighting=lambda chunk: len(chunk["correspondences"]))
+    pairs = SparseDataParallelStrategy(loss_weighting=pairs_in)
     common = dict(max_steps=2, precision="64-true")
     trainer(strategy=pairs, devices=3, sync_batchnorm=True, **common).fit(ours, _pairs(batches))
     trainer(devices=1, **common).fit(reference, _pairs(batches))
