@@ -204,27 +204,21 @@ def voxel_iou(out: ME.SparseTensor | None, target: torch.Tensor, b: int) -> torc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=3)
-    parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--max-epochs", type=int, default=15)
-    parser.add_argument("--train-shapes", type=int, default=96)
-    parser.add_argument("--val-shapes", type=int, default=24)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--grid", type=int, default=16, help="voxels per side")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "runs"))
+    options = [  # flag, type, default
+        ("--devices", int, 3), ("--accelerator", str, "cpu"), ("--max-epochs", int, 15), ("--train-shapes", int, 96),
+        ("--val-shapes", int, 24), ("--batch-size", int, 8), ("--grid", int, 16),
+        ("--out", str, str(Path(__file__).resolve().parent / "runs")),
+    ]
+    for flag, kind, default in options:
+        parser.add_argument(flag, type=kind, default=default)
     args = parser.parse_args()
 
     L.seed_everything(0, workers=True)
     train, val = Shapes(args.train_shapes, 1, args.grid), Shapes(args.val_shapes, 2, args.grid)
+    loggers = [cls(Path(args.out) / folder, name="completion") for cls, folder in ((CSVLogger, "csv"), (TensorBoardLogger, "tensorboard"))]
     trainer = L.Trainer(
-        strategy="sparse_dp",
-        accelerator=args.accelerator,
-        devices=args.devices,
-        max_epochs=args.max_epochs,
-        logger=[CSVLogger(Path(args.out) / "csv", name="completion"),
-                TensorBoardLogger(Path(args.out) / "tensorboard", name="completion")],
-        enable_checkpointing=False,
-        log_every_n_steps=5,
+        strategy="sparse_dp", devices=args.devices, accelerator=args.accelerator, max_epochs=args.max_epochs,
+        logger=loggers, enable_checkpointing=False, log_every_n_steps=5,
     )
     model = Completion()
     start = time.perf_counter()
