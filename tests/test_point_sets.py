@@ -165,6 +165,9 @@ def test_per_sample_lists_of_index_tensors_travel_with_their_samples():
         assert [t.tolist() for t in chunk["correspondences"]] == [own[i].tolist() for i in ids.tolist()]
     with pytest.raises(BatchLayoutError, match="per-sample list of 2 tensors, but the batch has 3 samples"):
         split_batch(dict(batch, correspondences=own[:2]), 2)
+    # sample 2 has 2 points in coords0 (rows 0..1): its own row 2 does not exist
+    with pytest.raises(BatchLayoutError, match=r"correspondences'\]\[2\]\[0, 0\] = 2 is not a row of sample 2"):
+        split_batch(dict(batch, correspondences=[*own[:2], torch.tensor([[2, 0]])]), 2)
 
 
 # --- per-sample outputs ----------------------------------------------------------------------------

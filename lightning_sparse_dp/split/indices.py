@@ -140,6 +140,32 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
     return dataclasses.replace(leaf, columns=columns, row_samples=samples)
 
 
+def check_sample_lists(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source]) -> None:
+    """Check a per-sample list of index tensors (each sample's own row numbers, ``[k_b]`` or ``[k_b, c]``):
+    every index of sample ``b`` in range of sample ``b``'s points of its column's source.
+
+    Raises:
+        BatchLayoutError: an index out of range of its sample's points (the message says which).
+    """
+    names = _source_names(leaves, sources)
+    for b, x in enumerate(leaf.value):
+        if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dim() not in (1, 2) or not sources:
+            continue
+        values = (x if x.dim() == 2 else x[:, None]).long().cpu()
+        for c, s in enumerate(_columns(leaf, values.shape[1], sources, names)):
+            if s < 0:
+                continue
+            count = int(sources[s].counts[b]) if sources[s].counts is not None else sources[s].num_points
+            bad = ((values[:, c] < 0) | (values[:, c] >= count)).nonzero().flatten()
+            if bad.numel():
+                k = int(bad[0])
+                raise BatchLayoutError(
+                    f"{leaf.name}[{b}][{k}, {c}] = {int(values[k, c])} is not a row of sample {b} of {sources[s].name}, "
+                    f"which has {count} points there. A per-sample list holds each sample's own row numbers "
+                    f"(0..{count - 1} here); indices into the collated batch belong in one tensor [K, c] instead."
+                )
+
+
 def _positions(src: Source, j: int) -> Tensor:
     """int64 ``[N]``: each row of ``src``'s chunk ``j`` its position in the chunk, -1 elsewhere."""
     rows = src.rows[j]
@@ -182,4 +208,4 @@ def merge_indices(pieces: Sequence[Tensor], i: int, plan: SplitPlan) -> list[Ten
     return restored
 
 
-__all__ = ["cut_indices", "index_rows", "merge_indices", "resolve_indices"]
+__all__ = ["check_sample_lists", "cut_indices", "index_rows", "merge_indices", "resolve_indices"]

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse_dp.split.indices import resolve_indices
+from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
-from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, names_indices
 from lightning_sparse_dp.split.sources import looks_like_collated_coordinates
 
 
@@ -54,7 +54,10 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
     if isinstance(x, np.ndarray) or type(x) in (list, tuple):
         if role == "points":
             raise BatchLayoutError(not_points)
-        return dataclasses.replace(leaf, role=_sequence_role(leaf, sources, num_samples))
+        sequence_role = _sequence_role(leaf, sources, num_samples)
+        if sequence_role == "samples" and names_indices(key_of(leaf.path)) and any(isinstance(e, Tensor) for e in x):
+            check_sample_lists(leaf, leaves, sources)
+        return dataclasses.replace(leaf, role=sequence_role)
     if not isinstance(x, Tensor) or x.dim() == 0:
         if role == "points":
             raise BatchLayoutError(not_points)
