@@ -15,6 +15,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import lightning as L
 import MinkowskiEngine as ME
 import pytest
 import torch
@@ -138,3 +139,36 @@ def test_out_of_range_correspondences_are_refused_at_the_first_batch():
     batch["correspondences"][-1, 1] = len(batch["sinput1_C"])
     with pytest.raises(Exception, match="is not a row of batch\\['sinput1_C'\\]"):
         trainer(strategy="sparse_dp", devices=3).fit(PairNet(), _pairs([batch]))
+
+
+class _Outputs(L.Callback):
+    def __init__(self):
+        self.outputs = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.outputs.append(outputs)
+
+
+class DecomposingNet(PairNet):
+    """A training step that returns ME's per-sample idiom beside the loss: ``{"loss", "features": [f0_b]}``."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        x = ME.SparseTensor(batch["sinput0_F"], batch["sinput0_C"])
+        return {"loss": loss, "features": self.net(x).decomposed_features}
+
+
+def test_training_step_per_sample_outputs_reach_callbacks_as_one_devices():
+    batches = [pair_batch(range(20, 27))]
+    ours, reference = same_start(DecomposingNet, seed=0)
+    seen, expected = _Outputs(), _Outputs()
+    trainer(strategy=SparseDataParallelStrategy(loss_weighting=pairs_in), devices=3, sync_batchnorm=True,
+            precision="64-true", callbacks=[seen]).fit(ours, _pairs(batches))
+    trainer(devices=1, precision="64-true", callbacks=[expected]).fit(reference, _pairs(batches))
+    got, want = seen.outputs[0]["features"], expected.outputs[0]["features"]
+    assert len(got) == len(want) == 7
+    coordinates = [c for c in ME.SparseTensor(batches[0]["sinput0_F"], batches[0]["sinput0_C"]).decomposed_coordinates]
+    for x, y, c in zip(got, want, coordinates, strict=True):
+        assert x.shape == y.shape == (len(c), 8)
+        # rows of one sample in ME's decomposition order: compare as multisets of rows
+        assert relative_difference(x[x[:, 0].argsort()], y[y[:, 0].argsort()]) <= 1e-10
