@@ -215,7 +215,8 @@ def main() -> None:
 
     L.seed_everything(0, workers=True)
     train, val = Shapes(args.train_shapes, 1, args.grid), Shapes(args.val_shapes, 2, args.grid)
-    loggers = [cls(Path(args.out) / folder, name="completion") for cls, folder in ((CSVLogger, "csv"), (TensorBoardLogger, "tensorboard"))]
+    kinds = ((CSVLogger, "csv"), (TensorBoardLogger, "tensorboard"))
+    loggers = [cls(Path(args.out) / folder, name="completion") for cls, folder in kinds]
     trainer = L.Trainer(
         strategy="sparse_dp", devices=args.devices, accelerator=args.accelerator, max_epochs=args.max_epochs,
         logger=loggers, enable_checkpointing=False, log_every_n_steps=5,
