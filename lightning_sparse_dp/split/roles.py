@@ -174,7 +174,7 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
     if isinstance(x, np.ndarray) and any(src.num_points == length for src in sources):
         raise BatchLayoutError(
             f"{leaf.name} is a numpy array with one row per point ({length}); convert it with torch.as_tensor(...) in "
-            "the collate function (ME.utils.sparse_collate does so), or give it the role 'replicate' in layout=."
+            "the collate function (ME.utils.sparse_collate does so): it is then split with its points."
         )
     return "replicate"
 

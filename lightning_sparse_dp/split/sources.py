@@ -238,8 +238,10 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
     if len(set(lengths.values())) > 1:
         raise BatchLayoutError(
             f"dense batch tensors disagree on the batch size (dim 0): {lengths}. " + (uncollated_hint(leaves) or (
-                "Without coordinates every tensor is split along dim 0 and must have the same length; give a tensor "
-                "the role 'replicate' in layout= to pass it whole to every replica." + _numpy_hint(leaves)
+                "Without coordinates every tensor is split along dim 0 and must have one row per sample. A tensor "
+                "that is not per-sample data (a constant every replica needs whole, e.g. a class-weight table) may "
+                "take the role 'replicate' in layout=; per-sample data passed whole would train every replica on "
+                "every sample." + _numpy_hint(leaves)
             ))
         )
     num_samples = next(iter(lengths.values()))
