@@ -246,3 +246,13 @@ def test_ambiguous_sequences_warn_and_output_layout_decides():
     assert not [w for w in seen if "alike entries" in str(w.message)]
     with pytest.raises(ValueError, match="role 'samples' but its lengths"):
         _gather([[c["features"]] for c in chunks], plan, output_layout={"output": "samples"})
+
+
+def test_a_per_sample_integer_table_is_not_taken_for_coordinates():
+    g = torch.Generator().manual_seed(9)
+    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    boxes = torch.tensor([[0, 3, 4, 5], [1, 2, 2, 2], [2, 7, 1, 0]])  # column 0 reads 0, 1, 2 by chance
+    chunks, plan = split_batch({"coordinates": a, "boxes": boxes}, 2)
+    assert len(plan.point_rows) == 1 and plan.roles[1] == "samples"
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        assert torch.equal(chunk["boxes"], boxes[ids])  # untouched, not renumbered

@@ -14,7 +14,8 @@ one of them is found:
 3. any other integer tensor ``[M, D+1]`` that looks like collated coordinates: when 1. and 2. found
    none, every one (``sparse_collate``'s tuple; else a floating-point one by the stricter rule of
    :func:`_float_coordinates`); when they found some, those whose column 0 numbers the same ``B``
-   samples ``0..B-1`` as the first source (``sinput1_C`` beside ``sinput0_C``).
+   samples ``0..B-1`` as the first source and that have more rows than samples (``sinput1_C`` beside
+   ``sinput0_C``; a per-sample integer tensor ``[B, c]`` whose column 0 happens to read 0..B-1 is not one).
 
 Integer tensors ``[K, c]`` under a key that names indices
 (:func:`~lightning_sparse_dp.split.records.names_indices`: ``correspondences``, ``matches``) are
@@ -167,11 +168,12 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
         integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
         for i in integer or _float_coordinates(out, candidates):
             _as_source(out, sources, i, out[i].value[:, 0].long())
-    else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1
+    else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
         num_samples = int(sources[0].batch_index.max()) + 1 if sources[0].num_points else 0
         for i in candidates:
-            batch_index = out[i].value[:, 0].long()
-            if not out[i].value.dtype.is_floating_point and _numbers_samples(batch_index, num_samples):
+            x = out[i].value
+            batch_index = x[:, 0].long()
+            if not x.dtype.is_floating_point and x.shape[0] > num_samples and _numbers_samples(batch_index, num_samples):
                 _as_source(out, sources, i, batch_index)
     return tuple(out), tuple(sources)
 
