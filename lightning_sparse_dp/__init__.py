@@ -16,7 +16,8 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
 - :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
 - :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
-- :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
+- :mod:`~lightning_sparse_dp.gather`: the replicas' losses -> one loss, weighted to the whole-batch mean;
+- :mod:`~lightning_sparse_dp.outputs`: other outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
@@ -38,7 +39,8 @@ weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two shar
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights, gather_outputs
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate

@@ -16,12 +16,17 @@ cluster environments, process groups and gradient all-reduce are used as they ar
   :class:`~lightning_sparse_dp.sampler.PointBalancedBatchSampler` (whole samples, even point
   counts, no padding, the same number of steps on every rank);
 - **sync batch norm over the process group** on CPU (gloo) and CUDA, through Lightning's
-  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown.
+  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown;
+- **predictions in dataset order on every rank**: a predict DataLoader in dataset order gets the same
+  point-balanced shares, and each step's outputs are all-gathered and merged as ``sparse_dp`` merges
+  its replicas' (:mod:`~lightning_sparse_dp.outputs`: per-sample lists and rows in the global batch's
+  order), so ``trainer.predict`` returns one device's predictions on every rank.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,16 +35,19 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import chunk_counts, say_auto_choice, zeroed
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights, say_auto_choice, zeroed
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
-from lightning_sparse_dp.split import split_batch
+from lightning_sparse_dp.split import SplitPlan, split_batch
 
 _MEAN_OPS = ("mean", "avg")
 
@@ -87,9 +95,36 @@ def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoa
     Uses Lightning's own DataLoader re-instantiation (``lightning.pytorch.utilities.data``), as its
     sampler injection does.
     """
+    if isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+        # Lightning's predict wrapper cannot be re-instantiated: read the loader's arguments from a copy that
+        # holds the BatchSampler it wraps (DataLoader forbids setting batch_sampler, hence __dict__)
+        dataloader = copy.copy(dataloader)
+        dataloader.__dict__["batch_sampler"] = dataloader.batch_sampler._batch_sampler
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
     kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def gather_step_outputs(output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device) -> Any:
+    """Every rank's output of global batch ``batch_idx`` as one output, in the global batch's sample order.
+
+    ``all_gather_object`` of each rank's output (tensors on the CPU), merged by
+    :func:`~lightning_sparse_dp.outputs.gather_outputs` with the shares ``sampler`` dealt: per-sample lists
+    and per-sample rows in the global batch's order. Every rank must call it, for the same batch.
+    """
+    batch = sampler.global_batches()[batch_idx]
+    position = {sample: p for p, sample in enumerate(batch)}
+    shares = [torch.tensor([position[i] for i in share], dtype=torch.long) for share in sampler.shares(batch)]
+    plan = SplitPlan(num_samples=len(batch), chunk_samples=tuple(shares))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, apply_to_collection(output, Tensor, lambda t: t.detach().cpu()))
+    return gather_outputs(gathered, plan, chunk_weights(plan, "samples"), device)
+
+
+def _in_dataset_order(sampler: Any) -> bool:
+    """Lightning's predict sampler over the dataset in order (a DataLoader without ``shuffle``)."""
+    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    return type(sampler) is UnrepeatedDistributedSamplerWrapper and not sampler.shuffle and isinstance(wrapped, SequentialSampler)
 
 
 class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
@@ -140,6 +175,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._count: float | None = None  # n_r during a training / validation / test step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+        self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
         self._infos = WarningCache()
 
     @override
@@ -230,38 +266,64 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
         return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``predict_step`` on this rank's share, then every rank's output merged in the global
+        batch's order (:func:`gather_step_outputs`), so each rank returns one device's predictions."""
+        output = super().predict_step(*args, **kwargs)
+        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
+            return output
+        batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])
+        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device)
+
+    @override
+    def on_predict_end(self) -> None:
+        self._predict_samplers = []
+        super().on_predict_end()
+
     # --- point-balanced batches ------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Replace the ``DistributedSampler`` Lightning injected with a :class:`PointBalancedBatchSampler`.
 
         Only for map-style loaders whose sampler is a plain ``DistributedSampler`` batched by a plain
-        ``BatchSampler`` (Lightning's injection for training / validation / test); other loaders
-        (custom samplers, predict, ``use_distributed_sampler=False``) are left as they are. The
-        global batch is the DataLoader's ``batch_size`` times the world size, as with ``"ddp"``.
+        ``BatchSampler`` (Lightning's injection for training / validation / test), or, when predicting,
+        Lightning's predict sampler over the dataset in order (predictions then come back merged:
+        :meth:`predict_step`); other loaders (custom samplers, a shuffled predict loader,
+        ``use_distributed_sampler=False``) are left as they are. The global batch is the DataLoader's
+        ``batch_size`` times the world size, as with ``"ddp"``.
         """
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        inner = dataloader.batch_sampler  # for predict, Lightning wraps it to record each batch's indices
+        predicting = isinstance(inner, _IndexBatchSamplerWrapper)
+        inner = inner._batch_sampler if predicting else inner  # type: ignore[union-attr]
+        sampler = getattr(inner, "sampler", None)
         if (
-            not isinstance(dataloader, DataLoader)
-            or type(dataloader.sampler) is not DistributedSampler
-            or type(dataloader.batch_sampler) is not BatchSampler
+            type(inner) is not BatchSampler
+            or not (_in_dataset_order(sampler) if predicting else type(sampler) is DistributedSampler)
             or (trainer is not None and not trainer._accelerator_connector.use_distributed_sampler)
         ):
             return dataloader
-        sampler = dataloader.sampler
+        assert isinstance(sampler, DistributedSampler)
         counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
         batch_sampler = PointBalancedBatchSampler(
             counts,
-            dataloader.batch_sampler.batch_size * self.world_size,
+            inner.batch_size * self.world_size,
             num_replicas=self.world_size,
             rank=self.global_rank,
             num_samples=len(dataloader.dataset),  # type: ignore[arg-type]
             shuffle=sampler.shuffle,
             seed=sampler.seed,
-            drop_last=dataloader.batch_sampler.drop_last,
+            drop_last=inner.drop_last,
             split=self.split,
         )
+        if predicting:
+            self._predict_samplers.append(batch_sampler)
+            return replace_batch_sampler(dataloader, _IndexBatchSamplerWrapper(batch_sampler))
         return replace_batch_sampler(dataloader, batch_sampler)
 
     def dataset_point_counts(self, dataset: Any) -> list[int]:
@@ -293,4 +355,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SparseDDPStrategy", "destroy_process_group_at_exit", "local_count", "replace_batch_sampler"]
+__all__ = [
+    "SparseDDPStrategy",
+    "destroy_process_group_at_exit",
+    "gather_step_outputs",
+    "local_count",
+    "replace_batch_sampler",
+]

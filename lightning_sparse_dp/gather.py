@@ -8,8 +8,8 @@ uneven chunks included (PL 1.x "dp" averaged chunks equally: Lightning issue #68
 nothing to count (``n_i = 0``, e.g. every label ignored) has weight 0: its loss, often NaN (a mean
 over nothing), is replaced by 0 and adds nothing, so it never turns the gathered loss into NaN.
 
-Other outputs are combined leaf by leaf (:func:`gather_outputs`), by the role ``output_layout``
-gives them or, failing that, by their lengths.
+Other outputs are combined by :func:`lightning_sparse_dp.outputs.gather_outputs` (per-sample lists,
+per-point rows, sums...).
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_sparse_dp.split import SparseSpec, SplitPlan, leaf_predicate, merge_chunks, merge_rows
+from lightning_sparse_dp.split import SparseSpec, SplitPlan
 
 LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "points", "equal")
-#: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`).
-OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list")
 
 _warnings = WarningCache()
 
@@ -187,204 +184,6 @@ def weighted_sum(values: Sequence[Tensor], weights: Sequence[float], device: tor
     return out
 
 
-def _lengths(values: list[Any]) -> list[int] | None:
-    if all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
-        return [v.shape[0] for v in values]
-    if all(isinstance(v, np.ndarray) and v.ndim > 0 or type(v) in (list, tuple) for v in values):
-        return [len(v) for v in values]
-    return None
-
-
-def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
-    for rows in plan.point_rows:
-        if lengths == [r.numel() for r in rows]:
-            return rows
-    return None
-
-
-def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warnings: WarningCache) -> str:
-    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
-
-    ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
-    """
-    first = values[0]
-    if isinstance(first, Tensor) and first.dim() == 0:
-        return "mean"
-    lengths = _lengths(values)
-    if lengths is None:
-        return "first" if _comparable(values) else "list"
-    samples = lengths == plan.samples_per_chunk
-    points = _point_rows(plan, lengths) is not None
-    same = plan.num_chunks > 1 and len(set(lengths)) == 1
-    if samples or points:
-        role = "samples" if samples else "points"
-        if same:
-            warnings.warn(
-                f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
-                f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
-                f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
-                f"output_layout={{{key!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
-                f"'{role}' to silence this warning."
-            )
-        return role
-    if not isinstance(first, Tensor):
-        return "first" if _comparable(values) else "list"
-    if same:
-        warnings.warn(
-            f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
-            "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
-            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
-            f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
-        )
-    return "cat"
-
-
-def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weights: Sequence[float], device: torch.device) -> Any:
-    tensors = [isinstance(v, Tensor) for v in values]
-    if any(tensors) and not all(tensors):
-        raise TypeError(
-            f"step output {name}: replica(s) {[i for i, t in enumerate(tensors) if t]} returned a tensor and "
-            f"replica(s) {[i for i, t in enumerate(tensors) if not t]} returned "
-            f"{', '.join(sorted({type(v).__name__ for v in values if not isinstance(v, Tensor)}))}; every replica's "
-            "step must return the same kind of value."
-        )
-    on_device = [v.to(device) for v in values] if all(tensors) else values
-    if role == "first":
-        return values[0]
-    if role == "list":
-        return list(on_device)
-    if role == "mean":
-        if not all(tensors):
-            total = sum(w for w in weights)
-            return sum(w * v for w, v in zip(weights, values) if w != 0) / total if total else 0.0
-        return weighted_sum(on_device, weights, device)
-    if role == "sum":
-        out = on_device[0]
-        for v in on_device[1:]:
-            out = out + v
-        return out
-    if role == "cat":
-        if all(tensors):
-            return torch.cat(on_device)
-        if isinstance(values[0], np.ndarray):
-            return np.concatenate(values)
-        return type(values[0])(x for v in values for x in v)
-    lengths = _lengths(values)
-    if role == "samples":
-        if lengths != plan.samples_per_chunk:
-            raise ValueError(
-                f"output_layout gives step output {name} the role 'samples' but its lengths {lengths} are not the "
-                f"chunks' numbers of samples {plan.samples_per_chunk}."
-            )
-        return merge_rows(on_device, plan.chunk_samples)
-    rows = _point_rows(plan, lengths) if lengths is not None else None
-    if rows is None:
-        raise ValueError(
-            f"output_layout gives step output {name} the role 'points' but its lengths {lengths} are not the chunks' "
-            f"numbers of points {plan.points_per_chunk}."
-        )
-    return merge_chunks(on_device, rows) if all(tensors) else merge_rows(values, rows)
-
-
-def _comparable(values: list[Any]) -> bool:
-    try:
-        return all(bool(v == values[0]) for v in values[1:])
-    except Exception:
-        return False
-
-
-def _output_key(path: Sequence[Any]) -> Any:
-    """The innermost dict key / index of an output leaf, else its printed path."""
-    last = path[-1] if path else None
-    key = next((getattr(last, a) for a in ("key", "idx", "name") if hasattr(last, a)), None)
-    return _output_name(path) if key is None else key
-
-
-def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
-    if not output_layout:
-        return None
-    for candidate in (_output_name(path), _output_key(path)):
-        if candidate is not None and candidate in output_layout:
-            role = output_layout[candidate]
-            if role not in OUTPUT_ROLES:
-                raise ValueError(f"output_layout[{candidate!r}] = {role!r}; use one of {OUTPUT_ROLES}.")
-            return role
-    return None
-
-
-def _output_name(path: Sequence[Any]) -> str:
-    return "output" + "".join(str(k) for k in path)
-
-
-def _check_none(outputs: Sequence[Any]) -> None:
-    nones = [i for i, o in enumerate(outputs) if o is None]
-    if nones and len(nones) < len(outputs):
-        others = [i for i in range(len(outputs)) if i not in nones]
-        raise ValueError(
-            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output. On one "
-            "device, a training_step that returns None skips the whole step; with sparse_dp each replica sees only "
-            "its chunk, so they must agree: the step is skipped only when every replica returns None. Decide on the "
-            "whole batch (e.g. in on_before_batch_transfer), or return a loss in every chunk: for a chunk with nothing "
-            "to learn from, a loss of 0 that is still in the graph, or give it weight 0 with "
-            "SparseDataParallelStrategy(loss_weighting=fn)."
-        )
-
-
-def gather_outputs(
-    outputs: Sequence[Any],
-    plan: SplitPlan,
-    weights: Sequence[float],
-    device: torch.device,
-    output_layout: Mapping[Any, str] | None = None,
-    warnings: WarningCache | None = None,
-) -> Any:
-    """One step output from the replicas' outputs.
-
-    Leaf by leaf over the outputs' common structure (a tensor, or dict / list / tuple of them,
-    e.g. ``{"loss": ..., "preds": ...}``; a list / tuple of non-tensors under a dict key, e.g. scene
-    names, is one leaf). A leaf is combined by the role ``output_layout`` gives it (by dict key,
-    index, or path name such as ``"output['hist']"``):
-
-    - ``"mean"``: ``sum_i w_i * x_i`` on ``device`` (gradients flow; weight-0 chunks add 0);
-    - ``"sum"``: ``sum_i x_i`` (e.g. a histogram or a count over the chunk);
-    - ``"samples"`` / ``"points"``: per-sample / per-point rows, merged in the original order;
-    - ``"cat"``: concatenated along dim 0 in chunk order;
-    - ``"list"``: the list of the replicas' values, in chunk order.
-
-    A leaf it does not name is combined by these rules: a 0-dim tensor (a loss, a metric) is a
-    ``"mean"``; a tensor or list whose lengths are the chunks' numbers of samples is ``"samples"``,
-    else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
-    differing ones the list. When every chunk gives the same length (a fixed leading dimension that
-    may or may not be per-sample), a warning says which rule was taken and how to name the role.
-    ``None`` from every replica gives ``None``. Warnings go through ``warnings`` (each once).
-
-    Raises:
-        ValueError: some replicas returned ``None`` and others an output (the message says what
-            skipping a step means with replicas); outputs of different structure; an unknown role,
-            or a role whose lengths do not fit.
-        TypeError: a leaf that is a tensor in some replicas and not in others.
-    """
-    if all(o is None for o in outputs):
-        return None
-    _check_none(outputs)
-    flat = [pytree.tree_flatten_with_path(o, is_leaf=leaf_predicate()) for o in outputs]
-    spec = flat[0][1]
-    for i, (_, s) in enumerate(flat[1:], start=1):
-        if s != spec:
-            raise ValueError(
-                f"replica {i} returned an output of another structure than replica 0 ({s} vs {spec}); every replica's "
-                "step must return the same kind of output."
-            )
-    leaves = []
-    for n, (path, _) in enumerate(flat[0][0]):
-        values = [f[0][n][1] for f in flat]
-        name = _output_name(path)
-        cache = _warnings if warnings is None else warnings
-        role = _output_role(path, output_layout) or _guess_role(name, _output_key(path), values, plan, cache)
-        leaves.append(_gather_leaf(name, values, role, plan, weights, device))
-    return pytree.tree_unflatten(leaves, spec)
-
-
 def step_losses(outputs: Sequence[Any]) -> list[Tensor | None]:
     """The loss of each replica's output: the output itself when a tensor, else its ``"loss"`` entry."""
     losses = []
@@ -397,11 +196,9 @@ def step_losses(outputs: Sequence[Any]) -> list[Tensor | None]:
 
 __all__ = [
     "LOSS_WEIGHTINGS",
-    "OUTPUT_ROLES",
     "check_loss_weighting",
     "chunk_counts",
     "chunk_weights",
-    "gather_outputs",
     "resolve_auto",
     "step_losses",
     "step_weights",

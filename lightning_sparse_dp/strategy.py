@@ -5,7 +5,7 @@ overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParalle
 (split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
 (:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
 :meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
-(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`) -> log (:mod:`.log`).
+(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`, :mod:`.outputs`) -> log (:mod:`.log`).
 Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
 the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
 state dict.
@@ -30,7 +30,8 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.gather import gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.gather import step_losses, step_weights
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
@@ -82,7 +83,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             matches nothing in a batch is an error.
         output_layout: how step outputs are combined, by key: ``{"hist": "sum"}``, roles
             ``"samples"``, ``"points"``, ``"sum"``, ``"mean"``, ``"cat"``, ``"list"``
-            (:func:`~lightning_sparse_dp.gather.gather_outputs`).
+            (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
         split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` in :meth:`scatter`:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
         split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
@@ -415,7 +416,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
                 raise err if plan is None else explain_replica_error(err, plan)
 
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
-        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.gather.gather_outputs`).
+        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
 
         The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
