@@ -18,8 +18,9 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
 - :mod:`~lightning_sparse_dp.terms` / :mod:`~lightning_sparse_dp.term_weights`: torch's mean-reduced
   losses captured in each replica's step (:mod:`~lightning_sparse_dp.losses`: their denominators),
-  each weighted by its share of the batch (:mod:`~lightning_sparse_dp.weighting`: per-replica weights);
-- :mod:`~lightning_sparse_dp.gather`: outputs -> root device, loss weighted to the whole-batch mean;
+  each weighted by its share of the batch;
+- :mod:`~lightning_sparse_dp.gather`: the replicas' losses -> one loss, weighted to the whole-batch mean;
+- :mod:`~lightning_sparse_dp.outputs`: other outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
@@ -41,8 +42,8 @@ weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two shar
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
-from lightning_sparse_dp.gather import gather_outputs
-from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate

@@ -4,16 +4,14 @@
 machines on ``torch.distributed``, as a thin subclass of Lightning's ``DDPStrategy`` (its launchers,
 cluster environments, process groups and gradient all-reduce are used as they are). What it adds:
 
-- **exact loss**: DDP averages gradients equally over ranks, which is the gradient of the global
-  batch's mean only when every rank has the same share. By default (``loss_weighting="terms"``) each
-  of torch's mean-reduced losses the step calls is captured with its denominator ``D_rk``
-  (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled by ``world_size * D_rk / D_k``, with
-  ``D_k = sum_r D_rk`` from one all-reduce after the step (:mod:`~lightning_sparse_dp.term_weights`),
-  so any linear combination of such losses gets the gradient of the global batch's loss. Otherwise
-  (a loss that is not such a combination, said once, or ``loss_weighting="samples"`` / ``"points"`` /
-  a callable) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same all-reduce)
-  has its loss scaled by ``world_size * n_r / N`` before backward, so the averaged gradient is
-  ``sum_r (n_r / N) grad loss_r``: the gradient of the global mean over what ``n_r`` counts;
+- **exact loss**: DDP averages gradients equally over ranks: the global batch's gradient only for equal
+  shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
+  captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled
+  by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk`` from one all-reduce after the step
+  (:mod:`~lightning_sparse_dp.term_weights`): exact for any linear combination of such losses.
+  Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
+  all-reduce) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
+  ``n_r`` counts;
 - **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
   that are combinations of captured losses are the global batch's, other means are
   ``sum_r n_r v_r / N``; epoch means weight each rank's step by ``n_r`` (Lightning's ``batch_size``),
@@ -23,12 +21,17 @@ cluster environments, process groups and gradient all-reduce are used as they ar
   :class:`~lightning_sparse_dp.sampler.PointBalancedBatchSampler` (whole samples, even point
   counts, no padding, the same number of steps on every rank);
 - **sync batch norm over the process group** on CPU (gloo) and CUDA, through Lightning's
-  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown.
+  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown;
+- **predictions in dataset order on every rank**: a predict DataLoader in dataset order gets the same
+  point-balanced shares, and each step's outputs are all-gathered and merged as ``sparse_dp`` merges
+  its replicas' (:mod:`~lightning_sparse_dp.outputs`: per-sample lists and rows in the global batch's
+  order), so ``trainer.predict`` returns one device's predictions on every rank.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -38,20 +41,22 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_sparse_dp.backward import loss_of
-from lightning_sparse_dp.gather import zeroed
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
-from lightning_sparse_dp.term_weights import decide, empty_message, fallback_message, pack, set_scales
+from lightning_sparse_dp.term_weights import decide, pack, rank_scale
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.weighting import chunk_counts, resolve_auto, say_auto_choice
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
-from lightning_sparse_dp.split import split_batch
+from lightning_sparse_dp.split import SplitPlan, split_batch
 
 _MEAN_OPS = ("mean", "avg")
 
@@ -61,10 +66,10 @@ def local_count(
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``infos`` when given) or
+    (see :func:`~lightning_sparse_dp.gather.resolve_auto`; said once through ``infos`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -99,9 +104,36 @@ def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoa
     Uses Lightning's own DataLoader re-instantiation (``lightning.pytorch.utilities.data``), as its
     sampler injection does.
     """
+    if isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+        # Lightning's predict wrapper cannot be re-instantiated: read the loader's arguments from a copy that
+        # holds the BatchSampler it wraps (DataLoader forbids setting batch_sampler, hence __dict__)
+        dataloader = copy.copy(dataloader)
+        dataloader.__dict__["batch_sampler"] = dataloader.batch_sampler._batch_sampler
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
     kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def gather_step_outputs(output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device) -> Any:
+    """Every rank's output of global batch ``batch_idx`` as one output, in the global batch's sample order.
+
+    ``all_gather_object`` of each rank's output (tensors on the CPU), merged by
+    :func:`~lightning_sparse_dp.outputs.gather_outputs` with the shares ``sampler`` dealt: per-sample lists
+    and per-sample rows in the global batch's order. Every rank must call it, for the same batch.
+    """
+    batch = sampler.global_batches()[batch_idx]
+    position = {sample: p for p, sample in enumerate(batch)}
+    shares = [torch.tensor([position[i] for i in share], dtype=torch.long) for share in sampler.shares(batch)]
+    plan = SplitPlan(num_samples=len(batch), chunk_samples=tuple(shares))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, apply_to_collection(output, Tensor, lambda t: t.detach().cpu()))
+    return gather_outputs(gathered, plan, chunk_weights(plan, "samples"), device)
+
+
+def _in_dataset_order(sampler: Any) -> bool:
+    """Lightning's predict sampler over the dataset in order (a DataLoader without ``shuffle``)."""
+    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    return type(sampler) is UnrepeatedDistributedSamplerWrapper and not sampler.shuffle and isinstance(wrapped, SequentialSampler)
 
 
 class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
@@ -115,7 +147,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
             share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
             combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
-            points when it has a per-point target; :func:`~lightning_sparse_dp.weighting.resolve_auto`), ``"samples"
+            points when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.
@@ -155,6 +187,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+        self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
         self._infos = WarningCache()
 
     @override
@@ -202,43 +235,27 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
+        step = partial(getattr(super(), hook), *args, **kwargs)
         try:
-            if self._capture is None:
-                return getattr(super(), hook)(*args, **kwargs)
-            output = self._capture.run(partial(getattr(super(), hook), *args, **kwargs))
-            if hook == "training_step":
+            output = step() if self._capture is None else self._capture.run(step)
+            if hook == "training_step" and terms:
                 self._loss_scale = self._term_scale(output, n, batch)
             return output
         finally:
             self._count = None
             self._capture = None
 
-    def _all_reduce(self, vector: list[float]) -> Tensor:
-        """``vector`` (float64) summed over the ranks (one all-reduce; itself without a process group)."""
+    def _all_reduce(self, vector: list[float]) -> Tensor:  # summed over the ranks; itself without a process group
         on_device = torch.tensor(vector, dtype=torch.float64, device=self.root_device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
         return on_device.cpu()
 
     def _term_scale(self, output: Any, n: float, batch: Any) -> float:
-        """After the step: each term's gradient scale ``W D_rk / D_k`` and the loss scale (1), from one all-reduce.
-
-        The all-reduce of :func:`~lightning_sparse_dp.term_weights.pack`'s vector carries ``n_r`` too: when
-        the loss is not a combination of terms, the loss scale is ``"auto"``'s ``W n_r / N`` (said once).
-        """
+        """After the step: the loss scale, and each term's gradient scale, from one all-reduce (:func:`rank_scale`)."""
         assert self._capture is not None
-        loss = loss_of(output)
-        vector, reason = pack(self._capture, loss, n)
-        decision = decide(self._all_reduce(vector), self._capture, loss, [reason], who="rank")
-        if decision.value is None:
-            if loss is not None:
-                choice, why = resolve_auto(split_batch(batch, 1, layout=self.layout)[1])
-                self._infos.info(fallback_message("sparse_ddp", decision.reason or "", choice, why))
-            return self.world_size * n / decision.n if decision.n > 0 else 0.0
-        if decision.empty:
-            self._infos.warn(empty_message("sparse_ddp", decision.empty))
-        set_scales(self._capture, decision.totals, self.world_size)
-        return 1.0
+        auto = lambda: resolve_auto(split_batch(batch, 1, layout=self.layout)[1])  # noqa: E731
+        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._infos, auto)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -275,16 +292,31 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             return total / dist.get_world_size(group)
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if self._capture is not None and id(tensor) in self._capture.forms and group is None:
-            # a combination of the step's terms: its whole-batch value, from one all-reduce of the terms' vector
-            decision = decide(self._all_reduce(pack(self._capture, tensor)[0]), self._capture, tensor, [None], who="rank")
-            if decision.value is not None:
-                return torch.tensor(decision.value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
+        if self._capture is not None and id(tensor) in self._capture.forms and group is None:  # a combination of terms
+            value = decide(self._all_reduce(pack(self._capture, tensor)[0]), self._capture, tensor, [None], "rank").value
+            if value is not None:
+                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
         # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
         n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
         pair = torch.stack([value * n, torch.full_like(value, n)])
         dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
         return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``predict_step`` on this rank's share, then every rank's output merged in the global
+        batch's order (:func:`gather_step_outputs`), so each rank returns one device's predictions."""
+        output = super().predict_step(*args, **kwargs)
+        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
+            return output
+        batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])
+        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device)
+
+    @override
+    def on_predict_end(self) -> None:
+        self._predict_samplers = []
+        super().on_predict_end()
 
     # --- point-balanced batches ------------------------------------------------------------------
     @override
@@ -292,32 +324,42 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """Replace the ``DistributedSampler`` Lightning injected with a :class:`PointBalancedBatchSampler`.
 
         Only for map-style loaders whose sampler is a plain ``DistributedSampler`` batched by a plain
-        ``BatchSampler`` (Lightning's injection for training / validation / test); other loaders
-        (custom samplers, predict, ``use_distributed_sampler=False``) are left as they are. The
-        global batch is the DataLoader's ``batch_size`` times the world size, as with ``"ddp"``.
+        ``BatchSampler`` (Lightning's injection for training / validation / test), or, when predicting,
+        Lightning's predict sampler over the dataset in order (predictions then come back merged:
+        :meth:`predict_step`); other loaders (custom samplers, a shuffled predict loader,
+        ``use_distributed_sampler=False``) are left as they are. The global batch is the DataLoader's
+        ``batch_size`` times the world size, as with ``"ddp"``.
         """
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        inner = dataloader.batch_sampler  # for predict, Lightning wraps it to record each batch's indices
+        predicting = isinstance(inner, _IndexBatchSamplerWrapper)
+        inner = inner._batch_sampler if predicting else inner  # type: ignore[union-attr]
+        sampler = getattr(inner, "sampler", None)
         if (
-            not isinstance(dataloader, DataLoader)
-            or type(dataloader.sampler) is not DistributedSampler
-            or type(dataloader.batch_sampler) is not BatchSampler
+            type(inner) is not BatchSampler
+            or not (_in_dataset_order(sampler) if predicting else type(sampler) is DistributedSampler)
             or (trainer is not None and not trainer._accelerator_connector.use_distributed_sampler)
         ):
             return dataloader
-        sampler = dataloader.sampler
+        assert isinstance(sampler, DistributedSampler)
         counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
         batch_sampler = PointBalancedBatchSampler(
             counts,
-            dataloader.batch_sampler.batch_size * self.world_size,
+            inner.batch_size * self.world_size,
             num_replicas=self.world_size,
             rank=self.global_rank,
             num_samples=len(dataloader.dataset),  # type: ignore[arg-type]
             shuffle=sampler.shuffle,
             seed=sampler.seed,
-            drop_last=dataloader.batch_sampler.drop_last,
+            drop_last=inner.drop_last,
             split=self.split,
         )
+        if predicting:
+            self._predict_samplers.append(batch_sampler)
+            return replace_batch_sampler(dataloader, _IndexBatchSamplerWrapper(batch_sampler))
         return replace_batch_sampler(dataloader, batch_sampler)
 
     def dataset_point_counts(self, dataset: Any) -> list[int]:
@@ -349,4 +391,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SparseDDPStrategy", "destroy_process_group_at_exit", "local_count", "replace_batch_sampler"]
+__all__ = [
+    "SparseDDPStrategy",
+    "destroy_process_group_at_exit",
+    "gather_step_outputs",
+    "local_count",
+    "replace_batch_sampler",
+]

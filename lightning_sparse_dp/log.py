@@ -192,7 +192,7 @@ def reduce_log_calls(
 
     Args:
         recorders: one per replica, in replica order.
-        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.weighting.chunk_weights`).
+        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.gather.chunk_weights`).
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.

@@ -23,7 +23,7 @@ time first, or :func:`~lightning_sparse_dp.split.contiguous_assignment`); rank `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
-from lightning_sparse_dp.split import resolve_assignment
+from lightning_sparse_dp.split import names_coordinates, resolve_assignment
 
 
 def global_batches(order: Sequence[int], global_batch_size: int, world_size: int, drop_last: bool) -> list[list[int]]:
@@ -159,7 +159,14 @@ class PointBalancedBatchSampler(Sampler[list[int]]):
 
 
 def _first_length(item: Any) -> int:
-    """Points in one dataset item: rows of its first tensor (or of a SparseTensor's coordinates)."""
+    """Points in one dataset item: for a dict with keys that name coordinates (``coords0``, ``coords1``,
+    ``target_coordinates``: :func:`~lightning_sparse_dp.split.names_coordinates`), the rows of all of them
+    (every point set of the sample, as ``sparse_dp`` balances); else the rows of its first tensor (or of a
+    SparseTensor's coordinates)."""
+    if isinstance(item, Mapping):
+        named = [v for k, v in item.items() if names_coordinates(k) and hasattr(v, "shape") and len(v.shape) >= 1]
+        if named:
+            return sum(int(v.shape[0]) for v in named)
     leaves = pytree.tree_leaves(item, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
     for leaf in leaves:
         if is_sparse_tensor(leaf) or is_tensor_field(leaf):
@@ -185,8 +192,9 @@ def declared_point_counts(dataset: Any) -> list[int] | None:
 
 
 def measure_point_counts(dataset: Any, indices: Sequence[int], count_fn: Callable[[Any], int] | None = None) -> list[int]:
-    """Points of ``dataset[i]`` for ``i`` in ``indices``: ``count_fn(item)``, else the rows of the item's first
-    tensor (``coordinates [n, D]`` of a ``(coordinates, features, label)`` sample, as ME's examples return).
+    """Points of ``dataset[i]`` for ``i`` in ``indices``: ``count_fn(item)``, else the rows of the item's
+    coordinate tensors when it is a dict with keys naming coordinates, else of its first tensor
+    (``coordinates [n, D]`` of a ``(coordinates, features, label)`` sample, as ME's examples return).
 
     Raises:
         TypeError: an item holds no tensor or array to count.

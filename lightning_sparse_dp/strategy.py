@@ -5,7 +5,7 @@ overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParalle
 (split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
 (:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
 :meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
-(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`) -> log (:mod:`.log`).
+(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`, :mod:`.outputs`) -> log (:mod:`.log`).
 Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
 the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
 state dict.
@@ -30,7 +30,8 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.gather import gather_outputs, step_losses, step_weights
+from lightning_sparse_dp.gather import step_losses, step_weights
+from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
@@ -80,13 +81,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             samples), ``"points"`` (share of points, exact for losses averaged over points),
             ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
             loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
-            ``ignore_index=255``); see :func:`~lightning_sparse_dp.weighting.chunk_counts`.
+            ``ignore_index=255``); see :func:`~lightning_sparse_dp.gather.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
         output_layout: how step outputs are combined, by key: ``{"hist": "sum"}``, roles
             ``"samples"``, ``"points"``, ``"sum"``, ``"mean"``, ``"cat"``, ``"list"``
-            (:func:`~lightning_sparse_dp.gather.gather_outputs`).
+            (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
         split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` in :meth:`scatter`:
             ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
         split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
@@ -435,9 +436,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
                 raise err if plan is None else explain_replica_error(err, plan)
 
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
-        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.gather.gather_outputs`).
+        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.weighting.step_weights`:
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
         order by ``output_layout`` or their lengths.
         """

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp.backward import loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.weighting import resolve_auto
+from lightning_sparse_dp.gather import resolve_auto
 
 #: The most terms one step may capture (the summary vector has a fixed length, so that ranks agree on it).
 CAPACITY = 64
@@ -179,6 +179,33 @@ def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
     )
 
 
+def rank_scale(
+    capture: TermCapture,
+    loss: Any,
+    n: float,
+    world_size: int,
+    all_reduce: Callable[[list[float]], Tensor],
+    infos: WarningCache,
+    auto: Callable[[], tuple[str, str]],
+) -> float:
+    """``sparse_ddp`` after a rank's training step: its loss scale, and each term's gradient scale ``W D_rk / D_k``.
+
+    One ``all_reduce`` (a sum over ranks) of :func:`pack`'s vector, which carries ``n_r`` too: when the
+    loss is a combination of terms the loss scale is 1 (the terms are scaled); else it is ``"auto"``'s
+    ``W n_r / N`` (``auto()`` gives its choice and reason for the line said once; 0 when ``N = 0``).
+    """
+    vector, reason = pack(capture, loss, n)
+    decision = decide(all_reduce(vector), capture, loss, [reason], who="rank")
+    if decision.value is None:
+        if loss is not None:
+            infos.info(fallback_message("sparse_ddp", decision.reason or "", *auto()))
+        return world_size * n / decision.n if decision.n > 0 else 0.0
+    if decision.empty:
+        infos.warn(empty_message("sparse_ddp", decision.empty))
+    set_scales(capture, decision.totals, world_size)
+    return 1.0
+
+
 def empty_message(strategy: str, names: Sequence[str]) -> str:
     """The one warning of a term with nothing to average over in the whole batch."""
     return (
@@ -254,5 +281,6 @@ __all__ = [
     "fallback_message",
     "log_value",
     "pack",
+    "rank_scale",
     "set_scales",
 ]

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp")
 
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
+from tests.pairs import PairNet, PairScans, collate_pairs, pairs_in
 from tests.term_models import LevelCompletion, ScenesIgnoreSeg
 
 SEED = 7  # initial weights
@@ -143,8 +144,8 @@ class Scenario:
     """One training run: model, ``loss_weighting``, per-rank batch size, epochs, Trainer options."""
 
     name: str
-    model: str  # "class" or "point"
-    loss_weighting: str = "samples"
+    model: str  # "class", "point" or "pair" (two scans per sample and correspondences: tests/pairs.py)
+    loss_weighting: Any = "samples"
     batch_norm: bool = False
     per_rank: int = 3
     epochs: int = 2
@@ -154,10 +155,11 @@ class Scenario:
 
     def build(self, reference: bool) -> L.LightningModule:
         torch.manual_seed(SEED)
+        if self.model == "pair":
+            return PairNet(self.batch_norm).double()
         if self.model in TERM_MODELS:
-            model = TERM_MODELS[self.model]()
-        else:
-            model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
+            return TERM_MODELS[self.model]().double()
+        model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
         # float64 from the start: Lightning loads a resumed checkpoint into the module *before* "64-true" converts
         # it, so a float32 module would round the checkpoint's float64 weights (seen: 2.7e-8 relative)
         return model.double()
@@ -171,6 +173,8 @@ SCENARIOS = {
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
         Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2}),
         Scenario("resume", "class", batch_norm=True, resume=True, trainer={"sync_batchnorm": True}),
+        Scenario("pairs", "pair", loss_weighting=pairs_in, batch_norm=True, epochs=1, trainer={"sync_batchnorm": True},
+                 evaluate=True),
     ]
 }
 
@@ -233,18 +237,21 @@ class ReferenceBatches:
         return len(self._batches())
 
 
-def loaders(per_rank: int, world_size: int | None) -> tuple[DataLoader, DataLoader]:
+def loaders(per_rank: int, world_size: int | None, model: str = "class") -> tuple[DataLoader, DataLoader]:
     """Train / val loaders: as a user writes them for DDP (``world_size=None``), or the one-device reference
-    with the global batches of ``world_size`` ranks."""
-    train, val = Scenes(TRAIN_SAMPLES, seed=1), Scenes(VAL_SAMPLES, seed=2)
+    with the global batches of ``world_size`` ranks; of scan pairs for the ``"pair"`` model."""
+    if model == "pair":
+        train, val, collate_fn = PairScans(TRAIN_SAMPLES, seed=1), PairScans(VAL_SAMPLES, seed=2), collate_pairs
+    else:
+        train, val, collate_fn = Scenes(TRAIN_SAMPLES, seed=1), Scenes(VAL_SAMPLES, seed=2), collate
     if world_size is None:
         return (
-            DataLoader(train, batch_size=per_rank, shuffle=True, collate_fn=collate),
-            DataLoader(val, batch_size=per_rank, collate_fn=collate),
+            DataLoader(train, batch_size=per_rank, shuffle=True, collate_fn=collate_fn),
+            DataLoader(val, batch_size=per_rank, collate_fn=collate_fn),
         )
     return (
-        DataLoader(train, batch_sampler=ReferenceBatches(len(train), per_rank * world_size, world_size, True), collate_fn=collate),
-        DataLoader(val, batch_sampler=ReferenceBatches(len(val), per_rank * world_size, world_size, False), collate_fn=collate),
+        DataLoader(train, batch_sampler=ReferenceBatches(len(train), per_rank * world_size, world_size, True), collate_fn=collate_fn),
+        DataLoader(val, batch_sampler=ReferenceBatches(len(val), per_rank * world_size, world_size, False), collate_fn=collate_fn),
     )
 
 
@@ -253,6 +260,8 @@ def evaluate(trainer: L.Trainer, model: L.LightningModule, val: DataLoader) -> d
     trainer.test(model, val, verbose=False)
     test_loss = float(trainer.callback_metrics["test_loss"])
     predictions = trainer.predict(model, val)
+    if isinstance(predictions[0], list):  # per-sample outputs: every sample's, in dataset order, on every rank
+        return {"test_loss": test_loss, "predictions": [x for batch in predictions for x in batch]}
     return {"test_loss": test_loss, "predicted_rows": sum(p.shape[0] for p in predictions)}
 
 

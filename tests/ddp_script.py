@@ -33,7 +33,7 @@ def main() -> None:
     for name in names:
         s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
         model = s.build(reference=False)
-        train, val = loaders(s.per_rank, world_size=None)
+        train, val = loaders(s.per_rank, world_size=None, model=s.model)
         logger = Capture()
         strategy = SparseDDPStrategy(loss_weighting=weighting or s.loss_weighting, timeout=timedelta(seconds=120))
         trainer = L.Trainer(

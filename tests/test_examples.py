@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("train_digits.py", ["--max-epochs", "1"], r"val_acc=0\.\d{4}"),
         ("train_segmentation.py", ["--max-epochs", "1", "--train-scenes", "6", "--val-scenes", "3"], r"val_miou=0\.\d{4}"),
+        ("train_completion.py", ["--max-epochs", "2", "--train-shapes", "16", "--val-shapes", "6", "--grid", "12"],
+         r"val_iou=0\.\d{4}"),
     ],
 )
 def test_example_runs(script, args, last_line, tmp_path):

@@ -19,6 +19,7 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 - :mod:`.sources`: the coordinate sources found and checked, the number of samples ``B`` counted;
 - :mod:`.assign`: whole samples assigned to chunks (``"balanced"``, ``"contiguous"`` or a callable);
 - :mod:`.roles`: every other leaf given a role: per point, per sample, or whole to every chunk;
+- :mod:`.indices`: row-index tensors (correspondences) tied to their samples, re-based per chunk;
 - :mod:`.cut`: each leaf's piece for each chunk, batch index renumbered;
 - :mod:`.merge`: the inverse, for outputs (:func:`merge_chunks`, :func:`merge_rows`) and whole batches
   (:func:`merge_batch`);
@@ -45,9 +46,19 @@ from lightning_sparse_dp.split.assign import (
     resolve_assignment,
 )
 from lightning_sparse_dp.split.cut import cut
+from lightning_sparse_dp.split.indices import index_rows
 from lightning_sparse_dp.split.leaves import flatten, is_sequence_leaf, leaf_predicate
 from lightning_sparse_dp.split.merge import merge_batch, merge_chunks, merge_rows
-from lightning_sparse_dp.split.records import COORDINATE_KEYS, ROLES, BatchLayoutError, SparseSpec, SplitPlan, Source
+from lightning_sparse_dp.split.records import (
+    COORDINATE_KEYS,
+    ROLES,
+    BatchLayoutError,
+    SparseSpec,
+    SplitPlan,
+    Source,
+    names_coordinates,
+    names_indices,
+)
 from lightning_sparse_dp.split.roles import resolve_roles, targets
 from lightning_sparse_dp.split.sources import count_samples, find_sources
 
@@ -66,14 +77,21 @@ def split_batch(
         batch: a tensor, ``ME.SparseTensor`` / ``ME.TensorField``, or dict / list / tuple /
             namedtuple of them (and of non-tensor values). Coordinates are found as
             (1) the ``C`` of SparseTensor / TensorField leaves, (2) dict values under a key in
-            :data:`COORDINATE_KEYS` or given the role ``"coordinates"`` in ``layout``, else
-            (3) integer ``[N, D+1]`` tensors whose column 0 is sorted and starts at 0 (what
-            ``ME.utils.sparse_collate`` returns), or, when there is none, a floating-point one that
-            is the batch's first tensor, goes up 0, 1, 2, ... in column 0 and has a tensor of as many
-            rows beside it (``sparse_collate(..., dtype=torch.float32)``). Coordinates may be
-            integer or float16/32/64 (column 0 must hold whole numbers); their dtype and values are
+            :data:`COORDINATE_KEYS` or given the role ``"coordinates"`` in ``layout``, (3) dict values
+            under a key that names coordinates (:func:`names_coordinates`: contains ``coord``, or
+            ``xyz<digits>``) that look like collated coordinates, (4) integer ``[N, D+1]`` tensors
+            whose column 0 is sorted and starts at 0 (what ``ME.utils.sparse_collate`` returns): every
+            one when (1)-(3) found none, else those numbering the same ``B`` samples; or, when there is
+            none at all, a floating-point one that is the batch's first tensor, goes up 0, 1, 2, ... in
+            column 0 and has a tensor of as many rows beside it (``sparse_collate(..., dtype=torch.float32)``).
+            Every source is split by its own batch column with the same samples per chunk. Coordinates
+            may be integer or float16/32/64 (column 0 must hold whole numbers); their dtype and values are
             kept in every chunk. Every other tensor of length ``N`` of a coordinate source is
-            per-point, of length ``B`` per-sample; a list / tuple of non-tensors under a dict key
+            per-point (of that source; ``layout`` ``"points:<key>"`` settles equal lengths), of length
+            ``B`` per-sample; integer tensors ``[K, c]`` under a key naming indices
+            (:func:`names_indices`: ``correspondences``, ``matches``, ``pairs``) or given the role
+            ``"indices"`` are row indices into the sources, cut with their samples and re-based to each
+            chunk's rows (:mod:`.indices`); a list / tuple of tensors under such a key is per-sample; a list / tuple of non-tensors under a dict key
             (scene names, file paths) or a numpy array of length ``B`` is per-sample; 0-dim tensors
             and other non-tensors are given to every chunk unchanged. With no coordinates at all,
             every tensor is ``[B, ...]``.
@@ -81,7 +99,9 @@ def split_batch(
         layout: optional roles that settle what cannot be told apart, e.g. per-point labels when
             ``N == B``: ``{"labels": "points"}``. Keys are dict keys, tuple indices or a leaf's path
             name as the errors print it (``"batch['x'][1]"``); roles are ``"coordinates"``,
-            ``"points"``, ``"samples"`` and ``"replicate"``. A key that matches no leaf is an error.
+            ``"points"`` (``"points:<source key>"``), ``"samples"``, ``"indices"``
+            (``"indices:<source key>,..."``, ``"batch"`` first for a batch column) and ``"replicate"``.
+            A key that matches no leaf is an error.
         assignment: ``"balanced"`` (:func:`balanced_assignment`, the default, as the strategies':
             even point counts), ``"contiguous"`` (:func:`contiguous_assignment`: consecutive samples)
             or a callable ``(points per sample int64 [B], num_chunks) -> list of int64 sample-id
@@ -98,7 +118,8 @@ def split_batch(
         ValueError: ``num_chunks < 1``, or an unknown assignment name.
         BatchLayoutError: empty batch; coordinates that are not ``[N, D+1]`` tensors (numpy
             arrays included), have a batch column that is not whole numbers, negative or
-            non-contiguous batch indices; coordinate sources that disagree on ``B``; a tensor whose
+            non-contiguous batch indices; coordinate sources that disagree on ``B``; indices out of
+            range of their source or pairing points of different samples; a tensor whose
             length is neither ``N`` nor ``B`` (an empty last sample is named); a tensor whose role is
             ambiguous (``N == B``); a numpy array with one row per point; samples that were not
             collated; a batch with no tensor to split; a ``layout`` key that matches nothing; an
@@ -120,6 +141,7 @@ def split_batch(
         for j in range(k)
     ]
     point_targets, sample_tensors = targets(leaves, sources)
+    indexed = [i for i, leaf in enumerate(leaves) if leaf.role == "indices"]
     plan = SplitPlan(
         num_samples=num_samples,
         chunk_samples=tuple(chunk_samples),
@@ -128,6 +150,8 @@ def split_batch(
         leaf_sources=tuple(leaf.source for leaf in leaves),
         point_targets=point_targets,
         sample_tensors=sample_tensors,
+        index_rows={i: tuple(index_rows(leaves[i], c) for c in chunk_samples) for i in indexed},
+        index_columns={i: leaves[i].columns for i in indexed},
     )
     return chunks, plan
 
@@ -137,13 +161,16 @@ def _assign_points(
 ) -> tuple[list[Tensor], Tensor, tuple[Source, ...]]:
     """Chunks' sample ids, each sample's position in its chunk, and the sources with their rows per chunk.
 
-    Samples are weighed by the points of the first source (1 each for a dense batch); while a chunk
-    has fewer than ``min_points``, one chunk less is tried.
+    Samples are weighed by their points in every coordinate source together (a completion network
+    convolves its input and generates up to its target shape; a registration network runs both scans),
+    1 each for a dense batch; while a chunk has fewer than ``min_points`` points of the first source,
+    one chunk less is tried.
     """
-    sizes = sources[0].counts if sources else torch.ones(num_samples, dtype=torch.long)
-    assert sizes is not None
+    sizes = torch.ones(num_samples, dtype=torch.long) if not sources else sum(s.counts for s in sources)
+    first = sources[0].counts if sources else sizes
+    assert isinstance(sizes, Tensor) and first is not None
     chunk_samples, sample_to_chunk, sample_rank = assign(sizes, num_chunks, assignment)
-    while len(chunk_samples) > 1 and min(int(sizes[c].sum()) for c in chunk_samples) < min_points:
+    while len(chunk_samples) > 1 and min(int(first[c].sum()) for c in chunk_samples) < min_points:
         chunk_samples, sample_to_chunk, sample_rank = assign(sizes, len(chunk_samples) - 1, assignment)
     with_rows = []
     for src in sources:
@@ -169,6 +196,8 @@ __all__ = [
     "merge_batch",
     "merge_chunks",
     "merge_rows",
+    "names_coordinates",
+    "names_indices",
     "resolve_assignment",
     "split_batch",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 from torch import Tensor
 
 from lightning_sparse_dp._me import is_tensor_field
+from lightning_sparse_dp.split.indices import cut_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor
 from lightning_sparse_dp.split.records import Leaf, Source, SparseSpec
 
@@ -60,6 +61,8 @@ def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, sample
         return x
     if role == "samples":
         return take_rows(x, samples)
+    if role == "indices":
+        return cut_indices(leaf, sources, j, samples, sample_rank)
     src = sources[leaf.source]
     rows = src.rows[j]
     if role == "points":

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
-from lightning_sparse_dp.split.records import ROLES, BatchLayoutError, Leaf
+from lightning_sparse_dp.split.records import ROLES, BatchLayoutError, Leaf, names_indices
 
 
 def is_me_tensor(x: Any) -> bool:
@@ -73,17 +73,44 @@ def key_of(path: Sequence[Any]) -> Any:
     return None
 
 
-def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> str | None:
-    """Role the user gave for this leaf in ``layout`` (by innermost key/index or by path name)."""
+def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple[str | None, tuple[str, ...]]:
+    """Role the user gave for this leaf in ``layout`` (by innermost key/index or by path name), and the
+    source names after its colon (``"indices:coords0,coords1"`` -> ``("indices", ("coords0", "coords1"))``)."""
     if not layout:
-        return None
+        return None, ()
     for candidate in (path_name(path), key_of(path)):
         if candidate in layout:
-            role = layout[candidate]
-            if role not in ROLES:
-                raise BatchLayoutError(f"layout[{candidate!r}] = {role!r}; use one of {ROLES}.")
-            return role
-    return None
+            role, _, refs = str(layout[candidate]).partition(":")
+            if role not in ROLES or (refs and role not in ("points", "indices")):
+                raise BatchLayoutError(
+                    f"layout[{candidate!r}] = {layout[candidate]!r}; use one of {ROLES} ('points' and 'indices' may "
+                    "name their coordinate source(s) after a colon: 'points:target_coordinates', "
+                    "'indices:coords0,coords1', 'indices:batch,coords0,coords1')."
+                )
+            return role, tuple(r.strip() for r in refs.split(",")) if refs else ()
+    return None, ()
+
+
+def _tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:
+    """:func:`leaf_predicate`, and a dict value that is a list / tuple of tensors is one leaf (a per-sample
+    list, one tensor per sample) when its key names indices (``correspondences``: each sample's own row
+    numbers) or ``layout`` gives that key the role ``"samples"``."""
+    marked: set[int] = set()
+    base = leaf_predicate(lambda x: id(x) in marked)
+
+    def is_leaf(x: Any) -> bool:
+        if isinstance(x, Mapping):
+            for key, v in x.items():
+                tensors = type(v) in (list, tuple) and len(v) > 0 and all(isinstance(e, Tensor) for e in v)
+                if tensors and (names_indices(key) or (layout is not None and layout.get(key) == "samples")):
+                    marked.add(id(v))
+        return base(x)
+
+    return is_leaf
+
+
+def _leaf(path: tuple[Any, ...], value: Any, role: str | None, refs: tuple[str, ...]) -> Leaf:
+    return Leaf(path, path_name(path), value, role, refs=refs)
 
 
 def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, ...], Any]:
@@ -93,8 +120,8 @@ def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, .
         BatchLayoutError: a ``layout`` key that matches no leaf (the message lists the keys there are),
             or a role not in :data:`~lightning_sparse_dp.split.records.ROLES`.
     """
-    flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=leaf_predicate())
-    leaves = tuple(Leaf(tuple(p), path_name(p), x, _layout_role(p, layout)) for p, x in flat)
+    flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(layout))
+    leaves = tuple(_leaf(tuple(p), x, *_layout_role(p, layout)) for p, x in flat)
     if layout:
         known = {k for leaf in leaves for k in (leaf.name, key_of(leaf.path))}
         unknown = [key for key in layout if key not in known]

@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_sparse_dp.split.indices import merge_indices
 from lightning_sparse_dp.split.leaves import leaf_predicate
 from lightning_sparse_dp.split.records import SparseSpec, SplitPlan
 
@@ -86,6 +87,8 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
             merged.append(merge_rows(pieces, plan.chunk_samples))
         elif role == "points":
             merged.append(merge_chunks(pieces, plan.point_rows[plan.leaf_sources[i]]))
+        elif role == "indices":
+            merged.append(merge_chunks(merge_indices(pieces, i, plan), plan.index_rows[i]))
         else:
             rows = plan.point_rows[plan.leaf_sources[i]]
             if isinstance(pieces[0], SparseSpec):

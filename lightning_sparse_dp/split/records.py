@@ -6,16 +6,38 @@ returns new records (``dataclasses.replace``) instead of changing shared state.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-#: Roles a leaf of a batch can have (also the roles ``layout=`` may give).
-ROLES: tuple[str, ...] = ("coordinates", "points", "samples", "replicate")
+#: Roles a leaf of a batch can have (also the roles ``layout=`` may give). ``"points"`` and ``"indices"``
+#: may name their coordinate source(s) after a colon: ``"points:target_coordinates"``,
+#: ``"indices:coords0,coords1"`` (``"indices:batch,coords0,coords1"`` when column 0 is a batch index).
+ROLES: tuple[str, ...] = ("coordinates", "points", "samples", "replicate", "indices")
 
-#: Dict keys whose value is taken to be collated coordinates (as in ME's Lightning example).
+#: Dict keys whose value is always taken to be collated coordinates (as in ME's Lightning example):
+#: a tensor under one of them that is not ``[N, D+1]`` with a batch column is an error.
 COORDINATE_KEYS = frozenset({"coordinates", "coords", "coordinate", "coord"})
+
+_COORDINATE_NAME = re.compile(r".*coord.*|xyz\d*", re.IGNORECASE)
+_INDEX_NAME = re.compile(r".*(corr|match|pair).*", re.IGNORECASE)
+
+
+def names_coordinates(key: Any) -> bool:
+    """A dict key that names coordinates: it contains ``coord`` (``coordinates``, ``coords0``,
+    ``target_coordinates``, ``sinput0_coords``) or is ``xyz`` with optional digits (``xyz``, ``xyz1``);
+    case-insensitive. A tensor under such a key is a coordinate source when it looks like collated
+    coordinates (``[M, D+1]``, column 0 a batch index starting at 0 in ascending order)."""
+    return isinstance(key, str) and _COORDINATE_NAME.fullmatch(key) is not None
+
+
+def names_indices(key: Any) -> bool:
+    """A dict key that names row indices into point sets: it contains ``corr``, ``match`` or ``pair``
+    (``correspondences``, ``matches``, ``pos_pairs``), case-insensitive. An integer tensor ``[K, c]``
+    under such a key has the role ``"indices"`` unless ``layout`` says otherwise."""
+    return isinstance(key, str) and _INDEX_NAME.fullmatch(key) is not None
 
 
 class BatchLayoutError(ValueError):
@@ -61,6 +83,9 @@ class SplitPlan:
             (integer labels, or a floating-point tensor after the features), e.g. ``("batch['labels']",)``.
         sample_tensors: names of per-sample tensors (not per-sample lists of names or paths).
             These two settle ``loss_weighting="auto"`` (:func:`lightning_sparse_dp.gather.resolve_auto`).
+        index_rows: per flattened leaf of role ``"indices"`` (by its position), per chunk, int64
+            ``[k_j]`` rows of the index tensor that went to the chunk.
+        index_columns: per such leaf, the coordinate source of each column (-1: the batch column).
     """
 
     num_samples: int
@@ -70,6 +95,8 @@ class SplitPlan:
     leaf_sources: tuple[int, ...] = ()
     point_targets: tuple[str, ...] = ()
     sample_tensors: tuple[str, ...] = ()
+    index_rows: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    index_columns: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_chunks(self) -> int:
@@ -98,6 +125,9 @@ class Leaf:
         value: the leaf itself.
         role: one of :data:`ROLES`, or ``None`` while not known.
         source: index of its coordinate source (coordinates and per-point leaves), else -1.
+        refs: the source names ``layout`` gave after the role's colon (``"points:coords1"``).
+        columns: for ``"indices"``, the coordinate source of each column (-1: the batch column).
+        row_samples: for ``"indices"``, int64 ``[K]`` the sample of each row (on the CPU).
     """
 
     path: tuple[Any, ...]
@@ -105,6 +135,9 @@ class Leaf:
     value: Any
     role: str | None = None
     source: int = -1
+    refs: tuple[str, ...] = ()
+    columns: tuple[int, ...] = ()
+    row_samples: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -130,4 +163,14 @@ class Source:
         return int(self.batch_index.numel())
 
 
-__all__ = ["BatchLayoutError", "COORDINATE_KEYS", "Leaf", "ROLES", "Source", "SparseSpec", "SplitPlan"]
+__all__ = [
+    "BatchLayoutError",
+    "COORDINATE_KEYS",
+    "Leaf",
+    "ROLES",
+    "Source",
+    "SparseSpec",
+    "SplitPlan",
+    "names_coordinates",
+    "names_indices",
+]

@@ -8,36 +8,44 @@ every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
-from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, names_indices
+from lightning_sparse_dp.split.sources import looks_like_collated_coordinates
 
 
 def resolve_roles(
     leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int, num_chunks: int
 ) -> tuple[Leaf, ...]:
-    """The leaves, each with a role: points (and its source), samples or replicate.
+    """The leaves, each with a role: points (and its source), samples, indices (:mod:`.indices`) or replicate.
 
     With one chunk nothing is cut, so a leaf whose role cannot be told apart (``N == B``, or a length
     that matches nothing) is passed whole (``"replicate"``) instead of raising.
 
     Raises:
         BatchLayoutError: a role in ``layout`` the leaf cannot have; a length that is both ``N`` and
-            ``B``, or neither (naming an empty last sample when that is the likely cause); a length
-            shared by sources of different batch indices; a numpy array with one row per point.
+            ``B``, or neither (naming an empty last sample when that is the likely cause, and the role
+            that fits: ``'coordinates'`` for a tensor with a batch column of its own, ``'indices'`` for
+            integer rows); a length shared by sources of different batch indices (``layout``
+            ``'points:<source>'`` settles it); a numpy array with one row per point; index tensors that
+            do not fit their sources (:func:`~.indices.resolve_indices`).
     """
-    return tuple(_resolve(leaf, sources, num_samples, num_chunks) for leaf in leaves)
+    return tuple(_resolve(leaf, leaves, sources, num_samples, num_chunks) for leaf in leaves)
 
 
-def _resolve(leaf: Leaf, sources: tuple[Source, ...], num_samples: int, num_chunks: int) -> Leaf:
+def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int, num_chunks: int) -> Leaf:
     role, x = leaf.role, leaf.value
     if role == "coordinates":
         return leaf
+    if role == "indices":
+        return resolve_indices(leaf, leaves, sources)
     if role == "samples" and not _has_length(x):
         raise BatchLayoutError(f"layout gives {leaf.name} the role 'samples' but it has no length.")
     if role is not None and role != "points":
@@ -46,13 +54,29 @@ def _resolve(leaf: Leaf, sources: tuple[Source, ...], num_samples: int, num_chun
     if isinstance(x, np.ndarray) or type(x) in (list, tuple):
         if role == "points":
             raise BatchLayoutError(not_points)
-        return dataclasses.replace(leaf, role=_sequence_role(leaf, sources, num_samples))
+        sequence_role = _sequence_role(leaf, sources, num_samples)
+        if sequence_role == "samples" and names_indices(key_of(leaf.path)) and any(isinstance(e, Tensor) for e in x):
+            check_sample_lists(leaf, leaves, sources)
+        return dataclasses.replace(leaf, role=sequence_role)
     if not isinstance(x, Tensor) or x.dim() == 0:
         if role == "points":
             raise BatchLayoutError(not_points)
         return dataclasses.replace(leaf, role="replicate")
     length = x.shape[0]
     matches = [n for n, src in enumerate(sources) if src.num_points == length]
+    if leaf.refs:  # layout={"normals": "points:target_coordinates"}: the source is named
+        names = [str(key_of(leaves[src.leaf].path)) for src in sources]
+        if leaf.refs[0] not in names or len(leaf.refs) > 1:
+            raise BatchLayoutError(
+                f"layout gives {leaf.name} the role 'points:{','.join(leaf.refs)}', but the batch's coordinate sources "
+                f"are {', '.join(map(repr, names)) or '(none)'}: name one of them."
+            )
+        matches = [n for n in matches if names[n] == leaf.refs[0]]
+        if not matches:
+            raise BatchLayoutError(
+                f"layout gives {leaf.name} the role 'points:{leaf.refs[0]}' but its length {length} is not the number "
+                f"of points of {leaf.refs[0]} ({sources[names.index(leaf.refs[0])].num_points})."
+            )
     whole = dataclasses.replace(leaf, role="replicate")  # one chunk holds everything: nothing to tell apart
     if role == "points":
         if not matches:
@@ -79,19 +103,53 @@ def _resolve(leaf: Leaf, sources: tuple[Source, ...], num_samples: int, num_chun
             f"({num_samples}) nor the number of points "
             f"({', '.join(f'{s.name}: {s.num_points}' for s in sources) or 'no coordinates'}). "
             + _empty_sample_hint(sources, length, num_samples)
-            + "Per-point tensors must have one row per coordinate row, per-sample tensors one row per sample; give "
-            "it the role 'replicate' in layout= to pass it whole to every replica."
+            + _unmatched_hint(leaf, num_samples)
         )
     first = sources[matches[0]].batch_index
     if any(not torch.equal(first, sources[n].batch_index) for n in matches[1:]):
+        matches = _same_number(leaf, leaves, sources, matches)
+    if any(not torch.equal(sources[matches[0]].batch_index, sources[n].batch_index) for n in matches[1:]):
         if num_chunks == 1:
             return whole
         raise BatchLayoutError(
             f"{leaf.name} has length {length}, the number of points of several coordinate sources "
-            f"({', '.join(sources[n].name for n in matches)}) with different batch indices. Give it the role "
-            "'replicate' in layout=, or pass the sources separately."
+            f"({', '.join(sources[n].name for n in matches)}) with different batch indices, so which point set it "
+            f"belongs to cannot be told. Name it: SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
+            f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
     return dataclasses.replace(leaf, role="points", source=matches[0])
+
+
+def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:
+    """Of sources of the same length, the one whose key carries the same number as the leaf's
+    (``feats0`` -> ``coords0``, ``sinput1_F`` -> ``sinput1_C``), when exactly one does; else all of them."""
+    number = re.findall(r"\d+", str(key_of(leaf.path)))
+    same = [n for n in matches if number and re.findall(r"\d+", str(key_of(leaves[sources[n].leaf].path))) == number]
+    return same if len(same) == 1 else matches
+
+
+def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
+    """The fix for a tensor whose length matches nothing: the role that fits what it looks like."""
+    x, key = leaf.value, key_of(leaf.path)
+    integer = not x.dtype.is_floating_point and x.dtype != torch.bool
+    if x.dim() == 2 and looks_like_collated_coordinates(x):
+        samples = int(x[:, 0].max()) + 1
+        return (
+            f"It looks like coordinates of a point set of its own (column 0 a batch index numbering {samples} samples"
+            f"{'' if samples == num_samples else f', where the batch has {num_samples}'}): give it the role "
+            f"'coordinates', SparseDataParallelStrategy(layout={{{key!r}: 'coordinates'}}), and it is split by its "
+            "own batch column with the same samples as the rest of the batch. "
+        )
+    indices = (
+        f"If it holds row indices into point sets (e.g. correspondences), give it the role 'indices': "
+        f"layout={{{key!r}: 'indices'}}. " if integer and x.dim() <= 2 else ""
+    )
+    return (
+        "Per-point tensors must have one row per point of a coordinate source, per-sample tensors one row per "
+        f"sample. {indices}Only a value that is not per-sample data (a constant every replica needs whole, e.g. "
+        f"a class-weight table) may take the role 'replicate' (layout={{{key!r}: 'replicate'}}); per-sample data "
+        "passed whole would train every replica on every sample."
+    )
 
 
 def _has_length(x: Any) -> bool:
@@ -107,10 +165,16 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
     length = len(x) if not isinstance(x, np.ndarray) or x.ndim > 0 else -1
     if length == num_samples:
         return "samples"
+    if type(x) in (list, tuple) and any(isinstance(e, Tensor) for e in x):
+        raise BatchLayoutError(
+            f"{leaf.name} is a per-sample list of {length} tensors, but the batch has {num_samples} samples: give one "
+            "tensor per sample (in batch order), or collate them into one tensor (indices offset by the points of "
+            "the samples before, with the role 'indices')."
+        )
     if isinstance(x, np.ndarray) and any(src.num_points == length for src in sources):
         raise BatchLayoutError(
             f"{leaf.name} is a numpy array with one row per point ({length}); convert it with torch.as_tensor(...) in "
-            "the collate function (ME.utils.sparse_collate does so), or give it the role 'replicate' in layout=."
+            "the collate function (ME.utils.sparse_collate does so): it is then split with its points."
         )
     return "replicate"
 

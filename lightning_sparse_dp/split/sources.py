@@ -1,9 +1,25 @@
 """Sources: find the coordinate sources of a batch, check them, and count its samples ``B``.
 
 A coordinate source is a set of points with a batch index (ME's convention: column 0 of collated
-coordinates ``[N, D+1]``, ``0..B-1``, see ``MinkowskiEngine/utils/collation.py``): the ``C`` of an
-``ME.SparseTensor`` / ``ME.TensorField``, a dict value under a :data:`~lightning_sparse_dp.split.records.COORDINATE_KEYS`
-key or given the role ``"coordinates"``, or else a tensor that looks like ``sparse_collate``'s output.
+coordinates ``[N, D+1]``, ``0..B-1``, see ``MinkowskiEngine/utils/collation.py``). A batch may hold
+several (a completion network's input and complete shape, a registration network's two scans); every
+one of them is found:
+
+1. the ``C`` of an ``ME.SparseTensor`` / ``ME.TensorField``; a dict value under a
+   :data:`~lightning_sparse_dp.split.records.COORDINATE_KEYS` key or given the role ``"coordinates"``
+   (checked strictly: anything else there is an error);
+2. a dict value under a key that names coordinates
+   (:func:`~lightning_sparse_dp.split.records.names_coordinates`: ``target_coordinates``, ``coords0``,
+   ``xyz1``...) that looks like collated coordinates (:func:`looks_like_collated_coordinates`);
+3. any other integer tensor ``[M, D+1]`` that looks like collated coordinates: when 1. and 2. found
+   none, every one (``sparse_collate``'s tuple; else a floating-point one by the stricter rule of
+   :func:`_float_coordinates`); when they found some, those whose column 0 numbers the same ``B``
+   samples ``0..B-1`` as the first source and that have more rows than samples (``sinput1_C`` beside
+   ``sinput0_C``; a per-sample integer tensor ``[B, c]`` whose column 0 happens to read 0..B-1 is not one).
+
+Integer tensors ``[K, c]`` under a key that names indices
+(:func:`~lightning_sparse_dp.split.records.names_indices`: ``correspondences``, ``matches``) are
+never sources: they get the role ``"indices"`` (:mod:`.indices`).
 """
 
 from __future__ import annotations
@@ -16,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent
-from lightning_sparse_dp.split.records import COORDINATE_KEYS, BatchLayoutError, Leaf, Source
+from lightning_sparse_dp.split.records import COORDINATE_KEYS, BatchLayoutError, Leaf, Source, names_coordinates, names_indices
 
 
 def looks_like_collated_coordinates(t: Tensor) -> bool:
@@ -103,7 +119,8 @@ def _as_source(leaves: list[Leaf], sources: list[Source], i: int, batch_index: T
 
 
 def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Source, ...]]:
-    """The leaves with their coordinate leaves marked (role ``"coordinates"``), and the sources found.
+    """The leaves with their coordinate leaves marked (role ``"coordinates"``) and index tensors named as
+    such (role ``"indices"``), and the sources found (the module docstring gives the rules, in order).
 
     Raises:
         BatchLayoutError: coordinates that are numpy arrays or not ``[N, D+1]`` tensors (see
@@ -123,6 +140,13 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
                 "torch.as_tensor(...) in the collate function, or collate samples with ME.utils.sparse_collate, "
                 "which returns tensors [N, D+1] with the batch index in column 0."
             )
+        elif leaf.role is None and _integer_matrix(leaf.value) and names_indices(key):
+            out[i] = dataclasses.replace(leaf, role="indices")
+    for i, leaf in enumerate(out):  # more coordinate tensors under names that say so: target_coordinates, coords1
+        x = leaf.value
+        if leaf.role is None and isinstance(x, Tensor) and names_coordinates(key_of(leaf.path)):
+            if looks_like_collated_coordinates(x):
+                _as_source(out, sources, i, x[:, 0].long())
     for leaf in out:  # coordinates left as numpy arrays would go whole to every replica
         x = leaf.value
         if leaf.role is None and isinstance(x, np.ndarray) and x.dtype.kind in "iuf":
@@ -132,19 +156,37 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
                     "Convert it with torch.as_tensor(...) in the collate function, or collate samples with "
                     "ME.utils.sparse_collate, which returns tensors."
                 )
+    candidates = [
+        i
+        for i, leaf in enumerate(out)
+        if leaf.role is None and isinstance(leaf.value, Tensor) and looks_like_collated_coordinates(leaf.value)
+    ]
     if not sources:  # ME's sparse_collate tuple: find coordinates by their look (integer first, else float)
-        candidates = [
-            i
-            for i, leaf in enumerate(out)
-            if leaf.role is None and isinstance(leaf.value, Tensor) and looks_like_collated_coordinates(leaf.value)
-        ]
         parents = [p for p in (list_parent(out[i]) for i in candidates) if p is not None]
         if len(parents) != len(set(parents)):  # several in one list: per-sample coordinates, not collated
             raise BatchLayoutError(uncollated_hint(out))
         integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
         for i in integer or _float_coordinates(out, candidates):
             _as_source(out, sources, i, out[i].value[:, 0].long())
+    else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
+        num_samples = int(sources[0].batch_index.max()) + 1 if sources[0].num_points else 0
+        for i in candidates:
+            x = out[i].value
+            batch_index = x[:, 0].long()
+            if not x.dtype.is_floating_point and x.shape[0] > num_samples and _numbers_samples(batch_index, num_samples):
+                _as_source(out, sources, i, batch_index)
     return tuple(out), tuple(sources)
+
+
+def _integer_matrix(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.dim() == 2 and not x.dtype.is_floating_point and x.dtype != torch.bool
+
+
+def _numbers_samples(batch_index: Tensor, num_samples: int) -> bool:
+    """``batch_index`` holds every sample ``0..num_samples-1`` and nothing else."""
+    if num_samples == 0 or int(batch_index.min()) < 0 or int(batch_index.max()) != num_samples - 1:
+        return False
+    return bool((torch.bincount(batch_index.cpu(), minlength=num_samples) > 0).all())
 
 
 def _kind(x: Any) -> str:
@@ -174,10 +216,15 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
         sources = tuple(dataclasses.replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
         samples = {s.name: int(s.counts.numel()) for s in sources}
         if len(set(samples.values())) > 1:
+            first = sources[0]
+            odd = [s for s in sources if samples[s.name] != samples[first.name]]
             raise BatchLayoutError(
-                f"coordinate sources disagree on the number of samples: {samples}. Every coordinate tensor in a batch "
-                "must number the same samples 0..B-1; give the odd one the role 'replicate' in layout= if it is not "
-                "part of the batch."
+                f"coordinate sources disagree on the number of samples: {samples}. Every coordinate tensor of a batch "
+                f"must number the same samples 0..B-1 in column 0 (collate each point set of the batch's samples with "
+                f"ME.utils.batched_coordinates / sparse_collate, the samples in the same order). If {odd[0].name} is "
+                "not coordinates with a batch column, say what it is in layout=: "
+                f"{{{key_of(leaves[odd[0].leaf].path)!r}: 'points'}} (one row per point of another source), "
+                "'indices' (row indices into point sets) or 'samples'."
             )
         return next(iter(samples.values())), sources
     lengths = {
@@ -193,8 +240,10 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
     if len(set(lengths.values())) > 1:
         raise BatchLayoutError(
             f"dense batch tensors disagree on the batch size (dim 0): {lengths}. " + (uncollated_hint(leaves) or (
-                "Without coordinates every tensor is split along dim 0 and must have the same length; give a tensor "
-                "the role 'replicate' in layout= to pass it whole to every replica." + _numpy_hint(leaves)
+                "Without coordinates every tensor is split along dim 0 and must have one row per sample. A tensor "
+                "that is not per-sample data (a constant every replica needs whole, e.g. a class-weight table) may "
+                "take the role 'replicate' in layout=; per-sample data passed whole would train every replica on "
+                "every sample." + _numpy_hint(leaves)
             ))
         )
     num_samples = next(iter(lengths.values()))
