@@ -290,7 +290,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            terms = self._step_terms(step_name, len(replicas))  # the replicas' mean-reduced losses, captured
+            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warnings)
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
@@ -311,12 +311,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             exact = terms.log_value if terms is not None else None
             emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact))
         return output
-
-    def _step_terms(self, step_name: str, count: int) -> StepTerms | None:
-        """Term capture for the step's replicas: ``loss_weighting="terms"``, more than one replica, not predict."""
-        if self.loss_weighting != "terms" or count < 2 or step_name == "predict_step":
-            return None
-        return StepTerms(count, self._warnings)
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.

@@ -228,6 +228,13 @@ class StepTerms:
         self.decision: Decision | None = None
         self._losses: list[Any] = []
 
+    @classmethod
+    def for_step(cls, loss_weighting: Any, step_name: str, count: int, infos: WarningCache) -> StepTerms | None:
+        """The capture of a step's replicas: for ``loss_weighting="terms"``, several replicas, not predict."""
+        if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
+            return None
+        return cls(count, infos)
+
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
         return [partial(c.run, step) for c, step in zip(self.captures, steps)]
