@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
     .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
+    .venv/bin/python benchmarks/bench.py --terms-cost   # only what loss_weighting="terms" costs (about a minute)
     python benchmarks/bench.py --accelerator gpu    # on GPUs: sparse_dp with 1..N GPUs, DDP with 2 (NCCL)
 
 Same model, data and global batch in every case, in one process tree (DDP runs as a child process
@@ -279,6 +280,94 @@ def dispatch_us(replicas: int = 3, calls: int = 2000) -> tuple[float, float]:
     return statistics.median(ours) * 1e6, statistics.median(fresh) * 1e6
 
 
+def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
+    """What ``loss_weighting="terms"`` (the default) costs on a digits step: sparse_dp, 2 replicas, batch 96.
+
+    Side by side in one run: the whole step with ``"terms"`` and with ``"auto"`` (no capture), alternating
+    ``pairs`` times, pooled medians and the range of the per-pair ratios; and, below the noise of whole
+    steps, the capture's own cost: the loss and its backward from one replica's logits with and without
+    the capture (interleaved ABBA, ``10 * reps`` each, median difference), which is all it adds to a
+    replica's pass because the mode is entered at the step's first loss (``calls_in_mode``: the torch
+    calls it sees in a whole digits replica pass), and the weighting alone (decision, gradient scales,
+    shifted losses, one logged value; median of ``reps``). ``cost_fraction`` is (capture, taken as 0 when
+    the difference is below the noise, + weighting) over the step with ``"auto"``: the replicas capture at
+    once, in their own threads.
+    """
+    import MinkowskiEngine as ME
+    from lightning.pytorch.utilities.rank_zero import WarningCache
+
+    from lightning_sparse_dp.backward import loss_of
+    from lightning_sparse_dp.term_weights import StepTerms
+    from lightning_sparse_dp.gather import chunk_weights
+
+    times: dict[str, list[float]] = {"terms": [], "auto": []}
+    ratios = []
+    for _ in range(pairs):
+        medians = {}
+        for weighting in ("terms", "auto"):
+            r = run_case("digits", SparseDataParallelStrategy(loss_weighting=weighting), 2, 96, steps, warmup)
+            times[weighting] += r["times"]
+            medians[weighting] = r["step_s"]
+        ratios.append(medians["terms"] / medians["auto"])
+    model_cls, data, collate, _ = _workload("digits", 96, 1)
+    model = model_cls()
+    chunks, plan = split_batch(collate([data[i] for i in range(96)]), 2)
+
+    def replica_pass(chunk, capture=None):
+        def step():
+            x = ME.SparseTensor(chunk["features"], chunk["coordinates"])
+            return torch.nn.functional.cross_entropy(model(x), chunk["labels"])
+        loss = capture.run(step) if capture is not None else step()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        logits = model(ME.SparseTensor(chunks[0]["features"], chunks[0]["coordinates"]))
+
+    def loss_pass(capture=None):  # the part of a step the capture sees (calls_in_mode: the mode enters at the loss)
+        x = logits.clone().requires_grad_()
+
+        def step():
+            return torch.nn.functional.cross_entropy(x, chunks[0]["labels"])
+        (capture.run(step) if capture is not None else step()).backward()
+
+    plain, captured = [], []
+    for i in range(reps * 10):  # ABBA: neither case always runs second
+        cases = ((plain, None), (captured, StepTerms(1, WarningCache())))
+        for store, terms in cases if i % 2 else cases[::-1]:
+            start = time.perf_counter()
+            loss_pass(terms.captures[0] if terms is not None else None)
+            store.append(time.perf_counter() - start)
+    calls = []
+
+    class Counting(type(StepTerms(1, WarningCache()).captures[0])):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    replica_pass(chunks[0], Counting())
+    weighing = []
+    for _ in range(reps):
+        terms = StepTerms(2, WarningCache())
+        outputs = [replica_pass(c, cap) for c, cap in zip(chunks, terms.captures)]
+        weights = chunk_weights(plan, "auto")
+        start = time.perf_counter()
+        terms.weigh(outputs, plan, weights)
+        terms.exact_outputs(outputs, weights)
+        terms.log_value([0, 1], [loss_of(o) for o in outputs])
+        weighing.append(time.perf_counter() - start)
+    on, off = statistics.median(times["terms"]), statistics.median(times["auto"])
+    capture_s = statistics.median(captured) - statistics.median(plain)
+    weighting_s = statistics.median(weighing)
+    return {
+        "step_ms_terms": round(on * 1e3, 2), "step_ms_auto": round(off * 1e3, 2),
+        "step_ratio": round(on / off, 4), "step_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "loss_pass_ms": round(statistics.median(plain) * 1e3, 3), "capture_ms": round(capture_s * 1e3, 3),
+        "weighting_ms": round(weighting_s * 1e3, 3), "cost_fraction": round((max(capture_s, 0.0) + weighting_s) / off, 4),
+        "calls_in_mode": len(calls), "load_average": round(os.getloadavg()[0], 2),
+    }
+
+
 def table(model_name: str, results: dict, global_batch: int, label: str = "") -> None:
     base = results["auto-1"]["step_s"]
     points = results["auto-1"]["points_per_sample"] * global_batch
@@ -484,7 +573,12 @@ def main() -> None:
     parser.add_argument("--proxy-child")
     parser.add_argument("--proxy-out")
     parser.add_argument("--ddp-strategy", default="ddp", choices=["ddp", "sparse_ddp"])
+    parser.add_argument("--terms-cost", action="store_true",
+                        help="only the cost of loss_weighting='terms' on a digits step, on and off (about a minute)")
     args = parser.parse_args()
+    if args.terms_cost:
+        print(json.dumps({"terms_cost": terms_cost(*((6, 2) if args.quick else (20, 3)))}))
+        return
     if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
         strategy = sparse_ddp_strategy(args.ddp_child) if args.ddp_strategy == "sparse_ddp" else "ddp"
         result = run_case(args.ddp_child, strategy, 2, args.global_batch, args.steps, args.warmup, args.accelerator)

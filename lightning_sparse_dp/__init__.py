@@ -16,6 +16,9 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
 - :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
 - :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
+- :mod:`~lightning_sparse_dp.terms` / :mod:`~lightning_sparse_dp.term_weights`: torch's mean-reduced
+  losses captured in each replica's step (:mod:`~lightning_sparse_dp.losses`: their denominators),
+  each weighted by its share of the batch;
 - :mod:`~lightning_sparse_dp.gather`: the replicas' losses -> one loss, weighted to the whole-batch mean;
 - :mod:`~lightning_sparse_dp.outputs`: other outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;

@@ -4,14 +4,19 @@
 machines on ``torch.distributed``, as a thin subclass of Lightning's ``DDPStrategy`` (its launchers,
 cluster environments, process groups and gradient all-reduce are used as they are). What it adds:
 
-- **exact loss**: DDP averages gradients equally over ranks, which is the gradient of the global
-  batch's mean only when every rank has the same share. Rank ``r`` with ``n_r`` samples (or points,
-  ``loss_weighting="points"``) of the global batch's ``N = sum_r n_r`` (one all-reduce per step) has
-  its loss scaled by ``world_size * n_r / N`` before backward, so the averaged gradient is
-  ``sum_r (n_r / N) grad loss_r``: the gradient of the global mean;
-- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step means are
-  ``sum_r n_r v_r / N``, and epoch means weight each rank's step by ``n_r`` (Lightning's
-  ``batch_size``), so logs equal one device with the whole global batch;
+- **exact loss**: DDP averages gradients equally over ranks: the global batch's gradient only for equal
+  shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
+  captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled
+  by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk`` from one all-reduce after the step
+  (:mod:`~lightning_sparse_dp.term_weights`): exact for any linear combination of such losses.
+  Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
+  all-reduce) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
+  ``n_r`` counts;
+- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
+  that are combinations of captured losses are the global batch's, other means are
+  ``sum_r n_r v_r / N``; epoch means weight each rank's step by ``n_r`` (Lightning's ``batch_size``),
+  so they equal one device's for means over what ``n_r`` counts (not for terms with other
+  denominators, e.g. a loss with an ignore label);
 - **point-balanced batches**: the ``DistributedSampler`` Lightning injects is replaced by
   :class:`~lightning_sparse_dp.sampler.PointBalancedBatchSampler` (whole samples, even point
   counts, no padding, the same number of steps on every rank);
@@ -28,6 +33,7 @@ from __future__ import annotations
 import atexit
 import copy
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,9 +48,12 @@ from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights, say_auto_choice, zeroed
+from lightning_sparse_dp.backward import loss_of
+from lightning_sparse_dp.gather import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.term_weights import decide, pack, rank_scale
+from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
@@ -135,8 +144,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     gloo on CPU, NCCL on CUDA); the module docstring lists what it adds.
 
     Args:
-        loss_weighting: ``"auto"`` (default: samples when the batch has a per-sample tensor, else points
-            when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"``
+        loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
+            share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
+            combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
+            points when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.
@@ -163,7 +174,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     def __init__(
         self,
         *,
-        loss_weighting: Any = "auto",
+        loss_weighting: Any = "terms",
         split: str = "balanced",
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
@@ -173,6 +184,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         super().__init__(**kwargs)
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
+        self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
@@ -211,8 +223,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         return float(total.item())
 
     def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        n = local_count(args[0] if args else kwargs.get("batch"), self.loss_weighting, self.layout, self._infos)
-        if hook == "training_step":  # the gradient scale needs N now; evaluation steps need no collective
+        batch = args[0] if args else kwargs.get("batch")
+        n = local_count(batch, self.loss_weighting, self.layout, self._infos)
+        terms = self.loss_weighting == "terms"
+        if hook == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
@@ -220,10 +234,28 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
+        self._capture = TermCapture() if terms else None
+        step = partial(getattr(super(), hook), *args, **kwargs)
         try:
-            return getattr(super(), hook)(*args, **kwargs)
+            output = step() if self._capture is None else self._capture.run(step)
+            if hook == "training_step" and terms:
+                self._loss_scale = self._term_scale(output, n, batch)
+            return output
         finally:
             self._count = None
+            self._capture = None
+
+    def _all_reduce(self, vector: list[float]) -> Tensor:  # summed over the ranks; itself without a process group
+        on_device = torch.tensor(vector, dtype=torch.float64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        return on_device.cpu()
+
+    def _term_scale(self, output: Any, n: float, batch: Any) -> float:
+        """After the step: the loss scale, and each term's gradient scale, from one all-reduce (:func:`rank_scale`)."""
+        assert self._capture is not None
+        auto = lambda: resolve_auto(split_batch(batch, 1, layout=self.layout)[1])  # noqa: E731
+        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._infos, auto)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -260,6 +292,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             return total / dist.get_world_size(group)
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self._capture is not None and id(tensor) in self._capture.forms and group is None:  # a combination of terms
+            value = decide(self._all_reduce(pack(self._capture, tensor)[0]), self._capture, tensor, [None], "rank").value
+            if value is not None:
+                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
         # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
         n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
         pair = torch.stack([value * n, torch.full_like(value, n)])

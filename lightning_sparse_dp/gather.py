@@ -8,6 +8,11 @@ uneven chunks included (PL 1.x "dp" averaged chunks equally: Lightning issue #68
 nothing to count (``n_i = 0``, e.g. every label ignored) has weight 0: its loss, often NaN (a mean
 over nothing), is replaced by 0 and adds nothing, so it never turns the gathered loss into NaN.
 
+The default, ``"terms"``, weights each of torch's mean-reduced losses the step calls by its own
+share instead (:mod:`lightning_sparse_dp.term_weights`); the per-replica weights here are then those of
+``"auto"``, used for the other outputs and logged values, and for the loss when the step's loss is not
+a combination of such terms.
+
 Other outputs are combined by :func:`lightning_sparse_dp.outputs.gather_outputs` (per-sample lists,
 per-point rows, sums...).
 """
@@ -25,7 +30,8 @@ from torch import Tensor
 
 from lightning_sparse_dp.split import SparseSpec, SplitPlan
 
-LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "points", "equal")
+#: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.term_weights`).
+LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
 
 _warnings = WarningCache()
 
@@ -86,8 +92,8 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | C
             returns them (a whole-batch ``SparseSpec`` is then handed to a callable as its source
             tensor). Only a callable looks at them.
         loss_weighting: ``"samples"`` (samples per chunk), ``"points"`` (points of the first
-            coordinate source), ``"equal"`` (1 each), ``"auto"`` (one of these by the rule of
-            :func:`resolve_auto`), or a callable ``fn(chunk) -> number`` (a Python number or a
+            coordinate source), ``"equal"`` (1 each), ``"auto"`` and ``"terms"`` (one of these by the
+            rule of :func:`resolve_auto`; ``"terms"`` weights captured losses term by term on top), or a callable ``fn(chunk) -> number`` (a Python number or a
             one-element tensor), e.g. ``lambda c: (c["labels"] != 255).sum()`` for a
             cross-entropy with ``ignore_index=255``.
 
@@ -103,7 +109,7 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | C
         if len(chunks) != plan.num_chunks:
             raise ValueError(f"{len(chunks)} chunks for a plan of {plan.num_chunks}.")
         return [_callable_count(loss_weighting, c, j) for j, c in enumerate(chunks)]
-    if loss_weighting == "auto":
+    if loss_weighting in ("auto", "terms"):
         loss_weighting = resolve_auto(plan)[0]
     if loss_weighting == "samples":
         return [float(n) for n in plan.samples_per_chunk]

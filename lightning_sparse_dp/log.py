@@ -11,6 +11,10 @@ module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics`
 
 Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
+- under ``loss_weighting="terms"``, a value that is a combination of the step's captured losses
+  (a term, the loss, a sum of terms) in every replica: its whole-batch value
+  (:mod:`lightning_sparse_dp.term_weights`), before any of the rules below;
+
 - the step's loss itself (the tensor the step returns, ``self.log("loss", loss)``): the weighted
   mean the loss is gathered by, whatever ``reduce_fx`` says (``reduce_fx`` is Lightning's reduction
   over the steps of an epoch; a loss is a mean whatever it is later reduced by);
@@ -182,6 +186,7 @@ def reduce_log_calls(
     root: torch.nn.Module | None = None,
     losses: Sequence[Tensor | None] | None = None,
     warnings: WarningCache | None = None,
+    exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -194,6 +199,8 @@ def reduce_log_calls(
         losses: each replica's step loss (:func:`lightning_sparse_dp.gather.step_losses`); a logged
             value that is its replica's loss is reduced as the loss is (weighted mean).
         warnings: where one-time warnings go (a module-level cache when not given).
+        exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by
+            the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
     """
     warnings = _warnings if warnings is None else warnings
     names: list[str] = []
@@ -209,7 +216,11 @@ def reduce_log_calls(
                 raise ValueError("a metric was logged in a replica but no root module was given to resolve it.")
             merged.append(LogCall(name, root.get_submodule(first.path), kwargs))
             continue
-        value = _reduce_values(name, present, weights, losses, kwargs, device, warnings)
+        value = exact([i for i, _ in present], [c.value for _, c in present]) if exact is not None else None
+        if value is None:
+            value = _reduce_values(name, present, weights, losses, kwargs, device, warnings)
+        else:
+            value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         kwargs["batch_size"] = sum(sizes) if all(s is not None for s in sizes) else num_samples
         merged.append(LogCall(name, value, kwargs))

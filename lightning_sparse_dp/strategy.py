@@ -32,6 +32,7 @@ from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
 from lightning_sparse_dp.gather import step_losses, step_weights
 from lightning_sparse_dp.outputs import gather_outputs
+from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
@@ -71,9 +72,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     profiler action ``[sparse_dp]<stage>``.
 
     Args:
-        loss_weighting: ``"auto"`` (default: ``"samples"`` when the batch has a per-sample tensor,
-            else ``"points"`` when it has per-point targets, else ``"samples"``; said once at info
-            level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
+        loss_weighting: ``"terms"`` (default: every call of torch's mean-reduced losses in a replica's
+            step, functional or ``nn.*Loss``, weighted by its own share ``D_ik / sum_j D_jk``, exact for
+            any linear combination of them; ``"auto"`` where the loss is not one, said once:
+            :mod:`~lightning_sparse_dp.term_weights`), ``"auto"`` (``"samples"`` when the batch has a
+            per-sample tensor, else ``"points"`` when it has per-point targets, else ``"samples"``; said
+            once at info level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
             samples), ``"points"`` (share of points, exact for losses averaged over points),
             ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
             loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
@@ -118,7 +122,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     def __init__(
         self,
         *,
-        loss_weighting: str | Callable[[Any], Any] = "auto",
+        loss_weighting: str | Callable[[Any], Any] = "terms",
         layout: Mapping[Any, str] | None = None,
         output_layout: Mapping[Any, str] | None = None,
         split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
@@ -286,20 +290,26 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan)
+            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warnings)
+            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
         losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
+        if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
+            terms.weigh(losses, plan, weights)
         if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
             outputs = parallel_backward(
                 outputs, self._replicas, executor=self._executor, group=group, times=self._timer
             )
+        if terms is not None:  # the losses shifted so that the gather's weighted sum is the whole batch's loss
+            outputs = terms.exact_outputs(outputs, weights)
         output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
-            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings))
+            exact = terms.log_value if terms is not None else None
+            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact))
         return output
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
@@ -383,6 +393,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         kwargs: Mapping[str, Any] | None = None,
         group: ThreadGroup | None = None,
         plan: SplitPlan | None = None,
+        terms: StepTerms | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 
@@ -393,6 +404,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             args, kwargs: the step's other arguments (``batch_idx``, ``dataloader_idx``).
             group: the step's batch-norm group: each replica's step is its rank's part of it.
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
+            terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.terms`).
 
         Returns:
             the replicas' outputs, replica order.
@@ -406,6 +418,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
         steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
+        if terms is not None:
+            steps = terms.wrap(steps)
         if group is not None:
             steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
         steps = [self._timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]

@@ -22,6 +22,7 @@ import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp
 
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
 from tests.pairs import PairNet, PairScans, collate_pairs, pairs_in
+from tests.term_models import LevelCompletion, ScenesIgnoreSeg
 
 SEED = 7  # initial weights
 
@@ -156,6 +157,8 @@ class Scenario:
         torch.manual_seed(SEED)
         if self.model == "pair":
             return PairNet(self.batch_norm).double()
+        if self.model in TERM_MODELS:
+            return TERM_MODELS[self.model]().double()
         model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
         # float64 from the start: Lightning loads a resumed checkpoint into the module *before* "64-true" converts
         # it, so a float32 module would round the checkpoint's float64 weights (seen: 2.7e-8 relative)
@@ -172,6 +175,16 @@ SCENARIOS = {
         Scenario("resume", "class", batch_norm=True, resume=True, trainer={"sync_batchnorm": True}),
         Scenario("pairs", "pair", loss_weighting=pairs_in, batch_norm=True, epochs=1, trainer={"sync_batchnorm": True},
                  evaluate=True),
+    ]
+}
+
+#: loss_weighting="terms" (the default) with losses as users write them; their own launch (tests/test_ddp.py)
+TERM_MODELS = {"ignore": ScenesIgnoreSeg, "levels": LevelCompletion}
+TERM_SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("terms_ignore", "ignore", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_levels", "levels", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 

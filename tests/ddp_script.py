@@ -21,7 +21,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_sparse_dp import SparseDDPStrategy  # noqa: E402
-from tests.ddp_helpers import SCENARIOS, Capture, evaluate, loaders, result, trainer_kwargs  # noqa: E402
+from tests.ddp_helpers import SCENARIOS, TERM_SCENARIOS, Capture, evaluate, loaders, result, trainer_kwargs  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     weighting = sys.argv[4] if len(sys.argv) > 4 else None  # overrides the scenario's (e.g. "equal": plain DDP)
     torch.set_num_threads(1)
     for name in names:
-        s = SCENARIOS[name]
+        s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
         model = s.build(reference=False)
         train, val = loaders(s.per_rank, world_size=None, model=s.model)
         logger = Capture()

@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.ddp_helpers import SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
+from tests.ddp_helpers import SCENARIOS, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
 from tests.helpers import relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def ddp_runs(tmp_path_factory) -> Path:
 
 
 def _reference(name: str) -> dict:
-    s = SCENARIOS[name]
+    s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
     model = s.build(reference=True)
     train, val = loaders(s.per_rank, world_size=2, model=s.model)
     logger = Capture()
@@ -132,6 +132,37 @@ def test_two_processes_equal_one_device(ddp_runs, name):
                         assert x.shape == y.shape and relative_difference(x, y) <= RTOL
         else:
             assert ranks[0]["predicted_rows"] == ranks[1]["predicted_rows"] == ref["predicted_rows"] == VAL_SAMPLES
+
+
+@pytest.fixture(scope="module")
+def ddp_term_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sparse_ddp_terms")
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join(TERM_SCENARIOS)]], timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("name", list(TERM_SCENARIOS))
+def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name):
+    """loss_weighting="terms": an ignore label (some ranks' shares all ignored) and a BCE per decoder level."""
+    ranks = [_load(ddp_term_runs, name, r) for r in range(2)]
+    for k, v in ranks[0]["state"].items():
+        assert torch.equal(v, ranks[1]["state"][k]), k
+    ref = _reference(name)
+    for k, v in ranks[0]["state"].items():
+        if v.is_floating_point():
+            assert relative_difference(v, ref["state"][k]) <= RTOL, (k, relative_difference(v, ref["state"][k]))
+    mine, theirs = _logged(ranks[0]["history"]), _logged(ref["history"])
+    assert len(mine["train_loss"]) >= 4
+    assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=RTOL)  # each step's whole-batch value
+
+
+def test_one_weight_per_rank_is_not_exact_for_an_ignore_label(ddp_term_runs):  # the comparison above can fail
+    ref = _reference("terms_ignore")
+    out = ddp_term_runs / "points"
+    out.mkdir()
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), "terms_ignore", "1", "points"]], timeout=120)
+    ours = _load(out, "terms_ignore", 0)
+    assert max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point()) > 1e-4
 
 
 def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fail: uneven shares, equal weights
@@ -255,3 +286,29 @@ def test_the_process_group_is_destroyed_at_exit(monkeypatch):
     assert registered == [ddp.destroy_process_group_at_exit]
     registered[0]()
     assert calls == ["destroyed"]
+
+
+def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
+    import logging
+
+    import torch.nn.functional as F
+
+    from lightning_sparse_dp import SparseDDPStrategy
+    from lightning_sparse_dp.terms import TermCapture
+    from tests.ddp_helpers import Scenes, collate
+
+    t = L.Trainer(strategy=SparseDDPStrategy(), accelerator="cpu", devices=1, logger=False)
+    strategy, batch = t.strategy, collate([Scenes(3, seed=1)[i] for i in range(3)])
+    logits = torch.randn(batch["point_labels"].shape[0], 4, requires_grad=True)
+    mask = batch["point_labels"] != 0
+
+    strategy._capture = TermCapture()  # as _weighted sets it around the step
+    loss = strategy._capture.run(lambda: (F.cross_entropy(logits, batch["point_labels"], reduction="none") * mask).sum() / mask.sum())
+    with caplog.at_level(logging.INFO):
+        assert strategy._term_scale(loss, 3.0, batch) == 1.0  # "auto"'s world_size * n_r / N, with one rank
+    assert "sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term" in caplog.text
+    assert "hand-written masked mean" in caplog.text and "SparseDDPStrategy(loss_weighting=lambda chunk" in caplog.text
+
+    strategy._capture = TermCapture()
+    loss = strategy._capture.run(lambda: F.cross_entropy(logits, batch["point_labels"], ignore_index=0))
+    assert strategy._term_scale(loss, 3.0, batch) == 1.0 and strategy._capture.terms[0].scale == 1.0

@@ -171,11 +171,11 @@ def _point_batch(num_samples, seed, ignore=None):
     return {"coordinates": base["coordinates"], "features": base["features"], "labels": labels}
 
 
-def test_auto_weighting_is_the_default_and_exact_for_a_per_point_loss(caplog):
+def test_auto_weighting_is_exact_for_a_per_point_loss_and_says_its_choice(caplog):
     batch = _point_batch(7, seed=5)
     ours, reference = same_start(PointNet)
     with caplog.at_level(logging.INFO):
-        t = _fit(ours, batch, strategy="sparse_dp", devices=3)
+        t = _fit(ours, batch, strategy=SparseDataParallelStrategy(loss_weighting="auto"), devices=3)
     assert "loss_weighting='auto' weights each replica's loss by its points" in caplog.text
     assert "batch['labels']" in caplog.text
     r = _fit(reference, batch)

@@ -1,0 +1,174 @@
+"""Capture of torch's mean-reduced losses: every denominator against torch's own ``reduction="sum"``,
+and how a step's loss is read as a linear combination of its terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_sparse_dp.losses import CAPTURED, bind, denominator
+from lightning_sparse_dp.terms import TermCapture
+
+_DEFAULT_DTYPE = torch.get_default_dtype()
+torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
+g = torch.Generator().manual_seed(0)
+N, C = 23, 5
+logits = torch.randn(N, C, generator=g)
+labels = torch.randint(0, C, (N,), generator=g)
+probs = torch.softmax(torch.randn(N, C, generator=g), 1)
+x, y = torch.randn(N, 3, generator=g), torch.randn(N, 3, generator=g)
+p01 = torch.rand(N, 3, generator=g)
+class_weight = torch.rand(C, generator=g) + 0.1
+
+
+def _ignored(index: int, fraction: float) -> torch.Tensor:
+    t = labels.clone()
+    t[torch.rand(N, generator=torch.Generator().manual_seed(1)) < fraction] = index
+    return t
+
+
+CASES = {
+    "ce": (F.cross_entropy, (logits, labels), {}),
+    "ce_ignore255": (F.cross_entropy, (logits, _ignored(255, 0.3)), {"ignore_index": 255}),
+    "ce_ignore-100": (F.cross_entropy, (logits, _ignored(-100, 0.3)), {}),
+    "ce_weight_ignore": (F.cross_entropy, (logits, _ignored(255, 0.3)), {"ignore_index": 255, "weight": class_weight}),
+    "ce_smoothing": (F.cross_entropy, (logits, _ignored(-100, 0.2)), {"label_smoothing": 0.1}),
+    "ce_smoothing_weight": (F.cross_entropy, (logits, _ignored(-100, 0.2)), {"label_smoothing": 0.2, "weight": class_weight}),
+    "ce_probabilities": (F.cross_entropy, (logits, probs), {}),
+    "ce_probabilities_weight_smoothing": (F.cross_entropy, (logits, probs), {"weight": class_weight, "label_smoothing": 0.1}),
+    "ce_spatial": (F.cross_entropy, (torch.randn(4, C, 3, 2, generator=g), torch.randint(0, C, (4, 3, 2), generator=g)), {}),
+    "nll_weight_ignore": (F.nll_loss, (torch.log_softmax(logits, 1), _ignored(7, 0.4)), {"ignore_index": 7, "weight": class_weight}),
+    "bce": (F.binary_cross_entropy, (p01, (y > 0).double()), {}),
+    "bce_weight": (F.binary_cross_entropy, (p01, (y > 0).double()), {"weight": torch.rand(N, 3, generator=g)}),
+    "bce_logits_pos_weight": (F.binary_cross_entropy_with_logits, (x, (y > 0).double()), {"pos_weight": torch.rand(3, generator=g)}),
+    "mse": (F.mse_loss, (x, y), {}),
+    "mse_weight": (F.mse_loss, (x, y), {"weight": torch.rand(N, 3, generator=g)}),
+    "mse_broadcast": (F.mse_loss, (x, y[:1]), {}),
+    "l1": (F.l1_loss, (x, y), {}),
+    "l1_weight": (F.l1_loss, (x, y), {"weight": torch.rand(N, 3, generator=g)}),
+    "smooth_l1": (F.smooth_l1_loss, (x, y), {"beta": 0.5}),
+    "huber": (F.huber_loss, (x, y), {"delta": 0.7}),
+    "huber_weight": (F.huber_loss, (x, y), {"delta": 0.7, "weight": torch.rand(N, 3, generator=g)}),
+    "kl_batchmean": (F.kl_div, (torch.log_softmax(logits, 1), probs), {"reduction": "batchmean"}),
+    "kl_mean": (F.kl_div, (torch.log_softmax(logits, 1), probs), {}),
+    "legacy_size_average": (F.mse_loss, (x, y), {"size_average": True}),
+}
+torch.set_default_dtype(_DEFAULT_DTYPE)
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size", "ignore:reduction. 'mean' divides", "ignore:size_average")
+@pytest.mark.parametrize("case", CASES)
+def test_denominator_is_torchs_sum_over_its_mean(case):
+    func, args, kwargs = CASES[case]
+    mean = func(*args, **kwargs)
+    legacy = {k: None for k in ("size_average", "reduce") if k in kwargs}
+    total = func(*args, **{**kwargs, **legacy, "reduction": "sum"})
+    d = float(denominator(func, bind(func, args, kwargs)))
+    assert d > 0
+    torch.testing.assert_close(mean * d, total, rtol=1e-13, atol=0)
+
+
+def test_every_captured_loss_has_a_case():
+    assert {CASES[c][0] for c in CASES} == set(CAPTURED)
+
+
+def test_all_ignored_has_denominator_zero_and_the_term_is_zero_not_nan():
+    t = torch.full((N,), 255)
+    capture = TermCapture()
+    with capture:
+        loss = nn.CrossEntropyLoss(ignore_index=255)(logits, t)
+    assert float(capture.terms[0].denominator) == 0 and float(loss) == 0.0
+    assert torch.isnan(F.cross_entropy(logits, t, ignore_index=255))  # what torch itself gives
+
+
+def _capture(fn):
+    capture = TermCapture()
+    with capture:
+        value = fn()
+    return capture, value
+
+
+def test_linear_combinations_are_read_off():
+    w = torch.tensor(0.25)  # a scheduled coefficient held in a tensor
+
+    def step():
+        levels = [F.binary_cross_entropy_with_logits(x[:, i], (y[:, i] > 0).double()) for i in range(3)]
+        ce = nn.CrossEntropyLoss(ignore_index=255)(logits, _ignored(255, 0.3))
+        total = sum(levels) / 3 + 0.5 * ce - w * F.l1_loss(x, y)
+        total = (2 - total.double()).detach() * 1.0
+        return -total + 2
+    capture, loss = _capture(step)
+    coeffs, r, _ = capture.combination(loss)
+    assert [t.name for t in capture.terms] == ["F.binary_cross_entropy_with_logits"] * 3 + ["F.cross_entropy", "F.l1_loss"]
+    assert coeffs == pytest.approx([1 / 3] * 3 + [0.5, -0.25]) and r == 0.0
+
+
+@pytest.mark.parametrize("expr, why", [
+    (lambda a, b: a.sqrt(), "sqrt"),
+    (lambda a, b: a * b, "multiplies two losses"),
+    (lambda a, b: torch.stack([a, b]).mean(), "list holding a loss"),
+    (lambda a, b: a * nn.Parameter(torch.tensor(2.0)), "requires grad"),
+    (lambda a, b: F.poisson_nll_loss(x, y.abs()) + a, "poisson_nll_loss"),
+])
+def test_non_linear_uses_are_named(expr, why):
+    capture, loss = _capture(lambda: expr(F.mse_loss(x, y), F.l1_loss(x, y)))
+    assert why in capture.combination(loss)
+
+
+def test_a_hand_written_mean_is_a_remainder_and_no_term_is_not_a_combination():
+    mask = labels != 0
+    capture, loss = _capture(lambda: F.mse_loss(x, y) + (x.pow(2).sum(1) * mask).sum() / mask.sum())
+    coeffs, r, _ = capture.combination(loss)
+    assert coeffs == [1.0] and r == pytest.approx(float((x.pow(2).sum(1) * mask).sum() / mask.sum()))
+    capture, loss = _capture(lambda: F.cross_entropy(logits, labels, reduction="none").mean())
+    assert "not computed from torch's mean-reduced losses" in capture.combination(loss)
+
+
+def test_gradient_is_scaled_by_the_terms_scale():
+    a = x.clone().requires_grad_()
+    capture, loss = _capture(lambda: F.mse_loss(a, y) + 2 * F.l1_loss(a, y))
+    capture.terms[0].scale, capture.terms[1].scale = 3.0, 0.0
+    loss.backward()
+    b = x.clone().requires_grad_()
+    (3 * F.mse_loss(b, y)).backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=0)
+
+
+def test_run_enters_the_mode_at_the_first_loss_and_restores_torch():
+    from torch.nn.functional import cross_entropy  # imported by name: torch's own function
+
+    original = F.mse_loss
+    capture = TermCapture()
+
+    def step():
+        assert torch._C._len_torch_function_stack() == 0  # the forward runs without the mode
+        first = nn.MSELoss()(x, y)  # nn.*Loss -> F.mse_loss, a trigger while the step runs
+        assert torch._C._len_torch_function_stack() == 1
+        return first + cross_entropy(logits, labels)  # by name: captured once the mode is in
+
+    loss = capture.run(step)
+    assert torch._C._len_torch_function_stack() == 0 and F.mse_loss is original
+    assert [t.name for t in capture.terms] == ["F.mse_loss", "F.cross_entropy"]
+    assert capture.combination(loss)[0] == [1.0, 1.0]
+
+
+def test_a_loss_imported_by_name_before_any_other_is_not_captured_and_said():
+    from torch.nn.functional import cross_entropy
+
+    capture = TermCapture()
+    loss = capture.run(lambda: cross_entropy(logits, labels))
+    assert capture.terms == [] and "not computed from torch's mean-reduced losses" in capture.combination(loss)
+
+
+@pytest.mark.parametrize("keep", [True, False, torch.tensor(True), torch.tensor(False)])  # tensors: the CUDA path
+def test_scaled_value_and_gradient(keep):
+    from lightning_sparse_dp.terms import _scaled
+
+    a = torch.tensor(float("nan") if not bool(keep) else 2.0, dtype=torch.float64, requires_grad=True)
+    factor = torch.ones((), dtype=torch.float64)
+    out = _scaled(a, keep, factor)
+    factor.data.fill_(3.0)  # as Term.scale does after the step
+    out.backward()
+    assert float(out.detach()) == (2.0 if bool(keep) else 0.0) and float(a.grad) == (3.0 if bool(keep) else 0.0)
