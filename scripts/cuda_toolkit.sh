@@ -17,9 +17,9 @@
 #       * CUDA >= 13: the `cuda-toolkit` meta package at exactly the version torch's own metadata
 #         pins (torch 2.13.0+cu130 pins cuda-toolkit==13.0.3), extras nvcc, crt, cccl, cudart,
 #         cublas, cusparse, curand, cusolver, nvtx (ME includes curand.h and nvtx3/nvToolsExt.h, torch's CUDA headers cusolverDn.h). The wheels unpack to nvidia/cu13/{bin,include,lib,nvvm}.
-#       * CUDA 12: the per-component wheels nvidia-cuda-{nvcc,cccl,runtime}-cu12,
-#         nvidia-{cublas,cusparse,curand,cusolver,nvtx}-cu12 at the versions of the runtime wheels torch installed
-#         (this branch is written from the wheels' documented layout and has not been run here).
+#       * CUDA 12: the per-component wheels nvidia-cuda-{nvcc,cccl}-cu12 at torch's CUDA minor
+#         (12.8.*), nvidia-cuda-runtime-cu12 and nvidia-{cublas,cusparse,curand,cusolver,nvtx}-cu12
+#         at the versions torch's metadata pins; their folders are merged into one CUDA_HOME.
 #     A wheel layout is not quite a CUDA_HOME: torch.utils.cpp_extension links with
 #     -L CUDA_HOME/lib64 -lcudart and ME adds -lcusparse, while the wheels ship lib/ with versioned
 #     names only (libcudart.so.13). The script adds lib64/ with unversioned links.
@@ -32,26 +32,24 @@ CACHE=${LSDP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-sparse-dp}
 log() { printf '[cuda_toolkit] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-read -r TORCH_CUDA TOOLKIT_PIN RUNTIME_VERSION < <("$PY" - <<'PYEOF'
+read -r TORCH_CUDA TOOLKIT_PIN CU12_PINS < <("$PY" - <<'PYEOF'
 import importlib.metadata as m, re, torch
 cuda = torch.version.cuda or "none"
-pin = "none"
+# torch's own metadata pins the CUDA wheels it was built against (whether installed or not):
+# cuda-toolkit[...]==X for CUDA >= 13, nvidia-*-cu12==X per component for CUDA 12.
+pin, cu12 = "none", []
 for req in m.requires("torch") or []:
     found = re.match(r"cuda-toolkit\[[^\]]*\]\s*==\s*([0-9.]+)", req)
     if found:
         pin = found.group(1)
-runtime = "none"
-for name in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12"):
-    try:
-        runtime = m.version(name)
-        break
-    except m.PackageNotFoundError:
-        pass
-print(cuda, pin, runtime)
+    found = re.match(r"(nvidia-[a-z-]+-cu12)\s*==\s*([0-9.]+)", req)
+    if found:
+        cu12.append(f"{found.group(1)}=={found.group(2)}")
+print(cuda, pin, ",".join(cu12) or "none")
 PYEOF
 ) || die "could not read torch's CUDA version from $PY"
 [ "$TORCH_CUDA" != none ] || die "the torch of $PY is a CPU build (torch.version.cuda is None): \
-install a CUDA build of torch in that environment first (e.g. pip install torch==2.13.0 --index-url https://pypi.org/simple)"
+run bash scripts/setup.sh --cuda (a separate environment with torch's CUDA build)"
 CUDA_MAJOR=${TORCH_CUDA%%.*}
 
 nvcc_version() {  # prints major.minor of the nvcc given, or nothing
@@ -64,8 +62,9 @@ if [ -n "$GIVEN" ]; then
     have=$(nvcc_version "$GIVEN/bin/nvcc")
     [ -n "$have" ] || die "CUDA_HOME=$GIVEN has no working bin/nvcc"
     if [ "$have" != "$TORCH_CUDA" ] && [ "${LSDP_CUDA_ANY:-0}" != 1 ]; then
-        die "CUDA_HOME=$GIVEN has nvcc $have but torch was built with CUDA $TORCH_CUDA: unset CUDA_HOME \
-to use NVIDIA's $TORCH_CUDA wheels, point it at a $TORCH_CUDA toolkit, or set LSDP_CUDA_ANY=1 to try anyway"
+        die "CUDA_HOME=$GIVEN has nvcc $have but torch was built with CUDA $TORCH_CUDA. Run without it to use \
+NVIDIA's CUDA $TORCH_CUDA wheels: env -u CUDA_HOME -u CUDA_PATH bash scripts/setup.sh --cuda   (or point \
+CUDA_HOME at a CUDA $TORCH_CUDA toolkit; LSDP_CUDA_ANY=1 tries anyway)"
     fi
     log "using CUDA_HOME=$GIVEN (nvcc $have, torch built with CUDA $TORCH_CUDA)"
     echo "$GIVEN"
@@ -79,11 +78,20 @@ if [ "$CUDA_MAJOR" -ge 13 ]; then
     SPECS=("cuda-toolkit[nvcc,crt,cccl,cudart,cublas,cusparse,curand,cusolver,nvtx]==$TOOLKIT_PIN")
     SUBDIR=nvidia/cu$CUDA_MAJOR
 elif [ "$CUDA_MAJOR" -eq 12 ]; then
-    [ "$RUNTIME_VERSION" != none ] || die "no nvidia-cuda-runtime-cu12 wheel beside torch; set CUDA_HOME to a CUDA $TORCH_CUDA toolkit"
-    VERSION=$RUNTIME_VERSION
+    # the components torch pins at their pinned versions, the compiler and CCCL at torch's minor
+    pinned() {  # the spec torch pins for the wheel named $1, else the name alone
+        local spec
+        for spec in ${CU12_PINS//,/ }; do [ "${spec%%==*}" = "$1" ] && { echo "$spec"; return; }; done
+        echo "$1"
+    }
     minor="${TORCH_CUDA}.*"
-    SPECS=("nvidia-cuda-nvcc-cu12==$minor" "nvidia-cuda-cccl-cu12==$minor" "nvidia-cuda-runtime-cu12==$RUNTIME_VERSION"
-           "nvidia-cublas-cu12" "nvidia-cusparse-cu12" "nvidia-curand-cu12" "nvidia-cusolver-cu12" "nvidia-nvtx-cu12")
+    SPECS=("nvidia-cuda-nvcc-cu12==$minor" "nvidia-cuda-cccl-cu12==$minor")
+    for name in nvidia-cuda-runtime-cu12 nvidia-cublas-cu12 nvidia-cusparse-cu12 nvidia-curand-cu12 \
+            nvidia-cusolver-cu12 nvidia-nvtx-cu12; do
+        SPECS+=("$(pinned "$name")")
+    done
+    runtime=$(pinned nvidia-cuda-runtime-cu12)
+    case "$runtime" in *==*) VERSION=${runtime#*==} ;; *) VERSION=$TORCH_CUDA ;; esac
     SUBDIR=nvidia/cuda_nvcc  # CUDA 12 wheels unpack one folder per component; merged below
 else
     die "torch was built with CUDA $TORCH_CUDA; this script handles CUDA 12 and 13 (set CUDA_HOME to a $TORCH_CUDA toolkit)"
@@ -96,12 +104,12 @@ if [ ! -f "$TOOLKIT/.complete" ]; then
     log "installing NVIDIA's CUDA $TORCH_CUDA toolkit wheels (${SPECS[*]}) into $TOOLKIT"
     rm -rf "$TOOLKIT"
     mkdir -p "$CACHE"
-    # The registry's index is named explicitly: a machine's pip configuration may point at a local
-    # folder of CPU-only wheels or cap versions; --isolated ignores that configuration.
-    PIP_CONSTRAINT= PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= "$PY" -m pip install --isolated -q \
-        --disable-pip-version-check --index-url "${LSDP_PIP_INDEX:-https://pypi.org/simple}" \
+    # Through pip's configured index (a mirror a cluster reaches, say), at the versions torch pins
+    # (nvcc and CCCL at torch's CUDA minor). A constraints file meant for environments does not
+    # apply to this folder.
+    PIP_CONSTRAINT= "$PY" -m pip install -q --disable-pip-version-check \
         --target "$TOOLKIT" "${SPECS[@]}" >&2 \
-        || die "could not install ${SPECS[*]} from the registry"
+        || die "could not install ${SPECS[*]} through pip's configured index (or set CUDA_HOME to a CUDA $TORCH_CUDA toolkit)"
     if [ "$CUDA_MAJOR" -eq 12 ]; then
         # One CUDA_HOME out of the per-component folders: bin and nvvm from nvcc, include and lib
         # merged by links.
