@@ -138,6 +138,7 @@ if [ ! -f "$TOOLKIT/.complete" ]; then
     touch "$TOOLKIT/.complete"
 fi
 have=$(nvcc_version "$HOME_DIR/bin/nvcc")
-[ "$have" = "$TORCH_CUDA" ] || die "nvcc in $HOME_DIR reports $have, torch was built with CUDA $TORCH_CUDA"
+[ "$have" = "$TORCH_CUDA" ] || die "nvcc in $HOME_DIR reports ${have:-nothing}, torch was built with CUDA $TORCH_CUDA. \
+Reinstall the toolkit wheels: rm -rf $TOOLKIT && bash scripts/setup.sh --cuda"
 log "CUDA $have toolkit at $HOME_DIR"
 echo "$HOME_DIR"

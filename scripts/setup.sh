@@ -66,7 +66,12 @@ fi
 PY=$VENV/bin/python
 
 # 3. torch, only when absent (under --cuda: also when it is a CPU-only build)
-torch_info() { "$PY" -c "import torch; print(torch.__version__, torch.version.cuda or 'none')" 2>/dev/null; }
+# torch.__version__ (2.13.0+cu130), torch.version.cuda, and the distribution's version, which pip
+# compares (the registry's CUDA build says 2.13.0 there, a CPU build 2.13.0+cpu)
+torch_info() {
+    "$PY" -c "import importlib.metadata as m, torch
+print(torch.__version__, torch.version.cuda or 'none', m.version('torch'))" 2>/dev/null
+}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     spec=$TORCH_SPEC
     # torch==X also matches X+cpu, and pip prefers a local label (X+cpu sorts after X): where a
@@ -77,7 +82,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     log "installing $spec"
     "$PY" -m pip install -q "$spec" || die "could not install $spec"
 fi
-read -r TORCH_VERSION TORCH_CUDA < <(torch_info) || die "torch does not import in $VENV"
+read -r TORCH_VERSION TORCH_CUDA TORCH_DIST < <(torch_info) || die "torch does not import in $VENV"
 if [ "$CUDA" = 1 ] && [ "$TORCH_CUDA" = none ]; then
     # A CPU-only torch where the CUDA build was asked for: the CUDA build of the same version,
     # through pip's configured index, the CPU build excluded by its local version label.
@@ -90,7 +95,7 @@ if [ "$CUDA" = 1 ] && [ "$TORCH_CUDA" = none ]; then
 the CPU build when only that one is offered (a local wheel folder, or an index of CPU builds such as \
 PIP_INDEX_URL / pip.conf's index-url). Point pip at an index that has torch's CUDA builds (the \
 registry's default torch for Linux x86_64 is one), then run: $fix"
-    read -r TORCH_VERSION TORCH_CUDA < <(torch_info) || die "torch does not import in $VENV after reinstalling it"
+    read -r TORCH_VERSION TORCH_CUDA TORCH_DIST < <(torch_info) || die "torch does not import in $VENV after reinstalling it"
     [ "$TORCH_CUDA" != none ] || die "pip installed torch $TORCH_VERSION, still a CPU-only build. \
 Point pip at an index that has torch's CUDA builds, then run: $fix"
 fi
@@ -102,9 +107,9 @@ want="$(sha256sum pyproject.toml | cut -c1-16) torch=$TORCH_VERSION"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "installing lightning-sparse-dp (editable) with its test and example extras"
     constraints=$(mktemp)
-    pin="torch==$TORCH_VERSION"
-    # a CUDA build's version has no label to pin; keep pip from swapping in X+cpu
-    [ "$TORCH_CUDA" = none ] || [ "${TORCH_VERSION#*+}" != "$TORCH_VERSION" ] || pin="$pin,!=$TORCH_VERSION+cpu"
+    pin="torch==$TORCH_DIST"
+    # a CUDA build's version may have no label to pin: keep pip from swapping in X+cpu
+    [ "$TORCH_CUDA" = none ] || [ "${TORCH_DIST#*+}" != "$TORCH_DIST" ] || pin="$pin,!=$TORCH_DIST+cpu"
     echo "$pin" > "$constraints"
     "$PY" -m pip install -q -c "$constraints" -e ".[test]" || { rm -f "$constraints"; die "pip install failed"; }
     rm -f "$constraints"
