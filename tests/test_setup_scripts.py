@@ -53,9 +53,12 @@ with open(os.path.join(os.path.dirname(state_file), "pip.log"), "a") as log:
 if any(a.startswith("torch==") for a in args):
     if state["pip"] == "fails":
         sys.exit("ERROR: No matching distribution found for torch")
-    if state["pip"] == "installs the CUDA build":
-        state.update(version=state["version"].split("+")[0], cuda="13.0")
+    if state["pip"] == "installs the CUDA build":  # as the registry's: 2.13.0+cu130, "2.13.0" to pip
+        base = state["version"].split("+")[0]
+        state.update(version=base + "+cu130", cuda="13.0")
         json.dump(state, open(state_file, "w"))
+        with open(state["metadata"], "w") as metadata:
+            metadata.write(state["metadata_text"].replace("Version: " + state["dist_version"], "Version: " + base))
 '''
 
 
@@ -69,11 +72,14 @@ class StandIn:
         (self.site / "torch" / "__init__.py").write_text(FAKE_TORCH)
         dist = self.site / "torch-0.dist-info"
         dist.mkdir()
-        (dist / "METADATA").write_text(  # torch 2.13.0+cu130 pins the toolkit like this
-            "Metadata-Version: 2.1\nName: torch\nVersion: 0\n"
-            "Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == \"Linux\"\n")
+        # the distribution's version, which pip compares: 2.13.0+cpu for the CPU build, 2.13.0 for
+        # the registry's CUDA build; torch 2.13.0+cu130 pins the toolkit like this
+        metadata = (f"Metadata-Version: 2.1\nName: torch\nVersion: {version.replace('+cu130', '')}\n"
+                    "Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == \"Linux\"\n")
+        (dist / "METADATA").write_text(metadata)
         self.state = root / "state.json"
-        self.state.write_text(json.dumps({"version": version, "cuda": cuda, "pip": pip}))
+        self.state.write_text(json.dumps({"version": version, "cuda": cuda, "pip": pip, "metadata": str(dist / "METADATA"),
+                                          "metadata_text": metadata, "dist_version": version.replace("+cu130", "")}))
         (root / "fake_pip.py").write_text(FAKE_PIP)
         self.python = root / "venv" / "bin" / "python"
         self.python.parent.mkdir(parents=True)
@@ -123,7 +129,7 @@ def assert_refused_before_compiling(done: subprocess.CompletedProcess, *fix: str
 
 @pytest.fixture
 def stand_in(tmp_path):
-    def make(version="2.13.0", cuda="13.0", pip="installs the CUDA build"):
+    def make(version="2.13.0+cu130", cuda="13.0", pip="installs the CUDA build"):
         return StandIn(tmp_path, version, cuda, pip)
     return make
 
@@ -139,7 +145,7 @@ def test_cuda_build_with_a_cpu_only_torch_is_refused(stand_in):
 
 
 def test_a_cuda_home_whose_nvcc_differs_from_torchs_cuda_is_refused(stand_in):
-    fake = stand_in(version="2.13.0", cuda="12.8")
+    fake = stand_in(version="2.13.0+cu128", cuda="12.8")
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python),
                     TORCH_CUDA_ARCH_LIST="9.0", CUDA_HOME=str(fake.nvcc("13.0")))
     assert_refused_before_compiling(done, "has nvcc 13.0 but torch was built with CUDA 12.8",
@@ -153,7 +159,7 @@ def test_a_cuda_home_whose_nvcc_differs_from_torchs_cuda_is_refused(stand_in):
 
 
 def test_a_cached_toolkit_whose_nvcc_differs_is_refused(stand_in):
-    fake = stand_in(version="2.13.0", cuda="13.0")
+    fake = stand_in(version="2.13.0+cu130", cuda="13.0")
     toolkit = fake.cache / "cuda-toolkit-13.0.3"  # the version torch's metadata pins
     home = toolkit / "nvidia" / "cu13"
     (home / "bin").mkdir(parents=True)
@@ -165,7 +171,7 @@ def test_a_cached_toolkit_whose_nvcc_differs_is_refused(stand_in):
 
 
 def test_no_arch_list_and_no_gpu_is_refused(stand_in):
-    fake = stand_in(version="2.13.0", cuda="13.0")
+    fake = stand_in(version="2.13.0+cu130", cuda="13.0")
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), CUDA_HOME=str(fake.nvcc("13.0")))
     assert_refused_before_compiling(done, "no GPU is visible", "TORCH_CUDA_ARCH_LIST is not set",
                                     f"TORCH_CUDA_ARCH_LIST=9.0 bash scripts/build_minkowski.sh --cuda {fake.python}")
@@ -182,6 +188,7 @@ def test_setup_replaces_a_cpu_only_torch_with_the_cuda_build_of_the_same_version
     done = fake.run("scripts/setup.sh", "--cuda", TORCH_CUDA_ARCH_LIST="9.0", CUDA_HOME=str(fake.nvcc("12.8")))
     out = assert_refused_before_compiling(done, "has nvcc 12.8 but torch was built with CUDA 13.0")
     assert "torch 2.13.0+cpu in" in out and "is a CPU-only build: replacing it" in out
+    assert "torch 2.13.0+cu130 (CUDA 13.0) in" in out
     torch_install, package_install = fake.pip_calls()
     assert torch_install["args"] == ["install", "-q", "torch==2.13.0,!=2.13.0+cpu"]
     assert package_install["args"][-2:] == ["-e", ".[test]"]
