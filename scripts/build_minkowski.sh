@@ -10,6 +10,9 @@
 #           TORCH_CUDA_ARCH_LIST (e.g. "8.0" or "8.0;9.0"), or those of the visible GPUs.
 #   --cpu   build the CPU-only extension (same as LSDP_CUDA=0) even where a GPU is visible.
 #   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
+#   Environment: LSDP_CACHE (cache folder), MAX_JOBS (compile jobs), LSDP_KEEP_BUILD=1 (keep the
+#   scratch folder with the patched sources and torch's build.ninja, e.g. to compile one file:
+#   ninja -C <folder>/MinkowskiEngine-0.5.4/build/temp.linux-x86_64-cpython-311 <object>).
 #
 # What it does, and why (see shared research notes):
 #  * ME 0.5.4 is on the registry only as a source distribution. Its setup.py imports
@@ -115,7 +118,9 @@ fi
 wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
-    log "no cached wheel for $KEY: building (CPU-only takes about 8 minutes on 2 cores)"
+    took="CPU-only takes about 8 minutes on 2 cores"
+    [ "$VARIANT" = cpu ] || took="CUDA takes about 20 minutes for one architecture on 2 cores"
+    log "no cached wheel for $KEY: building ($took)"
     case "$(uname -s)" in Linux) ;; *) die "only Linux builds are supported by this script";; esac
     if ! { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] \
            || ls /usr/include/*/cblas.h >/dev/null 2>&1; }; then
@@ -141,7 +146,11 @@ if [ -z "$wheel" ]; then
         || die "the build environment cannot import the target's torch with numpy 1.26.4"
 
     WORK=$(mktemp -d "${TMPDIR:-/tmp}/lsdp-me-build.XXXXXX")
-    trap 'rm -rf "$WORK"' EXIT
+    if [ "${LSDP_KEEP_BUILD:-0}" = 1 ]; then  # the patched sources and build.ninja (every compile command), for a look or one file
+        trap 'log "build folder kept (LSDP_KEEP_BUILD=1): $WORK"' EXIT
+    else
+        trap 'rm -rf "$WORK"' EXIT
+    fi
     export PATH="$BUILD_ENV/bin:$PATH"
     log "fetching the MinkowskiEngine $ME_VERSION source distribution"
     (cd "$WORK" && python -m pip download -q --disable-pip-version-check --no-deps \
@@ -223,7 +232,6 @@ PYEOF
         python "$HERE/me_cuda_patch.py" "$SRC" || die "scripts/me_cuda_patch.py did not apply"
     fi
     log "compiling ($VARIANT, ${MAX_JOBS:-$(nproc)} jobs); log in $CACHE/build-$KEY.log"
-    [ "$VARIANT" = cpu ] || log "a CUDA build takes long: about 20 minutes for one architecture on 2 cores"
     mkdir -p "$CACHE"
     if ! (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-$(nproc)} python setup.py bdist_wheel "${args[@]}" \
             > "$CACHE/build-$KEY.log" 2>&1); then
