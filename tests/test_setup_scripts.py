@@ -74,12 +74,13 @@ class StandIn:
         dist.mkdir()
         # the distribution's version, which pip compares: 2.13.0+cpu for the CPU build, 2.13.0 for
         # the registry's CUDA build; torch 2.13.0+cu130 pins the toolkit like this
-        metadata = (f"Metadata-Version: 2.1\nName: torch\nVersion: {version.replace('+cu130', '')}\n"
+        dist_version = version if version.endswith("+cpu") else version.split("+")[0]
+        metadata = (f"Metadata-Version: 2.1\nName: torch\nVersion: {dist_version}\n"
                     "Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == \"Linux\"\n")
         (dist / "METADATA").write_text(metadata)
         self.state = root / "state.json"
         self.state.write_text(json.dumps({"version": version, "cuda": cuda, "pip": pip, "metadata": str(dist / "METADATA"),
-                                          "metadata_text": metadata, "dist_version": version.replace("+cu130", "")}))
+                                          "metadata_text": metadata, "dist_version": dist_version}))
         (root / "fake_pip.py").write_text(FAKE_PIP)
         self.python = root / "venv" / "bin" / "python"
         self.python.parent.mkdir(parents=True)
