@@ -159,6 +159,15 @@ def test_a_cuda_home_whose_nvcc_differs_from_torchs_cuda_is_refused(stand_in):
     assert done.returncode == 0 and done.stdout.strip() == str(fake.root / "cuda-13.0"), done.stderr
 
 
+def test_cuda_12_without_a_cuda_home_is_refused(stand_in):
+    """NVIDIA's CUDA 12 wheels hold no nvcc (ptxas only): a CUDA 12 torch needs a CUDA_HOME."""
+    fake = stand_in(version="2.10.0+cu128", cuda="12.8")
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
+    assert_refused_before_compiling(done, "CUDA 12 wheels have no nvcc",
+                                    "CUDA_HOME=/path/to/cuda-12.8 bash scripts/setup.sh --cuda")
+    assert fake.pip_calls() == [] and not fake.cache.exists()
+
+
 def test_a_cached_toolkit_whose_nvcc_differs_is_refused(stand_in):
     fake = stand_in(version="2.13.0+cu130", cuda="13.0")
     toolkit = fake.cache / "cuda-toolkit-13.0.3"  # the version torch's metadata pins
