@@ -197,18 +197,23 @@ class Replicas:
 
 
 def _fingerprint(modules: list[nn.Module]) -> tuple:
-    """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage)."""
-    parts: list = []
-    for m in modules:
-        parts.extend(id(c) for c in m._modules.values())
-        for p in m._parameters.values():
-            if p is not None:
-                parts.append((id(p), p.requires_grad, p.data_ptr(), p.dtype))
-            else:
-                parts.append(None)
-        for b in m._buffers.values():
-            parts.append(None if b is None else (id(b), b.data_ptr()))
-    return tuple(parts)
+    """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
+
+    Flat lists built by comprehensions (this runs every step): per module the sizes of its three dicts,
+    then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``,
+    storage and dtype and each buffer's storage.
+    """
+    children = [c for m in modules for c in m._modules.values()]
+    params = [p for m in modules for p in m._parameters.values()]
+    buffers = [b for m in modules for b in m._buffers.values()]
+    return (
+        tuple((len(m._modules), len(m._parameters), len(m._buffers)) for m in modules),
+        tuple(map(id, children)),
+        tuple(map(id, params)),
+        tuple(None if p is None else (p.requires_grad, p.data_ptr(), p.dtype) for p in params),
+        tuple(map(id, buffers)),
+        tuple(None if b is None else b.data_ptr() for b in buffers),
+    )
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
