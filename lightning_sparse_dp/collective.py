@@ -96,6 +96,7 @@ class ThreadGroup:
         self._phase = [0] * world_size  # phases each rank has entered through run()
         self._finished: dict[int, int] = {}  # rank -> calls made when it finished its current phase
         self._error: str | None = None
+        self._mismatched: set[int] = set()  # calls whose ranks gave tensors of different shapes / dtypes
         self._waited = [0.0] * world_size  # seconds each rank spent waiting for the others in all_gather
         self._layer_seconds: list[list[float]] = [[] for _ in range(world_size)]  # per rank, per recorded layer
 
@@ -160,7 +161,8 @@ class ThreadGroup:
                 while self._error is None and any(s is None for s in slot[: self.world_size]):
                     self._cond.wait()
                 self._waited[rank] += time.perf_counter() - start
-            self._raise_if_aborted()
+            if any(s is None for s in slot[: self.world_size]) or call in self._mismatched:
+                self._raise_if_aborted()  # a complete call is handed out even if the group stopped since
             self._reads[call] = self._reads.get(call, 0) + 1
             if self._reads[call] == self.world_size:  # everyone has its result: forget the call
                 del self._slots[call], self._reads[call]
@@ -230,6 +232,8 @@ class ThreadGroup:
 
     def _check_same_kind(self, call: int, slot: list) -> None:
         kinds = [(tuple(t.shape), t.dtype) for _, t in slot[: self.world_size]]
+        if len(set(kinds)) > 1:
+            self._mismatched.add(call)
         if len(set(kinds)) > 1 and self._error is None:
             self._error = (
                 f"collective call #{call} got tensors of different shapes / dtypes from the replicas ({kinds}); the "

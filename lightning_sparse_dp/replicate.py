@@ -127,6 +127,11 @@ class Replicas:
             self._copies.append(copies)
             if r > 0:
                 self._buffer_pairs.append((sources, targets))
+        self._dicts = [
+            (c.__dict__, m.__dict__, (c._parameters, c._buffers, c._modules))
+            for copies in self._copies
+            for m, c in zip(self._sources, copies)
+        ]
         self._copy_parameters()
 
     def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
@@ -145,12 +150,9 @@ class Replicas:
         copies, refreshes the buffer copies and, on CUDA, the parameter copies (no autograd).
         """
         count = len(self.modules) if count is None else count
-        for copies in self._copies[:count]:
-            for m, c in zip(self._sources, copies):
-                d = c.__dict__
-                own = (d["_parameters"], d["_buffers"], d["_modules"])
-                d.update(m.__dict__)
-                d["_parameters"], d["_buffers"], d["_modules"] = own
+        for d, source, own in self._dicts[: count * len(self._sources)]:  # (copy's __dict__, module's, copy's own)
+            d.update(source)
+            d["_parameters"], d["_buffers"], d["_modules"] = own
         if hasattr(self.root, "_device"):
             for replica, device in zip(self.modules[:count], self.devices):
                 replica._device = device
