@@ -1,56 +1,75 @@
-"""Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices, and Lightning's DDP with 2 processes.
+"""Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices (with and without sync BN), DDP with 2 processes.
 
-    .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
-    .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
+    .venv/bin/python benchmarks/bench.py            # 3 interleaved repetitions; about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/bench.py --quick    # 6 timed steps per case: about 6-10 minutes
     python benchmarks/bench.py --accelerator gpu    # on GPUs: sparse_dp with 1..N GPUs, DDP with 2 (NCCL)
 
-Same model, data and global batch in every case, in one process tree (DDP runs as a child process
-that Lightning forks once more). Models: the MinkUNet-style segmentation network of
+Same model, data and global batch in every case. Models: the MinkUNet-style segmentation network of
 examples/train_segmentation.py on generated rooms whose point counts are log-normal, and the digits
-network of examples/train_digits.py. Batch norm is per replica in every timed case (Lightning's DDP on
-CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
-``sync_batchnorm=True`` to show what exact batch norm costs.
+network of examples/train_digits.py. Batch norm is per replica in the plain cases (Lightning's DDP on
+CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus sparse_dp-2 and sparse_dp-3
+with ``sync_batchnorm=True`` to show what exact batch norm costs.
 
-Every case runs twice: with the default threads (sparse_dp splits the cores between its replicas,
-Lightning's DDP launcher between its processes, plain Lightning uses them all), and as the
-1-thread-per-replica proxy, in a child process with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``: each
-replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
+Every case runs in a fresh process, so that two cases differ in their strategy only: a server per thread
+setting imports everything once and forks one child per case, which runs it and exits (DDP cases, whose
+rank 1 Lightning starts by re-running the command line, are fresh processes of their own). Nothing
+carries over from one case to the next: not the threads ME or a previous strategy set, not the
+allocator's heap, not a warm-up. Each case's peak resident memory is its process's (``peak RSS MB``).
+Every case runs ``--repeats`` times (3), interleaved: repetition ``k`` runs all cases in turn (in reverse
+order every other repetition), so the two cases of every ratio run minutes apart at most and a slow
+spell of a shared machine lands on both. Each ratio is computed within each repetition; the JSON line
+gives its median, and ``<key>_spread`` its [min, max] over the repetitions.
+
+Two thread settings: ``default`` (sparse_dp splits the cores between its replicas, plain Lightning uses
+them all; DDP children get ``OMP_NUM_THREADS=cores // 2``, what Lightning's launcher sets, but before
+ME reads it at import, so both ranks of ``ddp`` and of ``sparse_ddp`` run with their share: see
+:func:`case_env`), and the 1-thread-per-replica proxy (``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``):
+each replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
 devices look like from the CPU's side.
 
 Prints, per model and thread setting, a table in the seeds' form (devices, batch per device, time per
-iteration, speedup over plain Lightning, ideal speedup, points per second) and the median time of each
-stage of a sparse_dp step; writes ``speedup.png`` (speedup against devices for sparse_dp, sparse_dp with
-sync BN and DDP, with the ideal line and ME's published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 /
-4 GPUs) and ``stages.png`` (stacked stage times) to ``--figures`` (``benchmarks/figures``); and ends with
-one JSON line of headline figures (segmentation unless named):
+iteration as median [min-max] over repetitions, speedup over plain Lightning, ideal speedup, points per
+second, CPU time per step, peak RSS), the median time of each stage of a sparse_dp step and, for the sync
+BN cases, each synchronized layer's time and the wait for the slowest replica; writes ``speedup.png``
+(speedup against devices for sparse_dp, sparse_dp with sync BN and DDP, with the ideal line and ME's
+published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 / 4 GPUs) and ``stages.png`` (stacked stage
+times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of headline figures
+(segmentation unless named; each with ``<key>_spread``):
 
-- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (the two cases
-  alternate ``--pairs`` times and their steps are pooled);
+- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, step time;
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
 - ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
   DDP with 2 processes, default threads / 1-thread proxy;
 - ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
   time over sparse_dp's (``digits_speedup_sparse_dp_2_1t``: the same for the digits network);
-- ``syncbn_cost_ratio`` (``_1t``): sparse_dp-3 with ``sync_batchnorm=True`` over without;
+- ``syncbn_cost_ratio`` / ``syncbn_cost_ratio_1t``: sparse_dp-3 with ``sync_batchnorm=True`` over without
+  (``syncbn_cost_ratio_2`` / ``_2_1t``: sparse_dp-2);
+- ``digits_syncbn_speedup_3``: digits, plain Lightning's step time over sparse_dp-3 with sync BN (default threads);
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
+- ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step:
+  ``split + place + replicate + state + gather + log`` (``log``: the replicas' logged values reduced; the
+  ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
+  its step);
+- ``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
+  ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes;
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
 - ``dispatch_us``: per-step cost of handing 3 no-op replica steps to threads and collecting them, ours
   (persistent threads) and ``torch.nn.parallel.parallel_apply``'s way (new threads each call;
   ``parallel_apply`` itself needs CUDA, so its thread pattern is reproduced);
-- ``peak_rss_mb``: peak resident memory of this process (the child processes not included).
+- ``peak_rss_mb``: peak resident memory of each segmentation case's process (default threads; DDP: rank
+  0's), and ``rss_ratio_sparse_dp_3``: sparse_dp-3's over plain Lightning's.
 
-The tables also give each case's CPU time per step (this process, all its threads; DDP: rank 0's
+The tables also give each case's CPU time per step (its process, all its threads; DDP: rank 0's
 process only): on a loaded machine the wall times say little about parallelism, the CPU times still
 say how much work a step costs.
 
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
 of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
 glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
-The load average is printed at the start and the end: on a shared machine, compare ratios within one
-run, and repeat.
+The load average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -78,7 +97,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # one; where page faults are slow (seen on this project's sandboxed machine: two live 5 MB tensors cost
 # 8 ms to allocate and fill once lightning is imported, 0.16 ms with these settings) that cost lands on
 # every large tensor of every case. Fixed thresholds keep freed pages in the heap. The environment
-# variables reach the child processes (DDP, the 1-thread proxy); mallopt applies them to this process.
+# variables reach the child processes (cases, DDP ranks); mallopt applies them to this process.
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 if "--default-malloc" not in sys.argv:
     for _name, _value in MALLOC_TUNING.items():
@@ -647,7 +666,7 @@ def main_gpu(args) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and no DDP cases (a smoke run; noisier)")
+    parser.add_argument("--quick", action="store_true", help="6 timed steps after 2 warm-up steps per case (noisier)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)

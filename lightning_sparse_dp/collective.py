@@ -10,6 +10,14 @@ One batch-norm implementation (:mod:`lightning_sparse_dp.batchnorm`) runs over a
 
 Reductions are left to the caller, who sums the gathered list in rank order, so results are the
 same on every rank and repeat bit for bit (``torch.distributed.all_reduce`` makes no such promise).
+:func:`gather_reduce` gathers and reduces in one call: over a :class:`ThreadGroup` the rank that
+completes the rendezvous computes the reduction once and hands every rank the result
+(:meth:`ThreadGroup.all_gather_reduce`); over any other collective each rank reduces the gathered list.
+A waiting rank is woken once, when its call completes (or the group stops), not at every arrival.
+
+Timing (threads). The group adds up, per rank, the seconds spent waiting at rendezvous for the other
+ranks, and the seconds each synchronized layer reports (:meth:`ThreadGroup.record`);
+:meth:`ThreadGroup.timings` gives their means over ranks, which ``sparse_dp`` records as stage times.
 
 Failure (threads). A replica that raises aborts the group (:meth:`ThreadGroup.abort`, done by
 :meth:`ThreadGroup.run`): every replica waiting in ``all_gather``, and every later call, raises
@@ -26,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 T = TypeVar("T")
 
@@ -123,7 +132,8 @@ class ThreadGroup:
 
     def all_gather_reduce(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
         """``rank``'s next call: ``fn`` of every rank's ``tensor`` (rank order), computed once, by the rank that
-        completes the call, and handed to every rank (the same object: do not modify it in place).
+        completes the call, and handed to every rank (the same object on one device: do not modify it in
+        place; its tensors moved to the caller's device where they are elsewhere).
 
         Raises:
             ReplicaAborted: as :meth:`Collective.all_gather`.
@@ -133,7 +143,8 @@ class ThreadGroup:
         result = slot[-1]
         if isinstance(result, BaseException):
             raise result
-        return result
+        device = tensor.device  # replicas on other CUDA devices get the result's tensors on their own
+        return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, result)
 
     def _rendezvous(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], Any] | None) -> list:
         """Add ``rank``'s ``tensor`` to its next call and wait for the others: the call's slot, ``[(phase, tensor)] * world_size``
