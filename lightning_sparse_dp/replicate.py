@@ -183,19 +183,28 @@ class Replicas:
         """
         count = len(self.modules) if count is None else count
         root = self.devices[0]
-        reduced: list[Tensor | None] = []
+        grads = []
+        for leaves in self.leaves[:count]:
+            grads.append([leaf.grad for leaf in leaves])
+            for leaf in leaves:
+                leaf.grad = None
+        if all(g is not None and g.layout == torch.strided for per_replica in grads for g in per_replica):
+            # every replica has every gradient: one fused add per replica, in place into replica 0's gradients
+            # (owned by nobody else now), in replica order as below
+            reduced = [g.to(root) for g in grads[0]]
+            for per_replica in grads[1:]:
+                torch._foreach_add_(reduced, [g.to(root) for g in per_replica])
+            return list(reduced)
+        out: list[Tensor | None] = []
         for j in range(len(self.trainable)):
             total = None
-            for r in range(count):
-                leaf = self.leaves[r][j]
-                g = leaf.grad
-                if g is None:
-                    continue
-                leaf.grad = None
-                g = g.to(root)
-                total = g if total is None else total + g
-            reduced.append(total)
-        return reduced
+            for per_replica in grads:
+                g = per_replica[j]
+                if g is not None:
+                    g = g.to(root)
+                    total = g if total is None else total + g
+            out.append(total)
+        return out
 
 
 def _fingerprint(modules: list[nn.Module]) -> tuple:
