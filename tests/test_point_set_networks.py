@@ -2,7 +2,8 @@
 
 - the completion example (``examples/train_completion.py``, ME's ``completion.py`` style): its
   predictions on 3 replicas are one device's (the same generated coordinates, logits within 1e-10 in
-  float64), and with a per-sample loss and synchronized batch norm so are its parameters;
+  float64), and with a per-sample loss, or its own per-level BCE means (``loss_weighting="terms"``,
+  the default), and synchronized batch norm so are its parameters;
 - a registration network (FCGF style: two scans per sample, correspondences ``[K, 2]`` of rows of the
   collated scans): a hardest-negative contrastive loss over matched pairs, averaged over pairs, trains
   to one device's parameters with ``loss_weighting`` counting pairs, and its per-sample features are
@@ -102,6 +103,27 @@ class PerSampleCompletion(completion.Completion):
 def test_completion_with_a_per_sample_loss_trains_to_one_devices_parameters():
     shapes = completion.Shapes(11, seed=3, grid=12)
     ours, reference = same_start(PerSampleCompletion, seed=0)
+    common = dict(max_epochs=1, max_steps=-1, precision="64-true")
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **common).fit(ours, _loader(shapes, 6))
+    trainer(devices=1, **common).fit(reference, _loader(shapes, 6))
+    assert_same_states(ours, reference)
+    assert relative_difference(ours.net.score[1].kernel, completion.Completion().net.score[1].kernel) > 1e-3
+
+
+
+class SGDCompletion(completion.Completion):
+    """The example's network and its own loss (ME's: each level's BCE a mean over that level's voxels, averaged
+    over levels), with SGD for the comparison (see :class:`PerSampleCompletion`)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def test_completion_with_its_own_loss_trains_to_one_devices_parameters_by_default():
+    """Issue 18 with issue 17: the per-level means need one weight per level and replica
+    (``loss_weighting="terms"``, the default): no option but ``sync_batchnorm``."""
+    shapes = completion.Shapes(11, seed=3, grid=12)
+    ours, reference = same_start(SGDCompletion, seed=0)
     common = dict(max_epochs=1, max_steps=-1, precision="64-true")
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **common).fit(ours, _loader(shapes, 6))
     trainer(devices=1, **common).fit(reference, _loader(shapes, 6))
