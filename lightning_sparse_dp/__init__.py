@@ -19,8 +19,8 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.terms` / :mod:`~lightning_sparse_dp.term_weights`: torch's mean-reduced
   losses captured in each replica's step (:mod:`~lightning_sparse_dp.losses`: their denominators),
   each weighted by its share of the batch;
-- :mod:`~lightning_sparse_dp.gather`: the replicas' losses -> one loss, weighted to the whole-batch mean;
-- :mod:`~lightning_sparse_dp.outputs`: other outputs -> root device, in batch order (per-sample lists too);
+- :mod:`~lightning_sparse_dp.weighting`: the weights that make the replicas' losses the whole-batch mean;
+- :mod:`~lightning_sparse_dp.outputs`: the gather: outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
@@ -34,7 +34,8 @@ Beside it: :mod:`~lightning_sparse_dp.batchnorm` (synchronized batch-norm math o
 :mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch) and
 :mod:`~lightning_sparse_dp.process_group` (batch norm over a process group).
 
-:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them;
+:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them (on
+:class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`, Lightning's plumbing for one process);
 :class:`~lightning_sparse_dp.ddp.SparseDDPStrategy` is Lightning's DDP with the same split, loss
 weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two share.
 """
@@ -42,7 +43,7 @@ weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two shar
 from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
 from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights
+from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import check_loss_weighting
+from lightning_sparse_dp.weighting import check_loss_weighting
 from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
 

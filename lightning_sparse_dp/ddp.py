@@ -49,7 +49,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from typing_extensions import override
 
 from lightning_sparse_dp.backward import loss_of
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
+from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.term_weights import decide, pack, rank_scale
@@ -66,10 +66,10 @@ def local_count(
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.gather.resolve_auto`; said once through ``infos`` when given) or
+    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``infos`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -147,7 +147,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
             share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
             combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
-            points when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"
+            points when it has a per-point target; :func:`~lightning_sparse_dp.weighting.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.

@@ -192,11 +192,11 @@ def reduce_log_calls(
 
     Args:
         recorders: one per replica, in replica order.
-        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.gather.chunk_weights`).
+        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.weighting.chunk_weights`).
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
-        losses: each replica's step loss (:func:`lightning_sparse_dp.gather.step_losses`); a logged
+        losses: each replica's step loss (:func:`lightning_sparse_dp.weighting.step_losses`); a logged
             value that is its replica's loss is reduced as the loss is (weighted mean).
         warnings: where one-time warnings go (a module-level cache when not given).
         exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by

@@ -5,10 +5,10 @@ overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParalle
 (split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
 (:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
 :meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
-(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`, :mod:`.outputs`) -> log (:mod:`.log`).
-Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
-the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
-state dict.
+(:mod:`.backward`) -> loss weights (:mod:`.weighting`, :mod:`.term_weights`) -> :meth:`~SparseDataParallelStrategy.gather`
+(:mod:`.outputs`) -> log (:mod:`.log`).
+What Lightning asks of a strategy that runs every device in one process (root device, world size 1,
+no-op collectives) is :class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.gather import step_losses, step_weights
+from lightning_sparse_dp.weighting import step_losses, step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
@@ -39,11 +39,12 @@ from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.place import check_devices, place_chunks
+from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, split_batch
 from lightning_sparse_dp.sync import sync_layers, synchronized
-from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
+from lightning_sparse_dp.threads import ThreadSplit, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
@@ -58,7 +59,7 @@ def _step_hook(step_name: str, precision_context: str) -> Callable[..., Any]:
     return hook
 
 
-class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
+class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
     Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
@@ -81,7 +82,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             samples), ``"points"`` (share of points, exact for losses averaged over points),
             ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
             loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
-            ``ignore_index=255``); see :func:`~lightning_sparse_dp.gather.chunk_counts`.
+            ``ignore_index=255``); see :func:`~lightning_sparse_dp.weighting.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
@@ -141,35 +142,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
         self._warnings = WarningCache()  # one-time warnings and infos of this strategy
-        self._warned_transfer_hooks = False
         self._executor: ReplicaExecutor | None = None  # the replica threads, from setup to teardown
         self._replicas: Replicas | None = None
         self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
         self._thread_split: ThreadSplit | None = None
 
-    # --- what Lightning asks of a single-process parallel strategy -----------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[0]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> None:
-        return None  # one process reads the whole batch; no DistributedSampler
-
-    @property
-    @override
-    def is_distributed(self) -> bool:
-        return False
-
-    @override
-    def setup_environment(self) -> None:
-        check_devices(list(self.parallel_devices or []))
-        super().setup_environment()
-
+    # --- set-up and teardown (the rest of Lightning's plumbing: single_process.py) -------------------
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -194,52 +173,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         self._split_threads()
 
     @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
-
-        Each chunk is placed on its own device in the step, so ``transfer_batch_to_device`` and
-        ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
-        """
-        module = self.lightning_module
-        if module is None:
-            return batch
-        if not self._warned_transfer_hooks:
-            self._warned_transfer_hooks = True
-            skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
-            if skipped:
-                rank_zero_warn(
-                    f"sparse_dp does not call {' or '.join(skipped)}: it splits the batch and places each chunk on its "
-                    "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
-                    "before the split) or into the step (runs on each chunk, on its device)."
-                )
-        return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
-        return tensor  # one process: nothing to reduce across processes
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
-
-    @override
     def teardown(self) -> None:
         revert_layer_sync(self)  # as DDPStrategy.teardown: the user's layer types come back, holding the trained values
         if self._executor is not None:
@@ -250,7 +183,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         if self._thread_split is not None:
             self._thread_split.restore()
             self._thread_split = None
-        Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
+        super().teardown()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -432,7 +365,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.weighting.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
         order by ``output_layout`` or their lengths.
         """
@@ -457,11 +390,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
         if self._thread_split is not None:
             self._executor.threads_per_replica = self._thread_split.per_replica
-            rank_zero_info(
-                f"sparse_dp: {len(self.parallel_devices)} CPU replicas on {available_cores()} cores get "
-                f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
-                "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
-            )
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 

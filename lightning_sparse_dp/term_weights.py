@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp.backward import loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.gather import resolve_auto
+from lightning_sparse_dp.weighting import resolve_auto
 
 #: The most terms one step may capture (the summary vector has a fixed length, so that ranks agree on it).
 CAPACITY = 64

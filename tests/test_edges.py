@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights, resolve_auto
+from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.split import merge_batch
 from tests.helpers import (

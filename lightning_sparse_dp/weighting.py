@@ -1,4 +1,4 @@
-"""Gather: per-replica step outputs to the root device, as one output.
+"""Loss weighting: the weights ``w_i`` that make the replicas' losses one loss, the whole batch's.
 
 A step's loss must be the loss of the whole batch. Replica ``i`` returns the mean loss over its
 chunk; with weights ``w_i = n_i / sum_j n_j`` (``n_i`` what the loss of chunk ``i`` is a mean over:
@@ -13,8 +13,9 @@ share instead (:mod:`lightning_sparse_dp.term_weights`); the per-replica weights
 ``"auto"``, used for the other outputs and logged values, and for the loss when the step's loss is not
 a combination of such terms.
 
-Other outputs are combined by :func:`lightning_sparse_dp.outputs.gather_outputs` (per-sample lists,
-per-point rows, sums...).
+The gather (:func:`lightning_sparse_dp.outputs.gather_outputs`) sums the losses with these weights
+(:func:`weighted_sum`) and merges the other outputs; ``sparse_ddp`` scales each rank's loss by the
+same counts (:mod:`lightning_sparse_dp.ddp`).
 """
 
 from __future__ import annotations
