@@ -146,6 +146,13 @@ class SegNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def fit_float64(model, batch, strategy="auto", devices=1, **kwargs) -> L.Trainer:
+    """Fit ``model`` on the one ``batch`` in float64 (``precision="64-true"``) with :func:`trainer`; the trainer."""
+    t = trainer(strategy=strategy, devices=devices, precision="64-true", **kwargs)
+    t.fit(model, loader(batch))
+    return t
+
+
 def field_batch(num_samples: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N].
 
