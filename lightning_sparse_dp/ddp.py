@@ -199,6 +199,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
+        self._resolve_layer_sync()
         if (
             self._layer_sync is None
             and self.root_device.type == "cpu"

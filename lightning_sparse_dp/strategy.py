@@ -134,8 +134,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         **kwargs: Any,
     ) -> None:
         self._set_options(loss_weighting, split, layout)
-        self.sync_batchnorm = sync_batchnorm  # read by the _layer_sync setter, which ParallelStrategy calls
         super().__init__(**kwargs)
+        self.sync_batchnorm = sync_batchnorm  # the LayerSync plugin is resolved at setup (base._resolve_layer_sync)
         self.output_layout = dict(output_layout) if output_layout else None
         self.split_fn = split_fn
         self.presplit = presplit
@@ -159,6 +159,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
             )
+        self._resolve_layer_sync()
         if self._layer_sync is None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
             rank_zero_warn(
                 "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "

@@ -220,16 +220,18 @@ def test_sync_batchnorm_flag_gives_the_process_group_plugin():
 
     from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
-    assert type(t.strategy._layer_sync) is ProcessGroupSyncBatchNorm
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False)
-    assert t.strategy._layer_sync is None
+    def resolved(**kwargs):  # the plugin setup applies (SparseDDPStrategy.setup resolves it first)
+        t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False, **kwargs)
+        t.strategy._resolve_layer_sync()
+        return t.strategy._layer_sync
+
+    assert type(resolved(sync_batchnorm=True)) is ProcessGroupSyncBatchNorm
+    assert resolved() is None
 
     class Mine(TorchSyncBatchNorm):  # a plugin of the user's own is kept
         pass
 
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, plugins=[Mine()], logger=False)
-    assert type(t.strategy._layer_sync) is Mine
+    assert type(resolved(plugins=[Mine()])) is Mine
 
 
 def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
