@@ -1,14 +1,12 @@
-"""The ``sparse_dp`` strategy: single-process data parallelism for MinkowskiEngine networks.
+"""The ``sparse_dp`` strategy: the step pipeline of single-process data parallelism for ME networks.
 
 A thin orchestrator over the stages of one step (``docs/architecture.md`` draws them), each an
-overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParallelStrategy.scatter`
-(split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
-(:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
-:meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
-(:mod:`.backward`) -> loss weights (:mod:`.weighting`, :mod:`.term_weights`) -> :meth:`~SparseDataParallelStrategy.gather`
-(:mod:`.outputs`) -> log (:mod:`.log`).
-What Lightning asks of a strategy that runs every device in one process (root device, world size 1,
-no-op collectives) is :class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
+overridable method as ``torch.nn.DataParallel``'s are: ``scatter`` (:mod:`.split`, :mod:`.place`)
+-> ``replicate`` (:mod:`.replicate`) -> per-step replica state (:mod:`.metrics`, :mod:`.log`,
+:mod:`.sync`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.weighting`,
+:mod:`.term_weights`) and per-replica backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`)
+-> log (:mod:`.log`). Lightning's plumbing for one process is the base class,
+:class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
 """
 
 from __future__ import annotations
@@ -48,17 +46,6 @@ from lightning_sparse_dp.threads import ThreadSplit, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
-def _step_hook(step_name: str, precision_context: str) -> Callable[..., Any]:
-    """The strategy hook ``step_name``: :meth:`SparseDataParallelStrategy._parallel_step` in ``precision_plugin.<precision_context>()``."""
-
-    def hook(self: SparseDataParallelStrategy, *args: Any, **kwargs: Any) -> Any:
-        with getattr(self.precision_plugin, precision_context)():
-            return self._parallel_step(step_name, args, kwargs)
-
-    hook.__name__ = hook.__qualname__ = step_name
-    return hook
-
-
 class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
@@ -73,16 +60,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     profiler action ``[sparse_dp]<stage>``.
 
     Args:
-        loss_weighting: ``"terms"`` (default: every call of torch's mean-reduced losses in a replica's
-            step, functional or ``nn.*Loss``, weighted by its own share ``D_ik / sum_j D_jk``, exact for
-            any linear combination of them; ``"auto"`` where the loss is not one, said once:
-            :mod:`~lightning_sparse_dp.term_weights`), ``"auto"`` (``"samples"`` when the batch has a
-            per-sample tensor, else ``"points"`` when it has per-point targets, else ``"samples"``; said
-            once at info level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
-            samples), ``"points"`` (share of points, exact for losses averaged over points),
-            ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
-            loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
-            ``ignore_index=255``); see :func:`~lightning_sparse_dp.weighting.chunk_counts`.
+        loss_weighting: what each replica's loss is weighted by: ``"terms"`` (default; every call of
+            torch's mean-reduced losses by its own share ``D_ik / sum_j D_jk``, exact for any linear
+            combination of them, :mod:`~lightning_sparse_dp.term_weights`), ``"auto"``, ``"samples"``,
+            ``"points"``, ``"equal"`` or a callable ``fn(chunk) -> number`` (e.g. ``lambda c: (c["labels"]
+            != 255).sum()`` for ``ignore_index=255``): :func:`~lightning_sparse_dp.weighting.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
@@ -101,13 +83,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             must see the whole batch).
         record_stage_times: record each step's stage durations in :attr:`stage_times`
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
-        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
-            ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-            :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`, synchronized across the
+        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm
+            layers too) for :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`, synchronized across the
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
-            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap` in
-            ``strategy._layer_sync``, applied at setup as ``DDPStrategy.setup`` does), so
-            ``Trainer(sync_batchnorm=True)`` turns it on too.
+            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap`, applied
+            at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
             ``checkpoint_io``, ``precision_plugin``), which the Trainer fills from ``accelerator=`` and
             ``devices=``.
@@ -171,7 +151,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._timer.profiler = trainer.profiler
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices))
-        self._split_threads()
+        if self._thread_split is None and self.root_device.type == "cpu":  # CPU cores split between replicas
+            self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
+            if self._thread_split is not None:
+                self._executor.threads_per_replica = self._thread_split.per_replica
 
     @override
     def teardown(self) -> None:
@@ -205,14 +188,33 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         return dataloader
 
     # --- the step ------------------------------------------------------------------------------
-    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own do)
-    training_step = override(_step_hook("training_step", "train_step_context"))
-    validation_step = override(_step_hook("validation_step", "val_step_context"))
-    test_step = override(_step_hook("test_step", "test_step_context"))
-    predict_step = override(_step_hook("predict_step", "predict_step_context"))
+    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own are)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._parallel_step("training_step", args, kwargs, backward=True)
 
-    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
-        """One step: scatter -> replicate -> parallel_apply -> gather -> log; backward later, per replica."""
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._parallel_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._parallel_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._parallel_step("predict_step", args, kwargs)
+
+    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
+        """One step: scatter -> replicate -> parallel_apply -> gather -> log.
+
+        ``backward`` (the training step): each replica's backward runs in its own thread when Lightning
+        calls backward on the gathered loss (:func:`~lightning_sparse_dp.backward.parallel_backward`).
+        """
         module = self.lightning_module
         assert module is not None
         if not args:
@@ -232,7 +234,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
-        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
+        if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
             outputs = parallel_backward(
@@ -382,15 +384,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
         module = self.lightning_module
         return 1 if module is None else min_points_per_chunk(module, self._layer_sync is not None)
-
-    def _split_threads(self) -> None:
-        """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
-        assert self.parallel_devices is not None and self._executor is not None
-        if self._thread_split is not None or self.root_device.type != "cpu":
-            return
-        self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
-        if self._thread_split is not None:
-            self._executor.threads_per_replica = self._thread_split.per_replica
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 
