@@ -40,7 +40,7 @@ Beside it: :mod:`~lightning_sparse_dp.batchnorm` (synchronized batch-norm math o
 weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two share.
 """
 
-from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
+from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
 from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
@@ -48,7 +48,7 @@ from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
-from lightning_sparse_dp.replicate import Replicas, replicate
+from lightning_sparse_dp.replicate import Replicas, make_replicas
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import (
     BatchLayoutError,
@@ -88,10 +88,10 @@ __all__ = [
     "chunk_weights",
     "contiguous_assignment",
     "gather_outputs",
+    "make_replicas",
     "merge_batch",
     "merge_chunks",
-    "parallel_apply",
     "place_chunks",
-    "replicate",
+    "run_on_replicas",
     "split_batch",
 ]

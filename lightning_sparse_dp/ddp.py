@@ -62,14 +62,14 @@ _MEAN_OPS = ("mean", "avg")
 
 
 def local_count(
-    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, infos: WarningCache | None = None
+    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, warning_cache: WarningCache | None = None
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
     :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``infos`` when given) or
+    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``warning_cache`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -80,8 +80,8 @@ def local_count(
         return 1.0
     chunks, plan = split_batch(batch, 1, layout=layout)
     count = float(chunk_counts(plan, chunks, loss_weighting)[0])
-    if infos is not None:
-        say_auto_choice(plan, loss_weighting, infos, strategy="sparse_ddp")
+    if warning_cache is not None:
+        say_auto_choice(plan, loss_weighting, warning_cache, strategy="sparse_ddp")
     return count
 
 
@@ -188,7 +188,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
-        self._infos = WarningCache()
+        self._warning_cache = WarningCache()
 
     @override
     def setup_distributed(self) -> None:
@@ -223,11 +223,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total.item())
 
-    def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def _weighted(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        n = local_count(batch, self.loss_weighting, self.layout, self._infos)
+        n = local_count(batch, self.loss_weighting, self.layout, self._warning_cache)
         terms = self.loss_weighting == "terms"
-        if hook == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
+        if step_name == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
@@ -236,10 +236,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
-        step = partial(getattr(super(), hook), *args, **kwargs)
+        step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
             output = step() if self._capture is None else self._capture.run(step)
-            if hook == "training_step" and terms:
+            if step_name == "training_step" and terms:
                 self._loss_scale = self._term_scale(output, n, batch)
             return output
         finally:
@@ -256,7 +256,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """After the step: the loss scale, and each term's gradient scale, from one all-reduce (:func:`rank_scale`)."""
         assert self._capture is not None
         auto = lambda: resolve_auto(split_batch(batch, 1, layout=self.layout)[1])  # noqa: E731
-        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._infos, auto)
+        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._warning_cache, auto)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,7 @@ from lightning_sparse_dp.split import SplitPlan, leaf_predicate, merge_chunks, m
 #: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
 OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list", "fixed")
 
-_warnings = WarningCache()
+_warning_cache = WarningCache()
 
 
 def _alike(a: Any, b: Any) -> bool:
@@ -49,7 +49,7 @@ def _is_sequence(x: Any) -> bool:
 
 
 def per_sample_nodes(
-    outputs: Sequence[Any], plan: SplitPlan, output_layout: Mapping[Any, str] | None, warnings: WarningCache
+    outputs: Sequence[Any], plan: SplitPlan, output_layout: Mapping[Any, str] | None, warning_cache: WarningCache
 ) -> set[int]:
     """The ids of the lists / tuples in the replicas' outputs that hold one entry per sample.
 
@@ -84,7 +84,7 @@ def per_sample_nodes(
             )
             if per_sample:
                 if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:
-                    warnings.warn(
+                    warning_cache.warn(
                         f"sparse_dp: step output {_output_name(path)} is a {type(first).__name__} of {lengths[0]} alike "
                         "entries in every chunk, which is also each chunk's number of samples: it is taken as one entry "
                         "per sample and the chunks' entries are concatenated in sample order. If it is a fixed "
@@ -122,7 +122,7 @@ def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
     return None
 
 
-def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warnings: WarningCache) -> str:
+def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache) -> str:
     """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
 
     ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
@@ -139,7 +139,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
     if samples or points:
         role = "samples" if samples else "points"
         if same:
-            warnings.warn(
+            warning_cache.warn(
                 f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
                 f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
                 f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
@@ -150,7 +150,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
     if not isinstance(first, Tensor):
         return "first" if _comparable(values) else "list"
     if same:
-        warnings.warn(
+        warning_cache.warn(
             f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
             "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
@@ -259,7 +259,7 @@ def gather_outputs(
     weights: Sequence[float],
     device: torch.device,
     output_layout: Mapping[Any, str] | None = None,
-    warnings: WarningCache | None = None,
+    warning_cache: WarningCache | None = None,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -286,7 +286,7 @@ def gather_outputs(
     else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
     differing ones the list. When every chunk gives the same length (a fixed leading dimension that
     may or may not be per-sample), a warning says which rule was taken and how to name the role.
-    ``None`` from every replica gives ``None``. Warnings go through ``warnings`` (each once).
+    ``None`` from every replica gives ``None``. Warnings go through ``warning_cache`` (each once).
 
     Raises:
         ValueError: some replicas returned ``None`` and others an output (the message says what
@@ -297,7 +297,7 @@ def gather_outputs(
     if all(o is None for o in outputs):
         return None
     _check_none(outputs)
-    cache = _warnings if warnings is None else warnings
+    cache = _warning_cache if warning_cache is None else warning_cache
     sequences = per_sample_nodes(outputs, plan, output_layout, cache)
     is_leaf = leaf_predicate(lambda x: id(x) in sequences)
     flat = [pytree.tree_flatten_with_path(o, is_leaf=is_leaf) for o in outputs]

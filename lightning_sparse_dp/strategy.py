@@ -121,7 +121,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self.presplit = presplit
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
-        self._warnings = WarningCache()  # one-time warnings and infos of this strategy
+        self._warning_cache = WarningCache()  # one-time warnings and infos of this strategy
         self._executor: ReplicaExecutor | None = None  # the replica threads, from setup to teardown
         self._replicas: Replicas | None = None
         self._replica_sync_layers: list[list] = []
@@ -226,12 +226,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warnings)
+            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache)
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
         losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
-        weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
+        weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
         if backward and len(replicas) > 1 and torch.is_grad_enabled():
@@ -245,7 +245,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
-            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact))
+            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact))
         return output
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
@@ -373,7 +373,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         order by ``output_layout`` or their lengths.
         """
         with self._timer.stage("gather"):
-            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
+            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -1,4 +1,8 @@
-"""Sync: ``sparse_dp``'s batch norm synchronized across the replicas of a step.
+"""Sync: the step's batch-norm group, which joins the replicas' synchronized layers for one ``sparse_dp`` step.
+
+It holds :func:`sync_layers` (a replica's :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers)
+and :func:`synchronized` (those layers of every replica made one
+:class:`~lightning_sparse_dp.collective.ThreadGroup` for the step).
 
 The math is :mod:`lightning_sparse_dp.batchnorm` (forward statistics combined with Chan et al.'s
 formula, backward gradient terms ``sum(dy)`` / ``sum(dy * (x - mean))`` exchanged as

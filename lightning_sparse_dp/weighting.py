@@ -34,7 +34,7 @@ from lightning_sparse_dp.split import SparseSpec, SplitPlan
 #: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.term_weights`).
 LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
 
-_warnings = WarningCache()
+_warning_cache = WarningCache()
 
 
 def check_loss_weighting(loss_weighting: Any) -> None:
@@ -141,15 +141,15 @@ def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], c
 
 
 def step_weights(
-    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], infos: WarningCache | None = None
+    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache | None = None
 ) -> list[float]:
     """:func:`chunk_weights` for a step, saying once what ``"auto"`` chose (:func:`say_auto_choice`),
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
-    infos = _warnings if infos is None else infos
+    warning_cache = _warning_cache if warning_cache is None else warning_cache
     weights = chunk_weights(plan, loss_weighting, chunks)
-    say_auto_choice(plan, loss_weighting, infos)
+    say_auto_choice(plan, loss_weighting, warning_cache)
     if not any(weights):
-        infos.warn(
+        warning_cache.warn(
             "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "
             "every label is ignore_index): the step's loss is 0 and its gradients are 0, where one device would "
             "give NaN."
@@ -158,13 +158,13 @@ def step_weights(
 
 
 def say_auto_choice(
-    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], infos: WarningCache, strategy: str = "sparse_dp"
+    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache, strategy: str = "sparse_dp"
 ) -> None:
-    """For ``loss_weighting="auto"``, say once (rank-zero info through ``infos``) what it chose and why."""
+    """For ``loss_weighting="auto"``, say once (rank-zero info through ``warning_cache``) what it chose and why."""
     if loss_weighting != "auto":
         return
     choice, reason = resolve_auto(plan)
-    infos.info(
+    warning_cache.info(
         f"{strategy}: loss_weighting='auto' weights each {'replica' if strategy == 'sparse_dp' else 'rank'}'s loss by "
         f"its {choice} ({choice!r}): {reason}. Pass loss_weighting= 'samples', 'points' or a callable chunk -> count "
         "(e.g. points whose label is not ignore_index) to the strategy to choose."

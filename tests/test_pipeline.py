@@ -206,9 +206,9 @@ def test_a_step_before_setup_says_so():
 
 
 def test_sparse_ddp_says_what_auto_chose(caplog):
-    infos = WarningCache()
+    warning_cache = WarningCache()
     with caplog.at_level(logging.INFO):
-        n = local_count(_batch(), "auto", infos=infos)
-        local_count(_batch(seed=5), "auto", infos=infos)
+        n = local_count(_batch(), "auto", warning_cache=warning_cache)
+        local_count(_batch(seed=5), "auto", warning_cache=warning_cache)
     assert n == 7.0  # the batch has per-sample labels: samples
     assert caplog.text.count("sparse_ddp: loss_weighting='auto' weights each rank's loss by its samples") == 1

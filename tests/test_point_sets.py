@@ -182,7 +182,7 @@ def _chunks(num_samples, k, seed=0):
 
 
 def _gather(outputs, plan, **kwargs):
-    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warnings=WarningCache(), **kwargs)
+    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warning_cache=WarningCache(), **kwargs)
 
 
 @pytest.mark.parametrize("num_samples", [7, 6, 2])

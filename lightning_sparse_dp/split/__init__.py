@@ -130,14 +130,14 @@ def split_batch(
     leaves, sources = find_sources(leaves)
     num_samples, sources = count_samples(leaves, sources)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
-        chunk_samples, sample_rank = [torch.arange(num_samples)], torch.arange(num_samples)
+        chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)
         sources = tuple(dataclasses.replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
     else:
-        chunk_samples, sample_rank, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
+        chunk_samples, index_in_chunk, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
     k = len(chunk_samples)
     leaves = resolve_roles(leaves, sources, num_samples, k)
     chunks = [
-        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], sample_rank, k == 1) for leaf in leaves], spec)
+        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], index_in_chunk, k == 1) for leaf in leaves], spec)
         for j in range(k)
     ]
     point_targets, sample_tensors = targets(leaves, sources)
@@ -169,16 +169,16 @@ def _assign_points(
     sizes = torch.ones(num_samples, dtype=torch.long) if not sources else sum(s.counts for s in sources)
     first = sources[0].counts if sources else sizes
     assert isinstance(sizes, Tensor) and first is not None
-    chunk_samples, sample_to_chunk, sample_rank = assign(sizes, num_chunks, assignment)
+    chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, num_chunks, assignment)
     while len(chunk_samples) > 1 and min(int(first[c].sum()) for c in chunk_samples) < min_points:
-        chunk_samples, sample_to_chunk, sample_rank = assign(sizes, len(chunk_samples) - 1, assignment)
+        chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, len(chunk_samples) - 1, assignment)
     with_rows = []
     for src in sources:
         chunk_of_point = sample_to_chunk[src.batch_index]
         order = torch.argsort(chunk_of_point, stable=True)
         rows = order.split(torch.bincount(chunk_of_point, minlength=len(chunk_samples)).tolist())
         with_rows.append(dataclasses.replace(src, rows=tuple(rows)))
-    return chunk_samples, sample_rank, tuple(with_rows)
+    return chunk_samples, index_in_chunk, tuple(with_rows)
 
 
 __all__ = [

@@ -121,15 +121,15 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
     sample_to_chunk = torch.full((num_samples,), -1, dtype=torch.long)
-    sample_rank = torch.empty(num_samples, dtype=torch.long)
+    index_in_chunk = torch.empty(num_samples, dtype=torch.long)
     for j, ids in enumerate(chunk_samples):
         if bool((sample_to_chunk[ids] != -1).any()) or ids.unique().numel() != ids.numel():
             raise BatchLayoutError("the assignment puts a sample into more than one chunk.")
         sample_to_chunk[ids] = j
-        sample_rank[ids] = torch.arange(ids.numel())
+        index_in_chunk[ids] = torch.arange(ids.numel())
     if bool((sample_to_chunk == -1).any()):
         raise BatchLayoutError("the assignment leaves samples out of every chunk: every sample must go to one chunk.")
-    return chunk_samples, sample_to_chunk, sample_rank
+    return chunk_samples, sample_to_chunk, index_in_chunk
 
 
 __all__ = [
