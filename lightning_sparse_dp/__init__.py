@@ -61,7 +61,6 @@ from lightning_sparse_dp.split import (
     split_batch,
 )
 from lightning_sparse_dp.strategy import SparseDataParallelStrategy
-from lightning_sparse_dp.sync import ReplicaSyncBatchNorm
 from lightning_sparse_dp.timing import StageTimes
 
 __version__ = "0.1.0"
@@ -75,7 +74,6 @@ __all__ = [
     "ReplicaAborted",
     "ReplicaExecutor",
     "Replicas",
-    "ReplicaSyncBatchNorm",
     "SparseDDPStrategy",
     "SparseDataParallelStrategy",
     "SparseSpec",

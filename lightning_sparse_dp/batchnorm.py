@@ -214,9 +214,6 @@ class SyncBatchNorm(_BatchNorm):
             self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var), alpha=factor)
 
 
-#: Kept for code written against earlier versions (``lightning_sparse_dp.sync.ReplicaSyncBatchNorm``).
-ReplicaSyncBatchNorm = SyncBatchNorm
-
 #: The layers :func:`convert_sync_batchnorm` swaps: torch's BatchNorm1d/2d/3d and SyncBatchNorm, which
 #: includes the ``bn`` inside ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``.
 SWAPPED_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -261,7 +258,6 @@ def revert_sync_batchnorm(swaps: list[Swap]) -> None:
 
 
 __all__ = [
-    "ReplicaSyncBatchNorm",
     "SWAPPED_TYPES",
     "SyncBatchNorm",
     "SyncBatchNormFunction",

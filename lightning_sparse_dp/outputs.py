@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.weighting import weighted_sum
 from lightning_sparse_dp.split import SplitPlan, leaf_predicate, merge_chunks, merge_rows
 
@@ -243,14 +244,13 @@ def _check_none(outputs: Sequence[Any]) -> None:
     nones = [i for i, o in enumerate(outputs) if o is None]
     if nones and len(nones) < len(outputs):
         others = [i for i in range(len(outputs)) if i not in nones]
-        raise ValueError(
-            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output. On one "
-            "device, a training_step that returns None skips the whole step; with sparse_dp each replica sees only "
-            "its chunk, so they must agree: the step is skipped only when every replica returns None. Decide on the "
-            "whole batch (e.g. in on_before_batch_transfer), or return a loss in every chunk: for a chunk with nothing "
-            "to learn from, a loss of 0 that is still in the graph, or give it weight 0 with "
-            "SparseDataParallelStrategy(loss_weighting=fn)."
+        err = ValueError(
+            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output; a step is "
+            "skipped only when every replica returns None. Return a loss from every chunk (a 0 still in the graph "
+            "where there is nothing to learn from), or decide to skip on the whole batch."
         )
+        err.add_note(SKIPPED_STEP_HELP)
+        raise err
 
 
 def gather_outputs(

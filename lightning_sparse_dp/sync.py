@@ -31,7 +31,6 @@ from torch import nn
 
 from lightning_sparse_dp.batchnorm import (
     SWAPPED_TYPES,
-    ReplicaSyncBatchNorm,
     SyncBatchNorm,
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -81,7 +80,6 @@ def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGr
 
 
 __all__ = [
-    "ReplicaSyncBatchNorm",
     "SWAPPED_TYPES",
     "SyncBatchNorm",
     "convert_sync_batchnorm",

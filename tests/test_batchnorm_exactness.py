@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.sync import ReplicaSyncBatchNorm
+from lightning_sparse_dp.batchnorm import SyncBatchNorm
 from tests.helpers import (
     SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start, state_differences
 )
@@ -140,7 +140,7 @@ def test_sync_batchnorm_swap_keeps_parameters_and_state_dict():
     before = {k: v for k, v in model.state_dict().items()}
     weight = model.net[3].bn.weight
     swaps = convert_sync_batchnorm(model)
-    assert isinstance(model.net[3].bn, ReplicaSyncBatchNorm) and model.net[3].bn.weight is weight
+    assert isinstance(model.net[3].bn, SyncBatchNorm) and model.net[3].bn.weight is weight
     assert list(model.state_dict()) == list(before)
     revert_sync_batchnorm(swaps)
     assert type(model.net[3].bn) is nn.BatchNorm1d and model.net[3].bn.weight is weight
