@@ -49,6 +49,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from typing_extensions import override
 
 from lightning_sparse_dp.backward import loss_of
+from lightning_sparse_dp.log import MEAN_NAMES
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
@@ -57,8 +58,6 @@ from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
-
-_MEAN_OPS = ("mean", "avg")
 
 
 def local_count(
@@ -284,7 +283,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
         mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
         and a ``"mean"`` of an integer tensor is a float mean."""
-        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_OPS
+        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in MEAN_NAMES
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
             # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
             # sum of 7 samples on 2 ranks becomes 3, and every epoch mean with an odd total is wrong. Mean in float.

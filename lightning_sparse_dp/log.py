@@ -54,7 +54,8 @@ from torchmetrics import Metric
 
 _warning_cache = WarningCache()
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
-_MEAN = ("mean", "avg")
+#: The names of a mean, as ``reduce_fx`` (``self.log``) and ``reduce_op`` (``Strategy.reduce``) spell it.
+MEAN_NAMES = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
     "sum": torch.sum,
     "max": torch.max,
@@ -153,7 +154,7 @@ def recording(replicas: Sequence[Any]) -> Iterator[list[LogRecorder]]:
 
 def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
     stacked = torch.stack([v.reshape(()) for v in values])
-    if reduce_fx in _MEAN or reduce_fx is torch.mean:
+    if reduce_fx in MEAN_NAMES or reduce_fx is torch.mean:
         w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
         dtype = stacked.dtype if stacked.dtype.is_floating_point else torch.float32
         if float(w.sum()) == 0:
@@ -196,7 +197,7 @@ def reduce_log_calls(
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
-        losses: each replica's step loss (:func:`lightning_sparse_dp.weighting.step_losses`); a logged
+        losses: each replica's step loss (:func:`lightning_sparse_dp.backward.loss_of` of its output); a logged
             value that is its replica's loss is reduced as the loss is (weighted mean).
         warning_cache: where one-time warnings go (a module-level cache when not given).
         exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by
@@ -262,7 +263,7 @@ def _reduce_values(
             "chunk's samples or points. For a mean (e.g. a loss), log it with reduce_fx='mean' or log the loss "
             "tensor the step returns."
         )
-    if reduce_fx in (*_MEAN, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
+    if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
         return values[0].reshape(())  # the mean, max or min of equal values, without rounding
     return _reduce(values, w, reduce_fx)
 
@@ -277,4 +278,4 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]
+__all__ = ["MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]

@@ -22,7 +22,9 @@ from torch import Tensor
 
 from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.weighting import weighted_sum
-from lightning_sparse_dp.split import SplitPlan, leaf_predicate, merge_chunks, merge_rows
+from lightning_sparse_dp.split import (
+    SplitPlan, key_of, layout_entry, leaf_predicate, merge_chunks, merge_rows, path_name
+)
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
 #: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
@@ -217,27 +219,21 @@ def _comparable(values: list[Any]) -> bool:
         return False
 
 
+def _output_name(path: Sequence[Any]) -> str:
+    return path_name(path, root="output")
+
+
 def _output_key(path: Sequence[Any]) -> Any:
-    """The innermost dict key / index of an output leaf, else its printed path."""
-    last = path[-1] if path else None
-    key = next((getattr(last, a) for a in ("key", "idx", "name") if hasattr(last, a)), None)
+    """What to suggest for ``output_layout``: the innermost dict key / index of an output leaf, else its name."""
+    key = key_of(path)
     return _output_name(path) if key is None else key
 
 
 def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
-    if not output_layout:
-        return None
-    for candidate in (_output_name(path), _output_key(path)):
-        if candidate is not None and candidate in output_layout:
-            role = output_layout[candidate]
-            if role not in OUTPUT_ROLES:
-                raise ValueError(f"output_layout[{candidate!r}] = {role!r}; use one of {OUTPUT_ROLES}.")
-            return role
-    return None
-
-
-def _output_name(path: Sequence[Any]) -> str:
-    return "output" + "".join(str(k) for k in path)
+    entry = layout_entry(path, output_layout, root="output")
+    if entry is not None and entry[1] not in OUTPUT_ROLES:
+        raise ValueError(f"output_layout[{entry[0]!r}] = {entry[1]!r}; use one of {OUTPUT_ROLES}.")
+    return None if entry is None else entry[1]
 
 
 def _check_none(outputs: Sequence[Any]) -> None:

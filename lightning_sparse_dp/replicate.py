@@ -63,9 +63,6 @@ def copy_slots(source: nn.Module, replica: nn.Module) -> None:
             object.__setattr__(dst, name, value)
 
 
-_OWN = ("_parameters", "_buffers", "_modules")
-
-
 class Replicas:
     """Persistent replicas of ``module`` for ``devices`` (all CPU or all CUDA, the root device first).
 

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.backward import parallel_backward
+from lightning_sparse_dp.backward import loss_of, parallel_backward
 from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.weighting import step_losses, step_weights
+from lightning_sparse_dp.weighting import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
@@ -36,7 +36,7 @@ from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
-from lightning_sparse_dp.place import check_devices, place_chunks
+from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
@@ -230,7 +230,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
-        losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
+        losses = [loss_of(o) for o in outputs]  # the replicas' own losses: a logged value that is one is reduced as the loss
         weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
@@ -387,4 +387,4 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SparseDataParallelStrategy", "check_devices"]
+__all__ = ["SparseDataParallelStrategy"]

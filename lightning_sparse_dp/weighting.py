@@ -20,7 +20,7 @@ same counts (:mod:`lightning_sparse_dp.ddp`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -191,23 +191,12 @@ def weighted_sum(values: Sequence[Tensor], weights: Sequence[float], device: tor
     return out
 
 
-def step_losses(outputs: Sequence[Any]) -> list[Tensor | None]:
-    """The loss of each replica's output: the output itself when a tensor, else its ``"loss"`` entry."""
-    losses = []
-    for o in outputs:
-        if isinstance(o, Mapping):
-            o = o.get("loss")
-        losses.append(o if isinstance(o, Tensor) else None)
-    return losses
-
-
 __all__ = [
     "LOSS_WEIGHTINGS",
     "check_loss_weighting",
     "chunk_counts",
     "chunk_weights",
     "resolve_auto",
-    "step_losses",
     "step_weights",
     "weighted_sum",
     "zeroed",

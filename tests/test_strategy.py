@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_sparse_dp
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.strategy import check_devices
+from lightning_sparse_dp.place import check_devices
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, same_start, trainer
 
 
