@@ -191,8 +191,11 @@ def test_gpu_check_says_clearly_that_there_is_no_gpu():
 
 
 def test_me_backend_kind_is_reported():
-    """The ME in use answers whether it was built with CUDA (True for the CUDA build, GPU or not)."""
-    assert isinstance(ME.is_cuda_available(), bool)
+    """The ME in use answers whether it was built with CUDA (True for the CUDA build, GPU or not): its answer
+    agrees with its compiled backend, which holds the GPU kernels only when built with CUDA."""
+    import MinkowskiEngineBackend._C as backend
+
+    assert ME.is_cuda_available() is hasattr(backend, "ConvolutionForwardGPU")
     if ME.is_cuda_available():
         assert ME.cuda_version() // 1000 == int(torch.version.cuda.split(".")[0])
 

@@ -7,19 +7,14 @@ device with the whole batch (plain Lightning, strategy="auto").
 
 from __future__ import annotations
 
-import os
 from functools import partial
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import MinkowskiEngine as ME
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start
+from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start
 from tests.helpers import trainer as _trainer
 
 #: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
@@ -83,12 +78,7 @@ def _run_isolated(code: str, tmp_path) -> None:
     every coordinate manager) and OpenBLAS are not bitwise repeatable with several threads, on one
     device too, so bitwise comparisons run where both use one thread.
     """
-    script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(code))
-    env = {**os.environ, **_REPEATABLE_ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_isolated(code, tmp_path, env=_REPEATABLE_ENV)
 
 
 def test_deterministic_runs_repeat_exactly(tmp_path):
