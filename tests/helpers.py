@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" / "sparse_ddp", the names tests pass to trainer())
+
 NUM_CLASSES = 4
 IN_CHANNELS = 3
 
