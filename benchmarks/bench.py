@@ -1,57 +1,76 @@
-"""Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices, and Lightning's DDP with 2 processes.
+"""Side-by-side benchmark: plain Lightning, sparse_dp with 1/2/3 devices (with and without sync BN), DDP with 2 processes.
 
-    .venv/bin/python benchmarks/bench.py            # about 5-6 minutes on a 2-core CPU machine
-    .venv/bin/python benchmarks/bench.py --quick    # fewer steps, for a smoke run
+    .venv/bin/python benchmarks/bench.py            # 3 interleaved repetitions; about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/bench.py --quick    # 6 timed steps per case: about 6-10 minutes
     .venv/bin/python benchmarks/bench.py --terms-cost   # only what loss_weighting="terms" costs (about a minute)
     python benchmarks/bench.py --accelerator gpu    # on GPUs: sparse_dp with 1..N GPUs, DDP with 2 (NCCL)
 
-Same model, data and global batch in every case, in one process tree (DDP runs as a child process
-that Lightning forks once more). Models: the MinkUNet-style segmentation network of
+Same model, data and global batch in every case. Models: the MinkUNet-style segmentation network of
 examples/train_segmentation.py on generated rooms whose point counts are log-normal, and the digits
-network of examples/train_digits.py. Batch norm is per replica in every timed case (Lightning's DDP on
-CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus one sparse_dp case with
-``sync_batchnorm=True`` to show what exact batch norm costs.
+network of examples/train_digits.py. Batch norm is per replica in the plain cases (Lightning's DDP on
+CPU cannot synchronize it: torch's SyncBatchNorm refuses CPU inputs), plus sparse_dp-2 and sparse_dp-3
+with ``sync_batchnorm=True`` to show what exact batch norm costs.
 
-Every case runs twice: with the default threads (sparse_dp splits the cores between its replicas,
-Lightning's DDP launcher between its processes, plain Lightning uses them all), and as the
-1-thread-per-replica proxy, in a child process with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``: each
-replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
+Every case runs in a fresh process, so that two cases differ in their strategy only: a server per thread
+setting imports everything once and forks one child per case, which runs it and exits (DDP cases, whose
+rank 1 Lightning starts by re-running the command line, are fresh processes of their own). Nothing
+carries over from one case to the next: not the threads ME or a previous strategy set, not the
+allocator's heap, not a warm-up. Each case's peak resident memory is its process's (``peak RSS MB``).
+Every case runs ``--repeats`` times (3), interleaved: repetition ``k`` runs all cases in turn (in reverse
+order every other repetition), so the two cases of every ratio run minutes apart at most and a slow
+spell of a shared machine lands on both. Each ratio is computed within each repetition; the JSON line
+gives its median, and ``<key>_spread`` its [min, max] over the repetitions.
+
+Two thread settings: ``default`` (sparse_dp splits the cores between its replicas, plain Lightning uses
+them all; DDP children get ``OMP_NUM_THREADS=cores // 2``, what Lightning's launcher sets, but before
+ME reads it at import, so both ranks of ``ddp`` and of ``sparse_ddp`` run with their share: see
+:func:`case_env`), and the 1-thread-per-replica proxy (``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``):
+each replica, each DDP process and plain Lightning get one intra-op thread, which is what independent
 devices look like from the CPU's side.
 
 Prints, per model and thread setting, a table in the seeds' form (devices, batch per device, time per
-iteration, speedup over plain Lightning, ideal speedup, points per second) and the median time of each
-stage of a sparse_dp step; writes ``speedup.png`` (speedup against devices for sparse_dp, sparse_dp with
-sync BN and DDP, with the ideal line and ME's published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 /
-4 GPUs) and ``stages.png`` (stacked stage times) to ``--figures`` (``benchmarks/figures``); and ends with
-one JSON line of headline figures (segmentation unless named):
+iteration as median [min-max] over repetitions, speedup over plain Lightning, ideal speedup, points per
+second, CPU time per step, peak RSS), the median time of each stage of a sparse_dp step and, for the sync
+BN cases, each synchronized layer's time and the wait for the slowest replica; writes ``speedup.png``
+(speedup against devices for sparse_dp, sparse_dp with sync BN and DDP, with the ideal line and ME's
+published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 / 4 GPUs) and ``stages.png`` (stacked stage
+times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of headline figures
+(segmentation unless named; each with ``<key>_spread``):
 
-- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, median step time (the two cases
-  alternate ``--pairs`` times and their steps are pooled);
+- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, step time;
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
 - ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
   DDP with 2 processes, default threads / 1-thread proxy;
 - ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
   time over sparse_dp's (``digits_speedup_sparse_dp_2_1t``: the same for the digits network);
-- ``syncbn_cost_ratio`` (``_1t``): sparse_dp-3 with ``sync_batchnorm=True`` over without;
+- ``syncbn_cost_ratio`` / ``syncbn_cost_ratio_1t``: sparse_dp-3 with ``sync_batchnorm=True`` over without
+  (``syncbn_cost_ratio_2`` / ``_2_1t``: sparse_dp-2);
+- ``digits_syncbn_speedup_3``: digits, plain Lightning's step time over sparse_dp-3 with sync BN (default threads);
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
+- ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step:
+  ``split + place + replicate + state + gather + log`` (``log``: the replicas' logged values reduced; the
+  ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
+  its step);
+- ``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
+  ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes;
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
 - ``dispatch_us``: per-step cost of handing 3 no-op replica steps to threads and collecting them, ours
   (persistent threads) and ``torch.nn.parallel.parallel_apply``'s way (new threads each call;
   ``parallel_apply`` itself needs CUDA, so its thread pattern is reproduced);
-- ``peak_rss_mb``: peak resident memory of this process (the child processes not included).
+- ``peak_rss_mb``: peak resident memory of each segmentation case's process (default threads; DDP: rank
+  0's), and ``rss_ratio_sparse_dp_3``: sparse_dp-3's over plain Lightning's.
 
-The tables also give each case's CPU time per step (this process, all its threads; DDP: rank 0's
+The tables also give each case's CPU time per step (its process, all its threads; DDP: rank 0's
 process only): on a loaded machine the wall times say little about parallelism, the CPU times still
 say how much work a step costs.
 
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
 of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
 glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
-The load average is printed at the start and the end: on a shared machine, compare ratios within one
-run, and repeat.
+The load average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -79,7 +98,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # one; where page faults are slow (seen on this project's sandboxed machine: two live 5 MB tensors cost
 # 8 ms to allocate and fill once lightning is imported, 0.16 ms with these settings) that cost lands on
 # every large tensor of every case. Fixed thresholds keep freed pages in the heap. The environment
-# variables reach the child processes (DDP, the 1-thread proxy); mallopt applies them to this process.
+# variables reach the child processes (cases, DDP ranks); mallopt applies them to this process.
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 if "--default-malloc" not in sys.argv:
     for _name, _value in MALLOC_TUNING.items():
@@ -182,14 +201,8 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     if isinstance(strategy, SparseDataParallelStrategy) and strategy.stage_times is not None:
         stages = strategy.stage_times.medians(skip=warmup)
     return {"step_s": statistics.median(times), "times": times, "stages": stages, "points_per_sample": points,
-            "rank": trainer.global_rank, "cpu_s": statistics.median(clock.cpu[warmup:])}
-
-
-def _pooled(runs: list[dict]) -> dict:
-    """One result from runs of the same case: the median over all their steps, stage medians of the first."""
-    times = [t for r in runs for t in r["times"]]
-    return {**runs[0], "times": times, "step_s": statistics.median(times),
-            "cpu_s": statistics.median(r["cpu_s"] for r in runs)}
+            "rank": trainer.global_rank, "cpu_s": statistics.median(clock.cpu[warmup:]),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _passed_on() -> list[str]:
@@ -197,19 +210,163 @@ def _passed_on() -> list[str]:
     return ["--default-malloc"] if "--default-malloc" in sys.argv else []
 
 
+#: Thread settings a case runs under. ``default``: the process's own (sparse_dp splits the cores between its
+#: replicas, plain Lightning uses them all); ``1 thread``: ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``.
+MODES = ("default", "1 thread")
+
+#: The DDP cases and the strategy their child runs.
+DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp"}
+
+
+def case_names(mode: str) -> list[str]:
+    """The cases of one model and thread setting, in the order of one repetition (the next one runs them reversed)."""
+    names = ["auto-1"] + (["sparse_dp-1"] if mode == "default" else [])
+    names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "ddp-2 (gloo)"]
+    return names + (["sparse_ddp-2 gloo"] if mode == "default" else [])
+
+
+def case_env(mode: str, case: str) -> dict[str, str]:
+    """The environment of a case's process: the same for every case of a mode but for what its strategy needs.
+
+    ``1 thread``: one intra-op thread for torch, ME's OpenMP and OpenBLAS in every process. ``default``: the
+    parent's settings; DDP cases get ``OMP_NUM_THREADS=cores // 2`` (what Lightning's launcher sets for 2
+    processes) before anything is imported, because ME reads it at import to size its OpenMP threads, and
+    Lightning's launcher sets it only after the script imported ME, so that rank 0 would run with all cores
+    (ME resets the thread count whenever it builds a coordinate manager) and rank 1 with its share.
+    """
+    env = dict(os.environ)
+    if mode == "1 thread":
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    elif case in DDP_CASES and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
+    return env
+
+
+def case_strategy(model_name: str, case: str):
+    """``(strategy, devices)`` of a case: ``auto-1``, ``sparse_dp-<d>[ syncBN]``, or a DDP case (2 processes)."""
+    if case in DDP_CASES:
+        return (sparse_ddp_strategy(model_name) if DDP_CASES[case] == "sparse_ddp" else "ddp"), 2
+    if case == "auto-1":
+        return "auto", 1
+    devices = int(case.split("-")[1].split()[0])
+    kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
+    return SparseDataParallelStrategy(record_stage_times=True, sync_batchnorm=case.endswith("syncBN"), **kwargs), devices
+
+
+class CaseRunner:
+    """Runs cases in fresh processes with the environment of one thread setting (``mode``).
+
+    Each non-DDP case runs in a process forked from a server that imported everything once with the mode's
+    environment and has run nothing since (``--case-server``): every case starts from the same process state
+    (imports, threads, allocator, no warm-up carried over), so two cases differ in their strategy only, and
+    the child's peak resident memory is the case's (``peak_rss_mb``; the server's imports included, alike in
+    every case). DDP cases need a command line Lightning can re-run for rank 1: each is a fresh process.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._server: subprocess.Popen | None = None
+
+    def run(self, model_name: str, case: str, global_batch: int, steps: int, warmup: int) -> dict:
+        """``case``'s result (rank 0's for DDP)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "case.json"
+            request = ["--case-child", case, "--model", model_name, "--case-out", str(out), "--global-batch",
+                       str(global_batch), "--steps", str(steps), "--warmup", str(warmup)]
+            if case in DDP_CASES:
+                done = subprocess.run([sys.executable, __file__, *request, *_passed_on()], capture_output=True, text=True,
+                                      timeout=1800, cwd=ROOT, env=case_env(self.mode, case))
+                failed = done.returncode != 0
+                log = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            else:
+                server = self._start()
+                server.stdin.write(json.dumps(request) + "\n")
+                server.stdin.flush()
+                status = server.stdout.readline().strip()
+                failed, log = status != "0", f"status {status!r}; the server's stderr: {_tail(Path(self._log.name))}"
+            if failed or not out.exists():
+                raise RuntimeError(f"the case {case!r} ({model_name}, {self.mode}) failed:\n{log}")
+            return json.loads(out.read_text())
+
+    def _start(self) -> subprocess.Popen:
+        if self._server is None or self._server.poll() is not None:
+            self._log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+            self._server = subprocess.Popen([sys.executable, __file__, "--case-server", *_passed_on()], cwd=ROOT,
+                                            env=case_env(self.mode, "auto-1"), stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=self._log, text=True)
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None and self._server.poll() is None:
+            self._server.stdin.close()
+            self._server.wait(timeout=60)
+        self._server = None
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text()[-chars:]
+    except OSError:
+        return "(none)"
+
+
+def case_server() -> None:
+    """``--case-server``: for each request line (the arguments of a ``--case-child`` run, JSON) fork, run the case
+    in the child, and answer the child's exit status. Nothing runs in the server itself, so every child starts alike
+    (and OpenMP, never started here, starts fresh in each child)."""
+    from sklearn.datasets import load_digits  # noqa: F401  (imported once here rather than in every case)
+
+    while line := sys.stdin.readline():
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(2, 1)  # the case's own output goes to the server's log; stdout answers the requests
+            status = 1
+            try:
+                run_case_child(_parser().parse_args(json.loads(line)))
+                status = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        _, code = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(code), flush=True)
+
+
+def run_case_child(args) -> None:
+    """One case, as asked by :class:`CaseRunner`; rank 0 writes its result to ``--case-out``."""
+    strategy, devices = case_strategy(args.model, args.case_child)
+    result = run_case(args.model, strategy, devices, args.global_batch, args.steps, args.warmup, args.accelerator)
+    if result["rank"] == 0:
+        Path(args.case_out).write_text(json.dumps(result))
+
+
 def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, strategy: str = "ddp",
                   accelerator: str = "cpu") -> dict:
-    """DDP (``strategy="ddp"``) or sparse_ddp with 2 processes (gloo on CPU, NCCL on GPUs), in a child process
-    tree; rank 0's result."""
+    """DDP (``strategy="ddp"``) or sparse_ddp with 2 processes on GPUs (NCCL), in a child process tree; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        cmd = [sys.executable, __file__, "--ddp-child", model_name, "--ddp-out", str(out), "--global-batch",
-               str(global_batch), "--steps", str(steps), "--warmup", str(warmup), "--ddp-strategy", strategy,
+        case = "ddp-2 (gloo)" if strategy == "ddp" else "sparse_ddp-2 gloo"
+        cmd = [sys.executable, __file__, "--case-child", case, "--model", model_name, "--case-out", str(out),
+               "--global-batch", str(global_batch), "--steps", str(steps), "--warmup", str(warmup),
                "--accelerator", accelerator] + _passed_on()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the DDP child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
+
+
+def aggregate(reps: list[dict], devices: int) -> dict:
+    """One case over its repetitions: medians of the per-repetition medians, their range, the highest peak RSS."""
+    steps = [r["step_s"] for r in reps]
+    names = sorted({n for r in reps for n in r["stages"]})
+    stages = {n: statistics.median(r["stages"][n] for r in reps if n in r["stages"]) for n in names}
+    return {**reps[0], "devices": devices, "step_s": statistics.median(steps), "step_range": (min(steps), max(steps)),
+            "cpu_s": statistics.median(r["cpu_s"] for r in reps), "stages": stages,
+            "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in reps), "reps": reps}
 
 
 def imbalance(assignment: str, scenes: int = 16, replicas: int = 3) -> float:
@@ -244,17 +401,6 @@ def sampler_imbalance(point_counts: list[int], per_rank: int, ranks: int = 2, se
         ddp.append([order[i : i + per_rank] for i in range(0, len(order), per_rank)])
         ours.append(list(PointBalancedBatchSampler(point_counts, per_rank * ranks, num_replicas=ranks, rank=rank, seed=seed)))
     return {"ddp": round(mean_ratio(ddp), 4), "sparse_ddp": round(mean_ratio(ours), 4)}
-
-
-def sparse_ddp_headline(results: dict, global_batch: int, num_batches: int) -> dict:
-    """``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
-    ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes."""
-    data = LogNormalScenes(global_batch * num_batches, seed=7)  # the segmentation cases' scenes
-    counts = [len(labels) for _, _, labels in data.scenes]
-    return {
-        "sparse_ddp_vs_ddp": round(results["ddp-2 (gloo)"]["step_s"] / results["sparse_ddp-2 gloo"]["step_s"], 4),
-        "rank_imbalance": sampler_imbalance(counts, global_batch // 2),
-    }
 
 
 def dispatch_us(replicas: int = 3, calls: int = 2000) -> tuple[float, float]:
@@ -372,12 +518,15 @@ def table(model_name: str, results: dict, global_batch: int, label: str = "") ->
     base = results["auto-1"]["step_s"]
     points = results["auto-1"]["points_per_sample"] * global_batch
     print(f"\n== {model_name}{label}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
-    print(f"{'case':<18}{'devices':>8}{'batch/dev':>10}{'time/iter ms':>14}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
-          f"{'CPU ms/iter':>13}")
+    print(f"{'case':<20}{'devices':>8}{'batch/dev':>10}{'ms/iter [min-max]':>24}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
+          f"{'CPU ms/iter':>13}{'peak RSS MB':>13}")
     for name, r in results.items():
         devices = r["devices"]
-        print(f"{name:<18}{devices:>8}{global_batch / devices:>10.1f}{r['step_s'] * 1e3:>14.1f}"
-              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}")
+        low, high = r.get("step_range", (r["step_s"], r["step_s"]))
+        spread = f"{r['step_s'] * 1e3:.1f} [{low * 1e3:.1f}-{high * 1e3:.1f}]"
+        print(f"{name:<20}{devices:>8}{global_batch / devices:>10.1f}{spread:>24}"
+              f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}"
+              f"{r.get('peak_rss_mb', 0.0):>13.0f}")
 
 
 #: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop).
@@ -404,6 +553,20 @@ def stage_table(results: dict) -> None:
         st = stage_breakdown(r)
         if st:
             print(f"{case:<20}" + "".join(f"{st[n]:>12.2f}" for n in names))
+    for case, r in results.items():
+        layers = syncbn_layers(r)
+        if layers:
+            st = {k: v * 1e3 for k, v in r["stages"].items()}
+            print(f"{case:<20} sync BN: {st['syncbn']:.2f} ms per step in {len(layers)} layers (forward + backward, mean "
+                  f"over replicas), {st['syncbn_wait']:.2f} ms of it waiting for the slowest replica; per layer: "
+                  + " ".join(f"{v:.2f}" for v in layers))
+
+
+def syncbn_layers(result: dict) -> list[float]:
+    """Median ms of each synchronized batch-norm layer of one case (``syncbn<j>``), layer order; empty without."""
+    st = result.get("stages") or {}
+    found = sorted(int(k[6:]) for k in st if re.fullmatch(r"syncbn\d+", k))
+    return [st[f"syncbn{j}"] * 1e3 for j in found]
 
 
 #: ME's documentation, MinkUNet on 4 Titan XP GPUs: average speedup at 2 / 3 / 4 GPUs (the seed's table).
@@ -416,7 +579,9 @@ def _speedup_lines(results: dict) -> dict[str, tuple[list[int], list[float]]]:
     lines = {
         "sparse_dp": ([1] + [d for d in (2, 3) if f"sparse_dp-{d}" in results],
                       [base / one] + [base / results[f"sparse_dp-{d}"]["step_s"] for d in (2, 3) if f"sparse_dp-{d}" in results]),
-        "sparse_dp, sync BN": ([1, 3], [base / one, base / results["sparse_dp-3 syncBN"]["step_s"]]),
+        "sparse_dp, sync BN": ([1] + [d for d in (2, 3) if f"sparse_dp-{d} syncBN" in results],
+                               [base / one] + [base / results[f"sparse_dp-{d} syncBN"]["step_s"] for d in (2, 3)
+                                               if f"sparse_dp-{d} syncBN" in results]),
         "DDP (gloo)": ([1, 2], [1.0, base / results["ddp-2 (gloo)"]["step_s"]]),
     }
     return lines
@@ -474,50 +639,82 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
     return [speedup, stages]
 
 
-def run_model(model_name: str, global_batch: int, steps: int, warmup: int, pairs: int, proxy: bool) -> dict:
-    """Every case of one model; ``proxy``: the 1-thread-per-replica run (no sparse_dp-1, one plain Lightning run)."""
-    def sdp(**kwargs):
-        return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
+def run_all(models: list[tuple[str, int]], steps: int, warmup: int, repeats: int) -> dict:
+    """Every case of every model and thread setting, ``repeats`` times, each in a fresh process.
 
-    kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
-    results = {}
-    if proxy:
-        results["auto-1"] = {**run_case(model_name, "auto", 1, global_batch, steps, warmup), "devices": 1}
-    else:
-        # plain Lightning and sparse_dp devices=1 alternate (A B A B) and pool their steps, so that a slow
-        # spell of the machine does not land on one of them only
-        runs = [(run_case(model_name, "auto", 1, global_batch, steps, warmup),
-                 run_case(model_name, sdp(**kwargs), 1, global_batch, steps, warmup)) for _ in range(pairs)]
-        results["auto-1"] = {**_pooled([a for a, _ in runs]), "devices": 1}
-        results["sparse_dp-1"] = {**_pooled([b for _, b in runs]), "devices": 1}
-    for d in (2, 3):
-        results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup), "devices": d}
-    results["sparse_dp-3 syncBN"] = {
-        **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), 3, global_batch, steps, warmup), "devices": 3
-    }
-    results["ddp-2 (gloo)"] = {**run_ddp_child(model_name, global_batch, steps, warmup), "devices": 2}
-    if not proxy:
-        results["sparse_ddp-2 gloo"] = {
-            **run_ddp_child(model_name, global_batch, steps, warmup, "sparse_ddp"), "devices": 2
-        }
-    return results
+    Repetition ``k`` runs all cases in turn (the order reversed every other repetition), so the two cases of
+    every ratio run close together in each repetition and a slow spell of a shared machine lands on both.
 
-
-def run_proxy_child(models: list[tuple[str, int]], steps: int, warmup: int) -> dict:
-    """The 1-thread-per-replica proxy in a child process with ``OMP_NUM_THREADS=1`` and ``OPENBLAS_NUM_THREADS=1``.
-
-    Each replica, each DDP process (Lightning keeps a set ``OMP_NUM_THREADS``) and plain Lightning get
-    one intra-op thread: what independent devices look like from the CPU's side.
+    Returns:
+        ``raw[(model, mode)][case]``: the case's results, one per repetition.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "proxy.json"
-        cmd = [sys.executable, __file__, "--proxy-child", ",".join(f"{m}:{b}" for m, b in models), "--proxy-out",
-               str(out), "--steps", str(steps), "--warmup", str(warmup)] + _passed_on()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
-        if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the 1-thread child failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    raw: dict = {(m, mode): {c: [] for c in case_names(mode)} for m, _ in models for mode in MODES}
+    total, done, started = sum(len(v) for v in raw.values()) * repeats, 0, time.perf_counter()
+    runners = {mode: CaseRunner(mode) for mode in MODES}
+    try:
+        for rep in range(repeats):
+            for model_name, global_batch in models:
+                for mode in MODES:
+                    names = case_names(mode)
+                    for case in names if rep % 2 == 0 else names[::-1]:
+                        result = runners[mode].run(model_name, case, global_batch, steps, warmup)
+                        raw[(model_name, mode)][case].append(result)
+                        done += 1
+                        print(f"  [{done}/{total} {time.perf_counter() - started:.0f} s] repetition {rep + 1}: {model_name}, "
+                              f"{mode}, {case}: {result['step_s'] * 1e3:.1f} ms/iter", flush=True)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return raw
+
+
+def _devices(case: str) -> int:
+    return 2 if case in DDP_CASES else int(case.split("-")[1].split()[0])
+
+
+def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
+    """The JSON line's figures: each the median over repetitions, with ``<key>_spread`` = [min, max]."""
+    out: dict = {}
+
+    def put(key: str, values: list[float], digits: int = 4) -> None:
+        out[key] = round(statistics.median(values), digits)
+        out[f"{key}_spread"] = [round(min(values), digits), round(max(values), digits)]
+
+    def ratio(model: str, mode: str, numerator: str, denominator: str) -> list[float]:
+        a, b = raw[(model, mode)][numerator], raw[(model, mode)][denominator]
+        return [x["step_s"] / y["step_s"] for x, y in zip(a, b)]  # within each repetition
+
+    def stage_sum(model: str, mode: str, case: str, names: tuple[str, ...]) -> list[float]:
+        return [sum(r["stages"].get(n, 0.0) for n in names) for r in raw[(model, mode)][case]]
+
+    seg, dig, d, one = "segmentation", "digits", "default", "1 thread"
+    put("overhead_ratio", ratio(seg, d, "sparse_dp-1", "auto-1"))
+    put("split_fraction", [s / r["step_s"] for s, r in zip(stage_sum(seg, d, "sparse_dp-3", ("split", "place")),
+                                                          raw[(seg, d)]["sparse_dp-3"])])
+    put("ddp_throughput_ratio", ratio(seg, d, "ddp-2 (gloo)", "sparse_dp-2"))
+    put("ddp_throughput_ratio_1t", ratio(seg, one, "ddp-2 (gloo)", "sparse_dp-2"))
+    put("speedup_sparse_dp_2", ratio(seg, d, "auto-1", "sparse_dp-2"), 3)
+    put("speedup_sparse_dp_3", ratio(seg, d, "auto-1", "sparse_dp-3"), 3)
+    put("speedup_sparse_dp_2_1t", ratio(seg, one, "auto-1", "sparse_dp-2"), 3)
+    for mode, suffix in ((d, ""), (one, "_1t")):
+        put(f"syncbn_cost_ratio{suffix}", ratio(seg, mode, "sparse_dp-3 syncBN", "sparse_dp-3"))
+        put(f"syncbn_cost_ratio_2{suffix}", ratio(seg, mode, "sparse_dp-2 syncBN", "sparse_dp-2"))
+    put("replicate_ms", [v * 1e3 for v in stage_sum(seg, d, "sparse_dp-3", ("replicate", "state"))], 3)
+    put("digits_speedup_sparse_dp_2_1t", ratio(dig, one, "auto-1", "sparse_dp-2"), 3)
+    put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
+    fixed = ("split", "place", "replicate", "state", "gather", "log")
+    put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
+    put("sparse_ddp_vs_ddp", ratio(seg, d, "ddp-2 (gloo)", "sparse_ddp-2 gloo"))
+    data = LogNormalScenes(global_batch * (steps + warmup), seed=7)  # the segmentation cases' scenes
+    out["rank_imbalance"] = sampler_imbalance([len(labels) for _, _, labels in data.scenes], global_batch // 2)
+    out["imbalance_balanced"] = round(imbalance("balanced"), 4)
+    out["imbalance_contiguous"] = round(imbalance("contiguous"), 4)
+    ours, fresh = dispatch_us()
+    out["dispatch_us"] = {"sparse_dp": round(ours, 1), "parallel_apply_threads": round(fresh, 1)}
+    peaks = {case: max(r["peak_rss_mb"] for r in reps) for case, reps in raw[(seg, d)].items()}
+    out["peak_rss_mb"] = {case: round(v, 1) for case, v in peaks.items()}
+    out["rss_ratio_sparse_dp_3"] = round(peaks["sparse_dp-3"] / peaks["auto-1"], 3)
+    return out
 
 
 def main_gpu(args) -> None:
@@ -556,87 +753,57 @@ def main_gpu(args) -> None:
     print(json.dumps(headline))
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="lightning-sparse-dp benchmark")
-    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run; figures are noisier)")
+    parser.add_argument("--quick", action="store_true", help="6 timed steps after 2 warm-up steps per case (noisier)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=12)
-    parser.add_argument("--pairs", type=int, default=2, help="alternations of plain Lightning and sparse_dp devices=1")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of every case (interleaved), >= 3 for spreads")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
     parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, help="most devices for sparse_dp (default: 3 on CPU, every GPU)")
-    parser.add_argument("--ddp-child")
-    parser.add_argument("--ddp-out")
-    parser.add_argument("--proxy-child")
-    parser.add_argument("--proxy-out")
-    parser.add_argument("--ddp-strategy", default="ddp", choices=["ddp", "sparse_ddp"])
     parser.add_argument("--terms-cost", action="store_true",
                         help="only the cost of loss_weighting='terms' on a digits step, on and off (about a minute)")
-    args = parser.parse_args()
+    parser.add_argument("--case-child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--case-out", help=argparse.SUPPRESS)
+    parser.add_argument("--case-server", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.terms_cost:
         print(json.dumps({"terms_cost": terms_cost(*((6, 2) if args.quick else (20, 3)))}))
-        return
-    if args.ddp_child:  # run by run_ddp_child, and again by Lightning for rank 1
-        strategy = sparse_ddp_strategy(args.ddp_child) if args.ddp_strategy == "sparse_ddp" else "ddp"
-        result = run_case(args.ddp_child, strategy, 2, args.global_batch, args.steps, args.warmup, args.accelerator)
-        if result["rank"] == 0:
-            Path(args.ddp_out).write_text(json.dumps(result))
-        return
-    if args.proxy_child:  # run by run_proxy_child
-        models = [(m, int(b)) for m, b in (item.split(":") for item in args.proxy_child.split(","))]
-        out = {m: run_model(m, b, args.steps, args.warmup, 1, proxy=True) for m, b in models}
-        Path(args.proxy_out).write_text(json.dumps(out))
-        return
+        return None
+    if args.case_server:  # run by CaseRunner
+        return case_server()
+    if args.case_child:  # run by CaseRunner (and again by Lightning for DDP's rank 1)
+        return run_case_child(args)
     if args.accelerator == "gpu":
         return main_gpu(args)
     started = time.perf_counter()
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
-    if args.quick:
-        args.pairs = 1
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} intra-op threads; "
-          f"{steps} timed steps after {warmup} warm-up steps per case; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; every case in a fresh process, {args.repeats} "
+          f"interleaved repetitions, {steps} timed steps after {warmup} warm-up steps each; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     models = [("segmentation", args.global_batch), ("digits", 96)]
-    runs = {}
-    for model_name, global_batch in models:
-        runs[(model_name, "default")] = run_model(model_name, global_batch, steps, warmup, args.pairs, proxy=False)
-    for model_name, results in run_proxy_child(models, steps, warmup).items():
-        runs[(model_name, "1 thread")] = results
+    raw = run_all(models, steps, warmup, args.repeats)
+    runs = {key: {case: aggregate(reps, _devices(case)) for case, reps in cases.items()} for key, cases in raw.items()}
     for (model_name, mode), results in runs.items():
-        global_batch = dict(models)[model_name]
-        table(model_name, results, global_batch, label="" if mode == "default" else ", one intra-op thread per replica / process")
+        label = "" if mode == "default" else ", one intra-op thread per replica / process"
+        table(model_name, results, dict(models)[model_name], label=label)
         stage_table(results)
-    seg_default, seg_1t = runs[("segmentation", "default")], runs[("segmentation", "1 thread")]
-    three = seg_default["sparse_dp-3"]
-    headline = {
-        "overhead_ratio": round(seg_default["sparse_dp-1"]["step_s"] / seg_default["auto-1"]["step_s"], 4),
-        "split_fraction": round((three["stages"].get("split", 0) + three["stages"].get("place", 0)) / three["step_s"], 4),
-        "ddp_throughput_ratio": round(seg_default["ddp-2 (gloo)"]["step_s"] / seg_default["sparse_dp-2"]["step_s"], 4),
-        "ddp_throughput_ratio_1t": round(seg_1t["ddp-2 (gloo)"]["step_s"] / seg_1t["sparse_dp-2"]["step_s"], 4),
-        "speedup_sparse_dp_2": round(seg_default["auto-1"]["step_s"] / seg_default["sparse_dp-2"]["step_s"], 3),
-        "speedup_sparse_dp_3": round(seg_default["auto-1"]["step_s"] / three["step_s"], 3),
-        "speedup_sparse_dp_2_1t": round(seg_1t["auto-1"]["step_s"] / seg_1t["sparse_dp-2"]["step_s"], 3),
-        "syncbn_cost_ratio": round(seg_default["sparse_dp-3 syncBN"]["step_s"] / three["step_s"], 4),
-        "syncbn_cost_ratio_1t": round(seg_1t["sparse_dp-3 syncBN"]["step_s"] / seg_1t["sparse_dp-3"]["step_s"], 4),
-        "replicate_ms": round((three["stages"].get("replicate", 0.0) + three["stages"].get("state", 0.0)) * 1e3, 3),
-        "digits_speedup_sparse_dp_2_1t": round(
-            runs[("digits", "1 thread")]["auto-1"]["step_s"] / runs[("digits", "1 thread")]["sparse_dp-2"]["step_s"], 3
-        ),
-    }
-    headline.update(sparse_ddp_headline(seg_default, args.global_batch, steps + warmup))
-    headline["imbalance_balanced"] = round(imbalance("balanced"), 4)
-    headline["imbalance_contiguous"] = round(imbalance("contiguous"), 4)
-    ours, fresh = dispatch_us()
-    headline["dispatch_us"] = {"sparse_dp": round(ours, 1), "parallel_apply_threads": round(fresh, 1)}
-    headline["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     figures = plot(runs, Path(args.figures))
+    line = headline(raw, args.global_batch, steps, warmup)
     load = os.getloadavg()
     print(f"\nplots: {', '.join(str(f) for f in figures)}; {time.perf_counter() - started:.0f} s in all; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(json.dumps(headline))
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ class ReplicaBackward:
                 fn = partial(self.group.run, rank, fn)
             fns.append(self.times.timed(f"backward{rank}", fn))
         self.executor.run(fns, devices)
+        if self.group is not None:
+            self.times.record(self.group.timings())  # each synchronized layer's share of the step
         with self.times.stage("reduce"):
             return self.replicas.reduce_gradients(count)
 

@@ -5,37 +5,50 @@ The math only; the transport is the collective (replica threads in ``sparse_dp``
 rank's input, as ``torch.nn.SyncBatchNorm`` computes it (torch/nn/modules/_functions.py):
 
 Forward. Rank ``r`` computes, per channel, its count ``n_r``, mean ``m_r`` and sum of squared
-deviations ``M2_r`` over every dimension but dim 1; the ranks all-gather ``(n_r, m_r, M2_r)`` and each
-combines them, in rank order, with Chan et al.'s parallel formula (``N = sum n_r``,
+deviations ``M2_r`` over every dimension but dim 1, with torch's native batch-norm statistics kernel
+(``torch.batch_norm_update_stats``: fused, no Python per channel; ``torch.batch_norm_stats`` is
+CUDA-only); the ranks all-gather ``(n_r, m_r, M2_r)`` (one rendezvous per layer) and each combines
+them with Chan et al.'s parallel formula as tensor ops over the stacked ranks (``N = sum n_r``,
 ``mean = sum n_r m_r / N``, ``M2 = sum M2_r + n_r (m_r - mean)^2``; T. F. Chan, G. H. Golub,
 R. J. LeVeque, "Updating formulae and a pairwise algorithm for computing sample variances", 1979).
-The input is normalized with the biased variance ``M2 / N``, as ``torch.nn.functional.batch_norm``
-does; the running statistics get the global mean and the unbiased variance ``M2 / (N - 1)``.
+The input is normalized with the biased variance ``M2 / N`` by torch's native eval-mode kernel
+(``torch.native_batch_norm(..., training=False)`` with the global statistics), as
+``torch.nn.functional.batch_norm`` does; the running statistics get the global mean and the unbiased
+variance ``M2 / (N - 1)``.
 
-Backward. With ``x_hat = (x - mean) * invstd``, the ranks all-gather per-channel ``sum(dy)`` and
-``sum(dy * (x - mean))`` (what ``SyncBatchNorm`` all-reduces) and each computes its input gradient
-locally: ``dx = weight * invstd * (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N)`` with the
-global sums; the weight and bias gradients are the rank's own ``sum(dy * x_hat)`` and ``sum(dy)``
-(the ranks' parameter gradients are reduced afterwards, as any data-parallel gradient is).
+Backward. With ``x_hat = (x - mean) * invstd``, each rank takes its per-channel ``sum(dy)`` and
+``sum(dy * (x - mean))`` from torch's native eval-mode backward kernel (one fused pass,
+``native_batch_norm_backward(..., train=False)``), the ranks all-gather them (what
+``SyncBatchNorm`` all-reduces; one rendezvous per layer) and each computes its input gradient locally:
+``dx = weight * invstd * (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N)`` with the
+global sums, as ``a * dy + b * x + c`` per channel (two fused passes); the weight and bias gradients
+are the rank's own ``sum(dy * x_hat)`` and ``sum(dy)`` (the ranks' parameter gradients are reduced
+afterwards, as any data-parallel gradient is).
 
 Precision. Computed in the input's dtype, at least float32 (float16 / bfloat16 inputs are computed in
-float32 and the output cast back); float64 stays float64. Per-channel sums accumulate in float64 on
-CPU (``sum(dtype=torch.float64)``; torch's CPU batch norm accumulates float32 in float32 or double,
-depending on the kernel) and in the compute dtype on CUDA (as torch's CUDA kernels do); the gathered
-statistics are float64 on every device, so counts stay exact and the ranks' partial sums are added
-without further rounding. The output is ``(x - mean) * (invstd * weight) + bias``, not torch's fused
-``x * a + (bias - mean * a)``, which loses digits when ``|mean|`` is large against the deviation.
+float32 and the output cast back); float64 stays float64. The native kernels accumulate in the
+compute dtype; below float64 the input is first centered on its own (compute-dtype) mean and the
+statistics taken again from the centered values (the shifted-data algorithm), so a large ``|mean|``
+against the deviation costs no digits, and the layer normalizes and saves the centered values (no
+further copy of the features). The gathered statistics are float64 on every device, so counts stay
+exact and the ranks' partial sums are combined without further rounding.
+
+Timing. Over a :class:`~lightning_sparse_dp.collective.ThreadGroup` each layer's forward and backward
+time (its own work plus the wait for the other replicas at its rendezvous) is recorded per replica
+(:meth:`~lightning_sparse_dp.collective.ThreadGroup.timings`); ``sparse_dp`` puts it in its stage
+times (``syncbn<j>``, ``syncbn_wait``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_sparse_dp.collective import Collective
+from lightning_sparse_dp.collective import Collective, gather_reduce
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,12 +57,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype per-channel sums accumulate in: float64 on CPU or for float64 input, else the compute dtype."""
+    """float64 on CPU or for float64 input, else the compute dtype: how per-channel sums accumulated before the native kernels.
+
+    Kept for code written against earlier versions; the layer now takes each rank's sums from torch's
+    native kernels on centered values and combines the ranks in float64 (see the module docstring).
+    """
     return torch.float64 if device.type == "cpu" else compute_dtype(dtype)
-
-
-def _dims(x: Tensor) -> list[int]:
-    return [d for d in range(x.dim()) if d != 1]
 
 
 def _expand(v: Tensor, like: Tensor) -> Tensor:
@@ -57,7 +70,10 @@ def _expand(v: Tensor, like: Tensor) -> Tensor:
 
 
 def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Chan et al.'s parallel combination of the ranks' ``[3, C]`` statistics ``(count, mean, M2)``, in rank order.
+    """Chan et al.'s parallel combination of the ranks' ``[3, C]`` statistics ``(count, mean, M2)``.
+
+    The ranks' rows are stacked into one ``[R, 3, C]`` tensor and reduced over ranks with a handful of
+    tensor ops (no Python loop over ranks or channels); every rank computes the same values.
 
     Args:
         gathered: one float64 tensor ``[3, C]`` per rank: row 0 the count (the same in every column),
@@ -69,31 +85,60 @@ def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     Raises:
         ValueError: at most one value per channel in all (``torch.nn.functional.batch_norm`` refuses it too).
     """
-    counts = [g[0, 0] for g in gathered]
-    total = counts[0]
-    for n in counts[1:]:
-        total = total + n
+    stats = torch.stack(gathered)  # [R, 3, C]
+    counts = stats[:, 0, :1]  # [R, 1]
+    total = counts.sum()
     if float(total) < 2:
         raise ValueError(
             f"expected more than 1 value per channel when training, got {int(total)} across {len(gathered)} rank(s)"
         )
-    weighted = gathered[0][1] * counts[0]
-    for g, n in zip(gathered[1:], counts[1:]):
-        weighted = weighted + g[1] * n
-    mean = weighted / total
-    m2 = None
-    for g, n in zip(gathered, counts):
-        term = g[2] + n * (g[1] - mean) ** 2
-        m2 = term if m2 is None else m2 + term
-    assert m2 is not None
+    means = stats[:, 1]
+    mean = (means * counts).sum(0) / total
+    m2 = (stats[:, 2] + counts * (means - mean) ** 2).sum(0)
     return total, mean, m2
 
 
-def _sum_in_rank_order(gathered: list[Tensor]) -> Tensor:
-    total = gathered[0]
-    for g in gathered[1:]:
-        total = total + g
-    return total
+#: Rows of the first-row sample whose mean centers float32 input before its statistics (see :func:`_local_statistics`).
+SHIFT_ROWS = 32
+
+
+def _local_statistics(x: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+    """``(shift, centered, stats)``: this rank's statistics of ``x`` ``[N, C, *]`` (compute dtype), from a native kernel.
+
+    ``stats`` is float64 ``[3, C]`` (count, mean, M2) for :func:`combine_statistics`, taken with torch's native
+    batch-norm statistics kernel (``torch.batch_norm_update_stats``: the mean and the biased variance,
+    fused, as ``torch.nn.functional.batch_norm`` computes them in training). That kernel accumulates in the
+    compute dtype, which below float64 loses the mean's low digits when ``|mean| >> std``; so such input is
+    first centered on a shift, the mean of its first :data:`SHIFT_ROWS` rows (``centered = x - shift``, the
+    shifted-data algorithm: the kernel then sums small values), and the statistics are those of
+    ``centered`` plus the shift. ``centered`` is what the layer normalizes and saves, so the centering is
+    not a further copy of the features. float64 input is used as it is (``shift`` is ``None``).
+    """
+    count = x.numel() // x.shape[1]
+    shift = None
+    if count == 0:  # an empty rank contributes nothing
+        return shift, x, torch.zeros(3, x.shape[1], dtype=torch.float64, device=x.device)
+    if x.dtype != torch.float64:
+        shift = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
+        x = x - _expand(shift, x)
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # var: biased
+    stats = torch.stack([var, mean, var]).to(torch.float64)
+    stats[0].fill_(count)
+    stats[2].mul_(count)  # M2 = N * biased variance
+    if shift is not None:  # shift + mean(centered), added in float64: the mean's digits beyond float32
+        stats[1].add_(shift.to(torch.float64))
+    return shift, x, stats
+
+
+def _combine(gathered: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(total, [mean, biased var, unbiased var])`` of the ranks' statistics (:func:`combine_statistics`), float64."""
+    total, mean, m2 = combine_statistics(gathered)
+    return total, torch.stack([mean, m2 / total, m2 / (total - 1)])
+
+
+def _sum_ranks(gathered: list[Tensor]) -> Tensor:
+    """The ranks' ``[2, C]`` gradient sums added up over ranks (as ``SyncBatchNorm`` all-reduces them)."""
+    return torch.stack(gathered).sum(0)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -103,65 +148,76 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ``bias`` ``[C]`` or ``None``, returns ``(output, mean, unbiased_var)``: the output in the input's
     dtype and shape, and the global per-channel mean and unbiased variance ``[C]`` (float64, no
     gradient) for the running statistics. Every rank must call it for the same layers in the same
-    order, in forward and in backward (one all-gather each).
+    order, in forward and in backward (one rendezvous each).
     """
 
     @staticmethod
     def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None, collective: Collective, eps: float):
+        start = time.perf_counter()
         cdt = compute_dtype(input.dtype)
-        adt = accumulation_dtype(input.dtype, input.device)
-        dims = _dims(input)
-        count = input.numel() // input.shape[1]
-        x = input.to(cdt)
-        if count > 0:
-            local_mean = x.sum(dim=dims, dtype=adt) / count
-            rounded = local_mean.to(cdt)
-            deviation = x - _expand(rounded, x)
-            # sum (x - m~)^2 = M2 + n (m - m~)^2 for the mean m~ rounded to the compute dtype
-            local_m2 = deviation.mul_(deviation).sum(dim=dims, dtype=adt) - count * (local_mean - rounded.to(adt)) ** 2
-            del deviation
-        else:  # an empty rank contributes nothing
-            local_mean = local_m2 = torch.zeros(input.shape[1], dtype=adt, device=input.device)
-        stats = torch.stack([torch.full_like(local_mean, count), local_mean, local_m2]).to(torch.float64)
-        total, mean64, m2 = combine_statistics(collective.all_gather(stats))
-        mean, invstd = mean64.to(cdt), torch.rsqrt(m2 / total + eps).to(cdt)
-        # (x - mean) * (invstd * w) + b; not torch's fused x * a + (b - mean * a), which cancels when |mean| >> std
-        scale = invstd if weight is None else (invstd.to(adt) * weight.to(adt)).to(cdt)
-        output = (x - _expand(mean, x)).mul_(_expand(scale, x))
-        if bias is not None:
-            output.add_(_expand(bias.to(cdt), x))
-        ctx.save_for_backward(input, weight, mean, invstd)
-        ctx.collective, ctx.total = collective, total
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        unbiased = m2 / (total - 1)
+        shift, centered, stats = _local_statistics(input if input.dtype == cdt else input.to(cdt))
+        total, moments = gather_reduce(collective, stats, _combine)  # combined once per layer, shared by the ranks
+        moments = moments.clone()  # this rank's own outputs
+        mean64, var64 = moments[0], moments[1]
+        # the global mean in the frame of `centered` (x - shift): small below float64, so the fused native
+        # normalization centered * (w * invstd) + (b - mean * w * invstd) cancels nothing
+        frame_mean = mean64 if shift is None else mean64 - shift
+        output = torch.native_batch_norm(
+            centered, _cast(weight, cdt), _cast(bias, cdt), frame_mean.to(cdt), var64.to(cdt), False, 0.0, eps
+        )[0]
+        invstd = torch.rsqrt(var64 + eps)
+        scale = invstd if weight is None else invstd * weight
+        ctx.save_for_backward(centered, frame_mean, var64)
+        ctx.collective, ctx.total, ctx.eps, ctx.invstd, ctx.scale = collective, total, eps, invstd, scale
+        ctx.has_weight = weight is not None
+        ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        unbiased = moments[2]
         ctx.mark_non_differentiable(mean64, unbiased)
+        ctx.layer = _record(collective, None, time.perf_counter() - start)
         return output.to(input.dtype), mean64, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_mean: Any, _grad_var: Any):
-        input, weight, mean, invstd = ctx.saved_tensors
-        cdt = mean.dtype
-        adt = accumulation_dtype(input.dtype, input.device)
-        dims = _dims(input)
-        x, dy = input.to(cdt), grad_output.to(cdt)
-        deviation = x - _expand(mean, x)  # x - mean
-        sum_dy = dy.sum(dim=dims, dtype=adt)
-        sum_dy_xmu = (dy * deviation).sum(dim=dims, dtype=adt)
+        start = time.perf_counter()
+        centered, frame_mean, var64 = ctx.saved_tensors
+        cdt = centered.dtype
+        dy = grad_output if grad_output.dtype == cdt else grad_output.to(cdt)
+        if centered.numel() > 0:
+            # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass
+            _, dot_invstd, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, centered, None, frame_mean.to(cdt), var64.to(cdt), None, None, False, ctx.eps, [False, True, True]
+            )
+        else:
+            dot_invstd = sum_dy = torch.zeros(centered.shape[1], dtype=cdt, device=centered.device)
+        sums = torch.stack([sum_dy, dot_invstd]).to(torch.float64)  # sum(dy), sum(dy * x_hat)
         grad_input = grad_weight = grad_bias = None
+        input_dtype, weight_dtype, bias_dtype = ctx.dtypes
         if ctx.needs_input_grad[0]:
-            gathered = ctx.collective.all_gather(torch.stack([sum_dy, sum_dy_xmu]).to(torch.float64))
-            global_means = _sum_in_rank_order(gathered) / ctx.total  # mean(dy), mean(dy * (x - mean)), float64
-            invstd64 = invstd.to(torch.float64)
-            scale = invstd64 if weight is None else invstd64 * weight.to(torch.float64)
-            # (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
-            grad_input = torch.addcmul(dy, deviation, _expand((-invstd64 * invstd64 * global_means[1]).to(cdt), dy))
-            grad_input.sub_(_expand(global_means[0].to(cdt), dy)).mul_(_expand(scale.to(cdt), dy))
-            grad_input = grad_input.to(input.dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd.to(adt)).to(weight.dtype)
+            total = gather_reduce(ctx.collective, sums, _sum_ranks)
+            invstd, scale = ctx.invstd, ctx.scale
+            # dx = (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
+            #    = scale * dy + b * centered + c, per channel, with sum(dy * (x - mean)) = sum(dy * x_hat) / invstd
+            b = scale * invstd * total[1] / -ctx.total
+            c = scale * total[0] / -ctx.total - b * frame_mean
+            grad_input = torch.addcmul(_expand(c.to(cdt), dy), centered, _expand(b.to(cdt), dy))
+            grad_input = grad_input.addcmul_(dy, _expand(scale.to(cdt), dy)).to(input_dtype)
+        if ctx.has_weight and ctx.needs_input_grad[1]:
+            grad_weight = dot_invstd.to(weight_dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(ctx.bias_dtype)
+            grad_bias = sum_dy.to(bias_dtype)
+        _record(ctx.collective, ctx.layer, time.perf_counter() - start)
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:
+    """Add ``seconds`` to ``layer``'s time (``None``: a new layer) where the collective keeps one
+    (:meth:`~lightning_sparse_dp.collective.ThreadGroup.record`); the layer's index, or ``None``."""
+    record = getattr(collective, "record", None)
+    return None if record is None else record(seconds, layer)
 
 
 class SyncBatchNorm(_BatchNorm):

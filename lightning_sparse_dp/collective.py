@@ -10,6 +10,14 @@ One batch-norm implementation (:mod:`lightning_sparse_dp.batchnorm`) runs over a
 
 Reductions are left to the caller, who sums the gathered list in rank order, so results are the
 same on every rank and repeat bit for bit (``torch.distributed.all_reduce`` makes no such promise).
+:func:`gather_reduce` gathers and reduces in one call: over a :class:`ThreadGroup` the rank that
+completes the rendezvous computes the reduction once and hands every rank the result
+(:meth:`ThreadGroup.all_gather_reduce`); over any other collective each rank reduces the gathered list.
+A waiting rank is woken once, when its call completes (or the group stops), not at every arrival.
+
+Timing (threads). The group adds up, per rank, the seconds spent waiting at rendezvous for the other
+ranks, and the seconds each synchronized layer reports (:meth:`ThreadGroup.record`);
+:meth:`ThreadGroup.timings` gives their means over ranks, which ``sparse_dp`` records as stage times.
 
 Failure (threads). A replica that raises aborts the group (:meth:`ThreadGroup.abort`, done by
 :meth:`ThreadGroup.run`): every replica waiting in ``all_gather``, and every later call, raises
@@ -21,12 +29,27 @@ waiting forever; the group detects it and aborts with an error naming the call c
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 T = TypeVar("T")
+
+
+R = TypeVar("R")
+
+
+def gather_reduce(collective: Collective, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
+    """``fn(collective.all_gather(tensor))``: every rank's ``tensor`` reduced by ``fn``, the same on every rank.
+
+    A :class:`ThreadMember` computes ``fn`` once for all ranks (:meth:`ThreadGroup.all_gather_reduce`); any other
+    collective gathers and each rank computes it. ``fn`` must not depend on which rank calls it.
+    """
+    reduce = getattr(collective, "all_gather_reduce", None)
+    return fn(collective.all_gather(tensor)) if reduce is None else reduce(tensor, fn)
 
 
 class ReplicaAborted(RuntimeError):
@@ -82,6 +105,9 @@ class ThreadGroup:
         self._phase = [0] * world_size  # phases each rank has entered through run()
         self._finished: dict[int, int] = {}  # rank -> calls made when it finished its current phase
         self._error: str | None = None
+        self._mismatched: set[int] = set()  # calls whose ranks gave tensors of different shapes / dtypes
+        self._waited = [0.0] * world_size  # seconds each rank spent waiting for the others in all_gather
+        self._layer_seconds: list[list[float]] = [[] for _ in range(world_size)]  # per rank, per recorded layer
 
     def member(self, rank: int) -> ThreadMember:
         """The :class:`Collective` of ``rank``.
@@ -100,24 +126,82 @@ class ThreadGroup:
 
     def all_gather(self, rank: int, tensor: Tensor) -> list[Tensor]:
         """``rank``'s next call: see :meth:`Collective.all_gather`."""
+        slot = self._rendezvous(rank, tensor, None)
+        device = tensor.device
+        return [t if t.device == device else t.to(device) for _, t in slot]  # type: ignore[misc]
+
+    def all_gather_reduce(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
+        """``rank``'s next call: ``fn`` of every rank's ``tensor`` (rank order), computed once, by the rank that
+        completes the call, and handed to every rank (the same object on one device: do not modify it in
+        place; its tensors moved to the caller's device where they are elsewhere).
+
+        Raises:
+            ReplicaAborted: as :meth:`Collective.all_gather`.
+            Exception: what ``fn`` raised (in every rank).
+        """
+        slot = self._rendezvous(rank, tensor, fn)
+        result = slot[-1]
+        if isinstance(result, BaseException):
+            raise result
+        device = tensor.device  # replicas on other CUDA devices get the result's tensors on their own
+        return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, result)
+
+    def _rendezvous(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], Any] | None) -> list:
+        """Add ``rank``'s ``tensor`` to its next call and wait for the others: the call's slot, ``[(phase, tensor)] * world_size``
+        and, with ``fn``, ``fn``'s result (or its exception) at the end."""
         with self._cond:
             self._raise_if_aborted()
             call = self._calls[rank]
             self._calls[rank] += 1
             slot = self._slots.setdefault(call, [None] * self.world_size)
             slot[rank] = (self._phase[rank], tensor)
-            if all(s is not None for s in slot):
+            if all(s is not None for s in slot[: self.world_size]):
                 self._check_same_kind(call, slot)
-            self._check_stranded()
-            self._cond.notify_all()
-            while self._error is None and any(s is None for s in slot):
-                self._cond.wait()
-            self._raise_if_aborted()
+                if fn is not None and self._error is None:
+                    device = tensor.device
+                    try:
+                        slot.append(fn([t if t.device == device else t.to(device) for _, t in slot]))
+                    except Exception as err:  # every rank raises it
+                        slot.append(err)
+                self._cond.notify_all()
+            else:
+                self._check_stranded()
+                if self._error is not None:
+                    self._cond.notify_all()
+                start = time.perf_counter()
+                while self._error is None and any(s is None for s in slot[: self.world_size]):
+                    self._cond.wait()
+                self._waited[rank] += time.perf_counter() - start
+            if any(s is None for s in slot[: self.world_size]) or call in self._mismatched:
+                self._raise_if_aborted()  # a complete call is handed out even if the group stopped since
             self._reads[call] = self._reads.get(call, 0) + 1
             if self._reads[call] == self.world_size:  # everyone has its result: forget the call
                 del self._slots[call], self._reads[call]
-        device = tensor.device
-        return [t if t.device == device else t.to(device) for _, t in slot]  # type: ignore[misc]
+        return slot
+
+    def record(self, rank: int, seconds: float, layer: int | None = None) -> int:
+        """Add ``seconds`` to ``rank``'s time in synchronized layer ``layer`` (``None``: the rank's next layer); its index.
+
+        Called by each rank from its own thread (it writes only its own entries), forward and backward.
+        """
+        times = self._layer_seconds[rank]
+        if layer is None:
+            times.append(seconds)
+            return len(times) - 1
+        times[layer] += seconds
+        return layer
+
+    def timings(self) -> dict[str, float]:
+        """Mean over ranks of the seconds spent in the synchronized layers so far: ``syncbn<j>`` per layer (its
+        work and its wait, forward and backward), ``syncbn`` all layers, ``syncbn_wait`` waiting for the other
+        ranks at the rendezvous (the floor a slower replica sets); empty when no layer was recorded."""
+        layers = min(len(t) for t in self._layer_seconds)
+        if layers == 0:
+            return {}
+        out = {f"syncbn{j}": sum(t[j] for t in self._layer_seconds) / self.world_size for j in range(layers)}
+        out["syncbn"] = sum(out.values())
+        out["syncbn_wait"] = sum(self._waited) / self.world_size
+        return out
 
     def abort(self, rank: int, error: BaseException | str) -> None:
         """Stop every waiting and future call with :class:`ReplicaAborted`: rank ``rank`` failed with ``error``."""
@@ -158,7 +242,9 @@ class ThreadGroup:
             raise ReplicaAborted(f"the replica group stopped: {self._error}.")
 
     def _check_same_kind(self, call: int, slot: list) -> None:
-        kinds = [(tuple(t.shape), t.dtype) for _, t in slot]
+        kinds = [(tuple(t.shape), t.dtype) for _, t in slot[: self.world_size]]
+        if len(set(kinds)) > 1:
+            self._mismatched.add(call)
         if len(set(kinds)) > 1 and self._error is None:
             self._error = (
                 f"collective call #{call} got tensors of different shapes / dtypes from the replicas ({kinds}); the "
@@ -173,6 +259,7 @@ class ThreadGroup:
         for done_rank, done_calls in self._finished.items():
             phase = self._phase[done_rank]
             for call, slot in self._slots.items():
+                slot = slot[: self.world_size]
                 if call < done_calls or all(s is not None for s in slot):
                     continue
                 if any(s is not None and s[0] == phase for s in slot):
@@ -197,8 +284,16 @@ class ThreadMember:
         """See :meth:`Collective.all_gather`."""
         return self.group.all_gather(self.rank, tensor)
 
+    def all_gather_reduce(self, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
+        """See :meth:`ThreadGroup.all_gather_reduce`."""
+        return self.group.all_gather_reduce(self.rank, tensor, fn)
+
+    def record(self, seconds: float, layer: int | None = None) -> int:
+        """See :meth:`ThreadGroup.record`."""
+        return self.group.record(self.rank, seconds, layer)
+
     def __repr__(self) -> str:
         return f"ThreadMember(rank={self.rank}, world_size={self.world_size})"
 
 
-__all__ = ["Collective", "ReplicaAborted", "ThreadGroup", "ThreadMember"]
+__all__ = ["Collective", "ReplicaAborted", "ThreadGroup", "ThreadMember", "gather_reduce"]

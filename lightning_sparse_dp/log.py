@@ -125,8 +125,11 @@ class LogRecorder:
 
 
 @contextmanager
-def recording(replicas: Sequence[Any]) -> Iterator[list[LogRecorder]]:
+def recording(replicas: Sequence[Any], metric_paths: Sequence[dict[int, str]] | None = None) -> Iterator[list[LogRecorder]]:
     """For the ``with`` body (the replicas' step), record each replica's ``self.log`` calls; print once.
+
+    ``metric_paths[i]``: ``id(metric) -> module path`` of replica ``i``'s metrics when the caller knows them
+    (the metric copies it installed); else each replica's modules are searched.
 
     Each replica's ``log`` is shadowed by an instance attribute, a new :class:`LogRecorder`, and the
     replicas after the first get a no-op ``print``: ``LightningModule.print`` prints on global rank 0,
@@ -139,7 +142,10 @@ def recording(replicas: Sequence[Any]) -> Iterator[list[LogRecorder]]:
     """
     recorders = []
     for i, replica in enumerate(replicas):
-        paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
+        if metric_paths is not None:
+            paths = metric_paths[i]
+        else:
+            paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
         recorders.append(LogRecorder(paths))
         replica.log = recorders[-1]
         if i > 0:
@@ -153,15 +159,17 @@ def recording(replicas: Sequence[Any]) -> Iterator[list[LogRecorder]]:
 
 
 def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
-    stacked = torch.stack([v.reshape(()) for v in values])
     if reduce_fx in MEAN_NAMES or reduce_fx is torch.mean:
-        w = torch.tensor(weights, dtype=torch.float64, device=stacked.device)
-        dtype = stacked.dtype if stacked.dtype.is_floating_point else torch.float32
-        if float(w.sum()) == 0:
-            return torch.zeros((), dtype=dtype, device=stacked.device)
-        keep = w != 0  # a weight-0 value (maybe NaN) adds nothing
-        out = (stacked.double()[keep] * (w[keep] / w.sum())).sum()
-        return out.to(dtype)
+        first = values[0]
+        dtype = first.dtype if first.dtype.is_floating_point else torch.float32
+        total = float(sum(weights))
+        if total == 0:
+            return torch.zeros((), dtype=dtype, device=first.device)
+        kept = [(v, w / total) for v, w in zip(values, weights) if w != 0]  # a weight-0 value (maybe NaN) adds nothing
+        stacked = torch.stack([v.reshape(()) for v, _ in kept]).double()
+        share = torch.tensor([w for _, w in kept], dtype=torch.float64, device=stacked.device)
+        return (stacked * share).sum().to(dtype)
+    stacked = torch.stack([v.reshape(()) for v in values])
     if isinstance(reduce_fx, str):
         if reduce_fx not in _NAMED:
             raise ValueError(f"reduce_fx={reduce_fx!r} is not supported; use 'mean', 'sum', 'max', 'min' or a callable.")

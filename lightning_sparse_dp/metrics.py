@@ -42,6 +42,7 @@ class ReplicaMetrics:
     def __init__(self) -> None:
         self._templates: dict[int, Metric] = {}
         self._copies: dict[tuple[int, int, torch.device], Metric] = {}
+        self._found: tuple[object, list[tuple[str, Metric]]] | None = None  # (structure, the root's metrics)
 
     def _template(self, metric: Metric) -> Metric:
         template = self._templates.get(id(metric))
@@ -65,13 +66,15 @@ class ReplicaMetrics:
 
     @contextmanager
     def installed(
-        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device]
+        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None
     ) -> Iterator[list[MetricReplicas]]:
         """For the ``with`` body, an empty copy of every metric of ``root`` in each replica (on its device).
 
         When the body ends without an exception the copies' states are merged into the root's
         metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
-        had. Nothing is installed when ``replicas`` is ``[root]``.
+        had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
+        replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
+        it is the same, the root's metrics are not looked up again (no ``named_modules`` walk per step).
 
         Yields:
             the metrics of the step, one entry per root metric.
@@ -82,7 +85,11 @@ class ReplicaMetrics:
         if len(replicas) == 1 and replicas[0] is root:
             yield []
             return
-        found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
+        if structure is not None and self._found is not None and self._found[0] is structure:
+            found = self._found[1]
+        else:
+            found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
+            self._found = None if structure is None else (structure, found)
         merged = [MetricReplicas(name, m, []) for name, m in found]
         previous: list[tuple[nn.Module, str, nn.Module]] = []
         for index, (replica, device) in enumerate(zip(replicas, devices)):

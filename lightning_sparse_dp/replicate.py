@@ -124,6 +124,11 @@ class Replicas:
             self._copies.append(copies)
             if r > 0:
                 self._buffer_pairs.append((sources, targets))
+        self._dicts = [
+            (c.__dict__, m.__dict__, (c._parameters, c._buffers, c._modules))
+            for copies in self._copies
+            for m, c in zip(self._sources, copies)
+        ]
         self._copy_parameters()
 
     def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
@@ -142,12 +147,9 @@ class Replicas:
         copies, refreshes the buffer copies and, on CUDA, the parameter copies (no autograd).
         """
         count = len(self.modules) if count is None else count
-        for copies in self._copies[:count]:
-            for m, c in zip(self._sources, copies):
-                d = c.__dict__
-                own = (d["_parameters"], d["_buffers"], d["_modules"])
-                d.update(m.__dict__)
-                d["_parameters"], d["_buffers"], d["_modules"] = own
+        for d, source, own in self._dicts[: count * len(self._sources)]:  # (copy's __dict__, module's, copy's own)
+            d.update(source)
+            d["_parameters"], d["_buffers"], d["_modules"] = own
         if hasattr(self.root, "_device"):
             for replica, device in zip(self.modules[:count], self.devices):
                 replica._device = device
@@ -178,34 +180,48 @@ class Replicas:
         """
         count = len(self.modules) if count is None else count
         root = self.devices[0]
-        reduced: list[Tensor | None] = []
+        grads = []
+        for leaves in self.leaves[:count]:
+            grads.append([leaf.grad for leaf in leaves])
+            for leaf in leaves:
+                leaf.grad = None
+        if all(g is not None and g.layout == torch.strided for per_replica in grads for g in per_replica):
+            # every replica has every gradient: one fused add per replica, in place into replica 0's gradients
+            # (owned by nobody else now), in replica order as below
+            reduced = [g.to(root) for g in grads[0]]
+            for per_replica in grads[1:]:
+                torch._foreach_add_(reduced, [g.to(root) for g in per_replica])
+            return list(reduced)
+        out: list[Tensor | None] = []
         for j in range(len(self.trainable)):
             total = None
-            for r in range(count):
-                leaf = self.leaves[r][j]
-                g = leaf.grad
-                if g is None:
-                    continue
-                leaf.grad = None
-                g = g.to(root)
-                total = g if total is None else total + g
-            reduced.append(total)
-        return reduced
+            for per_replica in grads:
+                g = per_replica[j]
+                if g is not None:
+                    g = g.to(root)
+                    total = g if total is None else total + g
+            out.append(total)
+        return out
 
 
 def _fingerprint(modules: list[nn.Module]) -> tuple:
-    """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage)."""
-    parts: list = []
-    for m in modules:
-        parts.extend(id(c) for c in m._modules.values())
-        for p in m._parameters.values():
-            if p is not None:
-                parts.append((id(p), p.requires_grad, p.data_ptr(), p.dtype))
-            else:
-                parts.append(None)
-        for b in m._buffers.values():
-            parts.append(None if b is None else (id(b), b.data_ptr()))
-    return tuple(parts)
+    """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
+
+    Flat lists built by comprehensions (this runs every step): per module the sizes of its three dicts,
+    then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``,
+    storage and dtype and each buffer's storage.
+    """
+    children = [c for m in modules for c in m._modules.values()]
+    params = [p for m in modules for p in m._parameters.values()]
+    buffers = [b for m in modules for b in m._buffers.values()]
+    return (
+        tuple((len(m._modules), len(m._parameters), len(m._buffers)) for m in modules),
+        tuple(map(id, children)),
+        tuple(map(id, params)),
+        tuple(None if p is None else (p.requires_grad, p.data_ptr(), p.dtype) for p in params),
+        tuple(map(id, buffers)),
+        tuple(None if b is None else b.data_ptr() for b in buffers),
+    )
 
 
 def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:

@@ -245,7 +245,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
-            emit(module, reduce_log_calls(recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact))
+            calls = reduce_log_calls(
+                recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact
+            )
+        with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
+            emit(module, calls)
         return output
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
@@ -315,8 +319,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
         """
         with ExitStack() as stack:
-            stack.enter_context(self._replica_metrics.installed(module, replicas, list(devices)))
-            recorders = stack.enter_context(recording(replicas))
+            own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
+            metrics = stack.enter_context(
+                self._replica_metrics.installed(module, replicas, list(devices), self._replicas if own else None)
+            )
+            paths = [{id(m.replicas[i]): m.name for m in metrics} for i in range(len(replicas))] if own else None
+            recorders = stack.enter_context(recording(replicas, paths))
             group = stack.enter_context(synchronized(self._replica_sync_layers[: len(replicas)]))  # None for one
             yield recorders, group
 

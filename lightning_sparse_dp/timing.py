@@ -5,8 +5,10 @@ per-step state: metric copies and their merge into the root's, log recorders, th
 ``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (the replicas' ``self.log``
 calls reduced and logged), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
-``backward<i>`` (replica ``i``'s backward pass, inside its thread) and ``reduce`` (the replicas'
-gradients added into the module's). Timed with
+``backward<i>`` (replica ``i``'s backward pass, inside its thread), ``reduce`` (the replicas'
+gradients added into the module's) and, with synchronized batch norm, ``syncbn<j>`` (layer ``j``'s
+forward and backward, its work and its wait at the rendezvous, mean over replicas), ``syncbn`` (all
+layers) and ``syncbn_wait`` (waiting for the slowest replica at the rendezvous). Timed with
 ``time.perf_counter``; on CUDA the times are host-side (kernels may still run; synchronize in the
 step for device times).
 
@@ -56,6 +58,11 @@ class StageTimes:
         finally:
             if self._current is not None:
                 self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
+
+    def record(self, name: str, seconds: float) -> None:
+        """Record ``seconds`` as stage ``name`` of the current step (replacing an earlier value)."""
+        if self._current is not None:
+            self._current[name] = seconds
 
     def timed(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
         """``fn`` wrapped to record its duration as stage ``name`` (callable from any thread)."""
@@ -107,6 +114,12 @@ class StepTimer:
         recorded = self.times.stage(name) if self.times is not None else nullcontext()
         with action, recorded:
             yield
+
+    def record(self, stages: dict[str, float]) -> None:
+        """Record measured ``{stage: seconds}`` in :attr:`times` (no profiler action: they were measured elsewhere)."""
+        if self.times is not None:
+            for name, seconds in stages.items():
+                self.times.record(name, seconds)
 
     def timed(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
         """``fn`` recording its duration as stage ``name`` of :attr:`times` (from any thread), or ``fn`` itself."""

@@ -10,6 +10,9 @@
 #           TORCH_CUDA_ARCH_LIST (e.g. "8.0" or "8.0;9.0"), or those of the visible GPUs.
 #   --cpu   build the CPU-only extension (same as LSDP_CUDA=0) even where a GPU is visible.
 #   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
+#   Environment: LSDP_CACHE (cache folder), MAX_JOBS (compile jobs), LSDP_KEEP_BUILD=1 (keep the
+#   scratch folder with the patched sources and torch's build.ninja, e.g. to compile one file:
+#   ninja -C <folder>/MinkowskiEngine-0.5.4/build/temp.linux-x86_64-cpython-311 <object>).
 #
 # What it does, and why (see shared research notes):
 #  * ME 0.5.4 is on the registry only as a source distribution. Its setup.py imports
@@ -51,21 +54,22 @@ die() { log "ERROR: $*"; exit 1; }
 
 "$PY" -c "import torch" 2>/dev/null || die "torch is not importable from $PY; install torch first"
 
-read -r TORCH_VERSION TORCH_CUDA PYTAG SITE GPU_ARCHS < <("$PY" - <<'PYEOF'
+read -r TORCH_VERSION_FULL TORCH_CUDA PYTAG SITE GPU_ARCHS < <("$PY" - <<'PYEOF'
 import sys, sysconfig, torch
 archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}) \
     if torch.version.cuda and torch.cuda.is_available() else []
-print(torch.__version__.split("+")[0], torch.version.cuda or "none",
+print(torch.__version__, torch.version.cuda or "none",
       f"cp{sys.version_info.major}{sys.version_info.minor}", sysconfig.get_paths()["purelib"],
       ";".join(archs) or "none")
 PYEOF
 )
+TORCH_VERSION=${TORCH_VERSION_FULL%%+*}
 VARIANT=cpu
 case "$WANT_CUDA" in
     1)
-        [ "$TORCH_CUDA" != none ] || die "--cuda needs a CUDA build of torch in $PY (it has torch $TORCH_VERSION, CPU only). \
-Install one in a separate environment, e.g. python -m venv cuda-venv && cuda-venv/bin/pip install \
---index-url https://pypi.org/simple torch==$TORCH_VERSION"
+        [ "$TORCH_CUDA" != none ] || die "--cuda needs a CUDA build of torch in $PY (it has torch $TORCH_VERSION_FULL, \
+CPU only). Run: bash scripts/setup.sh --cuda   (a separate environment with torch's CUDA build), or replace \
+this torch: $PY -m pip install 'torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu'"
         VARIANT=cuda ;;
     auto)
         if [ "$GPU_ARCHS" != none ]; then
@@ -80,8 +84,9 @@ if [ "$VARIANT" = cuda ]; then
     # CUDA build: the toolkit that matches torch's CUDA version, and the architectures to compile.
     ARCHS=${TORCH_CUDA_ARCH_LIST:-}
     if [ -z "$ARCHS" ]; then
-        [ "$GPU_ARCHS" != none ] || die "no GPU is visible to pick the CUDA architectures from: set TORCH_CUDA_ARCH_LIST, \
-e.g. TORCH_CUDA_ARCH_LIST=8.0 (A100), 8.6 (RTX 30xx), 8.9 (RTX 40xx / L4), 9.0 (H100), or several: \"8.0;9.0\""
+        [ "$GPU_ARCHS" != none ] || die "no GPU is visible to pick the CUDA architectures from, and TORCH_CUDA_ARCH_LIST \
+is not set. Run: TORCH_CUDA_ARCH_LIST=9.0 bash scripts/build_minkowski.sh --cuda $PY   (8.0 A100, 8.6 RTX 30xx, \
+8.9 L4 / RTX 40xx, 9.0 H100, or several: \"8.0;9.0\")"
         ARCHS=$GPU_ARCHS
     fi
     export TORCH_CUDA_ARCH_LIST=$ARCHS
@@ -113,7 +118,9 @@ fi
 wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
-    log "no cached wheel for $KEY: building (CPU-only takes about 8 minutes on 2 cores)"
+    took="CPU-only takes about 8 minutes on 2 cores"
+    [ "$VARIANT" = cpu ] || took="CUDA takes about 20 minutes for one architecture on 2 cores"
+    log "no cached wheel for $KEY: building ($took)"
     case "$(uname -s)" in Linux) ;; *) die "only Linux builds are supported by this script";; esac
     if ! { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] \
            || ls /usr/include/*/cblas.h >/dev/null 2>&1; }; then
@@ -139,7 +146,11 @@ if [ -z "$wheel" ]; then
         || die "the build environment cannot import the target's torch with numpy 1.26.4"
 
     WORK=$(mktemp -d "${TMPDIR:-/tmp}/lsdp-me-build.XXXXXX")
-    trap 'rm -rf "$WORK"' EXIT
+    if [ "${LSDP_KEEP_BUILD:-0}" = 1 ]; then  # the patched sources and build.ninja (every compile command), for a look or one file
+        trap 'log "build folder kept (LSDP_KEEP_BUILD=1): $WORK"' EXIT
+    else
+        trap 'rm -rf "$WORK"' EXIT
+    fi
     export PATH="$BUILD_ENV/bin:$PATH"
     log "fetching the MinkowskiEngine $ME_VERSION source distribution"
     (cd "$WORK" && python -m pip download -q --disable-pip-version-check --no-deps \
@@ -221,7 +232,6 @@ PYEOF
         python "$HERE/me_cuda_patch.py" "$SRC" || die "scripts/me_cuda_patch.py did not apply"
     fi
     log "compiling ($VARIANT, ${MAX_JOBS:-$(nproc)} jobs); log in $CACHE/build-$KEY.log"
-    [ "$VARIANT" = cpu ] || log "a CUDA build takes long: about 1 hour for one architecture on 2 busy cores"
     mkdir -p "$CACHE"
     if ! (cd "$SRC" && MAX_JOBS=${MAX_JOBS:-$(nproc)} python setup.py bdist_wheel "${args[@]}" \
             > "$CACHE/build-$KEY.log" 2>&1); then

@@ -11,15 +11,14 @@
 #     major.minor as torch.version.cuda. A different version is refused (set LSDP_CUDA_ANY=1 to
 #     accept it): an extension compiled by another major CUDA than torch's does not load, and
 #     within one major NVIDIA only promises minor-version compatibility forward.
-#  2. NVIDIA's toolkit wheels from the package registry, installed with `pip install --target`
+#  2. NVIDIA's toolkit wheels through pip's configured index, installed with `pip install --target`
 #     into ${LSDP_CACHE:-~/.cache/lightning-sparse-dp}/cuda-toolkit-VERSION, never into PYTHON's
 #     environment:
 #       * CUDA >= 13: the `cuda-toolkit` meta package at exactly the version torch's own metadata
 #         pins (torch 2.13.0+cu130 pins cuda-toolkit==13.0.3), extras nvcc, crt, cccl, cudart,
 #         cublas, cusparse, curand, cusolver, nvtx (ME includes curand.h and nvtx3/nvToolsExt.h, torch's CUDA headers cusolverDn.h). The wheels unpack to nvidia/cu13/{bin,include,lib,nvvm}.
-#       * CUDA 12: the per-component wheels nvidia-cuda-{nvcc,cccl,runtime}-cu12,
-#         nvidia-{cublas,cusparse,curand,cusolver,nvtx}-cu12 at the versions of the runtime wheels torch installed
-#         (this branch is written from the wheels' documented layout and has not been run here).
+#       * CUDA 12: refused with what to do. NVIDIA publishes no nvcc for CUDA 12 as a wheel
+#         (nvidia-cuda-nvcc-cu12 holds ptxas only), so CUDA_HOME must name a CUDA 12 toolkit.
 #     A wheel layout is not quite a CUDA_HOME: torch.utils.cpp_extension links with
 #     -L CUDA_HOME/lib64 -lcudart and ME adds -lcusparse, while the wheels ship lib/ with versioned
 #     names only (libcudart.so.13). The script adds lib64/ with unversioned links.
@@ -32,26 +31,19 @@ CACHE=${LSDP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-sparse-dp}
 log() { printf '[cuda_toolkit] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-read -r TORCH_CUDA TOOLKIT_PIN RUNTIME_VERSION < <("$PY" - <<'PYEOF'
+read -r TORCH_CUDA TOOLKIT_PIN < <("$PY" - <<'PYEOF'
 import importlib.metadata as m, re, torch
 cuda = torch.version.cuda or "none"
-pin = "none"
+pin = "none"  # torch's own metadata pins the toolkit it was built with (cuda-toolkit[...]==X, CUDA >= 13)
 for req in m.requires("torch") or []:
     found = re.match(r"cuda-toolkit\[[^\]]*\]\s*==\s*([0-9.]+)", req)
     if found:
         pin = found.group(1)
-runtime = "none"
-for name in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12"):
-    try:
-        runtime = m.version(name)
-        break
-    except m.PackageNotFoundError:
-        pass
-print(cuda, pin, runtime)
+print(cuda, pin)
 PYEOF
 ) || die "could not read torch's CUDA version from $PY"
 [ "$TORCH_CUDA" != none ] || die "the torch of $PY is a CPU build (torch.version.cuda is None): \
-install a CUDA build of torch in that environment first (e.g. pip install torch==2.13.0 --index-url https://pypi.org/simple)"
+run bash scripts/setup.sh --cuda (a separate environment with torch's CUDA build)"
 CUDA_MAJOR=${TORCH_CUDA%%.*}
 
 nvcc_version() {  # prints major.minor of the nvcc given, or nothing
@@ -64,8 +56,9 @@ if [ -n "$GIVEN" ]; then
     have=$(nvcc_version "$GIVEN/bin/nvcc")
     [ -n "$have" ] || die "CUDA_HOME=$GIVEN has no working bin/nvcc"
     if [ "$have" != "$TORCH_CUDA" ] && [ "${LSDP_CUDA_ANY:-0}" != 1 ]; then
-        die "CUDA_HOME=$GIVEN has nvcc $have but torch was built with CUDA $TORCH_CUDA: unset CUDA_HOME \
-to use NVIDIA's $TORCH_CUDA wheels, point it at a $TORCH_CUDA toolkit, or set LSDP_CUDA_ANY=1 to try anyway"
+        die "CUDA_HOME=$GIVEN has nvcc $have but torch was built with CUDA $TORCH_CUDA. Run without it to use \
+NVIDIA's CUDA $TORCH_CUDA wheels: env -u CUDA_HOME -u CUDA_PATH bash scripts/setup.sh --cuda   (or point \
+CUDA_HOME at a CUDA $TORCH_CUDA toolkit; LSDP_CUDA_ANY=1 tries anyway)"
     fi
     log "using CUDA_HOME=$GIVEN (nvcc $have, torch built with CUDA $TORCH_CUDA)"
     echo "$GIVEN"
@@ -79,40 +72,28 @@ if [ "$CUDA_MAJOR" -ge 13 ]; then
     SPECS=("cuda-toolkit[nvcc,crt,cccl,cudart,cublas,cusparse,curand,cusolver,nvtx]==$TOOLKIT_PIN")
     SUBDIR=nvidia/cu$CUDA_MAJOR
 elif [ "$CUDA_MAJOR" -eq 12 ]; then
-    [ "$RUNTIME_VERSION" != none ] || die "no nvidia-cuda-runtime-cu12 wheel beside torch; set CUDA_HOME to a CUDA $TORCH_CUDA toolkit"
-    VERSION=$RUNTIME_VERSION
-    minor="${TORCH_CUDA}.*"
-    SPECS=("nvidia-cuda-nvcc-cu12==$minor" "nvidia-cuda-cccl-cu12==$minor" "nvidia-cuda-runtime-cu12==$RUNTIME_VERSION"
-           "nvidia-cublas-cu12" "nvidia-cusparse-cu12" "nvidia-curand-cu12" "nvidia-cusolver-cu12" "nvidia-nvtx-cu12")
-    SUBDIR=nvidia/cuda_nvcc  # CUDA 12 wheels unpack one folder per component; merged below
+    # NVIDIA publishes CUDA 12's compiler driver as no wheel: nvidia-cuda-nvcc-cu12 (and the
+    # cuda-toolkit[nvcc] 12.x meta package, which installs it) holds ptxas, libnvvm and libdevice
+    # only (checked: 12.8.93, 12.9.86). A CUDA 12 build needs a CUDA 12 toolkit of your own.
+    die "torch was built with CUDA $TORCH_CUDA, and NVIDIA's CUDA 12 wheels have no nvcc (nvidia-cuda-nvcc-cu12 \
+holds ptxas only). Point CUDA_HOME at a CUDA $TORCH_CUDA toolkit (a cluster's module load cuda/$TORCH_CUDA, NVIDIA's \
+installer, conda-forge's cuda-nvcc) and run: CUDA_HOME=/path/to/cuda-$TORCH_CUDA bash scripts/setup.sh --cuda   \
+(or use torch's CUDA 13 build, whose toolkit comes as wheels: the default torch==2.13.0)"
 else
-    die "torch was built with CUDA $TORCH_CUDA; this script handles CUDA 12 and 13 (set CUDA_HOME to a $TORCH_CUDA toolkit)"
+    die "torch was built with CUDA $TORCH_CUDA; NVIDIA's toolkit wheels serve CUDA 13 and later: set CUDA_HOME to a CUDA $TORCH_CUDA toolkit"
 fi
 
 TOOLKIT="$CACHE/cuda-toolkit-$VERSION"
 HOME_DIR="$TOOLKIT/$SUBDIR"
-[ "$CUDA_MAJOR" -eq 12 ] && HOME_DIR="$TOOLKIT/cuda_home"
 if [ ! -f "$TOOLKIT/.complete" ]; then
     log "installing NVIDIA's CUDA $TORCH_CUDA toolkit wheels (${SPECS[*]}) into $TOOLKIT"
     rm -rf "$TOOLKIT"
     mkdir -p "$CACHE"
-    # The registry's index is named explicitly: a machine's pip configuration may point at a local
-    # folder of CPU-only wheels or cap versions; --isolated ignores that configuration.
-    PIP_CONSTRAINT= PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= "$PY" -m pip install --isolated -q \
-        --disable-pip-version-check --index-url "${LSDP_PIP_INDEX:-https://pypi.org/simple}" \
+    # Through pip's configured index (a mirror a cluster reaches, say), at the version torch pins.
+    # A constraints file meant for environments does not apply to this folder.
+    PIP_CONSTRAINT= "$PY" -m pip install -q --disable-pip-version-check \
         --target "$TOOLKIT" "${SPECS[@]}" >&2 \
-        || die "could not install ${SPECS[*]} from the registry"
-    if [ "$CUDA_MAJOR" -eq 12 ]; then
-        # One CUDA_HOME out of the per-component folders: bin and nvvm from nvcc, include and lib
-        # merged by links.
-        mkdir -p "$HOME_DIR/include" "$HOME_DIR/lib"
-        ln -s "$TOOLKIT/nvidia/cuda_nvcc/bin" "$HOME_DIR/bin"
-        ln -s "$TOOLKIT/nvidia/cuda_nvcc/nvvm" "$HOME_DIR/nvvm"
-        for part in "$TOOLKIT"/nvidia/*/; do
-            [ -d "$part/include" ] && cp -rs "$part/include/." "$HOME_DIR/include/"
-            [ -d "$part/lib" ] && cp -rs "$part/lib/." "$HOME_DIR/lib/"
-        done
-    fi
+        || die "could not install ${SPECS[*]} through pip's configured index (or set CUDA_HOME to a CUDA $TORCH_CUDA toolkit)"
     [ -x "$HOME_DIR/bin/nvcc" ] || die "the wheels did not provide $HOME_DIR/bin/nvcc"
     # lib64/ with unversioned names, as torch.utils.cpp_extension and -lcusparse expect.
     mkdir -p "$HOME_DIR/lib64"
@@ -130,6 +111,7 @@ if [ ! -f "$TOOLKIT/.complete" ]; then
     touch "$TOOLKIT/.complete"
 fi
 have=$(nvcc_version "$HOME_DIR/bin/nvcc")
-[ "$have" = "$TORCH_CUDA" ] || die "nvcc in $HOME_DIR reports $have, torch was built with CUDA $TORCH_CUDA"
+[ "$have" = "$TORCH_CUDA" ] || die "nvcc in $HOME_DIR reports ${have:-nothing}, torch was built with CUDA $TORCH_CUDA. \
+Reinstall the toolkit wheels: rm -rf $TOOLKIT && bash scripts/setup.sh --cuda"
 log "CUDA $have toolkit at $HOME_DIR"
 echo "$HOME_DIR"

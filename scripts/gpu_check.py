@@ -9,7 +9,7 @@ CUDA build of torch and this package installed. Steps:
    (exit status 3): nothing else can be checked.
 2. MinkowskiEngine with CUDA: the installed one if its backend was built with CUDA, else
    ``scripts/build_minkowski.sh --cuda PYTHON`` builds and caches one for the visible GPUs'
-   architectures (about an hour on 2 cores; minutes on a large machine).
+   architectures (about 20 minutes for one architecture on 2 cores; minutes on a large machine).
 3. Exactness on GPUs: ``tests/test_gpu.py`` (sparse_dp on ``accelerator="gpu"`` with 1..N devices
    against plain Lightning on one GPU with the whole batch, float64, 1e-10 relative per tensor) and
    ``tests/test_cuda_paths.py``.
@@ -47,7 +47,7 @@ def gpu_inventory() -> dict:
 def no_gpu_line(inv: dict) -> str:
     """The summary line for a machine where torch sees no GPU (says why, and what was not run)."""
     if inv["cuda"] is None:
-        why = f"torch {inv['torch']} in {sys.executable} is a CPU build; install a CUDA build of torch there"
+        why = f"torch {inv['torch']} in {sys.executable} is a CPU build; install a CUDA build of torch there (bash scripts/setup.sh --cuda makes .venv-cuda)"
     else:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = f"torch {inv['torch']} (CUDA {inv['cuda']}) finds no GPU" + (

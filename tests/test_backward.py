@@ -211,3 +211,17 @@ def test_replicas_persist_across_steps_and_are_rebuilt_when_layers_are_frozen():
     assert first is not None and second is not first and third is second and fourth is second
     assert not torch.equal(ours.net[0].kernel, frozen_start.double())  # moved in step 1, then frozen
     assert_same_states(ours, reference)
+
+
+def test_stage_times_hold_each_synchronized_layer_and_the_wait():
+    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    model = SparseNet(batch_norm=True)
+    layers = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    trainer(strategy=strategy, devices=3, sync_batchnorm=True, max_steps=2).fit(model, loader(*_batches(2)))
+    for step in strategy.stage_times.steps:
+        per_layer = [step[f"syncbn{j}"] for j in range(layers)]
+        assert f"syncbn{layers}" not in step and all(t > 0 for t in per_layer)
+        assert step["syncbn"] == pytest.approx(sum(per_layer))
+        assert 0 <= step["syncbn_wait"] <= step["syncbn"]  # the wait is part of the layers' time
+        assert step["syncbn"] <= step["apply"] + step["backward"]
+        assert "emit" in step and "log" in step  # Lightning's own self.log apart from sparse_dp's reduction

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup, gather_reduce
 
 
 def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
@@ -120,3 +120,53 @@ def test_bad_arguments():
         ThreadGroup(0)
     with pytest.raises(ValueError, match="rank 3"):
         ThreadGroup(3).member(3)
+
+
+def test_all_gather_reduce_computes_once_and_hands_every_rank_the_same_result():
+    group = ThreadGroup(3)
+    calls = []
+
+    def combine(tensors):
+        calls.append(threading.current_thread().name)
+        return torch.stack(tensors).sum(0)
+
+    results = run_ranks(group, lambda rank, member: member.all_gather_reduce(torch.tensor([rank, 10 * rank]), combine))
+    assert len(calls) == 1
+    assert all(r is results[0] for r in results) and results[0].tolist() == [3, 30]
+
+
+def test_a_reduction_that_raises_raises_in_every_rank():
+    group = ThreadGroup(2)
+
+    def combine(tensors):
+        raise ValueError("bad statistics")
+
+    results = run_ranks(group, lambda rank, member: member.all_gather_reduce(torch.zeros(1), combine))
+    assert all(isinstance(r, ValueError) and "bad statistics" in str(r) for r in results)
+
+
+def test_gather_reduce_gathers_and_reduces_in_each_rank_for_other_collectives():
+    class Pair:
+        rank, world_size = 0, 2
+
+        def all_gather(self, tensor):
+            return [tensor, tensor + 1]
+
+    assert gather_reduce(Pair(), torch.tensor([1.0]), torch.cat).tolist() == [1.0, 2.0]
+
+
+def test_waits_and_layer_times_are_recorded_per_rank():
+    group = ThreadGroup(2)
+
+    def layer(rank, member):
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 waits for it at the rendezvous
+        member.all_gather(torch.zeros(1))
+        index = member.record(0.01)  # a layer's forward ...
+        member.record(0.02, index)  # ... and its backward
+
+    run_ranks(group, layer)
+    times = group.timings()
+    assert times["syncbn0"] == pytest.approx(0.03) and times["syncbn"] == pytest.approx(0.03)
+    assert 0.3 / 2 * 0.8 <= times["syncbn_wait"] < 0.3  # mean over the two ranks of rank 0's wait
+    assert ThreadGroup(2).timings() == {}  # nothing recorded: no stage

@@ -257,3 +257,28 @@ def test_no_tensor_at_all():
 def test_unknown_layout_role():
     with pytest.raises(BatchLayoutError, match="use one of"):
         split_batch(_batch(), 2, layout={"labels": "pixels"})
+
+
+@pytest.mark.parametrize(
+    "chunks, message",
+    [
+        ([[0, 1], [1, 2]], "more than one chunk"),
+        ([[0, 0, 1, 2]], "more than one chunk"),
+        ([[0], [2]], "leaves samples out"),
+        ([[0, 1, 2, 3]], "outside 0..2"),
+    ],
+    ids=["two-chunks", "twice-in-one", "left-out", "out-of-range"],
+)
+def test_an_assignment_that_does_not_cover_every_sample_once_is_refused(chunks, message):
+    from lightning_sparse_dp.split.assign import assign
+
+    with pytest.raises(BatchLayoutError, match=message):
+        assign(torch.tensor([3, 4, 5]), 2, lambda sizes, k: [torch.tensor(c) for c in chunks])
+
+
+def test_assignment_gives_each_sample_its_chunk_and_position():
+    from lightning_sparse_dp.split.assign import assign
+
+    chunks, chunk_of, position = assign(torch.tensor([5, 1, 1, 4, 2]), 2, lambda sizes, k: [torch.tensor([1, 3]), torch.tensor([0, 2, 4])])
+    assert [c.tolist() for c in chunks] == [[1, 3], [0, 2, 4]]
+    assert chunk_of.tolist() == [1, 0, 1, 0, 1] and position.tolist() == [0, 0, 1, 1, 2]

@@ -185,3 +185,26 @@ def test_place_builds_sparse_tensors_on_the_device():
     assert placed[0]["x"].coordinate_manager is not placed[1]["x"].coordinate_manager
     with pytest.raises(ValueError, match="at most one chunk per device"):
         place_chunks(chunks, [torch.device("cpu")])
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["every-gradient", "one-missing"])
+def test_replica_gradients_are_added_in_replica_order(missing):
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    replicas = Replicas(module, [torch.device("cpu")] * 3)
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(p.shape, generator=g, dtype=torch.float64) * 10 ** r for p in replicas.trainable] for r in range(3)]
+    if missing:
+        grads[1][2] = None  # replica 1 did not use the second layer's weight
+    for leaves, per_replica in zip(replicas.leaves, grads):
+        for leaf, grad in zip(leaves, per_replica):
+            leaf.grad = None if grad is None else grad.clone()
+    expected = []
+    for j in range(len(replicas.trainable)):
+        present = [grads[r][j] for r in range(3) if grads[r][j] is not None]
+        total = present[0]
+        for grad in present[1:]:
+            total = total + grad  # replica order, as one reference sum
+        expected.append(total)
+    reduced = replicas.reduce_gradients()
+    assert all(torch.equal(a, b) for a, b in zip(reduced, expected))  # bit for bit
+    assert all(leaf.grad is None for leaves in replicas.leaves for leaf in leaves)

@@ -6,6 +6,7 @@ lists of sample ids. :func:`assign` checks what an assignment returns and derive
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 import torch
@@ -72,11 +73,11 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
     num_samples, k = _chunk_count(sample_sizes, num_chunks)
     sizes = sample_sizes.tolist()
     order = sorted(range(num_samples), key=lambda i: (-sizes[i], i))
-    loads = [0] * k
+    loads = [(0, c) for c in range(k)]  # a heap of (points so far, chunk): the least loaded, lowest index first
     members: list[list[int]] = [[] for _ in range(k)]
     for i in order:
-        j = min(range(k), key=lambda c: (loads[c], c))
-        loads[j] += sizes[i]
+        load, j = loads[0]
+        heapq.heapreplace(loads, (load + sizes[i], j))
         members[j].append(i)
     return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
 
@@ -120,15 +121,21 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     num_samples = int(sizes.numel())
     chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
-    sample_to_chunk = torch.full((num_samples,), -1, dtype=torch.long)
-    index_in_chunk = torch.empty(num_samples, dtype=torch.long)
-    for j, ids in enumerate(chunk_samples):
-        if bool((sample_to_chunk[ids] != -1).any()) or ids.unique().numel() != ids.numel():
-            raise BatchLayoutError("the assignment puts a sample into more than one chunk.")
-        sample_to_chunk[ids] = j
-        index_in_chunk[ids] = torch.arange(ids.numel())
-    if bool((sample_to_chunk == -1).any()):
+    lengths = [c.numel() for c in chunk_samples]
+    ids = torch.cat(chunk_samples) if chunk_samples else torch.empty(0, dtype=torch.long)
+    if ids.numel() > 0 and not 0 <= int(ids.min()) <= int(ids.max()) < num_samples:
+        raise BatchLayoutError(f"the assignment names samples outside 0..{num_samples - 1}.")
+    times_assigned = torch.bincount(ids, minlength=num_samples)  # one pass over all chunks, no loop per chunk
+    if ids.numel() > num_samples or bool((times_assigned > 1).any()):
+        raise BatchLayoutError("the assignment puts a sample into more than one chunk.")
+    if ids.numel() < num_samples:
         raise BatchLayoutError("the assignment leaves samples out of every chunk: every sample must go to one chunk.")
+    counts = torch.tensor(lengths)
+    starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    sample_to_chunk = torch.empty(num_samples, dtype=torch.long)
+    index_in_chunk = torch.empty(num_samples, dtype=torch.long)
+    sample_to_chunk[ids] = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    index_in_chunk[ids] = torch.arange(num_samples) - starts
     return chunk_samples, sample_to_chunk, index_in_chunk
 
 

@@ -29,7 +29,7 @@ def take_rows(value: Any, ids: Tensor) -> Any:
 
 def _renumber(coordinates: Tensor, rows: Tensor, index_in_chunk: Tensor, batch_index: Tensor) -> Tensor:
     """Rows of ``coordinates`` with column 0 replaced by each sample's position inside its chunk."""
-    out = coordinates.index_select(0, rows.to(coordinates.device)).clone()
+    out = coordinates.index_select(0, rows.to(coordinates.device))  # a new tensor: renumbered in place
     out[:, 0] = index_in_chunk[batch_index[rows]].to(device=out.device, dtype=out.dtype)
     return out
 

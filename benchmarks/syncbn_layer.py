@@ -1,0 +1,76 @@
+"""CPU time of one batch-norm layer, forward + backward: torch's BatchNorm1d against sparse_dp's SyncBatchNorm.
+
+    .venv/bin/python benchmarks/syncbn_layer.py                  # float32, 11,000 points x 64 channels
+    .venv/bin/python benchmarks/syncbn_layer.py --points 33000 --channels 128 --float64
+
+The synchronized layer runs as one of two ranks whose other rank's statistics are its own (a collective
+that hands back two copies of what it gets), so the figure is the layer's own work: statistics, one
+combination, normalization, backward sums, input gradient; no waiting for another replica (the stage
+times ``syncbn_wait`` of ``record_stage_times=True`` show that part in a real step). The two layers
+alternate, one thread, and the process CPU time (``time.process_time``) of each call is taken, so other
+work on the machine changes the figures little. Prints the medians in microseconds and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_sparse_dp.batchnorm import SyncBatchNorm  # noqa: E402
+
+
+class _Mirror:
+    """A two-rank collective whose other rank gave the same tensor (``all_gather(t) == [t, t]``)."""
+
+    rank, world_size = 0, 2
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        return [tensor, tensor]
+
+
+def layer_cpu_us(layer: nn.Module, x: Tensor, dy: Tensor, calls: int) -> list[float]:
+    """CPU microseconds of ``calls`` forward + backward passes of ``layer`` on ``x`` with output gradient ``dy``."""
+    out = []
+    for _ in range(calls):
+        start = time.process_time()
+        layer(x).backward(dy)
+        out.append((time.process_time() - start) * 1e6)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", type=int, default=11_000)
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--calls", type=int, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dtype = torch.float64 if args.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(args.points, args.channels, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    dy = torch.randn(args.points, args.channels, generator=g).to(dtype)
+    plain = nn.BatchNorm1d(args.channels).to(dtype)
+    synced = SyncBatchNorm(args.channels).to(dtype)
+    synced.collective = _Mirror()
+    times: dict[str, list[float]] = {"torch BatchNorm1d": [], "SyncBatchNorm": []}
+    for _ in range(args.calls // 10):
+        times["torch BatchNorm1d"] += layer_cpu_us(plain, x, dy, 10)
+        times["SyncBatchNorm"] += layer_cpu_us(synced, x, dy, 10)
+    medians = {k: statistics.median(v[5:]) for k, v in times.items()}
+    print(f"{args.points} x {args.channels} {dtype}, forward + backward, CPU us (median of {args.calls - 5}):")
+    for name, value in medians.items():
+        print(f"  {name:<18} {value:8.0f}")
+    print(f"  ratio {medians['SyncBatchNorm'] / medians['torch BatchNorm1d']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The CUDA set-up's refusals and its choice of torch build, without building or downloading.
+
+``scripts/setup.sh --cuda`` and ``scripts/build_minkowski.sh --cuda`` are run for real, against a
+stand-in interpreter: a shell script that runs this test's Python with a fake ``torch`` package
+first on its path (version, ``torch.version.cuda``, and a ``torch`` distribution's metadata set by
+the test) and answers ``python -m pip ...`` by recording the call (and, where the test says so,
+"installing" the CUDA build by switching the fake torch to it). A stand-in ``nvcc`` reports a
+chosen CUDA release and a stand-in ``nvidia-smi`` reports no GPU. Each refusal must stop before the
+compile step, with the command that fixes it.
+
+The last test runs pip's own resolver, offline, on two tiny wheels named like torch's CPU and CUDA
+builds: the specifier setup.sh passes takes the CUDA build where ``torch==X`` alone takes ``X+cpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+FAKE_TORCH = '''
+import json, os
+_state = json.load(open(os.environ["LSDP_FAKE_STATE"]))
+__version__ = _state["version"]
+class version:
+    cuda = _state["cuda"]
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+    @staticmethod
+    def device_count():
+        return 0
+'''
+
+# `python -m pip ...` of the stand-in: record the call; a torch install "installs" the CUDA build
+# unless the test made pip fail or offer the CPU build only.
+FAKE_PIP = '''
+import json, os, sys
+state_file = os.environ["LSDP_FAKE_STATE"]
+state = json.load(open(state_file))
+args = sys.argv[1:]
+with open(os.path.join(os.path.dirname(state_file), "pip.log"), "a") as log:
+    log.write(json.dumps({"args": args, "constraints": [open(a).read() for i, a in enumerate(args) if i and args[i - 1] == "-c"]}) + "\\n")
+if any(a.startswith("torch==") for a in args):
+    if state["pip"] == "fails":
+        sys.exit("ERROR: No matching distribution found for torch")
+    if state["pip"] == "installs the CUDA build":  # as the registry's: 2.13.0+cu130, "2.13.0" to pip
+        base = state["version"].split("+")[0]
+        state.update(version=base + "+cu130", cuda="13.0")
+        json.dump(state, open(state_file, "w"))
+        with open(state["metadata"], "w") as metadata:
+            metadata.write(state["metadata_text"].replace("Version: " + state["dist_version"], "Version: " + base))
+'''
+
+
+class StandIn:
+    """A directory with the stand-in interpreter (bin/python), fake torch, nvcc and nvidia-smi."""
+
+    def __init__(self, root: Path, version: str, cuda: str | None, pip: str = "installs the CUDA build") -> None:
+        self.root = root
+        self.site = root / "site"
+        (self.site / "torch").mkdir(parents=True)
+        (self.site / "torch" / "__init__.py").write_text(FAKE_TORCH)
+        dist = self.site / "torch-0.dist-info"
+        dist.mkdir()
+        # the distribution's version, which pip compares: 2.13.0+cpu for the CPU build, 2.13.0 for
+        # the registry's CUDA build; torch 2.13.0+cu130 pins the toolkit like this
+        dist_version = version if version.endswith("+cpu") else version.split("+")[0]
+        metadata = (f"Metadata-Version: 2.1\nName: torch\nVersion: {dist_version}\n"
+                    "Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == \"Linux\"\n")
+        (dist / "METADATA").write_text(metadata)
+        self.state = root / "state.json"
+        self.state.write_text(json.dumps({"version": version, "cuda": cuda, "pip": pip, "metadata": str(dist / "METADATA"),
+                                          "metadata_text": metadata, "dist_version": dist_version}))
+        (root / "fake_pip.py").write_text(FAKE_PIP)
+        self.python = root / "venv" / "bin" / "python"
+        self.python.parent.mkdir(parents=True)
+        self.python.write_text(
+            "#!/usr/bin/env bash\n"
+            f'if [ "${{1:-}}" = -m ] && [ "${{2:-}}" = pip ]; then shift 2; exec "{sys.executable}" "{root / "fake_pip.py"}" "$@"; fi\n'
+            f'PYTHONPATH="{self.site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+        self.python.chmod(0o755)
+        self.bin = root / "bin"  # first on PATH: no GPU
+        self.bin.mkdir()
+        self._script(self.bin / "nvidia-smi", "echo 'NVIDIA-SMI has failed: no devices were found' >&2; exit 9")
+        self.cache = root / "cache"
+
+    def nvcc(self, release: str) -> Path:
+        """A CUDA_HOME whose bin/nvcc reports this release."""
+        home = self.root / f"cuda-{release}"
+        (home / "bin").mkdir(parents=True, exist_ok=True)
+        self._script(home / "bin" / "nvcc", f"echo 'Cuda compilation tools, release {release}, V{release}.88'")
+        return home
+
+    @staticmethod
+    def _script(path: Path, body: str) -> None:
+        path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+        path.chmod(0o755)
+
+    def pip_calls(self) -> list[dict]:
+        log = self.root / "pip.log"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def run(self, *command: str, **env: str) -> subprocess.CompletedProcess:
+        full = {k: v for k, v in os.environ.items()
+                if k not in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "LSDP_CUDA", "PYTHONPATH")}
+        full.update({"PATH": f"{self.bin}:{os.environ['PATH']}", "LSDP_FAKE_STATE": str(self.state),
+                     "LSDP_CACHE": str(self.cache), "LSDP_CUDA_VENV": str(self.python.parents[1]), **env})
+        return subprocess.run(["bash", *command], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+
+
+def assert_refused_before_compiling(done: subprocess.CompletedProcess, *fix: str) -> str:
+    """The script failed, said how to fix it (each `fix` text appears), and compiled nothing."""
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "ERROR" in out and "compiling" not in out and "fetching" not in out, out
+    for text in fix:
+        assert text in out, f"{text!r} not in:\n{out}"
+    return out
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    def make(version="2.13.0+cu130", cuda="13.0", pip="installs the CUDA build"):
+        return StandIn(tmp_path, version, cuda, pip)
+    return make
+
+
+def test_cuda_build_with_a_cpu_only_torch_is_refused(stand_in):
+    fake = stand_in(version="2.13.0+cpu", cuda=None)
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
+    assert_refused_before_compiling(done, "torch 2.13.0+cpu, CPU only", "bash scripts/setup.sh --cuda",
+                                    f"{fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'")
+    assert not fake.cache.exists()
+    done = fake.run("scripts/cuda_toolkit.sh", str(fake.python))
+    assert_refused_before_compiling(done, "CPU build", "bash scripts/setup.sh --cuda")
+
+
+def test_a_cuda_home_whose_nvcc_differs_from_torchs_cuda_is_refused(stand_in):
+    fake = stand_in(version="2.13.0+cu128", cuda="12.8")
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python),
+                    TORCH_CUDA_ARCH_LIST="9.0", CUDA_HOME=str(fake.nvcc("13.0")))
+    assert_refused_before_compiling(done, "has nvcc 13.0 but torch was built with CUDA 12.8",
+                                    "env -u CUDA_HOME -u CUDA_PATH bash scripts/setup.sh --cuda")
+    assert not (fake.cache / "wheels").exists()
+    # the same toolkit is taken when the versions agree (LSDP_CUDA_ANY=1 overrides the refusal)
+    done = fake.run("scripts/cuda_toolkit.sh", str(fake.python), CUDA_HOME=str(fake.nvcc("12.8")))
+    assert done.returncode == 0 and done.stdout.strip() == str(fake.root / "cuda-12.8"), done.stderr
+    done = fake.run("scripts/cuda_toolkit.sh", str(fake.python), CUDA_HOME=str(fake.nvcc("13.0")), LSDP_CUDA_ANY="1")
+    assert done.returncode == 0 and done.stdout.strip() == str(fake.root / "cuda-13.0"), done.stderr
+
+
+def test_cuda_12_without_a_cuda_home_is_refused(stand_in):
+    """NVIDIA's CUDA 12 wheels hold no nvcc (ptxas only): a CUDA 12 torch needs a CUDA_HOME."""
+    fake = stand_in(version="2.10.0+cu128", cuda="12.8")
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
+    assert_refused_before_compiling(done, "CUDA 12 wheels have no nvcc",
+                                    "CUDA_HOME=/path/to/cuda-12.8 bash scripts/setup.sh --cuda")
+    assert fake.pip_calls() == [] and not fake.cache.exists()
+
+
+def test_a_cached_toolkit_whose_nvcc_differs_is_refused(stand_in):
+    fake = stand_in(version="2.13.0+cu130", cuda="13.0")
+    toolkit = fake.cache / "cuda-toolkit-13.0.3"  # the version torch's metadata pins
+    home = toolkit / "nvidia" / "cu13"
+    (home / "bin").mkdir(parents=True)
+    fake._script(home / "bin" / "nvcc", "echo 'Cuda compilation tools, release 12.9, V12.9.86'")
+    (toolkit / ".complete").touch()
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
+    assert_refused_before_compiling(done, "reports 12.9, torch was built with CUDA 13.0",
+                                    f"rm -rf {toolkit} && bash scripts/setup.sh --cuda")
+
+
+def test_no_arch_list_and_no_gpu_is_refused(stand_in):
+    fake = stand_in(version="2.13.0+cu130", cuda="13.0")
+    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), CUDA_HOME=str(fake.nvcc("13.0")))
+    assert_refused_before_compiling(done, "no GPU is visible", "TORCH_CUDA_ARCH_LIST is not set",
+                                    f"TORCH_CUDA_ARCH_LIST=9.0 bash scripts/build_minkowski.sh --cuda {fake.python}")
+    # setup.sh refuses before anything is created or downloaded
+    venv = fake.root / "new-venv"
+    done = fake.run("scripts/setup.sh", "--cuda", LSDP_CUDA_VENV=str(venv))
+    assert_refused_before_compiling(done, "TORCH_CUDA_ARCH_LIST=9.0 bash scripts/setup.sh --cuda")
+    assert not venv.exists() and fake.pip_calls() == []
+
+
+def test_setup_replaces_a_cpu_only_torch_with_the_cuda_build_of_the_same_version(stand_in):
+    fake = stand_in(version="2.13.0+cpu", cuda=None)
+    # stops at the toolkit (an nvcc of another CUDA), after the torch and package installs
+    done = fake.run("scripts/setup.sh", "--cuda", TORCH_CUDA_ARCH_LIST="9.0", CUDA_HOME=str(fake.nvcc("12.8")))
+    out = assert_refused_before_compiling(done, "has nvcc 12.8 but torch was built with CUDA 13.0")
+    assert "torch 2.13.0+cpu in" in out and "is a CPU-only build: replacing it" in out
+    assert "torch 2.13.0+cu130 (CUDA 13.0) in" in out
+    torch_install, package_install = fake.pip_calls()
+    assert torch_install["args"] == ["install", "-q", "torch==2.13.0,!=2.13.0+cpu"]
+    assert package_install["args"][-2:] == ["-e", ".[test]"]
+    assert package_install["constraints"] == ["torch==2.13.0,!=2.13.0+cpu\n"]  # pip may not swap +cpu back in
+
+
+@pytest.mark.parametrize("pip", ["fails", "offers the CPU build only"])
+def test_setup_stops_with_the_command_when_the_cuda_build_cannot_be_had(stand_in, pip):
+    fake = stand_in(version="2.13.0+cpu", cuda=None, pip=pip)
+    done = fake.run("scripts/setup.sh", "--cuda", TORCH_CUDA_ARCH_LIST="9.0")
+    assert_refused_before_compiling(done, "index that has torch's CUDA builds",
+                                    f"then run: {fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'")
+    assert len(fake.pip_calls()) == 1  # nothing else installed
+
+
+def _tiny_wheel(folder: Path, version: str) -> None:
+    name = f"torch-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"torch-{version}-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{name}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        whl.writestr(f"{name}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{name}/RECORD", "")
+
+
+@pytest.mark.parametrize(("spec", "chosen"), [("torch==2.13.0", "2.13.0+cpu"), ("torch==2.13.0,!=2.13.0+cpu", "2.13.0")])
+def test_pip_takes_the_cuda_build_with_the_cpu_build_excluded(tmp_path, spec, chosen):
+    """Real pip, offline: a folder holding both builds, as a machine whose find-links has the CPU one."""
+    _tiny_wheel(tmp_path, "2.13.0+cpu")
+    _tiny_wheel(tmp_path, "2.13.0")
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+                           "--no-index", "--find-links", str(tmp_path), "--report", str(report), "-q", spec],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [i["metadata"]["version"] for i in json.loads(report.read_text())["install"]] == [chosen]
