@@ -277,40 +277,52 @@ SWAPPED_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNor
 Swap = tuple[nn.Module, str, nn.Module]
 
 
+def _hand_over(source: nn.Module, target: nn.Module) -> None:
+    """``target``'s own parameters and buffers become ``source``'s: the same tensors, as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` hands them to the layer it builds."""
+    for name, parameter in source.named_parameters(recurse=False):
+        setattr(target, name, parameter)
+    for name, buffer in source.named_buffers(recurse=False):
+        setattr(target, name, buffer)
+
+
 def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
     """Swap every batch-norm layer inside ``module`` for a :class:`SyncBatchNorm`, in place.
 
     Converts torch's ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` wherever they are children, which
-    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. The new layer
-    shares the old one's ``weight``, ``bias`` and buffers (the same tensors), so the state dict keeps
-    its keys and values and the optimizer its parameters. ``module`` itself is not swapped (it has no
-    parent to hold the new layer).
+    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. Built as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` builds its layers (the constructor, the old
+    layer's tensors handed over, ``add_module``): the new layer holds the old one's ``weight``,
+    ``bias`` and buffers (the same tensors), so the state dict keeps its keys and values and the
+    optimizer its parameters. ``module`` itself is not swapped (it has no parent to hold the new layer).
 
     Returns:
         ``(parent, name, original)`` for every swap, for :func:`revert_sync_batchnorm`.
     """
     swaps: list[Swap] = []
     for parent in list(module.modules()):
-        for name, child in list(parent._modules.items()):
+        for name, child in list(parent.named_children()):
             if isinstance(child, SWAPPED_TYPES) and not isinstance(child, SyncBatchNorm):
-                new = SyncBatchNorm.__new__(SyncBatchNorm)
-                nn.Module.__init__(new)
-                for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
-                    setattr(new, attr, getattr(child, attr))
-                new._parameters = child._parameters  # the same Parameter objects
-                new._buffers = child._buffers  # the same running-statistic tensors
+                new = SyncBatchNorm(
+                    child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats,
+                    device=child.running_mean.device if child.running_mean is not None else None,
+                )
+                _hand_over(child, new)
                 new.train(child.training)
-                parent._modules[name] = new
+                parent.add_module(name, new)
                 swaps.append((parent, name, child))
     return swaps
 
 
 def revert_sync_batchnorm(swaps: list[Swap]) -> None:
-    """Put the original layers back (they share every tensor, so they hold the trained values)."""
+    """Put the original layers back, holding the tensors the swapped layers end with: the trained values,
+    and the buffers a conversion after the swap replaced (``.to(dtype / device)`` makes new buffer tensors,
+    e.g. a precision plugin's or ``model_to_device`` at setup)."""
     for parent, name, original in reversed(swaps):
-        current = parent._modules[name]
+        current = getattr(parent, name)
+        _hand_over(current, original)
         original.train(current.training)
-        parent._modules[name] = original
+        parent.add_module(name, original)
 
 
 __all__ = [

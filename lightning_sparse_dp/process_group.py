@@ -78,7 +78,7 @@ class ProcessGroupSyncBatchNorm(SyncBatchNormSwap):
         super().apply(model)
         collective = ProcessGroupCollective(self.group)
         for parent, name, _ in self._swaps:
-            layer = parent._modules[name]
+            layer = getattr(parent, name)
             assert isinstance(layer, SyncBatchNorm)
             layer.collective = collective
             layer.update_running_stats = True  # every rank keeps its own, identical, running statistics
