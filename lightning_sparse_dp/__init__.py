@@ -24,15 +24,12 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
-Beside it: :mod:`~lightning_sparse_dp.batchnorm` (synchronized batch-norm math over any collective),
-:mod:`~lightning_sparse_dp.collective` (the all-gather between replica threads),
-:mod:`~lightning_sparse_dp.sync` (the step's batch-norm group), :mod:`~lightning_sparse_dp.layer_sync`
-(batch norm swapped through Lightning's ``LayerSync`` plugin), :mod:`~lightning_sparse_dp.presplit`
-(the split in DataLoader workers), :mod:`~lightning_sparse_dp.threads` (CPU cores per replica),
-:mod:`~lightning_sparse_dp.timing` (stage times and profiler actions), :mod:`~lightning_sparse_dp.hints`
-(errors raised in replicas, re-raised with the fix), and for ``sparse_ddp``
-:mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch) and
-:mod:`~lightning_sparse_dp.process_group` (batch norm over a process group).
+Beside it: :mod:`~lightning_sparse_dp.syncbn` (synchronized batch norm for both strategies: the layer,
+its math, the all-gather between replica threads or over a process group, the ``LayerSync`` plugin),
+:mod:`~lightning_sparse_dp.presplit` (the split in DataLoader workers), :mod:`~lightning_sparse_dp.threads`
+(CPU cores per replica), :mod:`~lightning_sparse_dp.timing` (stage times and profiler actions),
+:mod:`~lightning_sparse_dp.hints` (errors raised in replicas, re-raised with the fix), and for
+``sparse_ddp`` :mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch).
 
 :class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them (on
 :class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`, Lightning's plumbing for one process);
@@ -41,8 +38,8 @@ weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two shar
 """
 
 from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
-from lightning_sparse_dp.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_sparse_dp.collective import ReplicaAborted
+from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 from lightning_sparse_dp.place import current_stream, device_context
 
 T = TypeVar("T")

@@ -4,7 +4,7 @@ Three things: the options that mean the same in both (``loss_weighting``, ``spli
 checked at construction; registration under the strategy's own name; and which ``LayerSync`` plugin
 batch norm goes through: at setup, ``strategy._layer_sync`` (a plain attribute, as Lightning's
 ``ParallelStrategy`` keeps it) becomes :attr:`SparseStrategyMixin.own_layer_sync` where Lightning put
-its ``TorchSyncBatchNorm`` (see :mod:`lightning_sparse_dp.layer_sync`).
+its ``TorchSyncBatchNorm`` (see :mod:`lightning_sparse_dp.syncbn.layer_sync`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from typing_extensions import override
 
 from lightning_sparse_dp.weighting import check_loss_weighting
-from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
 
 

@@ -55,7 +55,7 @@ from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.term_weights import decide, pack, rank_scale
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
 

@@ -3,7 +3,7 @@
 A thin orchestrator over the stages of one step (``docs/architecture.md`` draws them), each an
 overridable method as ``torch.nn.DataParallel``'s are: ``scatter`` (:mod:`.split`, :mod:`.place`)
 -> ``replicate`` (:mod:`.replicate`) -> per-step replica state (:mod:`.metrics`, :mod:`.log`,
-:mod:`.sync`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.weighting`,
+:mod:`.syncbn.replicas`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.weighting`,
 :mod:`.term_weights`) and per-replica backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`)
 -> log (:mod:`.log`). Lightning's plumbing for one process is the base class,
 :class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
@@ -27,13 +27,13 @@ from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import loss_of, parallel_backward
-from lightning_sparse_dp.collective import ThreadGroup
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.weighting import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
-from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.place import place_chunks
@@ -41,7 +41,7 @@ from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, split_batch
-from lightning_sparse_dp.sync import sync_layers, synchronized
+from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
@@ -84,9 +84,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         record_stage_times: record each step's stage durations in :attr:`stage_times`
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm
-            layers too) for :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`, synchronized across the
+            layers too) for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, synchronized across the
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
-            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap`, applied
+            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`, applied
             at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
             ``checkpoint_io``, ``precision_plugin``), which the Trainer fills from ``accelerator=`` and
@@ -313,7 +313,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
         ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
         calls are logged through the root module, which may itself be replica 0); the batch-norm group
-        (:func:`~lightning_sparse_dp.sync.synchronized`).
+        (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`).
 
         Yields:
             ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from tests.helpers import (
     SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start, state_differences
 )
@@ -143,7 +143,7 @@ def test_replicas_never_wait_forever_in_batch_norm(mode, error, message, tmp_pat
 
 def test_sync_batchnorm_swap_keeps_parameters_and_state_dict():
     model = SparseNet(batch_norm=True)
-    from lightning_sparse_dp.sync import convert_sync_batchnorm, revert_sync_batchnorm
+    from lightning_sparse_dp.syncbn.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 
     before = {k: v for k, v in model.state_dict().items()}
     weight = model.net[3].bn.weight

@@ -218,7 +218,7 @@ def test_registered_without_touching_ddp():
 def test_sync_batchnorm_flag_gives_the_process_group_plugin():
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 
-    from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+    from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 
     def resolved(**kwargs):  # the plugin setup applies (SparseDDPStrategy.setup resolves it first)
         t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False, **kwargs)
@@ -238,8 +238,8 @@ def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
     import MinkowskiEngine as ME
     from torch import nn
 
-    from lightning_sparse_dp.batchnorm import SyncBatchNorm
-    from lightning_sparse_dp.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
+    from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+    from lightning_sparse_dp.syncbn.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
 
     model = nn.Sequential(ME.MinkowskiBatchNorm(4), nn.BatchNorm1d(4), ME.MinkowskiSyncBatchNorm(4))
     keys = {k: v for k, v in model.state_dict().items()}
