@@ -47,7 +47,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happe
     [("gpu", "No supported gpu backend found"), ("cuda", "CUDAAccelerator.*can not run on your system")],
 )
 def test_accelerator_gpu_without_a_gpu_is_refused_by_lightning(accelerator, message):
-    """Lightning refuses before the strategy exists; README quotes these messages."""
+    """Lightning refuses before the strategy exists; docs/cuda.md quotes these messages."""
     with pytest.raises(MisconfigurationException, match=message):
         L.Trainer(accelerator=accelerator, devices=2, strategy="sparse_dp", logger=False)
 
