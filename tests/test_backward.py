@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.helpers import (
     SparseNet, assert_same_states, collate_dict, loader, random_samples, relative_difference, run_isolated,
     same_start, trainer
