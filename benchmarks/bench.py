@@ -444,7 +444,7 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
 
     from lightning_sparse_dp.backward import loss_of
     from lightning_sparse_dp.term_weights import StepTerms
-    from lightning_sparse_dp.gather import chunk_weights
+    from lightning_sparse_dp.weighting import chunk_weights
 
     times: dict[str, list[float]] = {"terms": [], "auto": []}
     ratios = []

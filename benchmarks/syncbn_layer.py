@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_sparse_dp.batchnorm import SyncBatchNorm  # noqa: E402
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm  # noqa: E402
 
 
 class _Mirror:

@@ -20,8 +20,10 @@ samples); ``predict_step`` returns one ``(coordinates [n_i, 3], logits [n_i, 1])
 
     .venv/bin/python examples/train_completion.py                 # 3 CPU replicas
     .venv/bin/python examples/train_completion.py --devices 1
+    .venv/bin/python examples/train_completion.py --strategy sparse_ddp --devices 2   # 2 processes
 
-The last line printed is ``val_iou=<float>``.
+The last line printed, once (by rank zero), is ``val_iou=<float>``: the mean over every validation
+shape under either strategy (a torchmetrics ``MeanMetric``, merged across replicas or synced across ranks).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchmetrics import MeanMetric
 
-import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
+import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp" and "sparse_ddp")
 
 
 # --- shapes --------------------------------------------------------------------------------------
@@ -146,6 +149,7 @@ class Completion(L.LightningModule):
         super().__init__()
         self.net = CompletionNet()
         self.lr = lr
+        self.val_iou = MeanMetric()  # over shapes: each sample's IoU weighs the same
 
     def step(self, batch):
         x = ME.SparseTensor(batch["features"], batch["coordinates"])
@@ -162,8 +166,9 @@ class Completion(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss, out = self.step(batch)
         b = num_samples(batch)
-        self.log("val_loss", loss, batch_size=b)
-        self.log("val_iou", voxel_iou(out, batch["target_coordinates"], b).mean(), batch_size=b)
+        self.log("val_loss", loss, batch_size=b, sync_dist=True)
+        self.val_iou.update(voxel_iou(out, batch["target_coordinates"], b))
+        self.log("val_iou", self.val_iou)
 
     def predict_step(self, batch, batch_idx):
         """One ``(coordinates int [n_i, 3], logits [n_i, 1])`` per sample, in batch order."""
@@ -211,6 +216,8 @@ def main() -> None:
     ]
     for flag, kind, default in options:
         parser.add_argument(flag, type=kind, default=default)
+    parser.add_argument("--strategy", default="sparse_dp", choices=["sparse_dp", "sparse_ddp"],
+                        help="sparse_dp (replicas in one process) or sparse_ddp (one process per device; also under torchrun)")
     args = parser.parse_args()
 
     L.seed_everything(0, workers=True)
@@ -218,7 +225,7 @@ def main() -> None:
     kinds = ((CSVLogger, "csv"), (TensorBoardLogger, "tensorboard"))
     loggers = [cls(Path(args.out) / folder, name="completion") for cls, folder in kinds]
     trainer = L.Trainer(
-        strategy="sparse_dp", devices=args.devices, accelerator=args.accelerator, max_epochs=args.max_epochs,
+        strategy=args.strategy, devices=args.devices, accelerator=args.accelerator, max_epochs=args.max_epochs,
         logger=loggers, enable_checkpointing=False, log_every_n_steps=5,
     )
     model = Completion()
@@ -228,13 +235,15 @@ def main() -> None:
         DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate),
         DataLoader(val, batch_size=args.batch_size, collate_fn=collate),
     )
-    print(f"trained {args.max_epochs} epochs on {args.devices} {args.accelerator} replica(s) in "
-          f"{time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}")
-    iou = float(trainer.callback_metrics["val_iou"])
+    wall = time.perf_counter() - start
+    iou = float(trainer.callback_metrics["val_iou"])  # the mean over every validation shape, on every rank
     shapes = trainer.predict(model, DataLoader(val, batch_size=args.batch_size, collate_fn=collate))
-    voxels = [len(c) for batch in shapes for c, _ in batch]
-    print(f"predicted {len(voxels)} shapes, {sum(voxels) / len(voxels):.0f} voxels each on average")
-    print(f"val_iou={iou:.4f}")
+    voxels = [len(c) for batch in shapes for c, _ in batch]  # every rank gets all shapes (sparse_ddp merges them)
+    if trainer.is_global_zero:
+        print(f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
+              f"in {wall:.1f} s; logs in {trainer.loggers[0].log_dir}")
+        print(f"predicted {len(voxels)} shapes, {sum(voxels) / len(voxels):.0f} voxels each on average")
+        print(f"val_iou={iou:.4f}")
 
 
 if __name__ == "__main__":

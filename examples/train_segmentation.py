@@ -14,8 +14,10 @@ TensorBoard loggers.
 
     .venv/bin/python examples/train_segmentation.py               # 3 CPU replicas
     .venv/bin/python examples/train_segmentation.py --devices 1
+    .venv/bin/python examples/train_segmentation.py --strategy sparse_ddp --devices 2   # 2 processes
 
-The last line printed is ``val_miou=<float>``.
+The last line printed, once (by rank zero), is ``val_miou=<float>``: the whole validation set's under
+either strategy (torchmetrics merges the replicas' states, or syncs the ranks').
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassJaccardIndex
 
-from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp import SparseDataParallelStrategy, SparseDDPStrategy
 
 CLASSES = ("floor", "wall", "box", "cylinder", "sphere")
 
@@ -177,7 +179,8 @@ class Segmenter(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         logits = self(batch["x"])
-        self.log("val_loss", F.cross_entropy(logits, batch["labels"]), batch_size=int(batch["labels"].numel()))
+        loss = F.cross_entropy(logits, batch["labels"])
+        self.log("val_loss", loss, batch_size=int(batch["labels"].numel()), sync_dist=True)
         self.val_miou.update(logits.argmax(1), batch["labels"])
         self.log("val_miou", self.val_miou, prog_bar=True)
 
@@ -190,6 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--strategy", default="sparse_dp", choices=["sparse_dp", "sparse_ddp"],
+                        help="sparse_dp (replicas in one process) or sparse_ddp (one process per device; also under torchrun)")
     parser.add_argument("--max-epochs", type=int, default=10)
     parser.add_argument("--train-scenes", type=int, default=120)
     parser.add_argument("--val-scenes", type=int, default=24)
@@ -202,10 +207,9 @@ def main() -> None:
     train = Scenes(args.train_scenes, seed=1, voxel_size=args.voxel_size)
     val = Scenes(args.val_scenes, seed=2, voxel_size=args.voxel_size)
     points = [len(s[2]) for s in train.scenes]
-    print(f"{len(train)} training scenes, {np.mean(points):.0f} points on average (min {min(points)}, max {max(points)})")
-
+    strategy = {"sparse_dp": SparseDataParallelStrategy, "sparse_ddp": SparseDDPStrategy}[args.strategy]
     trainer = L.Trainer(
-        strategy=SparseDataParallelStrategy(loss_weighting="points"),
+        strategy=strategy(loss_weighting="points"),
         sync_batchnorm=True,
         accelerator=args.accelerator,
         devices=args.devices,
@@ -215,15 +219,20 @@ def main() -> None:
         enable_checkpointing=False,
         log_every_n_steps=5,
     )
+    if trainer.is_global_zero:
+        print(f"{len(train)} training scenes, {np.mean(points):.0f} points on average (min {min(points)}, "
+              f"max {max(points)})")
     start = time.perf_counter()
     trainer.fit(
         Segmenter(),
         DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate),
         DataLoader(val, batch_size=args.batch_size, collate_fn=collate),
     )
-    print(f"trained {args.max_epochs} epochs on {args.devices} {args.accelerator} replica(s) in "
-          f"{time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}")
-    print(f"val_miou={float(trainer.callback_metrics['val_miou']):.4f}")
+    miou = float(trainer.callback_metrics["val_miou"])  # the whole validation set's, on every rank
+    if trainer.is_global_zero:
+        print(f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
+              f"in {time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}")
+        print(f"val_miou={miou:.4f}")
 
 
 if __name__ == "__main__":

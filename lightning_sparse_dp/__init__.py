@@ -19,35 +19,33 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.terms` / :mod:`~lightning_sparse_dp.term_weights`: torch's mean-reduced
   losses captured in each replica's step (:mod:`~lightning_sparse_dp.losses`: their denominators),
   each weighted by its share of the batch;
-- :mod:`~lightning_sparse_dp.gather`: the replicas' losses -> one loss, weighted to the whole-batch mean;
-- :mod:`~lightning_sparse_dp.outputs`: other outputs -> root device, in batch order (per-sample lists too);
+- :mod:`~lightning_sparse_dp.weighting`: the weights that make the replicas' losses the whole-batch mean;
+- :mod:`~lightning_sparse_dp.outputs`: the gather: outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
 
-Beside it: :mod:`~lightning_sparse_dp.batchnorm` (synchronized batch-norm math over any collective),
-:mod:`~lightning_sparse_dp.collective` (the all-gather between replica threads),
-:mod:`~lightning_sparse_dp.sync` (the step's batch-norm group), :mod:`~lightning_sparse_dp.layer_sync`
-(batch norm swapped through Lightning's ``LayerSync`` plugin), :mod:`~lightning_sparse_dp.presplit`
-(the split in DataLoader workers), :mod:`~lightning_sparse_dp.threads` (CPU cores per replica),
-:mod:`~lightning_sparse_dp.timing` (stage times and profiler actions), :mod:`~lightning_sparse_dp.hints`
-(errors raised in replicas, re-raised with the fix), and for ``sparse_ddp``
-:mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch) and
-:mod:`~lightning_sparse_dp.process_group` (batch norm over a process group).
+Beside it: :mod:`~lightning_sparse_dp.syncbn` (synchronized batch norm for both strategies: the layer,
+its math, the all-gather between replica threads or over a process group, the ``LayerSync`` plugin),
+:mod:`~lightning_sparse_dp.presplit` (the split in DataLoader workers), :mod:`~lightning_sparse_dp.threads`
+(CPU cores per replica), :mod:`~lightning_sparse_dp.timing` (stage times and profiler actions),
+:mod:`~lightning_sparse_dp.hints` (errors raised in replicas, re-raised with the fix), and for
+``sparse_ddp`` :mod:`~lightning_sparse_dp.sampler` (each rank's point-balanced share of every global batch).
 
-:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them;
+:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy` orchestrates them (on
+:class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`, Lightning's plumbing for one process);
 :class:`~lightning_sparse_dp.ddp.SparseDDPStrategy` is Lightning's DDP with the same split, loss
 weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two share.
 """
 
-from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
-from lightning_sparse_dp.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights
+from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
-from lightning_sparse_dp.replicate import Replicas, replicate
+from lightning_sparse_dp.replicate import Replicas, make_replicas
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import (
     BatchLayoutError,
@@ -60,7 +58,6 @@ from lightning_sparse_dp.split import (
     split_batch,
 )
 from lightning_sparse_dp.strategy import SparseDataParallelStrategy
-from lightning_sparse_dp.sync import ReplicaSyncBatchNorm
 from lightning_sparse_dp.timing import StageTimes
 
 __version__ = "0.1.0"
@@ -74,7 +71,6 @@ __all__ = [
     "ReplicaAborted",
     "ReplicaExecutor",
     "Replicas",
-    "ReplicaSyncBatchNorm",
     "SparseDDPStrategy",
     "SparseDataParallelStrategy",
     "SparseSpec",
@@ -87,10 +83,10 @@ __all__ = [
     "chunk_weights",
     "contiguous_assignment",
     "gather_outputs",
+    "make_replicas",
     "merge_batch",
     "merge_chunks",
-    "parallel_apply",
     "place_chunks",
-    "replicate",
+    "run_on_replicas",
     "split_batch",
 ]

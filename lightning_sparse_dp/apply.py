@@ -1,4 +1,4 @@
-"""Apply: run one callable per replica concurrently, each in a thread bound to its device.
+"""Apply: run one callable per replica concurrently, each in a thread bound to its device (:func:`run_on_replicas`).
 
 The same idea as ``torch.nn.parallel.parallel_apply``, with three differences: the threads are
 kept for the whole run (one per replica index) instead of being started on every call; it runs on CPU devices too
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_sparse_dp.collective import ReplicaAborted
+from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 from lightning_sparse_dp.place import current_stream, device_context
 
 T = TypeVar("T")
@@ -38,7 +38,7 @@ class ThreadState:
     grad_enabled: bool
     inference_mode: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
-    num_threads: int  # torch's intra-op threads (OpenMP's per-thread setting, which ME's CPU kernels use too)
+    intra_op_threads: int  # torch.get_num_threads() (OpenMP's per-thread setting, which ME's CPU kernels use too)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -53,8 +53,8 @@ class ThreadState:
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set)."""
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        if torch.get_num_threads() != self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
         stack.enter_context(torch.inference_mode(self.inference_mode))
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for device_type, enabled, dtype in self.autocast:
@@ -69,18 +69,18 @@ class ReplicaExecutor:
     sums, the same from run to run (``Trainer(deterministic=True)``).
 
     Args:
-        num_threads: the most replicas run at once (the number of devices).
+        num_replicas: the most replicas run at once (the number of devices): one thread each.
         threads_per_replica: torch intra-op threads of each replica thread when several replicas run
             (:mod:`lightning_sparse_dp.threads`); ``None``: the caller's count.
     """
 
-    def __init__(self, num_threads: int, threads_per_replica: int | None = None) -> None:
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}.")
-        self.num_threads = num_threads
+    def __init__(self, num_replicas: int, threads_per_replica: int | None = None) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
+        self.num_replicas = num_replicas
         self.threads_per_replica = threads_per_replica
         self._threads = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_threads)
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_replicas)
         ]
         self._lock = threading.Lock()
 
@@ -97,14 +97,14 @@ class ReplicaExecutor:
         """
         if len(fns) != len(devices):
             raise ValueError(f"{len(fns)} callables for {len(devices)} devices.")
-        if len(fns) > self.num_threads:
-            raise ValueError(f"{len(fns)} callables for an executor of {self.num_threads} threads.")
+        if len(fns) > self.num_replicas:
+            raise ValueError(f"{len(fns)} callables for an executor of {self.num_replicas} replica threads.")
         state = ThreadState.capture()
         if len(fns) == 1:
             return [_call(fns[0], devices[0], 0, state)]
         if self.threads_per_replica is not None:
-            state = dataclasses.replace(state, num_threads=self.threads_per_replica)
-        streams = [current_stream(d) for d in devices]  # the caller's, as parallel_apply hands them on
+            state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
+        streams = [current_stream(d) for d in devices]  # the caller's, as torch's parallel_apply hands them on
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
                 self._threads[i].submit(_call, fn, device, i, state, stream)
@@ -135,13 +135,14 @@ def _call(fn: Callable[[], T], device: torch.device, index: int, state: ThreadSt
         raise
 
 
-def parallel_apply(
+def run_on_replicas(
     fns: Sequence[Callable[[], Any]], devices: Sequence[torch.device], executor: ReplicaExecutor | None = None
 ) -> list[Any]:
     """Run ``fns[i]()`` on ``devices[i]`` concurrently; see :meth:`ReplicaExecutor.run`.
 
-    Without ``executor`` a temporary one is made and shut down (as ``torch.nn.parallel.parallel_apply``
-    does with its threads); the strategy keeps one for the whole run.
+    Not ``torch.nn.parallel.parallel_apply``'s contract (modules and inputs): it takes callables, e.g.
+    ``functools.partial(replica.training_step, chunk, batch_idx)``. Without ``executor`` a temporary one
+    is made and shut down (as ``parallel_apply`` does with its threads); the strategy keeps one for the run.
     """
     if executor is not None:
         return executor.run(fns, devices)
@@ -152,4 +153,4 @@ def parallel_apply(
         temporary.shutdown()
 
 
-__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "parallel_apply"]
+__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "run_on_replicas"]

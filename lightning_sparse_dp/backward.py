@@ -15,7 +15,7 @@ and hands the sums to autograd as the gradients of the module's parameters, whic
 ``.grad``).
 
 Synchronized batch norm exchanges its gradient terms between the replicas' concurrent backward
-passes through the step's :class:`~lightning_sparse_dp.collective.ThreadGroup` (a new phase of it).
+passes through the step's :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` (a new phase of it).
 
 Limits: the backward of the step's loss can run once (``retain_graph=True`` cannot re-run the
 replicas' passes, whose graphs are freed) and not with ``create_graph=True``; both raise a clear error.
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.collective import ThreadGroup
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.timing import StepTimer
 

@@ -1,9 +1,10 @@
-"""Base: what both strategies share, ``sparse_dp`` (one process) and ``sparse_ddp`` (processes).
+"""Base: :class:`SparseStrategyMixin`, what ``sparse_dp`` (one process) and ``sparse_ddp`` (processes) share.
 
-Their options that mean the same in both (``loss_weighting``, ``split``, ``layout``), checked at
-construction; their registration under their own name; and batch norm through Lightning's
-``LayerSync`` plugin point: ``strategy._layer_sync`` holds :attr:`SparseStrategyMixin.own_layer_sync`
-where Lightning would put its ``TorchSyncBatchNorm`` (see :mod:`lightning_sparse_dp.layer_sync`).
+Three things: the options that mean the same in both (``loss_weighting``, ``split``, ``layout``),
+checked at construction; registration under the strategy's own name; and which ``LayerSync`` plugin
+batch norm goes through: at setup, ``strategy._layer_sync`` (a plain attribute, as Lightning's
+``ParallelStrategy`` keeps it) becomes :attr:`SparseStrategyMixin.own_layer_sync` where Lightning put
+its ``TorchSyncBatchNorm`` (see :mod:`lightning_sparse_dp.syncbn.layer_sync`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any, ClassVar
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from typing_extensions import override
 
-from lightning_sparse_dp.gather import check_loss_weighting
-from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
+from lightning_sparse_dp.weighting import check_loss_weighting
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
 
 
@@ -27,6 +28,8 @@ class SparseStrategyMixin:
     description: ClassVar[str]
     #: The ``LayerSync`` plugin that replaces Lightning's ``TorchSyncBatchNorm`` (``Trainer(sync_batchnorm=True)``).
     own_layer_sync: ClassVar[type[LayerSync]] = SyncBatchNormSwap
+    #: The strategy's own ``sync_batchnorm`` option (``sparse_dp``'s), honoured without ``Trainer(sync_batchnorm=True)``.
+    sync_batchnorm: bool = False
 
     def _set_options(
         self, loss_weighting: str | Callable[[Any], Any], split: str, layout: Mapping[Any, str] | None
@@ -42,18 +45,17 @@ class SparseStrategyMixin:
         self.split = split
         self.layout = dict(layout) if layout else None
 
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        return self.__dict__.get("_layer_sync_plugin")
+    def _resolve_layer_sync(self) -> None:
+        """At setup, before the plugin is applied: ``self._layer_sync`` becomes :attr:`own_layer_sync` in place of
+        Lightning's ``TorchSyncBatchNorm``, or in place of ``None`` when the strategy was built with
+        ``sync_batchnorm=True``; a ``LayerSync`` plugin of the user's own (``Trainer(plugins=[...])``) is kept.
 
-    @_layer_sync.setter
-    def _layer_sync(self, plugin: LayerSync | None) -> None:
-        # The Trainer assigns strategy._layer_sync after building the strategy (its accelerator connector): None
-        # without Trainer(sync_batchnorm=True), which must not undo the strategy's own sync_batchnorm=True. A
-        # LayerSync plugin of the user's own (Trainer(plugins=[...])) is kept.
-        if type(plugin) is TorchSyncBatchNorm or (plugin is None and self.__dict__.get("sync_batchnorm")):
-            plugin = self.own_layer_sync()
-        self.__dict__["_layer_sync_plugin"] = plugin
+        Not earlier: the Trainer's accelerator connector assigns ``strategy._layer_sync`` after the strategy
+        is built (``None`` without ``Trainer(sync_batchnorm=True)``), so only at setup is its choice final.
+        """
+        plugin = self._layer_sync  # type: ignore[has-type]  # ParallelStrategy's plain attribute
+        if type(plugin) is TorchSyncBatchNorm or (plugin is None and self.sync_batchnorm):
+            self._layer_sync = self.own_layer_sync()
 
     @classmethod
     @override

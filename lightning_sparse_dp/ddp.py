@@ -49,27 +49,26 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from typing_extensions import override
 
 from lightning_sparse_dp.backward import loss_of
-from lightning_sparse_dp.gather import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
+from lightning_sparse_dp.log import MEAN_NAMES
+from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.term_weights import decide, pack, rank_scale
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
 
-_MEAN_OPS = ("mean", "avg")
-
 
 def local_count(
-    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, infos: WarningCache | None = None
+    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, warning_cache: WarningCache | None = None
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    :func:`~lightning_sparse_dp.gather.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.gather.resolve_auto`; said once through ``infos`` when given) or
+    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``warning_cache`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -80,8 +79,8 @@ def local_count(
         return 1.0
     chunks, plan = split_batch(batch, 1, layout=layout)
     count = float(chunk_counts(plan, chunks, loss_weighting)[0])
-    if infos is not None:
-        say_auto_choice(plan, loss_weighting, infos, strategy="sparse_ddp")
+    if warning_cache is not None:
+        say_auto_choice(plan, loss_weighting, warning_cache, strategy="sparse_ddp")
     return count
 
 
@@ -147,7 +146,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
             share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
             combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
-            points when it has a per-point target; :func:`~lightning_sparse_dp.gather.resolve_auto`), ``"samples"
+            points when it has a per-point target; :func:`~lightning_sparse_dp.weighting.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.
@@ -188,7 +187,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
-        self._infos = WarningCache()
+        self._warning_cache = WarningCache()
 
     @override
     def setup_distributed(self) -> None:
@@ -199,6 +198,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
+        self._resolve_layer_sync()
         if (
             self._layer_sync is None
             and self.root_device.type == "cpu"
@@ -222,11 +222,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total.item())
 
-    def _weighted(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def _weighted(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        n = local_count(batch, self.loss_weighting, self.layout, self._infos)
+        n = local_count(batch, self.loss_weighting, self.layout, self._warning_cache)
         terms = self.loss_weighting == "terms"
-        if hook == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
+        if step_name == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
@@ -235,10 +235,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
-        step = partial(getattr(super(), hook), *args, **kwargs)
+        step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
             output = step() if self._capture is None else self._capture.run(step)
-            if hook == "training_step" and terms:
+            if step_name == "training_step" and terms:
                 self._loss_scale = self._term_scale(output, n, batch)
             return output
         finally:
@@ -255,7 +255,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """After the step: the loss scale, and each term's gradient scale, from one all-reduce (:func:`rank_scale`)."""
         assert self._capture is not None
         auto = lambda: resolve_auto(split_batch(batch, 1, layout=self.layout)[1])  # noqa: E731
-        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._infos, auto)
+        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._warning_cache, auto)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,7 +283,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
         mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
         and a ``"mean"`` of an integer tensor is a float mean."""
-        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_OPS
+        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in MEAN_NAMES
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
             # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
             # sum of 7 samples on 2 ranks becomes 3, and every epoch mean with an odd total is wrong. Mean in float.

@@ -1,4 +1,5 @@
-"""Hints: errors raised in replicas, re-raised with what they mean for data parallelism and the fix.
+"""Hints: errors raised in replicas, re-raised with what they mean for data parallelism and the fix;
+and the longer help that other errors carry as a note (their message keeps the cause and the fix).
 
 A replica runs the user's step on a chunk of the batch, so some errors that the whole batch would
 not raise come from the chunk being small. :func:`explain_replica_error` recognizes them.
@@ -16,6 +17,16 @@ from lightning_sparse_dp.split import SplitPlan
 #: torch's message for batch norm in training mode over a single value per channel
 #: (``torch.nn.functional._verify_batch_size``).
 _ONE_VALUE = "Expected more than 1 value per channel when training"
+
+#: Note on the error raised when some replicas return ``None`` from a step and others do not
+#: (:func:`lightning_sparse_dp.outputs.gather_outputs`).
+SKIPPED_STEP_HELP = (
+    "sparse_dp: on one device, a training_step that returns None skips the whole step; with sparse_dp each "
+    "replica sees only its chunk, so the replicas must agree. Decide on the whole batch (e.g. in "
+    "on_before_batch_transfer, or from a batch-level flag the DataLoader sets), or return a loss in every "
+    "chunk: for a chunk with nothing to learn from, a loss of 0 that is still in the graph (e.g. "
+    "0 * logits.sum()), or give it weight 0 with SparseDataParallelStrategy(loss_weighting=fn)."
+)
 
 
 def _replica_of(err: BaseException) -> int | None:
@@ -73,4 +84,4 @@ def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
     return 2 if any(isinstance(m, _BatchNorm) for m in module.modules()) else 1
 
 
-__all__ = ["explain_replica_error", "min_points_per_chunk"]
+__all__ = ["SKIPPED_STEP_HELP", "explain_replica_error", "min_points_per_chunk"]

@@ -52,9 +52,10 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torchmetrics import Metric
 
-_warnings = WarningCache()
+_warning_cache = WarningCache()
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
-_MEAN = ("mean", "avg")
+#: The names of a mean, as ``reduce_fx`` (``self.log``) and ``reduce_op`` (``Strategy.reduce``) spell it.
+MEAN_NAMES = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
     "sum": torch.sum,
     "max": torch.max,
@@ -158,7 +159,7 @@ def recording(replicas: Sequence[Any], metric_paths: Sequence[dict[int, str]] | 
 
 
 def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
-    if reduce_fx in _MEAN or reduce_fx is torch.mean:
+    if reduce_fx in MEAN_NAMES or reduce_fx is torch.mean:
         first = values[0]
         dtype = first.dtype if first.dtype.is_floating_point else torch.float32
         total = float(sum(weights))
@@ -193,24 +194,24 @@ def reduce_log_calls(
     device: torch.device,
     root: torch.nn.Module | None = None,
     losses: Sequence[Tensor | None] | None = None,
-    warnings: WarningCache | None = None,
+    warning_cache: WarningCache | None = None,
     exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
     Args:
         recorders: one per replica, in replica order.
-        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.gather.chunk_weights`).
+        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.weighting.chunk_weights`).
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
-        losses: each replica's step loss (:func:`lightning_sparse_dp.gather.step_losses`); a logged
+        losses: each replica's step loss (:func:`lightning_sparse_dp.backward.loss_of` of its output); a logged
             value that is its replica's loss is reduced as the loss is (weighted mean).
-        warnings: where one-time warnings go (a module-level cache when not given).
+        warning_cache: where one-time warnings go (a module-level cache when not given).
         exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by
             the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
     """
-    warnings = _warnings if warnings is None else warnings
+    warning_cache = _warning_cache if warning_cache is None else warning_cache
     names: list[str] = []
     for rec in recorders:
         names.extend(n for n in rec.calls if n not in names)
@@ -226,7 +227,7 @@ def reduce_log_calls(
             continue
         value = exact([i for i, _ in present], [c.value for _, c in present]) if exact is not None else None
         if value is None:
-            value = _reduce_values(name, present, weights, losses, kwargs, device, warnings)
+            value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
@@ -242,7 +243,7 @@ def _reduce_values(
     losses: Sequence[Tensor | None] | None,
     kwargs: dict[str, Any],
     device: torch.device,
-    warnings: WarningCache,
+    warning_cache: WarningCache,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
@@ -257,20 +258,20 @@ def _reduce_values(
     if losses is not None and all(losses[i] is not None and c.value is losses[i] for i, c in present):
         reduce_fx = "mean"  # the loss is a weighted mean, whatever Lightning reduces it by over an epoch
     elif "reduce_fx" not in kwargs and all(_is_integer(c.value) for _, c in present):
-        warnings.warn(
+        warning_cache.warn(
             f"sparse_dp: self.log({name!r}, <integer>) from several replicas is logged as the sum over the replicas "
             "(the whole batch's count or size, when it is the chunk's). Pass reduce_fx='sum' to say so and silence "
             "this warning, or reduce_fx='max' for a value that is the same in every replica (e.g. an epoch number)."
         )
         reduce_fx = "sum"
     elif reduce_fx in ("max", "min", torch.max, torch.min) and any(v.dtype.is_floating_point for v in values):
-        warnings.warn(
+        warning_cache.warn(
             f"sparse_dp: self.log({name!r}, ..., reduce_fx={getattr(reduce_fx, '__name__', reduce_fx)!r}) takes the "
             "max / min over the replicas' values: the whole batch's value only when each is a max / min over its "
             "chunk's samples or points. For a mean (e.g. a loss), log it with reduce_fx='mean' or log the loss "
             "tensor the step returns."
         )
-    if reduce_fx in (*_MEAN, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
+    if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
         return values[0].reshape(())  # the mean, max or min of equal values, without rounding
     return _reduce(values, w, reduce_fx)
 
@@ -285,4 +286,4 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]
+__all__ = ["MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]

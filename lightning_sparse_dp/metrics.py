@@ -97,15 +97,15 @@ class ReplicaMetrics:
                 copy = self._copy(entry.root, index, device)
                 parent_name, _, attr = entry.name.rpartition(".")
                 parent = replica.get_submodule(parent_name)
-                previous.append((parent, attr, parent._modules[attr]))
-                parent._modules[attr] = copy
+                previous.append((parent, attr, getattr(parent, attr)))
+                setattr(parent, attr, copy)
                 entry.replicas.append(copy)
         try:
             yield merged
             merge_into_root(merged)
         finally:
             for parent, attr, module in previous:
-                parent._modules[attr] = module
+                setattr(parent, attr, module)
 
 
 def merge_into_root(metrics: list[MetricReplicas]) -> None:

@@ -1,7 +1,7 @@
 """Outputs: the replicas' step outputs combined into the output one device returns.
 
 Leaf by leaf (:func:`gather_outputs`): a loss or metric (0-dim) is the weighted mean
-(:func:`lightning_sparse_dp.gather.weighted_sum`), per-sample and per-point rows are merged back into
+(:func:`lightning_sparse_dp.weighting.weighted_sum`), per-sample and per-point rows are merged back into
 the batch's order, other tensors concatenated; ``output_layout`` names a role where lengths cannot
 tell. Per-sample sequences (a list or tuple with one entry per sample of the replica's chunk, as
 ``SparseTensor.decomposed_features`` returns, or a list of ``(coordinates, features)`` pairs) are
@@ -20,14 +20,17 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_sparse_dp.gather import weighted_sum
-from lightning_sparse_dp.split import SplitPlan, leaf_predicate, merge_chunks, merge_rows
+from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
+from lightning_sparse_dp.weighting import weighted_sum
+from lightning_sparse_dp.split import (
+    SplitPlan, key_of, layout_entry, leaf_predicate, merge_chunks, merge_rows, path_name
+)
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
 #: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
 OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list", "fixed")
 
-_warnings = WarningCache()
+_warning_cache = WarningCache()
 
 
 def _alike(a: Any, b: Any) -> bool:
@@ -49,7 +52,7 @@ def _is_sequence(x: Any) -> bool:
 
 
 def per_sample_nodes(
-    outputs: Sequence[Any], plan: SplitPlan, output_layout: Mapping[Any, str] | None, warnings: WarningCache
+    outputs: Sequence[Any], plan: SplitPlan, output_layout: Mapping[Any, str] | None, warning_cache: WarningCache
 ) -> set[int]:
     """The ids of the lists / tuples in the replicas' outputs that hold one entry per sample.
 
@@ -84,7 +87,7 @@ def per_sample_nodes(
             )
             if per_sample:
                 if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:
-                    warnings.warn(
+                    warning_cache.warn(
                         f"sparse_dp: step output {_output_name(path)} is a {type(first).__name__} of {lengths[0]} alike "
                         "entries in every chunk, which is also each chunk's number of samples: it is taken as one entry "
                         "per sample and the chunks' entries are concatenated in sample order. If it is a fixed "
@@ -122,7 +125,7 @@ def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
     return None
 
 
-def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warnings: WarningCache) -> str:
+def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache) -> str:
     """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
 
     ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
@@ -139,7 +142,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
     if samples or points:
         role = "samples" if samples else "points"
         if same:
-            warnings.warn(
+            warning_cache.warn(
                 f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
                 f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
                 f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
@@ -150,7 +153,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
     if not isinstance(first, Tensor):
         return "first" if _comparable(values) else "list"
     if same:
-        warnings.warn(
+        warning_cache.warn(
             f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
             "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
@@ -216,41 +219,34 @@ def _comparable(values: list[Any]) -> bool:
         return False
 
 
+def _output_name(path: Sequence[Any]) -> str:
+    return path_name(path, root="output")
+
+
 def _output_key(path: Sequence[Any]) -> Any:
-    """The innermost dict key / index of an output leaf, else its printed path."""
-    last = path[-1] if path else None
-    key = next((getattr(last, a) for a in ("key", "idx", "name") if hasattr(last, a)), None)
+    """What to suggest for ``output_layout``: the innermost dict key / index of an output leaf, else its name."""
+    key = key_of(path)
     return _output_name(path) if key is None else key
 
 
 def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
-    if not output_layout:
-        return None
-    for candidate in (_output_name(path), _output_key(path)):
-        if candidate is not None and candidate in output_layout:
-            role = output_layout[candidate]
-            if role not in OUTPUT_ROLES:
-                raise ValueError(f"output_layout[{candidate!r}] = {role!r}; use one of {OUTPUT_ROLES}.")
-            return role
-    return None
-
-
-def _output_name(path: Sequence[Any]) -> str:
-    return "output" + "".join(str(k) for k in path)
+    entry = layout_entry(path, output_layout, root="output")
+    if entry is not None and entry[1] not in OUTPUT_ROLES:
+        raise ValueError(f"output_layout[{entry[0]!r}] = {entry[1]!r}; use one of {OUTPUT_ROLES}.")
+    return None if entry is None else entry[1]
 
 
 def _check_none(outputs: Sequence[Any]) -> None:
     nones = [i for i, o in enumerate(outputs) if o is None]
     if nones and len(nones) < len(outputs):
         others = [i for i in range(len(outputs)) if i not in nones]
-        raise ValueError(
-            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output. On one "
-            "device, a training_step that returns None skips the whole step; with sparse_dp each replica sees only "
-            "its chunk, so they must agree: the step is skipped only when every replica returns None. Decide on the "
-            "whole batch (e.g. in on_before_batch_transfer), or return a loss in every chunk: for a chunk with nothing "
-            "to learn from, a loss of 0 that is still in the graph, or give it weight 0 with "
-            "SparseDataParallelStrategy(loss_weighting=fn)."
+        err = ValueError(
+            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output; a step is "
+            "skipped only when every replica returns None. Return a loss from every chunk (a 0 still in the graph "
+            "where there is nothing to learn from), or decide to skip on the whole batch."
         )
+        err.add_note(SKIPPED_STEP_HELP)
+        raise err
 
 
 def gather_outputs(
@@ -259,7 +255,7 @@ def gather_outputs(
     weights: Sequence[float],
     device: torch.device,
     output_layout: Mapping[Any, str] | None = None,
-    warnings: WarningCache | None = None,
+    warning_cache: WarningCache | None = None,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -286,7 +282,7 @@ def gather_outputs(
     else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
     differing ones the list. When every chunk gives the same length (a fixed leading dimension that
     may or may not be per-sample), a warning says which rule was taken and how to name the role.
-    ``None`` from every replica gives ``None``. Warnings go through ``warnings`` (each once).
+    ``None`` from every replica gives ``None``. Warnings go through ``warning_cache`` (each once).
 
     Raises:
         ValueError: some replicas returned ``None`` and others an output (the message says what
@@ -297,7 +293,7 @@ def gather_outputs(
     if all(o is None for o in outputs):
         return None
     _check_none(outputs)
-    cache = _warnings if warnings is None else warnings
+    cache = _warning_cache if warning_cache is None else warning_cache
     sequences = per_sample_nodes(outputs, plan, output_layout, cache)
     is_leaf = leaf_predicate(lambda x: id(x) in sequences)
     flat = [pytree.tree_flatten_with_path(o, is_leaf=is_leaf) for o in outputs]

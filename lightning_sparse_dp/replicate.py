@@ -63,9 +63,6 @@ def copy_slots(source: nn.Module, replica: nn.Module) -> None:
             object.__setattr__(dst, name, value)
 
 
-_OWN = ("_parameters", "_buffers", "_modules")
-
-
 class Replicas:
     """Persistent replicas of ``module`` for ``devices`` (all CPU or all CUDA, the root device first).
 
@@ -227,13 +224,14 @@ def _fingerprint(modules: list[nn.Module]) -> tuple:
     )
 
 
-def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One-off replicas of ``module`` for ``devices``: ``Replicas(module, devices).modules``.
 
-    Their gradients stay on the replicas' own parameters; keep the :class:`Replicas` object and call
+    Not ``torch.nn.parallel.replicate``'s contract: gradients do not flow back to ``module``; they stay
+    on the replicas' own leaf parameters. Keep the :class:`Replicas` object and call
     :meth:`Replicas.reduce_gradients` to add them up.
     """
     return Replicas(module, devices).modules
 
 
-__all__ = ["Replicas", "copy_slots", "replicate"]
+__all__ = ["Replicas", "copy_slots", "make_replicas"]

@@ -177,7 +177,7 @@ def _first_length(item: Any) -> int:
             return int(leaf.shape[0])
     raise TypeError(
         f"cannot count the points of a dataset item of type {type(item).__name__}: it holds no tensor or array. Give "
-        "the dataset a `point_counts` attribute (points per sample) or pass SparseDDPStrategy(point_counts=...)."
+        "the dataset a `point_counts` attribute (points per sample) or pass SparseDDPStrategy(count_points=fn), fn(item) -> its points."
     )
 
 

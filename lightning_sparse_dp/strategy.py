@@ -1,14 +1,12 @@
-"""The ``sparse_dp`` strategy: single-process data parallelism for MinkowskiEngine networks.
+"""The ``sparse_dp`` strategy: the step pipeline of single-process data parallelism for ME networks.
 
 A thin orchestrator over the stages of one step (``docs/architecture.md`` draws them), each an
-overridable method as ``torch.nn.DataParallel``'s are: :meth:`~SparseDataParallelStrategy.scatter`
-(split, :mod:`.split`, and place, :mod:`.place`) -> :meth:`~SparseDataParallelStrategy.replicate`
-(:mod:`.replicate`) -> the replicas' per-step state (:mod:`.metrics`, :mod:`.log`, :mod:`.sync`) ->
-:meth:`~SparseDataParallelStrategy.parallel_apply` (:mod:`.apply`) -> per-replica backward
-(:mod:`.backward`) -> :meth:`~SparseDataParallelStrategy.gather` (:mod:`.gather`, :mod:`.outputs`) -> log (:mod:`.log`).
-Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is
-the first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain
-state dict.
+overridable method as ``torch.nn.DataParallel``'s are: ``scatter`` (:mod:`.split`, :mod:`.place`)
+-> ``replicate`` (:mod:`.replicate`) -> per-step replica state (:mod:`.metrics`, :mod:`.log`,
+:mod:`.syncbn.replicas`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.weighting`,
+:mod:`.term_weights`) and per-replica backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`)
+-> log (:mod:`.log`). Lightning's plumbing for one process is the base class,
+:class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
 """
 
 from __future__ import annotations
@@ -19,46 +17,36 @@ from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.backward import parallel_backward
-from lightning_sparse_dp.collective import ThreadGroup
-from lightning_sparse_dp.gather import step_losses, step_weights
+from lightning_sparse_dp.backward import loss_of, parallel_backward
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+from lightning_sparse_dp.weighting import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
-from lightning_sparse_dp.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
-from lightning_sparse_dp.place import check_devices, place_chunks
+from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, split_batch
-from lightning_sparse_dp.sync import sync_layers, synchronized
-from lightning_sparse_dp.threads import ThreadSplit, available_cores, split_threads
+from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
+from lightning_sparse_dp.threads import ThreadSplit, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
-def _step_hook(step_name: str, precision_context: str) -> Callable[..., Any]:
-    """The strategy hook ``step_name``: :meth:`SparseDataParallelStrategy._parallel_step` in ``precision_plugin.<precision_context>()``."""
-
-    def hook(self: SparseDataParallelStrategy, *args: Any, **kwargs: Any) -> Any:
-        with getattr(self.precision_plugin, precision_context)():
-            return self._parallel_step(step_name, args, kwargs)
-
-    hook.__name__ = hook.__qualname__ = step_name
-    return hook
-
-
-class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
+class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
     Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
@@ -72,16 +60,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     profiler action ``[sparse_dp]<stage>``.
 
     Args:
-        loss_weighting: ``"terms"`` (default: every call of torch's mean-reduced losses in a replica's
-            step, functional or ``nn.*Loss``, weighted by its own share ``D_ik / sum_j D_jk``, exact for
-            any linear combination of them; ``"auto"`` where the loss is not one, said once:
-            :mod:`~lightning_sparse_dp.term_weights`), ``"auto"`` (``"samples"`` when the batch has a
-            per-sample tensor, else ``"points"`` when it has per-point targets, else ``"samples"``; said
-            once at info level), ``"samples"`` (``w_i`` = share of samples, exact for losses averaged over
-            samples), ``"points"`` (share of points, exact for losses averaged over points),
-            ``"equal"`` (``1/k``), or a callable ``fn(chunk) -> number`` giving what chunk ``i``'s
-            loss is a mean over (e.g. ``lambda c: (c["labels"] != 255).sum()`` for
-            ``ignore_index=255``); see :func:`~lightning_sparse_dp.gather.chunk_counts`.
+        loss_weighting: what each replica's loss is weighted by: ``"terms"`` (default; every call of
+            torch's mean-reduced losses by its own share ``D_ik / sum_j D_jk``, exact for any linear
+            combination of them, :mod:`~lightning_sparse_dp.term_weights`), ``"auto"``, ``"samples"``,
+            ``"points"``, ``"equal"`` or a callable ``fn(chunk) -> number`` (e.g. ``lambda c: (c["labels"]
+            != 255).sum()`` for ``ignore_index=255``): :func:`~lightning_sparse_dp.weighting.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
@@ -100,13 +83,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
             must see the whole batch).
         record_stage_times: record each step's stage durations in :attr:`stage_times`
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
-        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, which covers
-            ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-            :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`, synchronized across the
+        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm
+            layers too) for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, synchronized across the
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
-            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap` in
-            ``strategy._layer_sync``, applied at setup as ``DDPStrategy.setup`` does), so
-            ``Trainer(sync_batchnorm=True)`` turns it on too.
+            ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`, applied
+            at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
             ``checkpoint_io``, ``precision_plugin``), which the Trainer fills from ``accelerator=`` and
             ``devices=``.
@@ -133,43 +114,21 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         self._set_options(loss_weighting, split, layout)
-        self.sync_batchnorm = sync_batchnorm  # read by the _layer_sync setter, which ParallelStrategy calls
         super().__init__(**kwargs)
+        self.sync_batchnorm = sync_batchnorm  # the LayerSync plugin is resolved at setup (base._resolve_layer_sync)
         self.output_layout = dict(output_layout) if output_layout else None
         self.split_fn = split_fn
         self.presplit = presplit
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
-        self._warnings = WarningCache()  # one-time warnings and infos of this strategy
-        self._warned_transfer_hooks = False
+        self._warning_cache = WarningCache()  # one-time warnings and infos of this strategy
         self._executor: ReplicaExecutor | None = None  # the replica threads, from setup to teardown
         self._replicas: Replicas | None = None
         self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
         self._thread_split: ThreadSplit | None = None
 
-    # --- what Lightning asks of a single-process parallel strategy -----------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[0]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> None:
-        return None  # one process reads the whole batch; no DistributedSampler
-
-    @property
-    @override
-    def is_distributed(self) -> bool:
-        return False
-
-    @override
-    def setup_environment(self) -> None:
-        check_devices(list(self.parallel_devices or []))
-        super().setup_environment()
-
+    # --- set-up and teardown (the rest of Lightning's plumbing: single_process.py) -------------------
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -180,6 +139,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
             )
+        self._resolve_layer_sync()
         if self._layer_sync is None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
             rank_zero_warn(
                 "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
@@ -191,53 +151,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         self._timer.profiler = trainer.profiler
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices))
-        self._split_threads()
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
-
-        Each chunk is placed on its own device in the step, so ``transfer_batch_to_device`` and
-        ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
-        """
-        module = self.lightning_module
-        if module is None:
-            return batch
-        if not self._warned_transfer_hooks:
-            self._warned_transfer_hooks = True
-            skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
-            if skipped:
-                rank_zero_warn(
-                    f"sparse_dp does not call {' or '.join(skipped)}: it splits the batch and places each chunk on its "
-                    "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
-                    "before the split) or into the step (runs on each chunk, on its device)."
-                )
-        return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
-        return tensor  # one process: nothing to reduce across processes
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
+        if self._thread_split is None and self.root_device.type == "cpu":  # CPU cores split between replicas
+            self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
+            if self._thread_split is not None:
+                self._executor.threads_per_replica = self._thread_split.per_replica
 
     @override
     def teardown(self) -> None:
@@ -250,7 +167,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         if self._thread_split is not None:
             self._thread_split.restore()
             self._thread_split = None
-        Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
+        super().teardown()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -271,14 +188,33 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         return dataloader
 
     # --- the step ------------------------------------------------------------------------------
-    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own do)
-    training_step = override(_step_hook("training_step", "train_step_context"))
-    validation_step = override(_step_hook("validation_step", "val_step_context"))
-    test_step = override(_step_hook("test_step", "test_step_context"))
-    predict_step = override(_step_hook("predict_step", "predict_step_context"))
+    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own are)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._parallel_step("training_step", args, kwargs, backward=True)
 
-    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
-        """One step: scatter -> replicate -> parallel_apply -> gather -> log; backward later, per replica."""
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._parallel_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._parallel_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._parallel_step("predict_step", args, kwargs)
+
+    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
+        """One step: scatter -> replicate -> parallel_apply -> gather -> log.
+
+        ``backward`` (the training step): each replica's backward runs in its own thread when Lightning
+        calls backward on the gathered loss (:func:`~lightning_sparse_dp.backward.parallel_backward`).
+        """
         module = self.lightning_module
         assert module is not None
         if not args:
@@ -290,15 +226,15 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warnings)
+            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache)
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
-        losses = step_losses(outputs)  # the replicas' own losses: a logged value that is one is reduced as the loss
-        weights = step_weights(plan, inputs, self.loss_weighting, self._warnings)
+        losses = [loss_of(o) for o in outputs]  # the replicas' own losses: a logged value that is one is reduced as the loss
+        weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
-        if step_name == "training_step" and len(replicas) > 1 and torch.is_grad_enabled():
+        if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
             outputs = parallel_backward(
@@ -310,7 +246,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
             calls = reduce_log_calls(
-                recorders, weights, plan.num_samples, self.root_device, module, losses, self._warnings, exact
+                recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact
             )
         with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
             emit(module, calls)
@@ -377,7 +313,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
         ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
         calls are logged through the root module, which may itself be replica 0); the batch-norm group
-        (:func:`~lightning_sparse_dp.sync.synchronized`).
+        (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`).
 
         Yields:
             ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
@@ -440,12 +376,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.gather.step_weights`:
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.weighting.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
         order by ``output_layout`` or their lengths.
         """
         with self._timer.stage("gather"):
-            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warnings)
+            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -457,20 +393,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ParallelStrategy):
         module = self.lightning_module
         return 1 if module is None else min_points_per_chunk(module, self._layer_sync is not None)
 
-    def _split_threads(self) -> None:
-        """CPU replicas: ``cores // replicas`` intra-op threads each, for torch, ME's OpenMP and OpenBLAS (see :mod:`.threads`)."""
-        assert self.parallel_devices is not None and self._executor is not None
-        if self._thread_split is not None or self.root_device.type != "cpu":
-            return
-        self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
-        if self._thread_split is not None:
-            self._executor.threads_per_replica = self._thread_split.per_replica
-            rank_zero_info(
-                f"sparse_dp: {len(self.parallel_devices)} CPU replicas on {available_cores()} cores get "
-                f"{self._thread_split.per_replica} intra-op thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's "
-                "DDP splits cores between processes. Set OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
-            )
-
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SparseDataParallelStrategy", "check_devices"]
+__all__ = ["SparseDataParallelStrategy"]

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp.backward import loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.gather import resolve_auto
+from lightning_sparse_dp.weighting import resolve_auto
 
 #: The most terms one step may capture (the summary vector has a fixed length, so that ranks agree on it).
 CAPACITY = 64
@@ -185,7 +185,7 @@ def rank_scale(
     n: float,
     world_size: int,
     all_reduce: Callable[[list[float]], Tensor],
-    infos: WarningCache,
+    warning_cache: WarningCache,
     auto: Callable[[], tuple[str, str]],
 ) -> float:
     """``sparse_ddp`` after a rank's training step: its loss scale, and each term's gradient scale ``W D_rk / D_k``.
@@ -198,10 +198,10 @@ def rank_scale(
     decision = decide(all_reduce(vector), capture, loss, [reason], who="rank")
     if decision.value is None:
         if loss is not None:
-            infos.info(fallback_message("sparse_ddp", decision.reason or "", *auto()))
+            warning_cache.info(fallback_message("sparse_ddp", decision.reason or "", *auto()))
         return world_size * n / decision.n if decision.n > 0 else 0.0
     if decision.empty:
-        infos.warn(empty_message("sparse_ddp", decision.empty))
+        warning_cache.warn(empty_message("sparse_ddp", decision.empty))
     set_scales(capture, decision.totals, world_size)
     return 1.0
 
@@ -219,21 +219,21 @@ class StepTerms:
 
     Args:
         count: replicas in the step.
-        infos: where the fallback info line and the empty-term warning go (each said once).
+        warning_cache: where the fallback info line and the empty-term warning go (each said once).
     """
 
-    def __init__(self, count: int, infos: WarningCache) -> None:
+    def __init__(self, count: int, warning_cache: WarningCache) -> None:
         self.captures = [TermCapture() for _ in range(count)]
-        self.infos = infos
+        self.warning_cache = warning_cache
         self.decision: Decision | None = None
         self._losses: list[Any] = []
 
     @classmethod
-    def for_step(cls, loss_weighting: Any, step_name: str, count: int, infos: WarningCache) -> StepTerms | None:
+    def for_step(cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache) -> StepTerms | None:
         """The capture of a step's replicas: for ``loss_weighting="terms"``, several replicas, not predict."""
         if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
             return None
-        return cls(count, infos)
+        return cls(count, warning_cache)
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
@@ -251,10 +251,10 @@ class StepTerms:
         self._losses = list(losses)
         if self.decision.value is None:
             choice, why = resolve_auto(plan)
-            self.infos.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
+            self.warning_cache.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
             return
         if self.decision.empty:
-            self.infos.warn(empty_message("sparse_dp", self.decision.empty))
+            self.warning_cache.warn(empty_message("sparse_dp", self.decision.empty))
         for capture, w in zip(self.captures, weights):
             set_scales(capture, self.decision.totals, 1.0 / w)
 

@@ -16,7 +16,7 @@ quotients by numbers (or by tensors that need no gradient: a scheduled coefficie
 copies and conversions. Each tensor so computed has a :class:`Form`: its coefficients ``c_k`` on the
 step's terms; any other operation on a term (``sqrt``, a product of two terms, ``torch.stack``)
 marks the result as not linear, with the reason. :meth:`TermCapture.combination` reads off how a
-value (the loss, a logged value) is ``sum_k c_k L_k + r``; :mod:`~lightning_sparse_dp.gather`
+value (the loss, a logged value) is ``sum_k c_k L_k + r``; :mod:`~lightning_sparse_dp.weighting`
 combines replicas' terms into whole-batch values.
 """
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_sparse_dp._me import ME
 
@@ -110,7 +111,7 @@ class ThreadSplit:
 
 
 def split_threads(num_replicas: int) -> ThreadSplit | None:
-    """Give ME's OpenMP and OpenBLAS ``threads_per_replica(num_replicas)`` threads for the run.
+    """Give ME's OpenMP and OpenBLAS ``threads_per_replica(num_replicas)`` threads for the run, and say so (info).
 
     Returns:
         the split (torch's per-thread count is for the replica threads to set), or ``None`` when the user
@@ -126,6 +127,11 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     if lib is not None and "OPENBLAS_NUM_THREADS" not in os.environ:
         split.openblas_threads = int(lib.openblas_get_num_threads())
         lib.openblas_set_num_threads(split.per_replica)
+    rank_zero_info(
+        f"sparse_dp: {num_replicas} CPU replicas on {available_cores()} cores get {split.per_replica} intra-op "
+        "thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's DDP splits cores between processes. Set "
+        "OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
+    )
     return split
 
 

@@ -3,8 +3,8 @@
 Stages: ``split``, ``place``, ``replicate``, ``state`` (installing and undoing the replicas'
 per-step state: metric copies and their merge into the root's, log recorders, the batch-norm group),
 ``apply`` (all replicas' steps, wall clock),
-``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (metric merging and
-logging), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
+``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (the replicas' ``self.log``
+calls reduced and logged), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
 ``backward<i>`` (replica ``i``'s backward pass, inside its thread), ``reduce`` (the replicas'
 gradients added into the module's) and, with synchronized batch norm, ``syncbn<j>`` (layer ``j``'s
 forward and backward, its work and its wait at the rendezvous, mean over replicas), ``syncbn`` (all

@@ -24,7 +24,7 @@
 #  * ME 0.5.4's defects that break batch-composition invariance on CPU, and others met on the way,
 #    are fixed by the patches in scripts/minkowski_patches/ (each file says what it fixes, why, and
 #    how it was found; see "fixing ME 0.5.4's defects" below).
-#  * CUDA builds (see "CUDA build" below and README's "MinkowskiEngine with CUDA"):
+#  * CUDA builds (see "CUDA build" below and docs/cuda.md):
 #    scripts/me_cuda_patch.py patches ME's CUDA sources for CUDA 12/13 and current torch, the
 #    toolkit is the one matching torch (scripts/cuda_toolkit.sh), and the cache key holds the CUDA
 #    version and the GPU architectures compiled for.
@@ -211,7 +211,7 @@ PYEOF
     #  12 CPU global pooling of a TensorField.sparse() tensor at stride 1 (which shares the field's
     #     key) used the field's maps: out-of-bounds reads and writes. The maps now follow the input.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
-    # (scripts/run_me_upstream_tests.sh); README "MinkowskiEngine's CPU backend" has the account.
+    # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do
         log "applying $(basename "$patch_file")"
         if command -v patch >/dev/null 2>&1; then
@@ -227,7 +227,7 @@ PYEOF
     else
         args+=(--force_cuda)
         # CUDA 12/13 and torch 2.x patches (thrust includes, CCCL 3 removals, NVTX clash, ...):
-        # each is explained in scripts/me_cuda_patch.py and README's "MinkowskiEngine with CUDA".
+        # each is explained in scripts/me_cuda_patch.py and docs/cuda.md.
         log "CUDA build: patching ME's CUDA sources for CUDA $TORCH_CUDA (scripts/me_cuda_patch.py)"
         python "$HERE/me_cuda_patch.py" "$SRC" || die "scripts/me_cuda_patch.py did not apply"
     fi

@@ -15,7 +15,7 @@ CUDA build of torch and this package installed. Steps:
    ``tests/test_cuda_paths.py``.
 4. Speed: ``benchmarks/bench.py --accelerator gpu`` (``--quick`` for a short run).
 5. One summary line, ``gpu_check: PASS ...`` or ``gpu_check: FAIL ...``; the full outputs are in
-   ``gpu_check_logs/`` (or ``--logs DIR``). Put its figures in README.
+   ``gpu_check_logs/`` (or ``--logs DIR``). Put its figures in docs/cuda.md.
 
 Exit status: 0 all passed, 1 a step failed, 3 no GPU visible (nothing run).
 """

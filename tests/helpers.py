@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import lightning as L
 import MinkowskiEngine as ME
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+
+import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" / "sparse_ddp", the names tests pass to trainer())
 
 NUM_CLASSES = 4
 IN_CHANNELS = 3
@@ -146,6 +154,13 @@ class SegNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def fit_float64(model, batch, strategy="auto", devices=1, **kwargs) -> L.Trainer:
+    """Fit ``model`` on the one ``batch`` in float64 (``precision="64-true"``) with :func:`trainer`; the trainer."""
+    t = trainer(strategy=strategy, devices=devices, precision="64-true", **kwargs)
+    t.fit(model, loader(batch))
+    return t
+
+
 def field_batch(num_samples: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N].
 
@@ -166,11 +181,13 @@ def same_start(cls=SparseNet, *args, seed: int | None = None, **kwargs):
     """Two modules ``cls(*args, **kwargs)`` with the same parameters and buffers (ME modules cannot be deep-copied).
 
     ``seed``: ``torch.manual_seed(seed)`` first, for modules whose construction draws more than parameters.
+    The first keeps a copy of its starting parameters, for :func:`assert_same_states` to check that it trained.
     """
     if seed is not None:
         torch.manual_seed(seed)
     a, b = cls(*args, **kwargs), cls(*args, **kwargs)
     b.load_state_dict(a.state_dict())
+    a._starting_parameters = {name: p.detach().clone() for name, p in a.named_parameters()}
     return a, b
 
 
@@ -189,7 +206,33 @@ def state_differences(ours, reference) -> dict[str, float]:
     return {name: relative_difference(value, ref[name]) for name, value in ours.state_dict().items()}
 
 
-def assert_same_states(ours, reference, rel: float = 1e-10) -> None:
-    """Every state-dict tensor of ``ours`` within ``rel`` of ``reference`` (:func:`relative_difference`)."""
+def assert_same_states(ours, reference, rel: float = 1e-10, trained: bool = True) -> None:
+    """Every state-dict tensor of ``ours`` within ``rel`` of ``reference`` (:func:`relative_difference`).
+
+    ``trained``: also that a parameter of ``ours`` moved from where :func:`same_start` started it (two
+    equal untrained states would otherwise pass).
+    """
     worse = {name: d for name, d in state_differences(ours, reference).items() if not d <= rel}
     assert not worse, f"state tensors further than {rel:g} from the reference: {worse}"
+    if trained:
+        start = getattr(ours, "_starting_parameters", None)
+        assert start is not None, "trained=True needs `ours` from same_start (it keeps the starting parameters)"
+        moved = [n for n, p in ours.named_parameters() if not torch.equal(p.detach().cpu(), start[n].to(p.dtype).cpu())]
+        assert moved, "no parameter of `ours` moved from its start: the comparison says nothing about training"
+
+
+def run_isolated(code: str, tmp_path: Path, timeout: float = 300, env: dict[str, str] | None = None) -> None:
+    """Run ``code`` (dedented) in a fresh interpreter with this checkout first on the path.
+
+    Fails when it exits non-zero, and when it runs past ``timeout`` seconds: the child is killed, so
+    a hang (e.g. replicas waiting for each other forever) fails here instead of stopping the suite.
+    """
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(code))
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"still running after {timeout:g} s (a hang?): {str(err.stderr)[-2000:]}") from None
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -8,15 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse_dp.batchnorm import (
-    SyncBatchNorm,
-    accumulation_dtype,
-    combine_statistics,
-    compute_dtype,
-    convert_sync_batchnorm,
-    revert_sync_batchnorm,
-)
-from lightning_sparse_dp.collective import ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.syncbn._functions import accumulation_dtype, combine_statistics, compute_dtype
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sparse_dp.syncbn.collective import ReplicaAborted, ThreadGroup
 from tests.test_collective import run_ranks
 from tests.helpers import relative_difference
 

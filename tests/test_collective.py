@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_sparse_dp.collective import Collective, ReplicaAborted, ThreadGroup, gather_reduce
+from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup, gather_reduce
 
 
 def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:

@@ -47,7 +47,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happe
     [("gpu", "No supported gpu backend found"), ("cuda", "CUDAAccelerator.*can not run on your system")],
 )
 def test_accelerator_gpu_without_a_gpu_is_refused_by_lightning(accelerator, message):
-    """Lightning refuses before the strategy exists; README quotes these messages."""
+    """Lightning refuses before the strategy exists; docs/cuda.md quotes these messages."""
     with pytest.raises(MisconfigurationException, match=message):
         L.Trainer(accelerator=accelerator, devices=2, strategy="sparse_dp", logger=False)
 
@@ -191,8 +191,11 @@ def test_gpu_check_says_clearly_that_there_is_no_gpu():
 
 
 def test_me_backend_kind_is_reported():
-    """The ME in use answers whether it was built with CUDA (True for the CUDA build, GPU or not)."""
-    assert isinstance(ME.is_cuda_available(), bool)
+    """The ME in use answers whether it was built with CUDA (True for the CUDA build, GPU or not): its answer
+    agrees with its compiled backend, which holds the GPU kernels only when built with CUDA."""
+    import MinkowskiEngineBackend._C as backend
+
+    assert ME.is_cuda_available() is hasattr(backend, "ConvolutionForwardGPU")
     if ME.is_cuda_available():
         assert ME.cuda_version() // 1000 == int(torch.version.cuda.split(".")[0])
 

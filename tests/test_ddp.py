@@ -218,26 +218,28 @@ def test_registered_without_touching_ddp():
 def test_sync_batchnorm_flag_gives_the_process_group_plugin():
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 
-    from lightning_sparse_dp.process_group import ProcessGroupSyncBatchNorm
+    from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
-    assert type(t.strategy._layer_sync) is ProcessGroupSyncBatchNorm
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False)
-    assert t.strategy._layer_sync is None
+    def resolved(**kwargs):  # the plugin setup applies (SparseDDPStrategy.setup resolves it first)
+        t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False, **kwargs)
+        t.strategy._resolve_layer_sync()
+        return t.strategy._layer_sync
+
+    assert type(resolved(sync_batchnorm=True)) is ProcessGroupSyncBatchNorm
+    assert resolved() is None
 
     class Mine(TorchSyncBatchNorm):  # a plugin of the user's own is kept
         pass
 
-    t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, plugins=[Mine()], logger=False)
-    assert type(t.strategy._layer_sync) is Mine
+    assert type(resolved(plugins=[Mine()])) is Mine
 
 
 def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
     import MinkowskiEngine as ME
     from torch import nn
 
-    from lightning_sparse_dp.batchnorm import SyncBatchNorm
-    from lightning_sparse_dp.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
+    from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+    from lightning_sparse_dp.syncbn.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
 
     model = nn.Sequential(ME.MinkowskiBatchNorm(4), nn.BatchNorm1d(4), ME.MinkowskiSyncBatchNorm(4))
     keys = {k: v for k, v in model.state_dict().items()}
@@ -270,22 +272,24 @@ def test_local_count_reads_the_batch_as_sparse_dp_chunks_do():
         local_count(batch, "voxels")
 
 
-def test_the_process_group_is_destroyed_at_exit(monkeypatch):
-    """sparse_ddp registers destroy_process_group_at_exit (gloo can abort at interpreter shutdown otherwise)."""
-    import atexit
+def test_the_process_group_is_destroyed_at_exit(tmp_path):
+    """sparse_ddp leaves no gloo process group up when the interpreter exits (gloo can abort at shutdown otherwise)."""
+    from tests.helpers import run_isolated
 
-    from lightning_sparse_dp import ddp
-
-    calls = []
-    monkeypatch.setattr(ddp.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(ddp.dist, "destroy_process_group", lambda: calls.append("destroyed"))
-    monkeypatch.setattr(ddp.DDPStrategy, "setup_distributed", lambda self: None)
-    registered = []
-    monkeypatch.setattr(atexit, "register", registered.append)
-    ddp.SparseDDPStrategy().setup_distributed()
-    assert registered == [ddp.destroy_process_group_at_exit]
-    registered[0]()
-    assert calls == ["destroyed"]
+    run_isolated(
+        """
+        import atexit
+        import torch.distributed as dist
+        import lightning_sparse_dp
+        from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+        trainer(strategy="sparse_ddp", devices=1, max_steps=1).fit(SparseNet(), loader(collate_dict(random_samples(4))))
+        assert dist.is_initialized()  # DDPStrategy leaves the group up after fit
+        atexit._run_exitfuncs()  # what the interpreter runs at exit
+        assert not dist.is_initialized()
+        """,
+        tmp_path,
+        timeout=240,
+    )
 
 
 def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):

@@ -31,3 +31,16 @@ def test_example_runs(script, args, last_line, tmp_path):
     lines = done.stdout.strip().splitlines()
     assert re.fullmatch(last_line, lines[-1]), lines[-3:]
     assert list(tmp_path.glob("csv/*/version_0/metrics.csv")) and list(tmp_path.glob("tensorboard/*/version_0/events.*"))
+
+
+def test_digits_under_sparse_ddp_prints_its_global_result_once(tmp_path):
+    """Two processes (the launcher starts the second): the final figure is printed by rank zero alone."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--strategy", "sparse_ddp", "--devices", "2",
+         "--accelerator", "cpu", "--max-epochs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line for line in lines if line.startswith("val_acc=")] == lines[-1:], lines[-4:]
+    assert re.fullmatch(r"val_acc=0\.\d{4}", lines[-1]), lines[-3:]

@@ -14,9 +14,9 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.ddp import local_count
-from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.log import LogRecorder
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
@@ -89,18 +89,21 @@ class _BatchNormTypes(Callback):
 def test_trainer_sync_batchnorm_goes_through_the_layer_sync_plugin():
     model, types = SparseNet(batch_norm=True), _BatchNormTypes()
     t = trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, callbacks=[types])
-    assert type(t.strategy._layer_sync) is SyncBatchNormSwap  # Lightning's TorchSyncBatchNorm was replaced
     t.fit(model, loader(_batch()))
+    assert type(t.strategy._layer_sync) is SyncBatchNormSwap  # Lightning's TorchSyncBatchNorm was replaced at setup
     assert types.during == [SyncBatchNorm]  # swapped while fitting
     assert [type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] == [
         torch.nn.BatchNorm1d
     ]  # and reverted at teardown
 
 
-def test_strategy_sync_batchnorm_survives_the_trainer_without_the_flag():
-    t = trainer(strategy=SparseDataParallelStrategy(sync_batchnorm=True), devices=3)
-    assert type(t.strategy._layer_sync) is SyncBatchNormSwap
-    assert trainer(strategy="sparse_dp", devices=3).strategy._layer_sync is None
+@pytest.mark.parametrize("option", [True, False])
+def test_strategy_sync_batchnorm_survives_the_trainer_without_the_flag(option):
+    types = _BatchNormTypes()
+    t = trainer(strategy=SparseDataParallelStrategy(sync_batchnorm=option), devices=3, callbacks=[types])
+    t.fit(SparseNet(batch_norm=True), loader(_batch()))
+    assert types.during == [SyncBatchNorm if option else torch.nn.BatchNorm1d]
+    assert type(t.strategy._layer_sync) is (SyncBatchNormSwap if option else type(None))
 
 
 class _OwnLayerSync(LayerSync):
@@ -119,8 +122,8 @@ class _OwnLayerSync(LayerSync):
 def test_a_layer_sync_plugin_of_the_users_own_is_applied_and_reverted():
     plugin = _OwnLayerSync()
     t = trainer(strategy="sparse_dp", devices=3, plugins=[plugin])
-    assert t.strategy._layer_sync is plugin
     t.fit(SparseNet(), loader(_batch()))
+    assert t.strategy._layer_sync is plugin
     assert (plugin.applied, plugin.reverted) == (1, 1)
 
 
@@ -203,9 +206,9 @@ def test_a_step_before_setup_says_so():
 
 
 def test_sparse_ddp_says_what_auto_chose(caplog):
-    infos = WarningCache()
+    warning_cache = WarningCache()
     with caplog.at_level(logging.INFO):
-        n = local_count(_batch(), "auto", infos=infos)
-        local_count(_batch(seed=5), "auto", infos=infos)
+        n = local_count(_batch(), "auto", warning_cache=warning_cache)
+        local_count(_batch(seed=5), "auto", warning_cache=warning_cache)
     assert n == 7.0  # the batch has per-sample labels: samples
     assert caplog.text.count("sparse_ddp: loss_weighting='auto' weights each rank's loss by its samples") == 1

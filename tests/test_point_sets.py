@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.gather import chunk_weights
+from lightning_sparse_dp.weighting import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
 
@@ -182,7 +182,7 @@ def _chunks(num_samples, k, seed=0):
 
 
 def _gather(outputs, plan, **kwargs):
-    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warnings=WarningCache(), **kwargs)
+    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warning_cache=WarningCache(), **kwargs)
 
 
 @pytest.mark.parametrize("num_samples", [7, 6, 2])

@@ -144,3 +144,14 @@ def test_replace_batch_sampler_keeps_the_loader():
     got = [b["labels"].tolist() for b in new]
     want = [[samples[i][2] for i in ids] for ids in sampler]
     assert got == want and len(got) == 2
+
+
+def test_an_item_without_tensors_names_the_argument_that_counts_it():
+    from lightning_sparse_dp import SparseDDPStrategy
+
+    dataset = [{"path": f"/data/{i}.ply", "size": 10 + i} for i in range(3)]
+    with pytest.raises(TypeError, match=r"SparseDDPStrategy\(count_points=fn\)") as info:
+        measure_point_counts(dataset, range(3))
+    argument = str(info.value).split("SparseDDPStrategy(")[1].split("=")[0]
+    strategy = SparseDDPStrategy(**{argument: lambda item: item["size"]})  # what the message says, accepted
+    assert measure_point_counts(dataset, range(3), strategy.count_points) == [10, 11, 12]

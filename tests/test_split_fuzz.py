@@ -112,10 +112,14 @@ def test_split_of_any_layout_is_an_identity_or_a_named_error(case):
     form, sizes, float_coords, extras, seed, k, min_points = case
     batch = _build(form, sizes, float_coords, extras, seed)
     gap = any(n == 0 for n in sizes[: max(i for i, n in enumerate(sizes) if n > 0) + 1]) if any(sizes) else True
+    # what may be refused: a sample without points (its batch index missing from the coordinates), or as many
+    # points as samples (a per-point and a per-sample entry look alike); a dense batch has no points to refuse
+    refusable = form != "dense" and (0 in sizes or sum(sizes) == len(sizes))
     try:
         chunks, plan = split_batch(batch, k, assignment="balanced", min_points=min_points)
     except BatchLayoutError as err:
         message = str(err)
+        assert refusable, f"a batch the split can read was refused: {message}"
         assert "batch" in message and len(message) > 40, message  # names what is wrong and where
         return
     # named coordinates (and ME tensors) with an empty sample before a non-empty one are always refused;

@@ -8,12 +8,12 @@ import MinkowskiEngine as ME
 import pytest
 import torch
 
-from lightning_sparse_dp.apply import ReplicaExecutor, parallel_apply
-from lightning_sparse_dp.gather import chunk_weights
+from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
+from lightning_sparse_dp.weighting import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import Replicas, replicate
+from lightning_sparse_dp.replicate import Replicas, make_replicas
 from lightning_sparse_dp.split import split_batch
 from tests.helpers import SparseNet, collate_dict, random_samples
 
@@ -88,7 +88,7 @@ def test_replicas_are_refreshed_each_step_and_rebuilt_when_the_module_changes():
 
 def test_replica_buffers_follow_data_parallel():
     model = torch.nn.BatchNorm1d(4)
-    replicas = replicate(model, CPU3)
+    replicas = make_replicas(model, CPU3)
     assert replicas[0].running_mean is model.running_mean
     assert replicas[1].running_mean is not model.running_mean
     torch.testing.assert_close(replicas[2].running_var, model.running_var)
@@ -125,7 +125,7 @@ def test_executor_reraises_with_replica_index_after_all_finish():
         raise ValueError("bad chunk")
 
     with pytest.raises(ValueError, match="bad chunk") as info:
-        parallel_apply([ok(0), bad, ok(2)], CPU3)
+        run_on_replicas([ok(0), bad, ok(2)], CPU3)
     assert sorted(finished) == [0, 2]
     assert "raised in replica 1 on device cpu" in "".join(info.value.__notes__)
 

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_sparse_dp
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.strategy import check_devices
+from lightning_sparse_dp.place import check_devices
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, same_start, trainer
 
 
@@ -265,14 +265,27 @@ def _sample_loader(samples, **kwargs):
     return torch.utils.data.DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
 
 
+class _SeesBatches(SparseDataParallelStrategy):
+    """Records the type of every batch the step gets, before the split."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.batch_types = []
+
+    def scatter(self, batch):
+        self.batch_types.append(type(batch))
+        return super().scatter(batch)
+
+
 def test_presplit_in_worker_processes_equals_one_device():
     samples = random_samples(14, seed=13)
     ours, reference = same_start()
-    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    strategy = _SeesBatches(record_stage_times=True)
     t = trainer(strategy=strategy, devices=3, max_steps=2)
     train = _sample_loader(samples, num_workers=2)
     t.fit(ours, train)
-    assert isinstance(train.collate_fn, lightning_sparse_dp.PreSplitCollate)  # the split ran in the workers
+    assert isinstance(train.collate_fn, lightning_sparse_dp.PreSplitCollate)
+    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2  # the split ran in the workers
     trainer(devices=1, max_steps=2).fit(reference, _sample_loader(samples))
     for p, q in zip(ours.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

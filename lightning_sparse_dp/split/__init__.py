@@ -47,7 +47,7 @@ from lightning_sparse_dp.split.assign import (
 )
 from lightning_sparse_dp.split.cut import cut
 from lightning_sparse_dp.split.indices import index_rows
-from lightning_sparse_dp.split.leaves import flatten, is_sequence_leaf, leaf_predicate
+from lightning_sparse_dp.split.leaves import flatten, is_sequence_leaf, key_of, layout_entry, leaf_predicate, path_name
 from lightning_sparse_dp.split.merge import merge_batch, merge_chunks, merge_rows
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
@@ -130,14 +130,14 @@ def split_batch(
     leaves, sources = find_sources(leaves)
     num_samples, sources = count_samples(leaves, sources)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
-        chunk_samples, sample_rank = [torch.arange(num_samples)], torch.arange(num_samples)
+        chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)
         sources = tuple(dataclasses.replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
     else:
-        chunk_samples, sample_rank, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
+        chunk_samples, index_in_chunk, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
     k = len(chunk_samples)
     leaves = resolve_roles(leaves, sources, num_samples, k)
     chunks = [
-        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], sample_rank, k == 1) for leaf in leaves], spec)
+        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], index_in_chunk, k == 1) for leaf in leaves], spec)
         for j in range(k)
     ]
     point_targets, sample_tensors = targets(leaves, sources)
@@ -169,16 +169,16 @@ def _assign_points(
     sizes = torch.ones(num_samples, dtype=torch.long) if not sources else sum(s.counts for s in sources)
     first = sources[0].counts if sources else sizes
     assert isinstance(sizes, Tensor) and first is not None
-    chunk_samples, sample_to_chunk, sample_rank = assign(sizes, num_chunks, assignment)
+    chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, num_chunks, assignment)
     while len(chunk_samples) > 1 and min(int(first[c].sum()) for c in chunk_samples) < min_points:
-        chunk_samples, sample_to_chunk, sample_rank = assign(sizes, len(chunk_samples) - 1, assignment)
+        chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, len(chunk_samples) - 1, assignment)
     with_rows = []
     for src in sources:
         chunk_of_point = sample_to_chunk[src.batch_index]
         # each chunk's rows in ascending order: one comparison pass per chunk, cheaper than a stable sort of N
         rows = tuple(torch.nonzero(chunk_of_point == j).flatten() for j in range(len(chunk_samples)))
         with_rows.append(dataclasses.replace(src, rows=rows))
-    return chunk_samples, sample_rank, tuple(with_rows)
+    return chunk_samples, index_in_chunk, tuple(with_rows)
 
 
 __all__ = [
@@ -192,12 +192,15 @@ __all__ = [
     "check_num_chunks",
     "contiguous_assignment",
     "is_sequence_leaf",
+    "key_of",
+    "layout_entry",
     "leaf_predicate",
     "merge_batch",
     "merge_chunks",
     "merge_rows",
     "names_coordinates",
     "names_indices",
+    "path_name",
     "resolve_assignment",
     "split_batch",
 ]

@@ -133,10 +133,10 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     counts = torch.tensor(lengths)
     starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     sample_to_chunk = torch.empty(num_samples, dtype=torch.long)
-    sample_rank = torch.empty(num_samples, dtype=torch.long)
+    index_in_chunk = torch.empty(num_samples, dtype=torch.long)
     sample_to_chunk[ids] = torch.repeat_interleave(torch.arange(len(lengths)), counts)
-    sample_rank[ids] = torch.arange(num_samples) - starts
-    return chunk_samples, sample_to_chunk, sample_rank
+    index_in_chunk[ids] = torch.arange(num_samples) - starts
+    return chunk_samples, sample_to_chunk, index_in_chunk
 
 
 __all__ = [

@@ -27,10 +27,10 @@ def take_rows(value: Any, ids: Tensor) -> Any:
     return type(value)(value[i] for i in ids.tolist())
 
 
-def _renumber(coordinates: Tensor, rows: Tensor, sample_rank: Tensor, batch_index: Tensor) -> Tensor:
+def _renumber(coordinates: Tensor, rows: Tensor, index_in_chunk: Tensor, batch_index: Tensor) -> Tensor:
     """Rows of ``coordinates`` with column 0 replaced by each sample's position inside its chunk."""
     out = coordinates.index_select(0, rows.to(coordinates.device))  # a new tensor: renumbered in place
-    out[:, 0] = sample_rank[batch_index[rows]].to(device=out.device, dtype=out.dtype)
+    out[:, 0] = index_in_chunk[batch_index[rows]].to(device=out.device, dtype=out.dtype)
     return out
 
 
@@ -45,13 +45,13 @@ def _sparse_kwargs(x: Any) -> dict[str, Any]:
     return kwargs
 
 
-def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, sample_rank: Tensor, whole: bool) -> Any:
+def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, index_in_chunk: Tensor, whole: bool) -> Any:
     """``leaf``'s piece for chunk ``j``.
 
     Args:
         sources: the batch's coordinate sources, with their rows per chunk.
         samples: int64 ``[b_j]`` ids of chunk ``j``'s samples.
-        sample_rank: int64 ``[B]``, each sample's position inside its chunk.
+        index_in_chunk: int64 ``[B]``, each sample's position inside its chunk: its batch index there.
         whole: chunk ``j`` is the only chunk (the whole batch, nothing to cut or renumber).
     """
     x, role = leaf.value, leaf.role
@@ -62,15 +62,15 @@ def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, sample
     if role == "samples":
         return take_rows(x, samples)
     if role == "indices":
-        return cut_indices(leaf, sources, j, samples, sample_rank)
+        return cut_indices(leaf, sources, j, samples, index_in_chunk)
     src = sources[leaf.source]
     rows = src.rows[j]
     if role == "points":
         return x.index_select(0, rows.to(x.device))
     if is_me_tensor(x):
-        coordinates = _renumber(x.C, rows, sample_rank, src.batch_index)
+        coordinates = _renumber(x.C, rows, index_in_chunk, src.batch_index)
         return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, _sparse_kwargs(x))
-    return _renumber(x, rows, sample_rank, src.batch_index)
+    return _renumber(x, rows, index_in_chunk, src.batch_index)
 
 
 __all__ = ["cut", "take_rows"]

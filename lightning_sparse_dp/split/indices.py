@@ -180,7 +180,7 @@ def index_rows(leaf: Leaf, samples: Tensor) -> Tensor:
     return torch.isin(leaf.row_samples, samples).nonzero().flatten()
 
 
-def cut_indices(leaf: Leaf, sources: Sequence[Source], j: int, samples: Tensor, sample_rank: Tensor) -> Tensor:
+def cut_indices(leaf: Leaf, sources: Sequence[Source], j: int, samples: Tensor, index_in_chunk: Tensor) -> Tensor:
     """Chunk ``j``'s rows of index tensor ``leaf``, re-based to the chunk's rows (batch column renumbered)."""
     x = leaf.value
     keep = index_rows(leaf, samples)
@@ -188,7 +188,7 @@ def cut_indices(leaf: Leaf, sources: Sequence[Source], j: int, samples: Tensor, 
     for c, s in enumerate(leaf.columns):
         if s < 0:
             assert leaf.row_samples is not None
-            new = sample_rank[leaf.row_samples[keep]]
+            new = index_in_chunk[leaf.row_samples[keep]]
         else:
             new = _positions(sources[s], j)[out[:, c].long().cpu()]
         out[:, c] = new.to(device=out.device, dtype=out.dtype)

@@ -57,9 +57,9 @@ def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any]
     return is_leaf
 
 
-def path_name(path: Sequence[Any]) -> str:
-    """``batch['coordinates'][0]`` style name of a pytree key path, for error messages."""
-    return "batch" + "".join(str(k) for k in path)
+def path_name(path: Sequence[Any], root: str = "batch") -> str:
+    """``batch['coordinates'][0]`` style name of a pytree key path (``root`` first), for messages and layouts."""
+    return root + "".join(str(k) for k in path)
 
 
 def key_of(path: Sequence[Any]) -> Any:
@@ -73,22 +73,31 @@ def key_of(path: Sequence[Any]) -> Any:
     return None
 
 
+def layout_entry(path: Sequence[Any], layout: Mapping[Any, Any] | None, root: str = "batch") -> tuple[Any, Any] | None:
+    """``(key, value)`` of the entry of ``layout`` (the split's ``layout``, or ``output_layout``) that names a
+    pytree leaf: by its path name (``batch['labels']``, :func:`path_name`) first, else its innermost key /
+    index (:func:`key_of`); ``None`` when none does."""
+    for candidate in (path_name(path, root), key_of(path)) if layout else ():
+        if candidate is not None and candidate in layout:
+            return candidate, layout[candidate]
+    return None
+
+
 def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple[str | None, tuple[str, ...]]:
-    """Role the user gave for this leaf in ``layout`` (by innermost key/index or by path name), and the
-    source names after its colon (``"indices:coords0,coords1"`` -> ``("indices", ("coords0", "coords1"))``)."""
-    if not layout:
+    """Role the user gave for this leaf in ``layout`` (:func:`layout_entry`), and the source names after its
+    colon (``"indices:coords0,coords1"`` -> ``("indices", ("coords0", "coords1"))``)."""
+    entry = layout_entry(path, layout)
+    if entry is None:
         return None, ()
-    for candidate in (path_name(path), key_of(path)):
-        if candidate in layout:
-            role, _, refs = str(layout[candidate]).partition(":")
-            if role not in ROLES or (refs and role not in ("points", "indices")):
-                raise BatchLayoutError(
-                    f"layout[{candidate!r}] = {layout[candidate]!r}; use one of {ROLES} ('points' and 'indices' may "
-                    "name their coordinate source(s) after a colon: 'points:target_coordinates', "
-                    "'indices:coords0,coords1', 'indices:batch,coords0,coords1')."
-                )
-            return role, tuple(r.strip() for r in refs.split(",")) if refs else ()
-    return None, ()
+    candidate, value = entry
+    role, _, refs = str(value).partition(":")
+    if role not in ROLES or (refs and role not in ("points", "indices")):
+        raise BatchLayoutError(
+            f"layout[{candidate!r}] = {value!r}; use one of {ROLES} ('points' and 'indices' may name their "
+            "coordinate source(s) after a colon: 'points:target_coordinates', 'indices:coords0,coords1', "
+            "'indices:batch,coords0,coords1')."
+        )
+    return role, tuple(r.strip() for r in refs.split(",")) if refs else ()
 
 
 def _tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:

@@ -1,4 +1,4 @@
-"""Gather: per-replica step outputs to the root device, as one output.
+"""Loss weighting: the weights ``w_i`` that make the replicas' losses one loss, the whole batch's.
 
 A step's loss must be the loss of the whole batch. Replica ``i`` returns the mean loss over its
 chunk; with weights ``w_i = n_i / sum_j n_j`` (``n_i`` what the loss of chunk ``i`` is a mean over:
@@ -13,13 +13,14 @@ share instead (:mod:`lightning_sparse_dp.term_weights`); the per-replica weights
 ``"auto"``, used for the other outputs and logged values, and for the loss when the step's loss is not
 a combination of such terms.
 
-Other outputs are combined by :func:`lightning_sparse_dp.outputs.gather_outputs` (per-sample lists,
-per-point rows, sums...).
+The gather (:func:`lightning_sparse_dp.outputs.gather_outputs`) sums the losses with these weights
+(:func:`weighted_sum`) and merges the other outputs; ``sparse_ddp`` scales each rank's loss by the
+same counts (:mod:`lightning_sparse_dp.ddp`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from lightning_sparse_dp.split import SparseSpec, SplitPlan
 #: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.term_weights`).
 LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
 
-_warnings = WarningCache()
+_warning_cache = WarningCache()
 
 
 def check_loss_weighting(loss_weighting: Any) -> None:
@@ -140,15 +141,15 @@ def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], c
 
 
 def step_weights(
-    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], infos: WarningCache | None = None
+    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache | None = None
 ) -> list[float]:
     """:func:`chunk_weights` for a step, saying once what ``"auto"`` chose (:func:`say_auto_choice`),
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
-    infos = _warnings if infos is None else infos
+    warning_cache = _warning_cache if warning_cache is None else warning_cache
     weights = chunk_weights(plan, loss_weighting, chunks)
-    say_auto_choice(plan, loss_weighting, infos)
+    say_auto_choice(plan, loss_weighting, warning_cache)
     if not any(weights):
-        infos.warn(
+        warning_cache.warn(
             "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "
             "every label is ignore_index): the step's loss is 0 and its gradients are 0, where one device would "
             "give NaN."
@@ -157,13 +158,13 @@ def step_weights(
 
 
 def say_auto_choice(
-    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], infos: WarningCache, strategy: str = "sparse_dp"
+    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache, strategy: str = "sparse_dp"
 ) -> None:
-    """For ``loss_weighting="auto"``, say once (rank-zero info through ``infos``) what it chose and why."""
+    """For ``loss_weighting="auto"``, say once (rank-zero info through ``warning_cache``) what it chose and why."""
     if loss_weighting != "auto":
         return
     choice, reason = resolve_auto(plan)
-    infos.info(
+    warning_cache.info(
         f"{strategy}: loss_weighting='auto' weights each {'replica' if strategy == 'sparse_dp' else 'rank'}'s loss by "
         f"its {choice} ({choice!r}): {reason}. Pass loss_weighting= 'samples', 'points' or a callable chunk -> count "
         "(e.g. points whose label is not ignore_index) to the strategy to choose."
@@ -190,23 +191,12 @@ def weighted_sum(values: Sequence[Tensor], weights: Sequence[float], device: tor
     return out
 
 
-def step_losses(outputs: Sequence[Any]) -> list[Tensor | None]:
-    """The loss of each replica's output: the output itself when a tensor, else its ``"loss"`` entry."""
-    losses = []
-    for o in outputs:
-        if isinstance(o, Mapping):
-            o = o.get("loss")
-        losses.append(o if isinstance(o, Tensor) else None)
-    return losses
-
-
 __all__ = [
     "LOSS_WEIGHTINGS",
     "check_loss_weighting",
     "chunk_counts",
     "chunk_weights",
     "resolve_auto",
-    "step_losses",
     "step_weights",
     "weighted_sum",
     "zeroed",

@@ -1,6 +1,7 @@
-"""Batch norm synchronized across ranks through a :class:`~lightning_sparse_dp.collective.Collective`.
+"""The math of batch norm synchronized across ranks through a :class:`~lightning_sparse_dp.syncbn.collective.Collective`.
 
-The math only; the transport is the collective (replica threads in ``sparse_dp``, a process group in
+As torch keeps ``SyncBatchNorm``'s autograd function in ``torch/nn/modules/_functions.py`` apart from the
+module (:mod:`lightning_sparse_dp.syncbn.batchnorm`). The math only; the transport is the collective (replica threads in ``sparse_dp``, a process group in
 ``sparse_ddp``). Training-mode batch norm of ``input [N, C]`` or ``[N, C, *]`` over the union of every
 rank's input, as ``torch.nn.SyncBatchNorm`` computes it (torch/nn/modules/_functions.py):
 
@@ -33,9 +34,9 @@ against the deviation costs no digits, and the layer normalizes and saves the ce
 further copy of the features). The gathered statistics are float64 on every device, so counts stay
 exact and the ranks' partial sums are combined without further rounding.
 
-Timing. Over a :class:`~lightning_sparse_dp.collective.ThreadGroup` each layer's forward and backward
+Timing. Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` each layer's forward and backward
 time (its own work plus the wait for the other replicas at its rendezvous) is recorded per replica
-(:meth:`~lightning_sparse_dp.collective.ThreadGroup.timings`); ``sparse_dp`` puts it in its stage
+(:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.timings`); ``sparse_dp`` puts it in its stage
 times (``syncbn<j>``, ``syncbn_wait``).
 """
 
@@ -45,10 +46,9 @@ import time
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch import Tensor
 
-from lightning_sparse_dp.collective import Collective, gather_reduce
+from lightning_sparse_dp.syncbn.collective import Collective, gather_reduce
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -215,115 +215,9 @@ def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:
     """Add ``seconds`` to ``layer``'s time (``None``: a new layer) where the collective keeps one
-    (:meth:`~lightning_sparse_dp.collective.ThreadGroup.record`); the layer's index, or ``None``."""
+    (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.record`); the layer's index, or ``None``."""
     record = getattr(collective, "record", None)
     return None if record is None else record(seconds, layer)
 
 
-class SyncBatchNorm(_BatchNorm):
-    """Batch norm synchronized through :attr:`collective` (see the module docstring).
-
-    Input ``[N, C]`` or ``[N, C, *]`` (ME's batch norm passes the features ``[N, C]``). When
-    :attr:`collective` is ``None`` or has one rank, it is ``torch.nn.BatchNorm`` exactly. Made by
-    :func:`convert_sync_batchnorm` from an existing layer, sharing its parameters and buffers.
-
-    Attributes:
-        collective: the :class:`~lightning_sparse_dp.collective.Collective` of this rank, set by the
-            strategy for each step (``sparse_dp``) or once (``sparse_ddp``); ``None``: no synchronization.
-        update_running_stats: whether this rank's layer updates the running statistics (with the
-            global ones) in a synchronized step. ``sparse_dp`` sets it on the root replica only, whose
-            layer shares the module's buffers (once per step); ``sparse_ddp`` leaves it on for every
-            rank, each updating its own copy identically.
-    """
-
-    collective: Collective | None = None
-    update_running_stats: bool = True
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected an input [N, C] or [N, C, *], got shape {tuple(input.shape)}")
-
-    def forward(self, input: Tensor) -> Tensor:
-        collective = self.collective
-        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if collective is None or collective.world_size == 1 or not batch_statistics:
-            return super().forward(input)
-        self._check_input_dim(input)
-        if input.shape[1] != self.num_features:
-            raise ValueError(f"expected {self.num_features} channels in dim 1, got input of shape {tuple(input.shape)}")
-        output, mean, unbiased_var = SyncBatchNormFunction.apply(input, self.weight, self.bias, collective, self.eps)
-        if self.training and self.track_running_stats and self.update_running_stats:
-            self._update_running_stats(mean, unbiased_var)
-        return output
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
-        """Update the running statistics as ``torch.nn.modules.batchnorm._BatchNorm`` does (momentum or cumulative)."""
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
-        if self.running_mean is not None:
-            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean), alpha=factor)
-        if self.running_var is not None:
-            self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var), alpha=factor)
-
-
-#: Kept for code written against earlier versions (``lightning_sparse_dp.sync.ReplicaSyncBatchNorm``).
-ReplicaSyncBatchNorm = SyncBatchNorm
-
-#: The layers :func:`convert_sync_batchnorm` swaps: torch's BatchNorm1d/2d/3d and SyncBatchNorm, which
-#: includes the ``bn`` inside ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``.
-SWAPPED_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-Swap = tuple[nn.Module, str, nn.Module]
-
-
-def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
-    """Swap every batch-norm layer inside ``module`` for a :class:`SyncBatchNorm`, in place.
-
-    Converts torch's ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` wherever they are children, which
-    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. The new layer
-    shares the old one's ``weight``, ``bias`` and buffers (the same tensors), so the state dict keeps
-    its keys and values and the optimizer its parameters. ``module`` itself is not swapped (it has no
-    parent to hold the new layer).
-
-    Returns:
-        ``(parent, name, original)`` for every swap, for :func:`revert_sync_batchnorm`.
-    """
-    swaps: list[Swap] = []
-    for parent in list(module.modules()):
-        for name, child in list(parent._modules.items()):
-            if isinstance(child, SWAPPED_TYPES) and not isinstance(child, SyncBatchNorm):
-                new = SyncBatchNorm.__new__(SyncBatchNorm)
-                nn.Module.__init__(new)
-                for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
-                    setattr(new, attr, getattr(child, attr))
-                new._parameters = child._parameters  # the same Parameter objects
-                new._buffers = child._buffers  # the same running-statistic tensors
-                new.train(child.training)
-                parent._modules[name] = new
-                swaps.append((parent, name, child))
-    return swaps
-
-
-def revert_sync_batchnorm(swaps: list[Swap]) -> None:
-    """Put the original layers back (they share every tensor, so they hold the trained values)."""
-    for parent, name, original in reversed(swaps):
-        current = parent._modules[name]
-        original.train(current.training)
-        parent._modules[name] = original
-
-
-__all__ = [
-    "ReplicaSyncBatchNorm",
-    "SWAPPED_TYPES",
-    "SyncBatchNorm",
-    "SyncBatchNormFunction",
-    "accumulation_dtype",
-    "combine_statistics",
-    "compute_dtype",
-    "convert_sync_batchnorm",
-    "revert_sync_batchnorm",
-]
+__all__ = ["SHIFT_ROWS", "SyncBatchNormFunction", "accumulation_dtype", "combine_statistics", "compute_dtype"]

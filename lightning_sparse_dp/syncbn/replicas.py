@@ -1,9 +1,13 @@
-"""Sync: ``sparse_dp``'s batch norm synchronized across the replicas of a step.
+"""Replicas: the step's batch-norm group, which joins the replicas' synchronized layers for one ``sparse_dp`` step.
 
-The math is :mod:`lightning_sparse_dp.batchnorm` (forward statistics combined with Chan et al.'s
+It holds :func:`sync_layers` (a replica's :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers)
+and :func:`synchronized` (those layers of every replica made one
+:class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` for the step).
+
+The math is :mod:`lightning_sparse_dp.syncbn._functions` (forward statistics combined with Chan et al.'s
 formula, backward gradient terms ``sum(dy)`` / ``sum(dy * (x - mean))`` exchanged as
 ``torch.nn.SyncBatchNorm`` all-reduces them); the transport is a
-:class:`~lightning_sparse_dp.collective.ThreadGroup` of the step's replica threads.
+:class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` of the step's replica threads.
 ``torch.nn.SyncBatchNorm`` (and ``ME.MinkowskiSyncBatchNorm``, which wraps it) synchronizes only
 through a ``torch.distributed`` process group and in one process silently runs plain batch norm,
 hence this.
@@ -13,7 +17,7 @@ layers the group's rank-``r`` member, and lets only the root replica's layers (w
 module's buffers) update the running statistics, once per step, with the global ones. The step's
 forward is the group's first phase, the replicas' backward passes (run in their own threads by
 :mod:`lightning_sparse_dp.backward`) its second. A replica that raises aborts the group, so the
-others stop at once with :class:`~lightning_sparse_dp.collective.ReplicaAborted`; a replica that
+others stop at once with :class:`~lightning_sparse_dp.syncbn.collective.ReplicaAborted`; a replica that
 runs fewer batch-norm layers than another (data-dependent control flow) aborts it with an error
 naming the call counts. Eval mode uses the running statistics and never synchronizes.
 """
@@ -25,18 +29,12 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from lightning_sparse_dp.batchnorm import (
-    SWAPPED_TYPES,
-    ReplicaSyncBatchNorm,
-    SyncBatchNorm,
-    convert_sync_batchnorm,
-    revert_sync_batchnorm,
-)
-from lightning_sparse_dp.collective import ThreadGroup
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
 
 def sync_layers(module: nn.Module) -> list[SyncBatchNorm]:
-    """The :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers of ``module``, in ``modules()`` order."""
+    """The :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers of ``module``, in ``modules()`` order."""
     return [m for m in module.modules() if isinstance(m, SyncBatchNorm)]
 
 
@@ -49,7 +47,7 @@ def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGr
     ends normally: the replicas' backward passes are the group's second phase (the group is handed to
     :mod:`lightning_sparse_dp.backward`, and activation checkpointing re-runs the forward then), and the
     next step's group replaces it. A body that raises detaches the layers (a replica that raised has
-    already aborted the group: :meth:`~lightning_sparse_dp.collective.ThreadGroup.run`).
+    already aborted the group: :meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.run`).
 
     Args:
         layers: ``layers[r]``: replica ``r``'s synchronized layers (:func:`sync_layers`), one list per
@@ -76,12 +74,4 @@ def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGr
         raise
 
 
-__all__ = [
-    "ReplicaSyncBatchNorm",
-    "SWAPPED_TYPES",
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "synchronized",
-    "revert_sync_batchnorm",
-    "sync_layers",
-]
+__all__ = ["sync_layers", "synchronized"]

@@ -1,6 +1,6 @@
 """Collective: the all-gather that synchronized layers use, over replica threads or (elsewhere) processes.
 
-One batch-norm implementation (:mod:`lightning_sparse_dp.batchnorm`) runs over any :class:`Collective`:
+One batch-norm implementation (:mod:`lightning_sparse_dp.syncbn.batchnorm`) runs over any :class:`Collective`:
 
 - :class:`ThreadGroup` (here): the replicas of one ``sparse_dp`` step, threads of one process. Replica
   ``r`` calls ``group.member(r).all_gather(t)``; the call returns when every replica has made its

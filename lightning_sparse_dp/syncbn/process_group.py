@@ -1,16 +1,16 @@
 """The process-group transport of synchronized batch norm (``sparse_ddp``), and its Lightning plugin.
 
-:class:`ProcessGroupCollective` is the :class:`~lightning_sparse_dp.collective.Collective` of one
+:class:`ProcessGroupCollective` is the :class:`~lightning_sparse_dp.syncbn.collective.Collective` of one
 ``torch.distributed`` rank: ``all_gather`` over a process group (gloo on CPU, NCCL on CUDA). The
-batch-norm math is :mod:`lightning_sparse_dp.batchnorm`, the same as ``sparse_dp``'s over threads.
+batch-norm math is :mod:`lightning_sparse_dp.syncbn.batchnorm`, the same as ``sparse_dp``'s over threads.
 
 :class:`ProcessGroupSyncBatchNorm` is a Lightning ``LayerSync`` plugin: ``Trainer(strategy="sparse_ddp",
 sync_batchnorm=True)`` uses it in place of Lightning's ``TorchSyncBatchNorm`` (whose
 ``torch.nn.SyncBatchNorm`` refuses CPU input: "SyncBatchNorm expected input tensor to be on GPU",
 torch/nn/modules/batchnorm.py). ``apply`` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (so the
 ``.bn`` of ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-:class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers holding a :class:`ProcessGroupCollective`,
-sharing parameters and buffers (state-dict keys unchanged; :class:`~lightning_sparse_dp.layer_sync.SyncBatchNormSwap`);
+:class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers holding a :class:`ProcessGroupCollective`,
+sharing parameters and buffers (state-dict keys unchanged; :class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`);
 ``revert`` puts the user's layers back.
 Every rank updates its own running statistics with the identical global ones.
 """
@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_sparse_dp.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.layer_sync import SyncBatchNormSwap
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 
 
 class ProcessGroupCollective:
-    """This rank's :class:`~lightning_sparse_dp.collective.Collective` over a ``torch.distributed`` process group.
+    """This rank's :class:`~lightning_sparse_dp.syncbn.collective.Collective` over a ``torch.distributed`` process group.
 
     Args:
         group: the process group; None for the default (world) group. It must be initialized when
@@ -78,7 +78,7 @@ class ProcessGroupSyncBatchNorm(SyncBatchNormSwap):
         super().apply(model)
         collective = ProcessGroupCollective(self.group)
         for parent, name, _ in self._swaps:
-            layer = parent._modules[name]
+            layer = getattr(parent, name)
             assert isinstance(layer, SyncBatchNorm)
             layer.collective = collective
             layer.update_running_stats = True  # every rank keeps its own, identical, running statistics

@@ -7,7 +7,7 @@ strategy: in one process it runs plain batch norm on each replica's chunk, and i
 ("SyncBatchNorm expected input tensor to be on GPU", torch/nn/modules/batchnorm.py). So
 :class:`SyncBatchNormSwap` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (and so the ``.bn`` of
 ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-:class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
+:class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
 (state-dict keys unchanged), and both strategies take it (or a subclass) in place of
 ``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.base.SparseStrategyMixin`); a ``LayerSync``
 plugin of the user's own (``Trainer(plugins=[...])``) is kept. ``sparse_dp`` applies and reverts it
@@ -23,15 +23,15 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 
-from lightning_sparse_dp.batchnorm import Swap, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_sparse_dp.syncbn.batchnorm import Swap, convert_sync_batchnorm, revert_sync_batchnorm
 
 
 class SyncBatchNormSwap(LayerSync):
-    """Lightning ``LayerSync`` plugin: batch norm swapped for :class:`~lightning_sparse_dp.batchnorm.SyncBatchNorm`.
+    """Lightning ``LayerSync`` plugin: batch norm swapped for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`.
 
     The swapped layers synchronize through whatever collective they are given:
     ``sparse_dp`` joins the replicas' layers into each step's thread group
-    (:func:`~lightning_sparse_dp.sync.synchronized`); :class:`~lightning_sparse_dp.process_group.ProcessGroupSyncBatchNorm`
+    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`); :class:`~lightning_sparse_dp.syncbn.process_group.ProcessGroupSyncBatchNorm`
     gives them a process group.
     """
 
@@ -39,7 +39,7 @@ class SyncBatchNormSwap(LayerSync):
         self._swaps: list[Swap] = []
 
     def apply(self, model: Module) -> Module:
-        """Swap ``model``'s batch-norm layers, in place (see :func:`~lightning_sparse_dp.batchnorm.convert_sync_batchnorm`); returns ``model``."""
+        """Swap ``model``'s batch-norm layers, in place (see :func:`~lightning_sparse_dp.syncbn.batchnorm.convert_sync_batchnorm`); returns ``model``."""
         self._swaps += convert_sync_batchnorm(model)
         return model
 

@@ -1,0 +1,109 @@
+"""Single process: what Lightning asks of a parallel strategy that runs every device in one process.
+
+Cut after Lightning Fabric's ``strategies/dp.py``: one process, world size 1, the root device is the
+first device, and the LightningModule itself is never wrapped, so checkpoints hold its plain state
+dict. Collectives across processes are no-ops (there is one), the batch stays where the DataLoader
+left it (the step places each chunk on its own device), and teardown skips
+``ParallelStrategy.teardown``, which expects a cluster environment. The step pipeline is
+:class:`~lightning_sparse_dp.strategy.SparseDataParallelStrategy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_sparse_dp.place import check_devices
+
+
+class SingleProcessParallelStrategy(ParallelStrategy):
+    """A ``ParallelStrategy`` whose devices all belong to this one process (base of ``sparse_dp``).
+
+    Raises:
+        MisconfigurationException: at ``setup_environment``, for unusable devices
+            (:func:`~lightning_sparse_dp.place.check_devices`).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._warned_transfer_hooks = False
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[0]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> None:
+        return None  # one process reads the whole batch; no DistributedSampler
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return False
+
+    @override
+    def setup_environment(self) -> None:
+        check_devices(list(self.parallel_devices or []))
+        super().setup_environment()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
+
+        Each chunk is placed on its own device in the step, so ``transfer_batch_to_device`` and
+        ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
+        """
+        module = self.lightning_module
+        if module is None:
+            return batch
+        if not self._warned_transfer_hooks:
+            self._warned_transfer_hooks = True
+            skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
+            if skipped:
+                rank_zero_warn(
+                    f"sparse_dp does not call {' or '.join(skipped)}: it splits the batch and places each chunk on its "
+                    "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
+                    "before the split) or into the step (runs on each chunk, on its device)."
+                )
+        return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
+        return tensor  # one process: nothing to reduce across processes
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    @override
+    def teardown(self) -> None:
+        Strategy.teardown(self)  # ParallelStrategy.teardown expects a cluster environment
+
+
+__all__ = ["SingleProcessParallelStrategy"]

@@ -1,0 +1,125 @@
+"""The synchronized batch-norm layer and the conversion that swaps it in and out (the math: :mod:`._functions`).
+
+:class:`SyncBatchNorm` is ``torch.nn`` batch norm whose training-mode statistics and gradient sums are
+those of every rank's input together, exchanged through whatever
+:class:`~lightning_sparse_dp.syncbn.collective.Collective` it is given: the replica threads of a
+``sparse_dp`` step (:mod:`.replicas`) or a process group (:mod:`.process_group`).
+:func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm` swap a model's batch-norm layers for it and back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_sparse_dp.syncbn._functions import SyncBatchNormFunction
+from lightning_sparse_dp.syncbn.collective import Collective
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch norm synchronized through :attr:`collective` (the math: :mod:`lightning_sparse_dp.syncbn._functions`).
+
+    Input ``[N, C]`` or ``[N, C, *]`` (ME's batch norm passes the features ``[N, C]``). When
+    :attr:`collective` is ``None`` or has one rank, it is ``torch.nn.BatchNorm`` exactly. Made by
+    :func:`convert_sync_batchnorm` from an existing layer, sharing its parameters and buffers.
+
+    Attributes:
+        collective: the :class:`~lightning_sparse_dp.syncbn.collective.Collective` of this rank, set by the
+            strategy for each step (``sparse_dp``) or once (``sparse_ddp``); ``None``: no synchronization.
+        update_running_stats: whether this rank's layer updates the running statistics (with the
+            global ones) in a synchronized step. ``sparse_dp`` sets it on the root replica only, whose
+            layer shares the module's buffers (once per step); ``sparse_ddp`` leaves it on for every
+            rank, each updating its own copy identically.
+    """
+
+    collective: Collective | None = None
+    update_running_stats: bool = True
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected an input [N, C] or [N, C, *], got shape {tuple(input.shape)}")
+
+    def forward(self, input: Tensor) -> Tensor:
+        collective = self.collective
+        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
+        if collective is None or collective.world_size == 1 or not batch_statistics:
+            return super().forward(input)
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"expected {self.num_features} channels in dim 1, got input of shape {tuple(input.shape)}")
+        output, mean, unbiased_var = SyncBatchNormFunction.apply(input, self.weight, self.bias, collective, self.eps)
+        if self.training and self.track_running_stats and self.update_running_stats:
+            self._update_running_stats(mean, unbiased_var)
+        return output
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
+        """Update the running statistics as ``torch.nn.modules.batchnorm._BatchNorm`` does (momentum or cumulative)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        if self.running_mean is not None:
+            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean), alpha=factor)
+        if self.running_var is not None:
+            self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var), alpha=factor)
+
+
+#: The layers :func:`convert_sync_batchnorm` swaps: torch's BatchNorm1d/2d/3d and SyncBatchNorm, which
+#: includes the ``bn`` inside ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``.
+SWAPPED_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+Swap = tuple[nn.Module, str, nn.Module]
+
+
+def _hand_over(source: nn.Module, target: nn.Module) -> None:
+    """``target``'s own parameters and buffers become ``source``'s: the same tensors, as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` hands them to the layer it builds."""
+    for name, parameter in source.named_parameters(recurse=False):
+        setattr(target, name, parameter)
+    for name, buffer in source.named_buffers(recurse=False):
+        setattr(target, name, buffer)
+
+
+def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
+    """Swap every batch-norm layer inside ``module`` for a :class:`SyncBatchNorm`, in place.
+
+    Converts torch's ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` wherever they are children, which
+    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. Built as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` builds its layers (the constructor, the old
+    layer's tensors handed over, ``add_module``): the new layer holds the old one's ``weight``,
+    ``bias`` and buffers (the same tensors), so the state dict keeps its keys and values and the
+    optimizer its parameters. ``module`` itself is not swapped (it has no parent to hold the new layer).
+
+    Returns:
+        ``(parent, name, original)`` for every swap, for :func:`revert_sync_batchnorm`.
+    """
+    swaps: list[Swap] = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SWAPPED_TYPES) and not isinstance(child, SyncBatchNorm):
+                new = SyncBatchNorm(
+                    child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats,
+                    device=child.running_mean.device if child.running_mean is not None else None,
+                )
+                _hand_over(child, new)
+                new.train(child.training)
+                parent.add_module(name, new)
+                swaps.append((parent, name, child))
+    return swaps
+
+
+def revert_sync_batchnorm(swaps: list[Swap]) -> None:
+    """Put the original layers back, holding the tensors the swapped layers end with: the trained values,
+    and the buffers a conversion after the swap replaced (``.to(dtype / device)`` makes new buffer tensors,
+    e.g. a precision plugin's or ``model_to_device`` at setup)."""
+    for parent, name, original in reversed(swaps):
+        current = getattr(parent, name)
+        _hand_over(current, original)
+        original.train(current.training)
+        parent.add_module(name, original)
+
+
+__all__ = ["SWAPPED_TYPES", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]

@@ -1,0 +1,75 @@
+"""Step outputs combined as one device returns them: fixed-size values by ``output_layout``, the
+warning for ambiguous ones, the roles directly, and ``None`` from some replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
+from lightning_sparse_dp.weighting import chunk_weights
+from lightning_sparse_dp.outputs import gather_outputs
+from tests.helpers import NUM_CLASSES, SparseNet, collate_dict, fit_float64, loader, random_samples, trainer
+
+# --- step outputs of a fixed size --------------------------------------------------------------------
+
+
+class Histogram(SparseNet):
+    def predict_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        return {"hist": torch.bincount(labels, minlength=NUM_CLASSES), "n": labels.shape[0]}
+
+
+def _hist_batch(num_samples=9):
+    return collate_dict(random_samples(num_samples, seed=11))
+
+
+def test_fixed_size_output_with_output_layout_is_the_one_device_value():
+    batch = _hist_batch()
+    strategy = SparseDataParallelStrategy(output_layout={"hist": "sum", "n": "sum"}, split="contiguous")
+    [out] = trainer(strategy=strategy, devices=3).predict(Histogram(), loader(batch))
+    [ref] = trainer(devices=1).predict(Histogram(), loader(batch))
+    assert out["hist"].tolist() == ref["hist"].tolist() == torch.bincount(batch["labels"], minlength=NUM_CLASSES).tolist()
+    assert out["n"] == ref["n"] == 9
+
+
+def test_ambiguous_unnamed_output_warns():
+    batch = _hist_batch(12)  # chunks of 3 samples; a [NUM_CLASSES] = [4] output per chunk: not per-sample
+    with pytest.warns(UserWarning, match=r"output\['hist'\] has the same length \(4\) in every chunk.*output_layout"):
+        trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).predict(Histogram(), loader(batch))
+    batch = _hist_batch(9)  # chunks of 3 samples, a [4] output: matches nothing, concatenated, with a warning
+    with pytest.warns(UserWarning, match=r"output\['hist'\] has the same length \(4\).*concatenated"):
+        trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).predict(Histogram(), loader(batch))
+
+
+def test_output_roles_directly():
+    batch = _hist_batch(7)
+    chunks, plan = split_batch(batch, 3, assignment="balanced")
+    outs = [{"p": c["labels"].double(), "h": torch.ones(2), "m": torch.tensor([1.0, 3.0]) * (j + 1), "l": j}
+            for j, c in enumerate(chunks)]
+    layout = {"p": "samples", "h": "sum", "m": "mean", "l": "list"}
+    weights = chunk_weights(plan, "samples")
+    got = gather_outputs(outs, plan, weights, torch.device("cpu"), layout)
+    assert got["p"].tolist() == batch["labels"].double().tolist()
+    assert got["h"].tolist() == [3.0, 3.0]
+    expected = sum(w * (j + 1) for j, w in enumerate(weights))
+    assert got["m"].tolist() == pytest.approx([expected, 3 * expected])
+    assert got["l"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="use one of"):
+        gather_outputs(outs, plan, weights, torch.device("cpu"), {"h": "stack"})
+
+
+# --- messages that point the right way ---------------------------------------------------------------
+
+
+def test_none_from_some_replicas_names_them_and_says_what_skipping_means():
+    class SkipsSmall(SparseNet):
+        def training_step(self, batch, batch_idx):
+            if batch["labels"].shape[0] < 3:
+                return None
+            return super().training_step(batch, batch_idx)
+
+    batch = collate_dict(random_samples(7, seed=15))  # contiguous chunks of 3, 2, 2 samples
+    with pytest.raises(ValueError, match=r"replica\(s\) \[1, 2\] returned None.*skipped only when every replica") as info:
+        fit_float64(SkipsSmall(), batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
+    assert any("a training_step that returns None skips the whole step" in note for note in info.value.__notes__)

@@ -1,0 +1,162 @@
+"""The rest of the Trainer under sparse_dp: bf16 autocast, clipping and accumulation, deterministic runs,
+schedulers with several validation loaders, checkpointing, early stopping, and resuming.
+
+Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
+device with the whole batch (plain Lightning, strategy="auto").
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start
+from tests.helpers import trainer as _trainer
+
+#: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
+#: reaches 1e-4 relative and can hide a real difference. Every Trainer here runs "64-true" unless told otherwise.
+trainer = partial(_trainer, precision="64-true")
+REL = 1e-10
+
+
+def _close_states(ours, reference, rtol, atol):
+    ref = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=name)
+
+
+# --- the rest of the Trainer -----------------------------------------------------------------------
+
+def test_bf16_autocast_reaches_the_replicas():
+    seen = []
+
+    class Probe(SparseNet):
+        def training_step(self, batch, batch_idx):
+            x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+            logits = self.net[-1](self.net[:-1](x)).F
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), logits.dtype))
+            return super().training_step(batch, batch_idx)
+
+    batch = collate_dict(random_samples(7, seed=33))
+    ours, reference = same_start(Probe)
+    trainer(strategy="sparse_dp", devices=3, precision="bf16-mixed").fit(ours, loader(batch))
+    assert seen == [(True, torch.bfloat16, torch.bfloat16)] * 3
+    seen.clear()
+    trainer(devices=1, precision="bf16-mixed").fit(reference, loader(batch))
+    assert seen == [(True, torch.bfloat16, torch.bfloat16)]  # and the reference ran under the same autocast
+    _close_states(ours, reference, rtol=2e-2, atol=2e-3)  # bf16 rounding differs between chunk and whole batch
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gradient_clip_val": 0.05},
+        {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"},
+        {"accumulate_grad_batches": 2, "max_steps": 2},
+    ],
+    ids=["clip-norm", "clip-value", "accumulate"],
+)
+def test_clipping_and_accumulation_equal_one_device(kwargs):
+    batches = [collate_dict(random_samples(7, seed=34 + i)) for i in range(4)]
+    ours, reference = same_start(batch_norm=True)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **kwargs).fit(ours, loader(*batches))
+    trainer(devices=1, **kwargs).fit(reference, loader(*batches))
+    assert_same_states(ours, reference)
+
+
+_REPEATABLE_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def _run_isolated(code: str, tmp_path) -> None:
+    """Run ``code`` in a fresh interpreter with one OpenMP / OpenBLAS thread.
+
+    ME's CPU kernel maps (OpenMP, thread count read from OMP_NUM_THREADS at import and set again on
+    every coordinate manager) and OpenBLAS are not bitwise repeatable with several threads, on one
+    device too, so bitwise comparisons run where both use one thread.
+    """
+    run_isolated(code, tmp_path, env=_REPEATABLE_ENV)
+
+
+def test_deterministic_runs_repeat_exactly(tmp_path):
+    _run_isolated(
+        """
+        import torch, lightning_sparse_dp
+        from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+        batches = [collate_dict(random_samples(7, seed=40 + i)) for i in range(3)]
+        runs = []
+        for _ in range(3):
+            torch.manual_seed(0)
+            model = SparseNet(batch_norm=True)
+            trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, deterministic=True, max_steps=3).fit(
+                model, loader(*batches))
+            runs.append(model.state_dict())
+        for name in runs[0]:
+            assert torch.equal(runs[0][name], runs[1][name]) and torch.equal(runs[0][name], runs[2][name]), name
+        """,
+        tmp_path,
+    )
+
+
+class _Scheduled(SparseNet):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log("val_loss", self.loss(batch), batch_size=batch["labels"].shape[0])
+
+
+def _fit_epochs(model, strategy, devices, epochs, tmp_path, callbacks=(), ckpt_path=None, **kwargs):
+    train = [collate_dict(random_samples(7, seed=50 + i)) for i in range(3)]
+    val = [collate_dict(random_samples(5, seed=60)), collate_dict(random_samples(3, seed=61))]
+    t = trainer(
+        strategy=strategy, devices=devices, max_steps=-1, max_epochs=epochs, limit_val_batches=1.0,
+        default_root_dir=tmp_path, callbacks=list(callbacks), **kwargs,
+    )
+    t.fit(model, loader(*train), [loader(val[0]), loader(val[1])], ckpt_path=ckpt_path)
+    return t
+
+
+def test_schedulers_several_val_loaders_checkpointing_and_early_stopping(tmp_path):
+    ours, reference = same_start(_Scheduled, batch_norm=True)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss/dataloader_idx_0", mode="min")
+    stop = EarlyStopping(monitor="val_loss/dataloader_idx_1", patience=0, mode="min", check_finite=True)
+    t = _fit_epochs(ours, "sparse_dp", 3, 4, tmp_path / "a", [best, stop], sync_batchnorm=True, enable_checkpointing=True)
+    r_best = ModelCheckpoint(dirpath=tmp_path / "ref", monitor="val_loss/dataloader_idx_0", mode="min")
+    r_stop = EarlyStopping(monitor="val_loss/dataloader_idx_1", patience=0, mode="min", check_finite=True)
+    r = _fit_epochs(reference, "auto", 1, 4, tmp_path / "b", [r_best, r_stop], enable_checkpointing=True)
+    assert t.current_epoch == r.current_epoch and t.global_step == r.global_step
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(r.optimizers[0].param_groups[0]["lr"])
+    for key in ("val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1"):
+        assert t.callback_metrics[key].item() == pytest.approx(r.callback_metrics[key].item(), rel=REL)
+    assert best.best_model_score.item() == pytest.approx(r_best.best_model_score.item(), rel=REL)
+    assert_same_states(ours, reference)
+    saved = torch.load(best.best_model_path, weights_only=False)["state_dict"]
+    assert set(saved) == set(reference.state_dict())  # the user's layer types and keys
+
+
+def test_resuming_continues_exactly_as_an_uninterrupted_run(tmp_path):
+    _run_isolated(
+        """
+        import torch, lightning_sparse_dp
+        from pathlib import Path
+        from tests.helpers import same_start
+        from tests.test_trainer_features import _Scheduled, _fit_epochs
+        tmp = Path(".")
+        straight, first_half = same_start(_Scheduled, batch_norm=True)
+        straight, first_half = straight.double(), first_half.double()
+        _fit_epochs(straight, "sparse_dp", 3, 4, tmp / "straight", sync_batchnorm=True)
+        t = _fit_epochs(first_half, "sparse_dp", 3, 2, tmp / "half", sync_batchnorm=True)
+        t.save_checkpoint(tmp / "half.ckpt")
+        resumed = _Scheduled(batch_norm=True).double()  # float64 before the checkpoint is loaded into it
+        _fit_epochs(resumed, "sparse_dp", 3, 4, tmp / "resumed", ckpt_path=tmp / "half.ckpt", sync_batchnorm=True)
+        ref = straight.state_dict()
+        for name, value in resumed.state_dict().items():
+            assert torch.equal(value, ref[name]), name
+        """,
+        tmp_path,
+    )
