@@ -77,14 +77,20 @@ def test_completion_predictions_on_three_replicas_are_one_devices():
     assert _same_shapes(ours, reference) > 0  # shapes were generated, so agreeing is not trivial
 
 
-class PerSampleCompletion(completion.Completion):
-    """The completion network with its loss averaged per sample (each level's BCE a mean over the sample's
-    generated voxels), then over samples and levels: exact under sample weighting, the default here.
-    SGD: Adam divides by the root of the squared gradient, which turns gradients that are 0 up to rounding
-    (1e-17) into steps of the learning rate, so it cannot be compared at 1e-10."""
+class SGDCompletion(completion.Completion):
+    """The example's network and its own loss (ME's: each level's BCE a mean over that level's voxels, averaged
+    over levels: exact by default through ``loss_weighting="terms"``), with SGD for the comparison: Adam divides
+    by the root of the squared gradient, which turns gradients that are 0 up to rounding (1e-17) into steps of
+    the learning rate, so it cannot be compared at 1e-10."""
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class PerSampleCompletion(SGDCompletion):
+    """The completion network with its loss averaged per sample (each level's BCE a mean over the sample's
+    generated voxels), then over samples and levels: a hand-written mean, exact under the sample weighting that
+    ``"terms"`` falls back to."""
 
     def step(self, batch):
         x = ME.SparseTensor(batch["features"], batch["coordinates"])
@@ -100,30 +106,10 @@ class PerSampleCompletion(completion.Completion):
         return loss / len(scores), out
 
 
-def test_completion_with_a_per_sample_loss_trains_to_one_devices_parameters():
+@pytest.mark.parametrize("module_cls", [SGDCompletion, PerSampleCompletion], ids=["own-loss", "per-sample-loss"])
+def test_completion_trains_to_one_devices_parameters_with_no_option_but_sync_batchnorm(module_cls):
     shapes = completion.Shapes(11, seed=3, grid=12)
-    ours, reference = same_start(PerSampleCompletion, seed=0)
-    common = dict(max_epochs=1, max_steps=-1, precision="64-true")
-    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **common).fit(ours, _loader(shapes, 6))
-    trainer(devices=1, **common).fit(reference, _loader(shapes, 6))
-    assert_same_states(ours, reference)
-    assert relative_difference(ours.net.score[1].kernel, completion.Completion().net.score[1].kernel) > 1e-3
-
-
-
-class SGDCompletion(completion.Completion):
-    """The example's network and its own loss (ME's: each level's BCE a mean over that level's voxels, averaged
-    over levels), with SGD for the comparison (see :class:`PerSampleCompletion`)."""
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
-
-
-def test_completion_with_its_own_loss_trains_to_one_devices_parameters_by_default():
-    """Issue 18 with issue 17: the per-level means need one weight per level and replica
-    (``loss_weighting="terms"``, the default): no option but ``sync_batchnorm``."""
-    shapes = completion.Shapes(11, seed=3, grid=12)
-    ours, reference = same_start(SGDCompletion, seed=0)
+    ours, reference = same_start(module_cls, seed=0)
     common = dict(max_epochs=1, max_steps=-1, precision="64-true")
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, **common).fit(ours, _loader(shapes, 6))
     trainer(devices=1, **common).fit(reference, _loader(shapes, 6))
