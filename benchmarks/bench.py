@@ -45,7 +45,8 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
   time over sparse_dp's (``digits_speedup_sparse_dp_2_1t``: the same for the digits network);
 - ``syncbn_cost_ratio`` / ``syncbn_cost_ratio_1t``: sparse_dp-3 with ``sync_batchnorm=True`` over without
-  (``syncbn_cost_ratio_2`` / ``_2_1t``: sparse_dp-2);
+  (``syncbn_cost_ratio_2`` / ``_2_1t``: sparse_dp-2; ``syncbn_cost_ratio_unpinned`` / ``_1t_unpinned``: with
+  ``pin_replicas=False``, what the default's pinning of 3 replicas to 2 cores saves);
 - ``digits_syncbn_speedup_3``: digits, plain Lightning's step time over sparse_dp-3 with sync BN (default threads);
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
@@ -221,7 +222,8 @@ DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp"}
 def case_names(mode: str) -> list[str]:
     """The cases of one model and thread setting, in the order of one repetition (the next one runs them reversed)."""
     names = ["auto-1"] + (["sparse_dp-1"] if mode == "default" else [])
-    names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "ddp-2 (gloo)"]
+    names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
+              "ddp-2 (gloo)"]
     return names + (["sparse_ddp-2 gloo"] if mode == "default" else [])
 
 
@@ -243,14 +245,19 @@ def case_env(mode: str, case: str) -> dict[str, str]:
 
 
 def case_strategy(model_name: str, case: str):
-    """``(strategy, devices)`` of a case: ``auto-1``, ``sparse_dp-<d>[ syncBN]``, or a DDP case (2 processes)."""
+    """``(strategy, devices)`` of a case: ``auto-1``, ``sparse_dp-<d>[ syncBN[ unpinned]]``, or a DDP case (2 processes).
+
+    ``unpinned``: ``pin_replicas=False`` (the operating system places the replica threads; the split is even per
+    replica), beside the default, which pins when sync BN runs with more replicas than cores."""
     if case in DDP_CASES:
         return (sparse_ddp_strategy(model_name) if DDP_CASES[case] == "sparse_ddp" else "ddp"), 2
     if case == "auto-1":
         return "auto", 1
     devices = int(case.split("-")[1].split()[0])
     kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
-    return SparseDataParallelStrategy(record_stage_times=True, sync_batchnorm=case.endswith("syncBN"), **kwargs), devices
+    if case.endswith("unpinned"):
+        kwargs["pin_replicas"] = False
+    return SparseDataParallelStrategy(record_stage_times=True, sync_batchnorm="syncBN" in case, **kwargs), devices
 
 
 class CaseRunner:
@@ -699,6 +706,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     for mode, suffix in ((d, ""), (one, "_1t")):
         put(f"syncbn_cost_ratio{suffix}", ratio(seg, mode, "sparse_dp-3 syncBN", "sparse_dp-3"))
         put(f"syncbn_cost_ratio_2{suffix}", ratio(seg, mode, "sparse_dp-2 syncBN", "sparse_dp-2"))
+        put(f"syncbn_cost_ratio{suffix}_unpinned", ratio(seg, mode, "sparse_dp-3 syncBN unpinned", "sparse_dp-3"))
     put("replicate_ms", [v * 1e3 for v in stage_sum(seg, d, "sparse_dp-3", ("replicate", "state"))], 3)
     put("digits_speedup_sparse_dp_2_1t", ratio(dig, one, "auto-1", "sparse_dp-2"), 3)
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)

@@ -14,6 +14,7 @@ are waited for first so nothing is left running.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,13 +73,22 @@ class ReplicaExecutor:
         num_replicas: the most replicas run at once (the number of devices): one thread each.
         threads_per_replica: torch intra-op threads of each replica thread when several replicas run
             (:mod:`lightning_sparse_dp.threads`); ``None``: the caller's count.
+        affinity: ``affinity[i]``, the CPU ids replica thread ``i`` pins itself to (``os.sched_setaffinity``)
+            before it runs anything when several replicas run (:func:`~lightning_sparse_dp.threads.plan_cores`);
+            ``None``: not pinned.
     """
 
-    def __init__(self, num_replicas: int, threads_per_replica: int | None = None) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        threads_per_replica: int | None = None,
+        affinity: Sequence[frozenset[int]] | None = None,
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         self.num_replicas = num_replicas
         self.threads_per_replica = threads_per_replica
+        self.affinity = affinity
         self._threads = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_replicas)
         ]
@@ -105,9 +115,10 @@ class ReplicaExecutor:
         if self.threads_per_replica is not None:
             state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
         streams = [current_stream(d) for d in devices]  # the caller's, as torch's parallel_apply hands them on
+        affinity = self.affinity
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
-                self._threads[i].submit(_call, fn, device, i, state, stream)
+                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None)
                 for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
             errors = [f.exception() for f in futures]  # waits for every replica
@@ -122,8 +133,17 @@ class ReplicaExecutor:
             thread.shutdown(wait=True)
 
 
-def _call(fn: Callable[[], T], device: torch.device, index: int, state: ThreadState, stream: Any = None) -> T:
+_pinned = threading.local()  # the CPU ids this replica thread pinned itself to
+
+
+def _call(
+    fn: Callable[[], T], device: torch.device, index: int, state: ThreadState, stream: Any = None,
+    cores: frozenset[int] | None = None,
+) -> T:
     try:
+        if cores is not None and getattr(_pinned, "cores", None) != cores:
+            os.sched_setaffinity(0, cores)  # 0: the calling thread (Linux); its OpenMP threads inherit the mask
+            _pinned.cores = cores
         with ExitStack() as stack:
             state.enter(stack)
             stack.enter_context(device_context(device, stream))

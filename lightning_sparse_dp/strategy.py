@@ -40,9 +40,9 @@ from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas
-from lightning_sparse_dp.split import SplitPlan, split_batch
+from lightning_sparse_dp.split import SplitPlan, balanced_assignment, split_batch
 from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
-from lightning_sparse_dp.threads import ThreadSplit, split_threads
+from lightning_sparse_dp.threads import ThreadSplit, plan_cores, split_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
@@ -83,6 +83,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             must see the whole batch).
         record_stage_times: record each step's stage durations in :attr:`stage_times`
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
+        pin_replicas: CPU replicas only: pin each replica's thread to cores and even the ``"balanced"``
+            split's points per core (:func:`~lightning_sparse_dp.threads.plan_cores`). ``None`` (default):
+            with ``sync_batchnorm`` and more replicas than cores; ``True``: always; ``False``: never.
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm
             layers too) for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, synchronized across the
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
@@ -111,6 +114,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         split: str = "balanced",
         presplit: bool = True,
         record_stage_times: bool = False,
+        pin_replicas: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self._set_options(loss_weighting, split, layout)
@@ -119,6 +123,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self.output_layout = dict(output_layout) if output_layout else None
         self.split_fn = split_fn
         self.presplit = presplit
+        self.pin_replicas = pin_replicas
+        self._core_groups: tuple[int, ...] | None = None  # replicas pinned to one core share a group (plan_cores)
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
         self._warning_cache = WarningCache()  # one-time warnings and infos of this strategy
@@ -155,6 +161,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
             if self._thread_split is not None:
                 self._executor.threads_per_replica = self._thread_split.per_replica
+            plan = plan_cores(len(self.parallel_devices), self.pin_replicas, synchronized=self._layer_sync is not None)
+            self._executor.affinity, self._core_groups = (plan.cores, plan.groups) if plan else (None, None)
 
     @override
     def teardown(self) -> None:
@@ -280,8 +288,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             elif self.split_fn is not None:
                 chunks, plan = self.split_fn(batch, num_devices)
             else:
+                assignment = self.split  # "balanced": points evened per core first when replicas are pinned
+                if self._core_groups is not None and assignment == "balanced":
+                    assignment = partial(balanced_assignment, groups=self._core_groups)
                 chunks, plan = split_batch(
-                    batch, num_devices, layout=self.layout, assignment=self.split, min_points=self._min_points()
+                    batch, num_devices, layout=self.layout, assignment=assignment, min_points=self._min_points()
                 )
         with self._timer.stage("place"):
             return place_chunks(chunks, self.parallel_devices), plan

@@ -7,7 +7,7 @@ lists of sample ids. :func:`assign` checks what an assignment returns and derive
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ def contiguous_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]
     return list(torch.arange(num_samples).tensor_split(k))
 
 
-def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
+def balanced_assignment(sample_sizes: Tensor, num_chunks: int, groups: Sequence[int] | None = None) -> list[Tensor]:
     """Assign whole samples to ``min(num_chunks, B)`` chunks so that their point counts are even.
 
     Greedy longest processing time first (R. L. Graham, "Bounds on multiprocessing timing
@@ -60,19 +60,29 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
     chunk): samples in decreasing size, each to the chunk with the fewest points so far (the lowest
     index on ties). Deterministic; sample ids ascend inside each chunk, so sample order is kept.
 
+    With ``groups`` (chunks that share a resource, e.g. replicas pinned to one CPU core:
+    :func:`~lightning_sparse_dp.threads.plan_cores`), the groups are balanced first and the chunks inside
+    each group second: samples go to groups by the rule above (groups in place of chunks), then single
+    moves and swaps between the most and the least loaded group narrow their gap while they can (the
+    rule leaves up to the last sample's size), then each group's samples go to its chunks by the rule
+    above. A group with fewer samples than chunks leaves chunks empty (dropped).
+
     Args:
         sample_sizes: int64 ``[B]``, points per sample.
         num_chunks: ``k``.
+        groups: ``None``, or a group id per chunk (at least ``k``; the first ``k`` are used).
 
     Returns:
         per chunk, int64 ``[b_i]`` ascending sample ids; every chunk has at least one sample.
 
     Raises:
-        ValueError: ``num_chunks < 1`` or no samples.
+        ValueError: ``num_chunks < 1``, no samples, or fewer groups than chunks.
     """
     num_samples, k = _chunk_count(sample_sizes, num_chunks)
     sizes = sample_sizes.tolist()
     order = sorted(range(num_samples), key=lambda i: (-sizes[i], i))
+    if groups is not None:
+        return _grouped_assignment(sizes, order, k, groups)
     loads = [(0, c) for c in range(k)]  # a heap of (points so far, chunk): the least loaded, lowest index first
     members: list[list[int]] = [[] for _ in range(k)]
     for i in order:
@@ -80,6 +90,69 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]:
         heapq.heapreplace(loads, (load + sizes[i], j))
         members[j].append(i)
     return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
+
+
+def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequence[int]) -> list[Tensor]:
+    """:func:`balanced_assignment` with ``groups``: samples to groups (LPT, then :func:`_even_out`), then each
+    group's samples to its chunks (LPT)."""
+    if len(groups) < k:
+        raise ValueError(f"groups must name a group for each of the {k} chunks, got {list(groups)}.")
+    group_of = list(groups[:k])
+    ids = sorted(set(group_of))
+    chunks_of = {g: [c for c in range(k) if group_of[c] == g] for g in ids}
+    in_group: dict[int, list[int]] = {g: [] for g in ids}
+    loads = {g: 0 for g in ids}
+    for i in order:
+        g = min(ids, key=lambda h: (loads[h], h))
+        loads[g] += sizes[i]
+        in_group[g].append(i)
+    _even_out(sizes, in_group, loads, {g: len(c) for g, c in chunks_of.items()})
+    chunk_loads = [0] * k
+    members: list[list[int]] = [[] for _ in range(k)]
+    for g in ids:
+        for i in sorted(in_group[g], key=lambda i: (-sizes[i], i)):
+            j = min(chunks_of[g], key=lambda c: (chunk_loads[c], c))
+            chunk_loads[j] += sizes[i]
+            members[j].append(i)
+    return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
+
+
+def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int, int], keep: dict[int, int]) -> None:
+    """Lower the gap between the most and the least loaded group, in place, while one move or swap can.
+
+    Each round takes the best single move (a sample of the fuller group to the emptier one; the fuller keeps
+    at least ``keep[g]`` samples) or swap (one sample each way; tried while the two groups hold at most 4096
+    pairs) by the gap left, ``|gap - 2 d|`` for a transfer of ``d`` points; stops when none leaves a smaller
+    gap, after at most ``B`` rounds. Deterministic (strict improvements, samples in id order).
+    """
+    for _ in range(sum(len(m) for m in in_group.values())):
+        high = max(loads, key=lambda g: (loads[g], -g))
+        low = min(loads, key=lambda g: (loads[g], g))
+        gap = loads[high] - loads[low]
+        best: tuple[int, int, int | None] | None = None  # (gap left, sample out of high, sample out of low)
+        if len(in_group[high]) > keep[high]:
+            for a in sorted(in_group[high]):
+                left = abs(gap - 2 * sizes[a])
+                if left < gap and (best is None or left < best[0]):
+                    best = (left, a, None)
+        if len(in_group[high]) * len(in_group[low]) <= 4096:
+            for a in sorted(in_group[high]):
+                for b in sorted(in_group[low]):
+                    left = abs(gap - 2 * (sizes[a] - sizes[b]))
+                    if left < gap and (best is None or left < best[0]):
+                        best = (left, a, b)
+        if best is None:
+            return
+        _, a, b = best
+        in_group[high].remove(a)
+        in_group[low].append(a)
+        loads[high] -= sizes[a]
+        loads[low] += sizes[a]
+        if b is not None:
+            in_group[low].remove(b)
+            in_group[high].append(b)
+            loads[low] -= sizes[b]
+            loads[high] += sizes[b]
 
 
 #: The named assignments (``split_batch(assignment=...)``, the strategies' ``split=``).
