@@ -31,6 +31,52 @@ class MetricReplicas:
     replicas: list[Metric]
 
 
+#: What ``torchmetrics.Metric.reset`` sets besides the states (torchmetrics 1.x); tests/test_metric_reset.py
+#: checks that :func:`reset_metric` leaves a metric as ``reset`` does.
+_RESET_ATTRIBUTES = {"_update_count": 0, "_forward_cache": None, "_computed": None, "_cache": None, "_is_synced": False}
+
+
+def reset_metric(metric: Metric) -> None:
+    """``metric.reset()``, about ten times cheaper for metrics that keep torchmetrics' own ``reset``.
+
+    torchmetrics' ``reset`` sets every tensor state to a fresh clone of its default through the modules'
+    ``__setattr__`` (about 30 us for a 4-state metric). Here the tensor states, the metric's own since the last
+    reset (a merge into the root builds new tensors for the root), are copied back to their defaults in
+    place with one fused ``torch._foreach_copy_``, list states are cleared, and the other attributes
+    ``reset`` sets are set directly. Anything else (an overridden ``reset``, a state whose shape, dtype or
+    device changed, or that needs a gradient) goes through ``metric.reset()``.
+    """
+    if type(metric).reset is not Metric.reset:
+        metric.reset()
+        return
+    attributes = metric.__dict__
+    states, defaults, lists = [], [], []
+    for name, default in metric._defaults.items():
+        current = attributes.get(name)
+        if isinstance(default, torch.Tensor):
+            if not (
+                isinstance(current, torch.Tensor)
+                and current.shape == default.shape
+                and current.dtype == default.dtype
+                and current.device == default.device
+                and not current.requires_grad
+            ):
+                metric.reset()
+                return
+            states.append(current)
+            defaults.append(default)
+        elif isinstance(current, list):
+            lists.append(current)
+        else:
+            metric.reset()
+            return
+    if states:
+        torch._foreach_copy_(states, defaults)
+    for state in lists:
+        state.clear()
+    attributes.update(_RESET_ATTRIBUTES)
+
+
 class ReplicaMetrics:
     """Empty copies of a module's metrics for the replicas of each step.
 
@@ -61,7 +107,7 @@ class ReplicaMetrics:
                 copy.to(device)
             self._copies[key] = copy
         else:
-            copy.reset()
+            reset_metric(copy)
         return copy
 
     @contextmanager

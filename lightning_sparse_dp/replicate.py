@@ -125,7 +125,7 @@ class Replicas:
             if r > 0:
                 self._buffer_pairs.append((sources, targets))
         self._dicts = [
-            (c.__dict__, m.__dict__, (c._parameters, c._buffers, c._modules))
+            (c.__dict__, m.__dict__, {"_parameters": c._parameters, "_buffers": c._buffers, "_modules": c._modules})
             for copies in self._copies
             for m, c in zip(self._sources, copies)
         ]
@@ -149,10 +149,10 @@ class Replicas:
         count = len(self.modules) if count is None else count
         for d, source, own in self._dicts[: count * len(self._sources)]:  # (copy's __dict__, module's, copy's own)
             d.update(source)
-            d["_parameters"], d["_buffers"], d["_modules"] = own
-        if hasattr(self.root, "_device"):
+            d.update(own)
+        if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
             for replica, device in zip(self.modules[:count], self.devices):
-                replica._device = device
+                replica.__dict__["_device"] = device
         with torch.no_grad():
             for sources, targets in self._buffer_pairs[: max(0, count - 1)]:
                 if sources:
@@ -207,20 +207,24 @@ class Replicas:
 def _fingerprint(modules: list[nn.Module]) -> tuple:
     """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
 
-    Flat lists built by comprehensions (this runs every step): per module the sizes of its three dicts,
-    then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``,
+    Flat lists built by comprehensions and ``map`` (this runs every step): per module the sizes of its three
+    dicts, then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``,
     storage and dtype and each buffer's storage.
     """
-    children = [c for m in modules for c in m._modules.values()]
-    params = [p for m in modules for p in m._parameters.values()]
-    buffers = [b for m in modules for b in m._buffers.values()]
+    children = [m._modules for m in modules]
+    parameters = [m._parameters for m in modules]
+    buffers = [m._buffers for m in modules]
+    params = [p for d in parameters for p in d.values()]
+    bufs = [b for d in buffers for b in d.values()]
     return (
-        tuple((len(m._modules), len(m._parameters), len(m._buffers)) for m in modules),
-        tuple(map(id, children)),
-        tuple(map(id, params)),
-        tuple(None if p is None else (p.requires_grad, p.data_ptr(), p.dtype) for p in params),
-        tuple(map(id, buffers)),
-        tuple(None if b is None else b.data_ptr() for b in buffers),
+        list(map(len, children)),
+        list(map(len, parameters)),
+        list(map(len, buffers)),
+        [id(c) for d in children for c in d.values()],
+        list(map(id, params)),
+        list(map(id, bufs)),
+        [None if p is None else (p.requires_grad, p.data_ptr(), p.dtype) for p in params],
+        [None if b is None else b.data_ptr() for b in bufs],
     )
 
 

@@ -1,0 +1,73 @@
+"""reset_metric (the per-step reset of the replicas' metric copies) leaves a metric as torchmetrics' reset does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_sparse_dp.metrics import reset_metric
+
+
+def _updated(make):
+    metric = make()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        if isinstance(metric, MulticlassAccuracy):
+            metric.update(torch.randn(6, 4, generator=g), torch.randint(0, 4, (6,), generator=g))
+        else:
+            metric(torch.rand(5, generator=g))  # forward: _forward_cache and _computed set too
+    metric.compute()
+    return metric
+
+
+def _state(metric: Metric) -> dict:
+    out = {}
+    for name, value in metric.__dict__.items():
+        if name in ("update", "compute", "_update_signature") or isinstance(value, torch.nn.Module):
+            continue
+        out[name] = [v.clone() for v in value] if isinstance(value, list) else value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y) and x.dtype == y.dtype, name
+        elif isinstance(x, list):
+            assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y)), name
+        else:
+            assert x == y, name
+
+
+@pytest.mark.parametrize("make", [lambda: MulticlassAccuracy(num_classes=4, average="micro"), MeanMetric, MaxMetric,
+                                  CatMetric], ids=["accuracy", "mean", "max", "cat"])
+def test_reset_metric_equals_torchmetrics_reset(make):
+    ours, theirs = _updated(make), _updated(make)
+    before = [id(ours.__dict__[n]) for n in ours._defaults]
+    reset_metric(ours)
+    theirs.reset()
+    _same(_state(ours), _state(theirs))
+    assert [id(ours.__dict__[n]) for n in ours._defaults] == before  # in place: the fast path ran
+    # and the metric works on: the same results after one more update each
+    for metric in (ours, theirs):
+        metric.update(*( (torch.eye(4)[:3], torch.tensor([0, 1, 3])) if isinstance(metric, MulticlassAccuracy)
+                         else (torch.tensor([0.5, 2.0]),) ))
+    assert torch.equal(torch.as_tensor(ours.compute()), torch.as_tensor(theirs.compute()))
+
+
+def test_a_metric_with_its_own_reset_keeps_it():
+    class Counting(MeanMetric):
+        resets = 0
+
+        def reset(self):
+            type(self).resets += 1
+            super().reset()
+
+    metric = Counting()
+    metric.update(torch.tensor([1.0]))
+    reset_metric(metric)
+    assert Counting.resets == 1 and metric._update_count == 0
