@@ -142,16 +142,16 @@ class ReplicaMetrics:
             for entry in merged:
                 copy = self._copy(entry.root, index, device)
                 parent_name, _, attr = entry.name.rpartition(".")
-                parent = replica.get_submodule(parent_name)
-                previous.append((parent, attr, getattr(parent, attr)))
-                setattr(parent, attr, copy)
+                parent = replica.get_submodule(parent_name)  # a replica's own module: its child slot set directly
+                previous.append((parent, attr, parent._modules[attr]))
+                parent._modules[attr] = copy
                 entry.replicas.append(copy)
         try:
             yield merged
             merge_into_root(merged)
         finally:
             for parent, attr, module in previous:
-                setattr(parent, attr, module)
+                parent._modules[attr] = module
 
 
 def merge_into_root(metrics: list[MetricReplicas]) -> None:

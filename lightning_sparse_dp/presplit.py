@@ -10,21 +10,34 @@ on DataLoaders with ``num_workers > 0`` by itself (``presplit=True``); it can be
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils._pytree as pytree
-from torch.utils.data import default_collate
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader, default_collate
 
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
+from lightning_sparse_dp.split.assign import Assignment
 
 
-@dataclass
+@dataclass(init=False)
 class PreSplitBatch:
-    """A batch split in a worker: the chunks (SparseTensor / TensorField as SparseSpec) and the plan."""
+    """A batch split in a worker: the chunks (SparseTensor / TensorField as SparseSpec) and the plan.
+
+    ``PreSplitBatch(chunks, plan)``. Lightning's precision plugins convert a batch before the step
+    (``convert_input``: ``apply_to_collection`` over dataclass fields, e.g. floating tensors to float64
+    for ``precision="64-true"``); the chunks are converted as a whole batch would be, and the plan, a
+    frozen dataclass that holds no floating-point data, is a non-init field, so it is passed on as it is
+    (``apply_to_collection`` cannot rebuild a frozen dataclass and raised here before).
+    """
 
     chunks: list[Any]
-    plan: SplitPlan
+    plan: SplitPlan = field(init=False)
+
+    def __init__(self, chunks: list[Any], plan: SplitPlan) -> None:
+        self.chunks = chunks
+        self.plan = plan
 
 
 class PreSplitCollate:
@@ -34,7 +47,8 @@ class PreSplitCollate:
         collate_fn: the collate function to wrap (default ``torch.utils.data.default_collate``),
             e.g. one that calls ``ME.utils.sparse_collate``.
         num_chunks: the number of devices.
-        layout, assignment, min_points: as for :func:`~lightning_sparse_dp.split.split_batch`.
+        layout, assignment, min_points: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
+            assignment must be picklable, e.g. ``functools.partial(balanced_assignment, groups=...)``).
 
     Picklable when ``collate_fn`` is, so it runs in worker processes.
     """
@@ -44,7 +58,7 @@ class PreSplitCollate:
         collate_fn: Callable[[list[Any]], Any] | None,
         num_chunks: int,
         layout: Mapping[Any, str] | None = None,
-        assignment: str = "balanced",
+        assignment: str | Assignment = "balanced",
         min_points: int = 1,
     ) -> None:
         check_num_chunks(num_chunks)
@@ -68,9 +82,29 @@ class PreSplitCollate:
         return PreSplitBatch(chunks, plan)
 
 
+def presplit_loader(
+    dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
+    module: Any = None,
+) -> Any:
+    """``dataloader`` with its collate function wrapped in :class:`PreSplitCollate`, when that helps and is safe.
+
+    Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
+    and only when ``module`` (the LightningModule) does not override ``on_before_batch_transfer``, which
+    must see the whole batch. Anything else is returned unchanged.
+    """
+    if (
+        isinstance(dataloader, DataLoader)
+        and dataloader.num_workers > 0
+        and not isinstance(dataloader.collate_fn, PreSplitCollate)
+        and not (module is not None and is_overridden("on_before_batch_transfer", module))
+    ):
+        dataloader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points)
+    return dataloader
+
+
 def _specs(chunk: Any) -> list[SparseSpec]:
     leaves = pytree.tree_leaves(chunk, is_leaf=lambda x: isinstance(x, SparseSpec))
     return [x for x in leaves if isinstance(x, SparseSpec)]
 
 
-__all__ = ["PreSplitBatch", "PreSplitCollate"]
+__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader"]

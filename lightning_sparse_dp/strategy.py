@@ -19,10 +19,8 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
@@ -38,11 +36,11 @@ from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_cal
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
-from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
+from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment, split_batch
 from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
-from lightning_sparse_dp.threads import ThreadSplit, plan_cores, split_threads
+from lightning_sparse_dp.threads import ThreadSplit, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
@@ -157,12 +155,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._timer.profiler = trainer.profiler
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices))
-        if self._thread_split is None and self.root_device.type == "cpu":  # CPU cores split between replicas
-            self._thread_split = split_threads(len(self.parallel_devices))  # None: one replica, or the user chose
-            if self._thread_split is not None:
-                self._executor.threads_per_replica = self._thread_split.per_replica
-            plan = plan_cores(len(self.parallel_devices), self.pin_replicas, synchronized=self._layer_sync is not None)
-            self._executor.affinity, self._core_groups = (plan.cores, plan.groups) if plan else (None, None)
+        if self._thread_split is None and self.root_device.type == "cpu":  # CPU cores split between replicas, pinned
+            self._thread_split, self._core_groups = configure_replica_threads(
+                self._executor, len(self.parallel_devices), self.pin_replicas, self._layer_sync is not None
+            )
 
     @override
     def teardown(self) -> None:
@@ -180,20 +176,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Move the split into the loader's worker processes (``presplit``), when it has workers."""
-        module = self.lightning_module
-        if (
-            self.presplit
-            and self.split_fn is None
-            and isinstance(dataloader, DataLoader)
-            and dataloader.num_workers > 0
-            and not isinstance(dataloader.collate_fn, PreSplitCollate)
-            and not (module is not None and is_overridden("on_before_batch_transfer", module))
-        ):
-            assert self.parallel_devices is not None
-            dataloader.collate_fn = PreSplitCollate(
-                dataloader.collate_fn, len(self.parallel_devices), self.layout, self.split, self._min_points()
-            )
-        return dataloader
+        if not self.presplit or self.split_fn is not None or self.parallel_devices is None:
+            return dataloader
+        return presplit_loader(dataloader, len(self.parallel_devices), self.layout, self._assignment(),
+                               self._min_points(), self.lightning_module)
 
     # --- the step ------------------------------------------------------------------------------
     # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own are)
@@ -288,11 +274,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             elif self.split_fn is not None:
                 chunks, plan = self.split_fn(batch, num_devices)
             else:
-                assignment = self.split  # "balanced": points evened per core first when replicas are pinned
-                if self._core_groups is not None and assignment == "balanced":
-                    assignment = partial(balanced_assignment, groups=self._core_groups)
                 chunks, plan = split_batch(
-                    batch, num_devices, layout=self.layout, assignment=assignment, min_points=self._min_points()
+                    batch, num_devices, layout=self.layout, assignment=self._assignment(), min_points=self._min_points()
                 )
         with self._timer.stage("place"):
             return place_chunks(chunks, self.parallel_devices), plan
@@ -398,6 +381,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._timer.stage("backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _assignment(self) -> Any:
+        """``split``, with the points evened per core first when replicas are pinned (``"balanced"`` only)."""
+        if self._core_groups is not None and self.split == "balanced":
+            return partial(balanced_assignment, groups=self._core_groups)
+        return self.split
 
     def _min_points(self) -> int:
         """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""

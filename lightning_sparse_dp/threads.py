@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -120,6 +121,24 @@ def plan_cores(
     return CorePlan(tuple(frozenset([ids[c]]) for c in placement), tuple(placement))
 
 
+def configure_replica_threads(
+    executor: Any, num_replicas: int, pin: bool | None, synchronized: bool
+) -> tuple[ThreadSplit | None, tuple[int, ...] | None]:
+    """CPU replicas: the cores' threads split between them (:func:`split_threads`) and their threads pinned
+    (:func:`plan_cores`), both set on ``executor`` (a :class:`~lightning_sparse_dp.apply.ReplicaExecutor`).
+
+    Returns:
+        ``(split, groups)``: the thread split to restore at teardown (``None``: nothing changed), and the
+        replicas' core groups for the split (``None``: not pinned).
+    """
+    split = split_threads(num_replicas)
+    if split is not None:
+        executor.threads_per_replica = split.per_replica
+    plan = plan_cores(num_replicas, pin, synchronized=synchronized)
+    executor.affinity = plan.cores if plan else None
+    return split, (plan.groups if plan else None)
+
+
 def me_coordinate_manager_module() -> ModuleType:
     """The module whose ``CPU_COUNT`` ``ME.CoordinateManager`` reads.
 
@@ -201,6 +220,7 @@ __all__ = [
     "CorePlan",
     "ThreadSplit",
     "available_cores",
+    "configure_replica_threads",
     "me_coordinate_manager_module",
     "plan_cores",
     "split_threads",

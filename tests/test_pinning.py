@@ -137,3 +137,35 @@ def test_sync_batchnorm_step_with_pinned_replicas_equals_one_device(pin, monkeyp
     else:
         assert all(len(mask) >= len(cores) for mask in masks)
     assert sum(n for _, n in ours.seen) == 9
+
+
+def test_presplit_in_workers_uses_the_per_core_split():
+    import pickle
+
+    from lightning_sparse_dp.presplit import PreSplitCollate
+    from lightning_sparse_dp.split import split_batch
+
+    samples = random_samples(10, seed=33)
+    assignment = partial(balanced_assignment, groups=(0, 1, 1))
+    collate = pickle.loads(pickle.dumps(PreSplitCollate(collate_dict, 3, assignment=assignment)))  # as a worker gets it
+    _, expected = split_batch(collate_dict(samples), 3, assignment=assignment)
+    _, even = split_batch(collate_dict(samples), 3)
+    got = collate(samples).plan
+    assert [c.tolist() for c in got.chunk_samples] == [c.tolist() for c in expected.chunk_samples]
+    assert [c.tolist() for c in got.chunk_samples] != [c.tolist() for c in even.chunk_samples]
+
+
+@needs_affinity
+def test_loader_workers_split_per_core_when_pinned(monkeypatch):
+    from torch.utils.data import DataLoader
+
+    cores = sorted(_real_affinity(0))[:2]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    samples = random_samples(10, seed=34)
+    ours = RecordsCores()
+    strategy = SparseDataParallelStrategy(pin_replicas=True)
+    data = DataLoader(samples, batch_size=len(samples), collate_fn=collate_dict, num_workers=1)
+    trainer(strategy=strategy, devices=3, sync_batchnorm=True).fit(ours, data)
+    sizes = torch.tensor([len(coordinates) for coordinates, _, _ in samples])
+    expected = sorted(len(c) for c in balanced_assignment(sizes, 3, groups=(0, 1, 1)))
+    assert sorted(n for _, n in ours.seen) == expected != sorted(len(c) for c in balanced_assignment(sizes, 3))

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_sparse_dp
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.place import check_devices
-from tests.helpers import SparseNet, collate_dict, loader, random_samples, same_start, trainer
+from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start, trainer
 
 
 def _fit_one_step(model, batch, **trainer_kwargs):
@@ -292,6 +292,18 @@ def test_presplit_in_worker_processes_equals_one_device():
     steps = list(strategy.stage_times.steps)
     assert len(steps) == 2
     assert {"split", "place", "replicate", "apply", "replica0", "replica2", "gather", "log", "backward"} <= set(steps[0])
+
+
+def test_presplit_batches_go_through_lightnings_precision_conversion():
+    # "64-true" converts each batch with apply_to_collection before the step; a PreSplitBatch's frozen plan
+    # made that raise (FrozenInstanceError) until the plan became a field it passes on untouched
+    samples = random_samples(14, seed=15)
+    ours, reference = same_start()
+    strategy = _SeesBatches()
+    trainer(strategy=strategy, devices=3, max_steps=2, precision="64-true").fit(ours, _sample_loader(samples, num_workers=1))
+    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2
+    trainer(devices=1, max_steps=2, precision="64-true").fit(reference, _sample_loader(samples))
+    assert_same_states(ours, reference)  # float64: 1e-10 relative, as the other exactness tests
 
 
 DELAY = 1.0  # seconds; far above what any stage of this tiny step takes, even on a loaded machine
