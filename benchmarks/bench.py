@@ -37,7 +37,8 @@ published MinkUNet GPU speedups 1.90 / 2.60 / 2.60 at 2 / 3 / 4 GPUs) and ``stag
 times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of headline figures
 (segmentation unless named; each with ``<key>_spread``):
 
-- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, step time;
+- ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, step time (``overhead_ratio_1t``: one intra-op
+  thread each, which leaves out the 2-thread cases' run-to-run spread, OpenBLAS's spinning workers among it);
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
   main process (``presplit`` moves it to DataLoader workers when there are any);
 - ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
@@ -221,7 +222,7 @@ DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp"}
 
 def case_names(mode: str) -> list[str]:
     """The cases of one model and thread setting, in the order of one repetition (the next one runs them reversed)."""
-    names = ["auto-1"] + (["sparse_dp-1"] if mode == "default" else [])
+    names = ["auto-1", "sparse_dp-1"]
     names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
               "ddp-2 (gloo)"]
     return names + (["sparse_ddp-2 gloo"] if mode == "default" else [])
@@ -696,6 +697,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
 
     seg, dig, d, one = "segmentation", "digits", "default", "1 thread"
     put("overhead_ratio", ratio(seg, d, "sparse_dp-1", "auto-1"))
+    put("overhead_ratio_1t", ratio(seg, one, "sparse_dp-1", "auto-1"))
     put("split_fraction", [s / r["step_s"] for s, r in zip(stage_sum(seg, d, "sparse_dp-3", ("split", "place")),
                                                           raw[(seg, d)]["sparse_dp-3"])])
     put("ddp_throughput_ratio", ratio(seg, d, "ddp-2 (gloo)", "sparse_dp-2"))
