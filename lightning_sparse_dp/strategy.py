@@ -40,7 +40,7 @@ from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment, split_batch
 from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
-from lightning_sparse_dp.threads import ThreadSplit, configure_replica_threads
+from lightning_sparse_dp.threads import ThreadSplit, check_pin, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
@@ -83,7 +83,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             (:class:`~lightning_sparse_dp.timing.StageTimes`).
         pin_replicas: CPU replicas only: pin each replica's thread to cores and even the ``"balanced"``
             split's points per core (:func:`~lightning_sparse_dp.threads.plan_cores`). ``None`` (default):
-            with ``sync_batchnorm`` and more replicas than cores; ``True``: always; ``False``: never.
+            with ``sync_batchnorm`` and more replicas than cores; ``True``: always; ``False``: never;
+            anything else raises ``ValueError``.
         sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm
             layers too) for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, synchronized across the
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
@@ -121,7 +122,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self.output_layout = dict(output_layout) if output_layout else None
         self.split_fn = split_fn
         self.presplit = presplit
-        self.pin_replicas = pin_replicas
+        self.pin_replicas = check_pin(pin_replicas)
         self._core_groups: tuple[int, ...] | None = None  # replicas pinned to one core share a group (plan_cores)
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")

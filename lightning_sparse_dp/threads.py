@@ -75,6 +75,18 @@ class CorePlan:
     groups: tuple[int, ...]
 
 
+def check_pin(pin: object) -> bool | None:
+    """``pin`` itself when it is ``None``, ``True`` or ``False`` (the strategy's ``pin_replicas``).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if pin is not None and not isinstance(pin, bool):
+        raise ValueError(f"pin_replicas must be None (pin with sync_batchnorm and more replicas than cores), True or "
+                         f"False, got {pin!r}.")
+    return pin
+
+
 def plan_cores(
     num_replicas: int, pin: bool | None = None, cores: Sequence[int] | None = None, synchronized: bool = True
 ) -> CorePlan | None:
@@ -220,6 +232,7 @@ __all__ = [
     "CorePlan",
     "ThreadSplit",
     "available_cores",
+    "check_pin",
     "configure_replica_threads",
     "me_coordinate_manager_module",
     "plan_cores",

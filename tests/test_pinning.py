@@ -172,3 +172,8 @@ def test_loader_workers_split_per_core_when_pinned(monkeypatch):
     assert sorted(n for _, n in ours.seen) == expected
     if len(cores) == 2:
         assert expected != sorted(len(c) for c in balanced_assignment(sizes, 3))  # the test can tell them apart
+
+
+def test_pin_replicas_must_be_none_or_a_bool():
+    with pytest.raises(ValueError, match="pin_replicas must be None .* True or False, got 'yes'"):
+        SparseDataParallelStrategy(pin_replicas="yes")
