@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 from lightning_sparse_dp.place import current_stream, device_context
@@ -142,8 +143,12 @@ def _call(
 ) -> T:
     try:
         if cores is not None and getattr(_pinned, "cores", None) != cores:
-            os.sched_setaffinity(0, cores)  # 0: the calling thread (Linux); its OpenMP threads inherit the mask
             _pinned.cores = cores
+            try:
+                os.sched_setaffinity(0, cores)  # 0: the calling thread (Linux); its OpenMP threads inherit the mask
+            except OSError as err:  # e.g. a container that refuses the mask: run unpinned, say so once
+                rank_zero_warn(f"sparse_dp: could not pin replica {index}'s thread to CPUs {sorted(cores)} ({err}); it "
+                               "runs unpinned. Pass pin_replicas=False to skip pinning.")
         with ExitStack() as stack:
             state.enter(stack)
             stack.enter_context(device_context(device, stream))

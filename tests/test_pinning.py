@@ -177,3 +177,17 @@ def test_loader_workers_split_per_core_when_pinned(monkeypatch):
 def test_pin_replicas_must_be_none_or_a_bool():
     with pytest.raises(ValueError, match="pin_replicas must be None .* True or False, got 'yes'"):
         SparseDataParallelStrategy(pin_replicas="yes")
+
+
+@needs_affinity
+def test_a_refused_mask_runs_unpinned_and_says_so(monkeypatch):
+    def refuse(pid, mask):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    executor = ReplicaExecutor(2, affinity=[frozenset([0]), frozenset([0])])
+    try:
+        with pytest.warns(UserWarning, match="could not pin replica .* runs unpinned"):
+            assert executor.run([lambda: 1, lambda: 2], [torch.device("cpu")] * 2) == [1, 2]
+    finally:
+        executor.shutdown()
