@@ -83,37 +83,37 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int, groups: Sequence[
     order = sorted(range(num_samples), key=lambda i: (-sizes[i], i))
     if groups is not None:
         return _grouped_assignment(sizes, order, k, groups)
-    loads = [(0, c) for c in range(k)]  # a heap of (points so far, chunk): the least loaded, lowest index first
-    members: list[list[int]] = [[] for _ in range(k)]
+    return [torch.tensor(sorted(m), dtype=torch.long) for m in _lpt(sizes, order, k)]
+
+
+def _lpt(sizes: list[int], order: list[int], bins: int) -> list[list[int]]:
+    """Graham's rule: the samples of ``order`` (decreasing size), each to the bin with the fewest points so
+    far (the lowest index on ties); the sample ids of each bin."""
+    loads = [(0, c) for c in range(bins)]  # a heap of (points so far, bin): the least loaded, lowest index first
+    members: list[list[int]] = [[] for _ in range(bins)]
     for i in order:
         load, j = loads[0]
         heapq.heapreplace(loads, (load + sizes[i], j))
         members[j].append(i)
-    return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
+    return members
 
 
 def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequence[int]) -> list[Tensor]:
-    """:func:`balanced_assignment` with ``groups``: samples to groups (LPT, then :func:`_even_out`), then each
-    group's samples to its chunks (LPT)."""
+    """:func:`balanced_assignment` with ``groups``: samples to groups (:func:`_lpt`, then :func:`_even_out`),
+    then each group's samples to its chunks (:func:`_lpt`)."""
     if len(groups) < k:
         raise ValueError(f"groups must name a group for each of the {k} chunks, got {list(groups)}.")
     group_of = list(groups[:k])
     ids = sorted(set(group_of))
     chunks_of = {g: [c for c in range(k) if group_of[c] == g] for g in ids}
-    in_group: dict[int, list[int]] = {g: [] for g in ids}
-    loads = {g: 0 for g in ids}
-    for i in order:
-        g = min(ids, key=lambda h: (loads[h], h))
-        loads[g] += sizes[i]
-        in_group[g].append(i)
+    in_group = dict(zip(ids, _lpt(sizes, order, len(ids))))
+    loads = {g: sum(sizes[i] for i in members) for g, members in in_group.items()}
     _even_out(sizes, in_group, loads, {g: len(c) for g, c in chunks_of.items()})
-    chunk_loads = [0] * k
     members: list[list[int]] = [[] for _ in range(k)]
     for g in ids:
-        for i in sorted(in_group[g], key=lambda i: (-sizes[i], i)):
-            j = min(chunks_of[g], key=lambda c: (chunk_loads[c], c))
-            chunk_loads[j] += sizes[i]
-            members[j].append(i)
+        inside = sorted(in_group[g], key=lambda i: (-sizes[i], i))
+        for c, chunk in zip(chunks_of[g], _lpt(sizes, inside, len(chunks_of[g]))):
+            members[c] = chunk
     return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
 
 
