@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -124,25 +125,29 @@ def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int,
     at least ``keep[g]`` samples) or swap (one sample each way; tried while the two groups hold at most 4096
     pairs) by the gap left, ``|gap - 2 d|`` for a transfer of ``d`` points; stops when none leaves a smaller
     gap, after at most 16 rounds (Graham's rule leaves a gap of at most the smallest sample's size; one or
-    two rounds close it in practice, and the cap bounds the cost for large batches). Deterministic (strict
-    improvements, samples in id order).
+    two rounds close it in practice, and the cap bounds the cost for large batches). Deterministic: strict
+    improvements; among equal moves the lowest sample id, among equal swaps the lowest pair (out of the
+    fuller group first), a swap only where it beats every move. The candidates of a round are scored as
+    numpy arrays (the pairs as one broadcast ``[a, b]`` table), not in Python loops.
     """
+    table = np.asarray(sizes, dtype=np.int64)
     for _ in range(16):
         high = max(loads, key=lambda g: (loads[g], -g))
         low = min(loads, key=lambda g: (loads[g], g))
         gap = loads[high] - loads[low]
+        out_of_high = np.sort(np.asarray(in_group[high], dtype=np.int64))
+        out_of_low = np.sort(np.asarray(in_group[low], dtype=np.int64))
         best: tuple[int, int, int | None] | None = None  # (gap left, sample out of high, sample out of low)
-        if len(in_group[high]) > keep[high]:
-            for a in sorted(in_group[high]):
-                left = abs(gap - 2 * sizes[a])
-                if left < gap and (best is None or left < best[0]):
-                    best = (left, a, None)
-        if len(in_group[high]) * len(in_group[low]) <= 4096:
-            for a in sorted(in_group[high]):
-                for b in sorted(in_group[low]):
-                    left = abs(gap - 2 * (sizes[a] - sizes[b]))
-                    if left < gap and (best is None or left < best[0]):
-                        best = (left, a, b)
+        if out_of_high.size > keep[high]:
+            left = np.abs(gap - 2 * table[out_of_high])
+            i = int(left.argmin())  # the first (lowest id) of the smallest
+            if left[i] < gap:
+                best = (int(left[i]), int(out_of_high[i]), None)
+        if 0 < out_of_high.size * out_of_low.size <= 4096:
+            left = np.abs(gap - 2 * (table[out_of_high][:, None] - table[out_of_low][None, :]))
+            i, j = divmod(int(left.argmin()), out_of_low.size)  # row-major: the first pair in (high, low) order
+            if left[i, j] < gap and (best is None or left[i, j] < best[0]):
+                best = (int(left[i, j]), int(out_of_high[i]), int(out_of_low[j]))
         if best is None:
             return
         _, a, b = best
@@ -194,25 +199,23 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     """
     fn = resolve_assignment(assignment)
     num_samples = int(sizes.numel())
-    chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten() for c in fn(sizes, num_chunks)]
+    chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
-    lengths = [c.numel() for c in chunk_samples]
-    ids = torch.cat(chunk_samples) if chunk_samples else torch.empty(0, dtype=torch.long)
-    if ids.numel() > 0 and not 0 <= int(ids.min()) <= int(ids.max()) < num_samples:
+    # the checks and the derived maps in numpy: a few microseconds each where torch ops cost several times that
+    lengths = np.array([c.numel() for c in chunk_samples], dtype=np.int64)
+    ids = np.concatenate([c.numpy() for c in chunk_samples]) if chunk_samples else np.empty(0, dtype=np.int64)
+    if ids.size > 0 and not 0 <= int(ids.min()) <= int(ids.max()) < num_samples:
         raise BatchLayoutError(f"the assignment names samples outside 0..{num_samples - 1}.")
-    times_assigned = torch.bincount(ids, minlength=num_samples)  # one pass over all chunks, no loop per chunk
-    if ids.numel() > num_samples or bool((times_assigned > 1).any()):
+    times_assigned = np.bincount(ids, minlength=num_samples)  # one pass over all chunks, no loop per chunk
+    if ids.size > num_samples or bool((times_assigned > 1).any()):
         raise BatchLayoutError("the assignment puts a sample into more than one chunk.")
-    if ids.numel() < num_samples:
+    if ids.size < num_samples:
         raise BatchLayoutError("the assignment leaves samples out of every chunk: every sample must go to one chunk.")
-    counts = torch.tensor(lengths)
-    starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    sample_to_chunk = torch.empty(num_samples, dtype=torch.long)
-    index_in_chunk = torch.empty(num_samples, dtype=torch.long)
-    sample_to_chunk[ids] = torch.repeat_interleave(torch.arange(len(lengths)), counts)
-    index_in_chunk[ids] = torch.arange(num_samples) - starts
-    return chunk_samples, sample_to_chunk, index_in_chunk
-
+    sample_to_chunk = np.empty(num_samples, dtype=np.int64)
+    index_in_chunk = np.empty(num_samples, dtype=np.int64)
+    sample_to_chunk[ids] = np.repeat(np.arange(lengths.size), lengths)
+    index_in_chunk[ids] = np.arange(num_samples) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return chunk_samples, torch.from_numpy(sample_to_chunk), torch.from_numpy(index_in_chunk)
 
 __all__ = [
     "ASSIGNMENTS",
