@@ -156,9 +156,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._timer.profiler = trainer.profiler
         if self._executor is None:
             self._executor = ReplicaExecutor(len(self.parallel_devices))
-        if self._thread_split is None and self.root_device.type == "cpu":  # CPU cores split between replicas, pinned
+        if self._thread_split is None:  # CPU cores split between replicas, pinned (a warning for pin_replicas on GPUs)
             self._thread_split, self._core_groups = configure_replica_threads(
-                self._executor, len(self.parallel_devices), self.pin_replicas, self._layer_sync is not None
+                self._executor, len(self.parallel_devices), self.pin_replicas, self._layer_sync is not None,
+                self.root_device.type,
             )
 
     @override

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_sparse_dp._me import ME
 
@@ -134,15 +134,25 @@ def plan_cores(
 
 
 def configure_replica_threads(
-    executor: Any, num_replicas: int, pin: bool | None, synchronized: bool
+    executor: Any, num_replicas: int, pin: bool | None, synchronized: bool, device_type: str = "cpu"
 ) -> tuple[ThreadSplit | None, tuple[int, ...] | None]:
     """CPU replicas: the cores' threads split between them (:func:`split_threads`) and their threads pinned
     (:func:`plan_cores`), both set on ``executor`` (a :class:`~lightning_sparse_dp.apply.ReplicaExecutor`).
+
+    Other devices (``device_type``, e.g. ``"cuda"``): nothing is changed; ``pin=True`` is answered with a
+    warning that it applies to CPU replicas only (a GPU replica's thread mostly waits on its device).
 
     Returns:
         ``(split, groups)``: the thread split to restore at teardown (``None``: nothing changed), and the
         replicas' core groups for the split (``None``: not pinned).
     """
+    if device_type != "cpu":
+        if pin:
+            rank_zero_warn(
+                f"pin_replicas=True applies to CPU replicas only; the replicas run on {device_type} devices, so no "
+                "thread is pinned and the split stays per replica. Leave pin_replicas unset (None) for GPUs."
+            )
+        return None, None
     split = split_threads(num_replicas)
     if split is not None:
         executor.threads_per_replica = split.per_replica

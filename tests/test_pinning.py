@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.split.assign import balanced_assignment
-from lightning_sparse_dp.threads import plan_cores
+from lightning_sparse_dp.threads import configure_replica_threads, plan_cores
 from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start
 from tests.helpers import trainer as _trainer
 
@@ -210,3 +210,16 @@ def test_pinned_split_with_ignore_labels_and_class_weights_equals_one_device(mon
     assert _worst(ours, reference) <= 1e-10
     loss, expected = t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]
     assert abs(float(loss) - float(expected)) <= 1e-10 * abs(float(expected))
+
+
+@pytest.mark.parametrize("pin", [True, None, False])
+def test_pinning_on_gpu_replicas_changes_nothing_and_says_so_when_asked(pin, recwarn):
+    class Executor:  # what configure_replica_threads sets on a ReplicaExecutor
+        threads_per_replica = "untouched"
+        affinity = "untouched"
+
+    executor = Executor()
+    assert configure_replica_threads(executor, 3, pin, True, "cuda") == (None, None)
+    assert executor.threads_per_replica == "untouched" and executor.affinity == "untouched"
+    said = [str(w.message) for w in recwarn if "pin_replicas=True applies to CPU replicas only" in str(w.message)]
+    assert len(said) == (1 if pin else 0)
