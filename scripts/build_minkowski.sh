@@ -210,6 +210,8 @@ PYEOF
     #     features unpooled; it now pools like TensorField.sparse(), other modes raise.
     #  12 CPU global pooling of a TensorField.sparse() tensor at stride 1 (which shares the field's
     #     key) used the field's maps: out-of-bounds reads and writes. The maps now follow the input.
+    #  13 Building a coordinate map (SparseTensor, TensorField.sparse()) hashed the coordinates with
+    #     the GIL held: replica threads built their maps in turn. The hashing releases it now.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do

@@ -1,7 +1,8 @@
 """ME layers as objects: copies (pickle, copy.deepcopy, torch.save, AveragedModel) compute what the
-original computes, and MinkowskiSyncBatchNorm.convert_sync_batchnorm converts.
+original computes, MinkowskiSyncBatchNorm.convert_sync_batchnorm converts, and building a coordinate
+map leaves other Python threads (the other replicas) running.
 
-ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04 and 05 fix them).
+ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04, 05 and 13 fix them).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import threading
+import time
 
 import MinkowskiEngine as ME
 import pytest
@@ -167,3 +170,43 @@ def test_convert_sync_batchnorm_converts_every_me_batch_norm():
     assert converted[1].bn.weight is net[1].bn.weight
     assert torch.equal(converted[1].bn.running_mean, torch.full((4,), 0.5))
     assert not any(type(m) is torch.nn.BatchNorm1d for m in converted.modules())
+
+
+@pytest.mark.parametrize("build", ["SparseTensor", "TensorField.sparse()"])
+def test_building_a_coordinate_map_lets_other_python_threads_run(build):
+    """Patch 13: ME hashes coordinates without the GIL, so replica threads build their SparseTensors at once.
+
+    The main thread stamps the time in a Python loop while another thread builds a map of 2M points
+    (about 0.3 s of hashing here). With the GIL held through the hashing (ME 0.5.4 as released) the
+    loop stops for the whole hashing: its longest gap is that long; released, the gaps stay near Python's
+    thread switch interval (5 ms).
+    """
+    g = torch.Generator().manual_seed(0)
+    points = torch.randint(0, 1000, (2_000_000, 3), generator=g, dtype=torch.int32)
+    coordinates = torch.cat([torch.zeros(len(points), 1, dtype=torch.int32), points], 1)
+    features = torch.ones(len(points), 1)
+    made, done = [], threading.Event()
+
+    def make() -> None:
+        if build == "SparseTensor":
+            made.append(ME.SparseTensor(features, coordinates))
+        else:
+            made.append(ME.TensorField(features, coordinates.float()).sparse())
+        done.set()
+
+    builder = threading.Thread(target=make)
+    stamps = [time.perf_counter()]
+    builder.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+    builder.join()
+    assert made and len(made[0].C) > 1_000_000  # the map was really built
+    total = stamps[-1] - stamps[0]
+    longest = max(b - a for a, b in zip(stamps, stamps[1:]))
+    assert total > 0.1, f"the build took {total * 1e3:.1f} ms: too short to tell"
+    # held, the gap is the hashing: 290-360 ms of 440-730 ms here (TensorField.sparse() also runs torch ops,
+    # which release the GIL); released, a few switch intervals
+    assert longest < max(0.1 * total, 0.05), (
+        f"the main thread stood still for {longest * 1e3:.1f} ms of the {total * 1e3:.1f} ms build: ME held the GIL "
+        "while hashing coordinates (scripts/minkowski_patches/13-build-coordinate-maps-without-the-gil.patch not applied?)"
+    )
