@@ -217,6 +217,7 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     index_in_chunk[ids] = np.arange(num_samples) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return chunk_samples, torch.from_numpy(sample_to_chunk), torch.from_numpy(index_in_chunk)
 
+
 __all__ = [
     "ASSIGNMENTS",
     "assign",
