@@ -112,7 +112,8 @@ def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequ
     _even_out(sizes, in_group, loads, {g: len(c) for g, c in chunks_of.items()})
     members: list[list[int]] = [[] for _ in range(k)]
     for g in ids:
-        inside = sorted(in_group[g], key=lambda i: (-sizes[i], i))
+        member = set(in_group[g])
+        inside = [i for i in order if i in member]  # the group's samples in the rule's order (decreasing size)
         for c, chunk in zip(chunks_of[g], _lpt(sizes, inside, len(chunks_of[g]))):
             members[c] = chunk
     return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
