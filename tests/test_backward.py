@@ -113,9 +113,18 @@ def test_accumulation_and_clipping_in_float64(kwargs):
 
 
 def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
-    """16-mixed with a GradScaler: the scaled loss's gradient reaches every replica, and the unscaled step is right."""
+    """16-mixed with a GradScaler: the scaled loss's gradient reaches every replica, and the unscaled step is right.
+
+    The first step starts from equal parameters, and the first convolution's gradient differs only by float32
+    sums in another order (~1e-7). From the second step on the parameters differ by float16 rounding: each
+    replica's linear layer computes its chunk's weight gradient as a float16 matmul, rounded before the
+    replicas' sum (as each DDP rank's is), 3e-4 apart from the whole batch's. That is within 1e-3 of the
+    reference, but not for every start: a batch-norm output within ~1e-5 of 0 can land on the other side of the
+    ReLU and move one channel's gradient by 20 % (1 of 400 random starts, seed 287, measured). The start is
+    seeded so the test is deterministic: seed 0's steps differ by 7e-8, 1e-4 and 2e-5.
+    """
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)]
-    ours, reference = same_start(batch_norm=True)
+    ours, reference = same_start(batch_norm=True, seed=0)
     batches = _batches()
     seen = []
 
@@ -131,6 +140,7 @@ def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
     assert scalers[0].get_scale() == scalers[1].get_scale()
     assert len(seen) == 6  # three steps each
     ours_seen, ref_seen = seen[:3], seen[3:]
+    assert ours_seen[0] == pytest.approx(ref_seen[0], rel=1e-5)  # equal parameters: float32 sums apart
     for a, b in zip(ours_seen, ref_seen):
         assert a == pytest.approx(b, rel=1e-3) and a > 10  # scaled gradients (the unscaled ones are < 1)
     ref = reference.state_dict()
