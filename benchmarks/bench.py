@@ -55,7 +55,8 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step:
   ``split + place + replicate + state + gather + log`` (``log``: the replicas' logged values reduced; the
   ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
-  its step);
+  its step); ``step_overhead_ms_presplit``: the same with a DataLoader worker (``num_workers=1``), where sparse_dp's
+  ``presplit`` collates and splits the batch, so ``split`` only takes the worker's chunks;
 - ``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
   ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes;
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
@@ -185,8 +186,8 @@ def _workload(model_name: str, global_batch: int, steps: int):
 
 
 def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int,
-             accelerator: str = "cpu", **trainer_kwargs):
-    """Median step time (s) and the strategy's stage medians for one configuration."""
+             accelerator: str = "cpu", num_workers: int = 0, **trainer_kwargs):
+    """Median step time (s) and the strategy's stage medians for one configuration (``num_workers``: the DataLoader's)."""
     model_cls, data, collate, points = _workload(model_name, global_batch, steps + warmup)
     distributed = strategy == "ddp" or isinstance(strategy, SparseDDPStrategy)
     batch = global_batch // devices if distributed else global_batch
@@ -197,7 +198,9 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
         num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )
-    trainer.fit(model_cls(), DataLoader(data, batch_size=batch, shuffle=False, collate_fn=collate))
+    loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=num_workers,
+                        persistent_workers=num_workers > 0)
+    trainer.fit(model_cls(), loader)
     times = clock.times[warmup:]
     stages = {}
     if isinstance(strategy, SparseDataParallelStrategy) and strategy.stage_times is not None:
@@ -220,12 +223,23 @@ MODES = ("default", "1 thread")
 DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp"}
 
 
-def case_names(mode: str) -> list[str]:
+#: The case whose DataLoader has a worker process (``num_workers=1``), so that sparse_dp's ``presplit`` collates and
+#: splits there: digits, default threads only (``step_overhead_ms_presplit``).
+PRESPLIT_CASE = "sparse_dp-3 presplit"
+
+
+def case_names(mode: str, model_name: str = "segmentation") -> list[str]:
     """The cases of one model and thread setting, in the order of one repetition (the next one runs them reversed)."""
     names = ["auto-1", "sparse_dp-1"]
     names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
               "ddp-2 (gloo)"]
-    return names + (["sparse_ddp-2 gloo"] if mode == "default" else [])
+    names += ["sparse_ddp-2 gloo"] if mode == "default" else []
+    return names + ([PRESPLIT_CASE] if mode == "default" and model_name == "digits" else [])
+
+
+def case_workers(case: str) -> int:
+    """DataLoader worker processes of a case: 1 for :data:`PRESPLIT_CASE`, else 0 (collated in the main process)."""
+    return 1 if case == PRESPLIT_CASE else 0
 
 
 def case_env(mode: str, case: str) -> dict[str, str]:
@@ -347,7 +361,8 @@ def case_server() -> None:
 def run_case_child(args) -> None:
     """One case, as asked by :class:`CaseRunner`; rank 0 writes its result to ``--case-out``."""
     strategy, devices = case_strategy(args.model, args.case_child)
-    result = run_case(args.model, strategy, devices, args.global_batch, args.steps, args.warmup, args.accelerator)
+    result = run_case(args.model, strategy, devices, args.global_batch, args.steps, args.warmup, args.accelerator,
+                      num_workers=case_workers(args.case_child))
     if result["rank"] == 0:
         Path(args.case_out).write_text(json.dumps(result))
 
@@ -656,14 +671,14 @@ def run_all(models: list[tuple[str, int]], steps: int, warmup: int, repeats: int
     Returns:
         ``raw[(model, mode)][case]``: the case's results, one per repetition.
     """
-    raw: dict = {(m, mode): {c: [] for c in case_names(mode)} for m, _ in models for mode in MODES}
+    raw: dict = {(m, mode): {c: [] for c in case_names(mode, m)} for m, _ in models for mode in MODES}
     total, done, started = sum(len(v) for v in raw.values()) * repeats, 0, time.perf_counter()
     runners = {mode: CaseRunner(mode) for mode in MODES}
     try:
         for rep in range(repeats):
             for model_name, global_batch in models:
                 for mode in MODES:
-                    names = case_names(mode)
+                    names = case_names(mode, model_name)
                     for case in names if rep % 2 == 0 else names[::-1]:
                         result = runners[mode].run(model_name, case, global_batch, steps, warmup)
                         raw[(model_name, mode)][case].append(result)
@@ -714,6 +729,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
     fixed = ("split", "place", "replicate", "state", "gather", "log")
     put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
+    put("step_overhead_ms_presplit", [v * 1e3 for v in stage_sum(dig, d, PRESPLIT_CASE, fixed)], 3)
     put("sparse_ddp_vs_ddp", ratio(seg, d, "ddp-2 (gloo)", "sparse_ddp-2 gloo"))
     data = LogNormalScenes(global_batch * (steps + warmup), seed=7)  # the segmentation cases' scenes
     out["rank_imbalance"] = sampler_imbalance([len(labels) for _, _, labels in data.scenes], global_batch // 2)
