@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_sparse_dp.syncbn import _functions
 from lightning_sparse_dp.syncbn._functions import accumulation_dtype, combine_statistics, compute_dtype
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted, ThreadGroup
@@ -93,6 +94,17 @@ def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail):
             assert int(got[name]) == int(want[name]) == 1
         else:
             assert relative_difference(got[name], want[name]) < 1e-10, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype):
+    """The per-channel arithmetic of CUDA input (tensors, no numpy) is the CPU's (numpy): forced here on CPU."""
+    cpu, _, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
+    monkeypatch.setattr(_functions, "HOST_DEVICE_TYPES", ())
+    tensors, want, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
+    for name in want:
+        assert relative_difference(tensors[name], cpu[name]) < 1e-12, name
+        assert relative_difference(tensors[name], want[name]) < (1e-10 if dtype == torch.float64 else 1e-5), name
 
 
 def test_cumulative_average_and_no_affine():

@@ -34,6 +34,17 @@ against the deviation costs no digits, and the layer normalizes and saves the ce
 further copy of the features). The gathered statistics are float64 on every device, so counts stay
 exact and the ranks' partial sums are combined without further rounding.
 
+Per-channel arithmetic on CPU. The ``[C]``-sized values (the statistics and their combination, the
+normalization's and the gradient's per-channel factors) are computed in float64 numpy arrays when the
+input is on the CPU (:data:`HOST_DEVICE_TYPES`), torch tensors elsewhere, with the same formulas. Each
+torch op costs a few microseconds of Python and dispatch and releases the GIL and takes it back; on
+vectors of a few dozen values that is the whole cost, and replica threads running the same layer
+queued for the GIL at every one of some 50 such ops per layer (two threads, 750 x 32 input, each layer
+against a rank that mirrors it: 1.3-1.8 ms per layer forward + backward, 0.47 ms for one thread alone).
+numpy keeps the GIL through such small operations and costs well under a microsecond each. The
+input-sized work (centering, statistics, normalization, backward sums, input gradient) stays in
+torch's native kernels.
+
 Timing. Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` each layer's forward and backward
 time (its own work plus the wait for the other replicas at its rendezvous) is recorded per replica
 (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.timings`); ``sparse_dp`` puts it in its stage
@@ -45,6 +56,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +81,40 @@ def _expand(v: Tensor, like: Tensor) -> Tensor:
     return v.reshape([1, -1] + [1] * (like.dim() - 2))
 
 
+#: Per-channel values: float64 numpy arrays for CPU input, tensors elsewhere (see "Per-channel arithmetic").
+Values = Any
+
+#: Device types whose per-channel values are computed in numpy (the others' stay tensors, on their device).
+HOST_DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _values(t: Tensor) -> Values:
+    """``t`` (per-channel, no gradient needed) as float64 values: a numpy copy on CPU, a float64 tensor elsewhere."""
+    if t.device.type not in HOST_DEVICE_TYPES:
+        return t.detach().to(torch.float64)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16
+        return t.detach().to(torch.float64).numpy()
+    return t.numpy(force=True).astype(np.float64)
+
+
+def _tensor(values: Values, dtype: torch.dtype, shape: list[int] | None = None) -> Tensor:
+    """``values`` as a tensor of ``dtype`` (a new one, not shared with other ranks), reshaped to ``shape`` if given."""
+    if isinstance(values, np.ndarray):
+        array = np.array(values, dtype=_NUMPY_DTYPES[dtype])
+        return torch.from_numpy(array if shape is None else array.reshape(shape))
+    t = values.to(dtype, copy=True)
+    return t if shape is None else t.reshape(shape)
+
+
+def _stack(gathered: list[Tensor]) -> Values:
+    """The ranks' tensors stacked along a new first dimension, as float64 values (numpy for CPU tensors)."""
+    if all(t.device.type in HOST_DEVICE_TYPES for t in gathered):
+        return np.stack([t.numpy() for t in gathered]).astype(np.float64, copy=False)
+    return torch.stack(gathered).to(torch.float64)
+
+
 def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Chan et al.'s parallel combination of the ranks' ``[3, C]`` statistics ``(count, mean, M2)``.
 
@@ -85,12 +131,17 @@ def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     Raises:
         ValueError: at most one value per channel in all (``torch.nn.functional.batch_norm`` refuses it too).
     """
-    stats = torch.stack(gathered)  # [R, 3, C]
+    total, mean, m2 = _combine_stacked(torch.stack(gathered))
+    return total, mean, m2
+
+
+def _combine_stacked(stats: Values) -> tuple[Values, Values, Values]:
+    """:func:`combine_statistics` of the stacked ``[R, 3, C]`` float64 statistics (numpy array or tensor)."""
     counts = stats[:, 0, :1]  # [R, 1]
     total = counts.sum()
     if float(total) < 2:
         raise ValueError(
-            f"expected more than 1 value per channel when training, got {int(total)} across {len(gathered)} rank(s)"
+            f"expected more than 1 value per channel when training, got {int(total)} across {len(stats)} rank(s)"
         )
     means = stats[:, 1]
     mean = (means * counts).sum(0) / total
@@ -98,11 +149,24 @@ def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     return total, mean, m2
 
 
+def _combine(gathered: list[Tensor]) -> tuple[Values, Values]:
+    """``(total, [mean, biased var, unbiased var])`` of the ranks' statistics (:func:`combine_statistics`), float64."""
+    stacked = _stack(gathered)
+    total, mean, m2 = _combine_stacked(stacked)
+    moments = (np.stack if isinstance(stacked, np.ndarray) else torch.stack)([mean, m2 / total, m2 / (total - 1)])
+    return total, moments
+
+
+def _sum_ranks(gathered: list[Tensor]) -> Values:
+    """The ranks' ``[2, C]`` gradient sums added up over ranks (as ``SyncBatchNorm`` all-reduces them), float64."""
+    return _stack(gathered).sum(0)
+
+
 #: Rows of the first-row sample whose mean centers float32 input before its statistics (see :func:`_local_statistics`).
 SHIFT_ROWS = 32
 
 
-def _local_statistics(x: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+def _local_statistics(x: Tensor) -> tuple[Values | None, Tensor, Tensor]:
     """``(shift, centered, stats)``: this rank's statistics of ``x`` ``[N, C, *]`` (compute dtype), from a native kernel.
 
     ``stats`` is float64 ``[3, C]`` (count, mean, M2) for :func:`combine_statistics`, taken with torch's native
@@ -112,33 +176,24 @@ def _local_statistics(x: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
     first centered on a shift, the mean of its first :data:`SHIFT_ROWS` rows (``centered = x - shift``, the
     shifted-data algorithm: the kernel then sums small values), and the statistics are those of
     ``centered`` plus the shift. ``centered`` is what the layer normalizes and saves, so the centering is
-    not a further copy of the features. float64 input is used as it is (``shift`` is ``None``).
+    not a further copy of the features. float64 input is used as it is (``shift`` is ``None``; else the
+    shift's float64 values).
     """
     count = x.numel() // x.shape[1]
     shift = None
     if count == 0:  # an empty rank contributes nothing
         return shift, x, torch.zeros(3, x.shape[1], dtype=torch.float64, device=x.device)
     if x.dtype != torch.float64:
-        shift = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
-        x = x - _expand(shift, x)
+        shift_t = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
+        x = x - (shift_t if x.dim() == 2 else _expand(shift_t, x))
+        shift = _values(shift_t)
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # var: biased
-    stats = torch.stack([var, mean, var]).to(torch.float64)
-    stats[0].fill_(count)
-    stats[2].mul_(count)  # M2 = N * biased variance
+    mean64, m2 = _values(mean), _values(var) * count  # M2 = N * biased variance
     if shift is not None:  # shift + mean(centered), added in float64: the mean's digits beyond float32
-        stats[1].add_(shift.to(torch.float64))
-    return shift, x, stats
-
-
-def _combine(gathered: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(total, [mean, biased var, unbiased var])`` of the ranks' statistics (:func:`combine_statistics`), float64."""
-    total, mean, m2 = combine_statistics(gathered)
-    return total, torch.stack([mean, m2 / total, m2 / (total - 1)])
-
-
-def _sum_ranks(gathered: list[Tensor]) -> Tensor:
-    """The ranks' ``[2, C]`` gradient sums added up over ranks (as ``SyncBatchNorm`` all-reduces them)."""
-    return torch.stack(gathered).sum(0)
+        mean64 = mean64 + shift
+    if isinstance(mean64, np.ndarray):
+        return shift, x, torch.from_numpy(np.stack([np.full_like(mean64, count), mean64, m2]))
+    return shift, x, torch.stack([torch.full_like(mean64, count), mean64, m2])
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -156,61 +211,65 @@ class SyncBatchNormFunction(torch.autograd.Function):
         start = time.perf_counter()
         cdt = compute_dtype(input.dtype)
         shift, centered, stats = _local_statistics(input if input.dtype == cdt else input.to(cdt))
-        total, moments = gather_reduce(collective, stats, _combine)  # combined once per layer, shared by the ranks
-        moments = moments.clone()  # this rank's own outputs
+        # combined once per layer by one rank and shared: read here, never written
+        total, moments = gather_reduce(collective, stats, _combine)
         mean64, var64 = moments[0], moments[1]
         # the global mean in the frame of `centered` (x - shift): small below float64, so the fused native
         # normalization centered * (w * invstd) + (b - mean * w * invstd) cancels nothing
         frame_mean = mean64 if shift is None else mean64 - shift
-        output = torch.native_batch_norm(
-            centered, _cast(weight, cdt), _cast(bias, cdt), frame_mean.to(cdt), var64.to(cdt), False, 0.0, eps
-        )[0]
-        invstd = torch.rsqrt(var64 + eps)
-        scale = invstd if weight is None else invstd * weight
-        ctx.save_for_backward(centered, frame_mean, var64)
+        frame_c, var_c = _tensor(frame_mean, cdt), _tensor(var64, cdt)
+        output = torch.native_batch_norm(centered, _cast(weight, cdt), _cast(bias, cdt), frame_c, var_c, False, 0.0, eps)[0]
+        invstd = (var64 + eps) ** -0.5
+        scale = invstd if weight is None else invstd * _values(weight)
+        ctx.save_for_backward(centered, frame_c, var_c)
         ctx.collective, ctx.total, ctx.eps, ctx.invstd, ctx.scale = collective, total, eps, invstd, scale
+        ctx.frame_mean = frame_mean
         ctx.has_weight = weight is not None
         ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        unbiased = moments[2]
-        ctx.mark_non_differentiable(mean64, unbiased)
+        mean_out, unbiased = _tensor(mean64, torch.float64), _tensor(moments[2], torch.float64)  # this rank's own
+        ctx.mark_non_differentiable(mean_out, unbiased)
         ctx.layer = _record(collective, None, time.perf_counter() - start)
-        return output.to(input.dtype), mean64, unbiased
+        return (output if output.dtype == input.dtype else output.to(input.dtype)), mean_out, unbiased
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, _grad_mean: Any, _grad_var: Any):
         start = time.perf_counter()
-        centered, frame_mean, var64 = ctx.saved_tensors
+        centered, frame_c, var_c = ctx.saved_tensors
         cdt = centered.dtype
         dy = grad_output if grad_output.dtype == cdt else grad_output.to(cdt)
         if centered.numel() > 0:
             # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass
             _, dot_invstd, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, centered, None, frame_mean.to(cdt), var64.to(cdt), None, None, False, ctx.eps, [False, True, True]
+                dy, centered, None, frame_c, var_c, None, None, False, ctx.eps, [False, True, True]
             )
         else:
             dot_invstd = sum_dy = torch.zeros(centered.shape[1], dtype=cdt, device=centered.device)
-        sums = torch.stack([sum_dy, dot_invstd]).to(torch.float64)  # sum(dy), sum(dy * x_hat)
         grad_input = grad_weight = grad_bias = None
         input_dtype, weight_dtype, bias_dtype = ctx.dtypes
         if ctx.needs_input_grad[0]:
+            sums = torch.stack([sum_dy, dot_invstd])  # sum(dy), sum(dy * x_hat); the ranks' sum in float64
             total = gather_reduce(ctx.collective, sums, _sum_ranks)
             invstd, scale = ctx.invstd, ctx.scale
             # dx = (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
             #    = scale * dy + b * centered + c, per channel, with sum(dy * (x - mean)) = sum(dy * x_hat) / invstd
             b = scale * invstd * total[1] / -ctx.total
-            c = scale * total[0] / -ctx.total - b * frame_mean
-            grad_input = torch.addcmul(_expand(c.to(cdt), dy), centered, _expand(b.to(cdt), dy))
-            grad_input = grad_input.addcmul_(dy, _expand(scale.to(cdt), dy)).to(input_dtype)
+            c = scale * total[0] / -ctx.total - b * ctx.frame_mean
+            shape = [-1] if dy.dim() == 2 else [1, -1] + [1] * (dy.dim() - 2)
+            grad_input = torch.addcmul(_tensor(c, cdt, shape), centered, _tensor(b, cdt, shape))
+            grad_input = grad_input.addcmul_(dy, _tensor(scale, cdt, shape))
+            if grad_input.dtype != input_dtype:
+                grad_input = grad_input.to(input_dtype)
         if ctx.has_weight and ctx.needs_input_grad[1]:
-            grad_weight = dot_invstd.to(weight_dtype)
+            grad_weight = _cast(dot_invstd, weight_dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(bias_dtype)
+            grad_bias = _cast(sum_dy, bias_dtype)
         _record(ctx.collective, ctx.layer, time.perf_counter() - start)
         return grad_input, grad_weight, grad_bias, None, None
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if t is None else t.to(dtype)
+def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` in ``dtype`` (itself when it already is: no op, no hand-over of the GIL)."""
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:
@@ -220,4 +279,4 @@ def _record(collective: Collective, layer: int | None, seconds: float) -> int | 
     return None if record is None else record(seconds, layer)
 
 
-__all__ = ["SHIFT_ROWS", "SyncBatchNormFunction", "accumulation_dtype", "combine_statistics", "compute_dtype"]
+__all__ = ["HOST_DEVICE_TYPES", "SHIFT_ROWS", "SyncBatchNormFunction", "accumulation_dtype", "combine_statistics", "compute_dtype"]
