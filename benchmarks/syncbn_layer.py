@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/syncbn_layer.py                  # float32, 11,000 points x 64 channels
     .venv/bin/python benchmarks/syncbn_layer.py --points 33000 --channels 128 --float64
+    .venv/bin/python benchmarks/syncbn_layer.py --points 750 --channels 32 --threads 2
 
 The synchronized layer runs as one of two ranks whose other rank's statistics are its own (a collective
 that hands back two copies of what it gets), so the figure is the layer's own work: statistics, one
@@ -9,6 +10,13 @@ combination, normalization, backward sums, input gradient; no waiting for anothe
 times ``syncbn_wait`` of ``record_stage_times=True`` show that part in a real step). The two layers
 alternate, one thread, and the process CPU time (``time.process_time``) of each call is taken, so other
 work on the machine changes the figures little. Prints the medians in microseconds and their ratio.
+
+``--threads R`` (R >= 2) runs the layers the way replica threads do instead: R threads of one thread each,
+each with its own input of ``--points`` rows, torch's layer unsynchronized and the synchronized one as the
+ranks of one :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup`, and prints the wall-clock
+microseconds per forward + backward (the slowest thread's mean over ``--calls``; medians of 5 rounds). On
+a small layer this is the GIL's figure more than the arithmetic's: every op that releases the GIL waits to
+take it back while another thread runs Python.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +34,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm  # noqa: E402
+from lightning_sparse_dp.syncbn.collective import ThreadGroup  # noqa: E402
 
 
 class _Mirror:
@@ -46,15 +56,55 @@ def layer_cpu_us(layer: nn.Module, x: Tensor, dy: Tensor, calls: int) -> list[fl
     return out
 
 
+def threaded_us(synchronized: bool, threads: int, points: int, channels: int, dtype: torch.dtype, calls: int) -> float:
+    """Wall-clock us per forward + backward of the slowest of ``threads`` threads each running its own layer."""
+    group = ThreadGroup(threads) if synchronized else None
+    barrier = threading.Barrier(threads)
+    seconds = [0.0] * threads
+
+    def rank(r: int) -> None:
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(r)
+        x = (torch.randn(points, channels, generator=g) * 3 + 1).to(dtype).requires_grad_()
+        dy = torch.randn(points, channels, generator=g).to(dtype)
+        layer = (SyncBatchNorm if synchronized else nn.BatchNorm1d)(channels).to(dtype)
+        if group is not None:
+            layer.collective = group.member(r)
+            layer.update_running_stats = r == 0
+        barrier.wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            layer(x).backward(dy)
+        seconds[r] = time.perf_counter() - start
+
+    workers = [threading.Thread(target=rank, args=(r,)) for r in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return max(seconds) / calls * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=11_000)
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--float64", action="store_true")
     parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1, help="R >= 2: R replica threads at once (wall-clock us)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = torch.float64 if args.float64 else torch.float32
+    if args.threads >= 2:
+        rounds = {"torch BatchNorm1d": [], "SyncBatchNorm": []}
+        for _ in range(5):
+            rounds["torch BatchNorm1d"].append(threaded_us(False, args.threads, args.points, args.channels, dtype, args.calls))
+            rounds["SyncBatchNorm"].append(threaded_us(True, args.threads, args.points, args.channels, dtype, args.calls))
+        print(f"{args.threads} threads x {args.points} x {args.channels} {dtype}, forward + backward, wall-clock us per "
+              f"layer (median of 5 rounds of {args.calls} calls [min-max]):")
+        for name, values in rounds.items():
+            print(f"  {name:<18} {statistics.median(values):8.0f} [{min(values):.0f}-{max(values):.0f}]")
+        return
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(args.points, args.channels, generator=g) * 3 + 1).to(dtype).requires_grad_()
     dy = torch.randn(args.points, args.channels, generator=g).to(dtype)
