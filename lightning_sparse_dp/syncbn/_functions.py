@@ -39,8 +39,8 @@ normalization's and the gradient's per-channel factors) are computed in float64 
 input is on the CPU (:data:`HOST_DEVICE_TYPES`), torch tensors elsewhere, with the same formulas. Each
 torch op costs a few microseconds of Python and dispatch and releases the GIL and takes it back; on
 vectors of a few dozen values that is the whole cost, and replica threads running the same layer
-queued for the GIL at every one of some 50 such ops per layer (two threads, 750 x 32 input, each layer
-against a rank that mirrors it: 1.3-1.8 ms per layer forward + backward, 0.47 ms for one thread alone).
+queued for the GIL at every one of some 50 such ops per layer (``benchmarks/syncbn_layer.py --threads 2``
+shows a small layer's time in two threads; docs/benchmarks.md has the figures before and after).
 numpy keeps the GIL through such small operations and costs well under a microsecond each. The
 input-sized work (centering, statistics, normalization, backward sums, input gradient) stays in
 torch's native kernels.
