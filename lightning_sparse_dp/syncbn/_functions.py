@@ -77,8 +77,15 @@ def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float64 if device.type == "cpu" else compute_dtype(dtype)
 
 
+def _channel_shape(dim: int) -> list[int]:
+    """The shape that broadcasts per-channel ``[C]`` values against an ``[N, C, *]`` input of ``dim`` dimensions
+    (``[C]`` itself against ``[N, C]``)."""
+    return [-1] if dim == 2 else [1, -1] + [1] * (dim - 2)
+
+
 def _expand(v: Tensor, like: Tensor) -> Tensor:
-    return v.reshape([1, -1] + [1] * (like.dim() - 2))
+    """Per-channel ``v`` ``[C]`` shaped to broadcast against ``like`` (:func:`_channel_shape`; ``v`` itself for 2-D)."""
+    return v if like.dim() == 2 else v.reshape(_channel_shape(like.dim()))
 
 
 #: Per-channel values: float64 numpy arrays for CPU input, tensors elsewhere (see "Per-channel arithmetic").
@@ -131,8 +138,7 @@ def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     Raises:
         ValueError: at most one value per channel in all (``torch.nn.functional.batch_norm`` refuses it too).
     """
-    total, mean, m2 = _combine_stacked(torch.stack(gathered))
-    return total, mean, m2
+    return _combine_stacked(torch.stack(gathered))
 
 
 def _combine_stacked(stats: Values) -> tuple[Values, Values, Values]:
@@ -185,7 +191,7 @@ def _local_statistics(x: Tensor) -> tuple[Values | None, Tensor, Tensor]:
         return shift, x, torch.zeros(3, x.shape[1], dtype=torch.float64, device=x.device)
     if x.dtype != torch.float64:
         shift_t = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
-        x = x - (shift_t if x.dim() == 2 else _expand(shift_t, x))
+        x = x - _expand(shift_t, x)
         shift = _values(shift_t)
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # var: biased
     mean64, m2 = _values(mean), _values(var) * count  # M2 = N * biased variance
@@ -254,7 +260,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             #    = scale * dy + b * centered + c, per channel, with sum(dy * (x - mean)) = sum(dy * x_hat) / invstd
             b = scale * invstd * total[1] / -ctx.total
             c = scale * total[0] / -ctx.total - b * ctx.frame_mean
-            shape = [-1] if dy.dim() == 2 else [1, -1] + [1] * (dy.dim() - 2)
+            shape = _channel_shape(dy.dim())
             grad_input = torch.addcmul(_tensor(c, cdt, shape), centered, _tensor(b, cdt, shape))
             grad_input = grad_input.addcmul_(dy, _tensor(scale, cdt, shape))
             if grad_input.dtype != input_dtype:
