@@ -80,7 +80,12 @@ def _triggers_installed() -> Iterator[None]:
                 for name, original in _saved.items():
                     setattr(F, name, original)
 
-_UNCAPTURED = frozenset(UNCAPTURED)
+_CAPTURED_KIND, _UNCAPTURED_KIND = "captured", "uncaptured"
+#: what ``__torch_function__`` does first with a loss it is handed (the originals and their triggers alike)
+_KINDS: dict[Any, str] = {
+    **{f: _CAPTURED_KIND for f in CAPTURED}, **{f: _UNCAPTURED_KIND for f in UNCAPTURED},
+}
+_KINDS.update({trigger: _KINDS[original] for trigger, original in _ORIGINALS.items()})
 _SAME = frozenset({
     "detach", "clone", "float", "double", "half", "bfloat16", "to", "type", "reshape", "view", "squeeze",
     "unsqueeze", "flatten", "contiguous", "positive", "cpu", "cuda", "requires_grad_",
@@ -203,21 +208,34 @@ class TermCapture(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         try:
-            func = _ORIGINALS.get(func, func)
-            captured = func in CAPTURED
+            kind = _KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
-            captured = None
-        if captured:
-            return self._capture(func, args, kwargs)
+            kind = None
+        if kind is _CAPTURED_KIND:
+            return self._capture(_ORIGINALS.get(func, func), args, kwargs)
+        if kind is None and not self._touches_forms(args):
+            return func(*args, **kwargs)  # most calls (a metric's update, the network after a loss): nothing to follow
+        func = _ORIGINALS.get(func, func)
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor):
             return out
-        if captured is False and func in _UNCAPTURED and is_mean(bind(func, args, kwargs)):
+        if kind is _UNCAPTURED_KIND and is_mean(bind(func, args, kwargs)):
             why = f"it calls {loss_name(func)}(reduction='mean'), which is not captured"
             self.forms[id(out)] = Form(out, None, why)
         elif self.forms:
             self._follow(func, args, kwargs, out)
         return out
+
+    def _touches_forms(self, args: tuple) -> bool:
+        """Whether an argument (or a tensor of a list / tuple first argument) is a tensor computed from terms."""
+        forms = self.forms
+        if not forms:
+            return False
+        for a in args:
+            if isinstance(a, Tensor) and id(a) in forms:
+                return True
+        first = args[0] if args else None
+        return isinstance(first, (list, tuple)) and any(isinstance(t, Tensor) and id(t) in forms for t in first)
 
     def _capture(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         out = func(*args, **kwargs)
