@@ -58,6 +58,8 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   its step); ``step_overhead_ms_presplit``: the same with a DataLoader worker (``num_workers=1``), where sparse_dp's
   ``presplit`` collates and splits the batch, so ``split`` only takes the worker's chunks;
 - ``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
+  ``sparse_ddp_vs_ddp_launcher_threads``: the same on digits, both started without ``OMP_NUM_THREADS`` /
+  ``OPENBLAS_NUM_THREADS`` (Lightning's launcher picks the threads, which sparse_ddp applies to ME and OpenBLAS);
   ``rank_imbalance``: per-rank point imbalance of both samplers on the benchmark's scenes;
 - ``imbalance_balanced`` / ``imbalance_contiguous``: max over mean points per replica, 16 scenes, 3 replicas;
 - ``dispatch_us``: per-step cost of handing 3 no-op replica steps to threads and collecting them, ours
@@ -220,7 +222,12 @@ def _passed_on() -> list[str]:
 MODES = ("default", "1 thread")
 
 #: The DDP cases and the strategy their child runs.
-DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp"}
+DDP_CASES = {"ddp-2 (gloo)": "ddp", "sparse_ddp-2 gloo": "sparse_ddp",
+             "ddp-2 launcher threads": "ddp", "sparse_ddp-2 launcher threads": "sparse_ddp"}
+
+#: DDP cases run as a user starts them from a shell (``OMP_NUM_THREADS`` / ``OPENBLAS_NUM_THREADS`` unset), so that
+#: Lightning's launcher picks the threads; digits, default threads only (``sparse_ddp_vs_ddp_launcher_threads``).
+LAUNCHER_CASES = ("ddp-2 launcher threads", "sparse_ddp-2 launcher threads")
 
 
 #: The case whose DataLoader has a worker process (``num_workers=1``), so that sparse_dp's ``presplit`` collates and
@@ -234,7 +241,7 @@ def case_names(mode: str, model_name: str = "segmentation") -> list[str]:
     names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
               "ddp-2 (gloo)"]
     names += ["sparse_ddp-2 gloo"] if mode == "default" else []
-    return names + ([PRESPLIT_CASE] if mode == "default" and model_name == "digits" else [])
+    return names + ([PRESPLIT_CASE, *LAUNCHER_CASES] if mode == "default" and model_name == "digits" else [])
 
 
 def case_workers(case: str) -> int:
@@ -247,13 +254,18 @@ def case_env(mode: str, case: str) -> dict[str, str]:
 
     ``1 thread``: one intra-op thread for torch, ME's OpenMP and OpenBLAS in every process. ``default``: the
     parent's settings; DDP cases get ``OMP_NUM_THREADS=cores // 2`` (what Lightning's launcher sets for 2
-    processes) before anything is imported, because ME reads it at import to size its OpenMP threads, and
-    Lightning's launcher sets it only after the script imported ME, so that rank 0 would run with all cores
-    (ME resets the thread count whenever it builds a coordinate manager) and rank 1 with its share.
+    processes) before anything is imported, because ME (its OpenMP threads) and OpenBLAS read it at import,
+    and Lightning's launcher sets it in every rank only after the script imported ME: plain DDP would run
+    ME's OpenMP and OpenBLAS on every core in each rank (ME resets OpenMP's count whenever it builds a
+    coordinate manager), sparse_ddp applies the launcher's count to them, so only the preset variable
+    makes the two differ in their strategy alone. :data:`LAUNCHER_CASES` run without both variables instead.
     """
     env = dict(os.environ)
     if mode == "1 thread":
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    elif case in LAUNCHER_CASES:
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("OPENBLAS_NUM_THREADS", None)
     elif case in DDP_CASES and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
     return env
@@ -731,6 +743,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
     put("step_overhead_ms_presplit", [v * 1e3 for v in stage_sum(dig, d, PRESPLIT_CASE, fixed)], 3)
     put("sparse_ddp_vs_ddp", ratio(seg, d, "ddp-2 (gloo)", "sparse_ddp-2 gloo"))
+    put("sparse_ddp_vs_ddp_launcher_threads", ratio(dig, d, *LAUNCHER_CASES))
     data = LogNormalScenes(global_batch * (steps + warmup), seed=7)  # the segmentation cases' scenes
     out["rank_imbalance"] = sampler_imbalance([len(labels) for _, _, labels in data.scenes], global_batch // 2)
     out["imbalance_balanced"] = round(imbalance("balanced"), 4)

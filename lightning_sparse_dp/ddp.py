@@ -55,6 +55,7 @@ from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
 from lightning_sparse_dp.term_weights import decide, pack, rank_scale
 from lightning_sparse_dp.terms import TermCapture
+from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
@@ -188,12 +189,21 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
         self._warning_cache = WarningCache()
+        self._threads: ThreadSplit | None = None  # ME's and OpenBLAS's thread counts changed for the run
 
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         atexit.unregister(destroy_process_group_at_exit)  # registered once per process, however many runs
         atexit.register(destroy_process_group_at_exit)
+        self._threads = follow_omp_num_threads()  # the launcher's OMP_NUM_THREADS, set after ME read it
+
+    @override
+    def teardown(self) -> None:
+        if self._threads is not None:
+            self._threads.restore()
+            self._threads = None
+        super().teardown()
 
     @override
     def setup(self, trainer: Any) -> None:

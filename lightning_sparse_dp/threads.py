@@ -237,6 +237,41 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     return split
 
 
+def follow_omp_num_threads() -> ThreadSplit | None:
+    """Give ME's OpenMP and OpenBLAS the ``OMP_NUM_THREADS`` set after they read it (``sparse_ddp``'s processes).
+
+    ME reads ``OMP_NUM_THREADS`` once, when it is imported (its ``CPU_COUNT``, which every coordinate manager
+    passes to ``omp_set_num_threads`` in the calling thread), and OpenBLAS when it is loaded (with ME), falling
+    back to ``OMP_NUM_THREADS`` when ``OPENBLAS_NUM_THREADS`` / ``GOTO_NUM_THREADS`` are not set. Lightning's DDP
+    launcher sets ``OMP_NUM_THREADS=cores // processes`` and ``torch.set_num_threads`` in the launching process
+    after the script imported ME, so without this rank 0 would run ME's OpenMP (overriding torch's count in
+    every thread that builds a SparseTensor) and OpenBLAS on every core, beside the other ranks, which start
+    with the variable set and use their share. This applies ME's and OpenBLAS's own rule again, with the
+    variable as it is now.
+
+    Returns:
+        what was changed, to undo at teardown (:meth:`ThreadSplit.restore`), or ``None``: the variable is not a
+        positive integer, or ME and OpenBLAS already follow it.
+    """
+    try:
+        count = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    if count < 1:
+        return None
+    split = ThreadSplit(count)
+    coordinate_manager = me_coordinate_manager_module()
+    if coordinate_manager.CPU_COUNT != count:
+        split.me_cpu_count = coordinate_manager.CPU_COUNT
+        coordinate_manager.CPU_COUNT = count
+    lib = _openblas()
+    blas_set = "OPENBLAS_NUM_THREADS" in os.environ or "GOTO_NUM_THREADS" in os.environ
+    if lib is not None and not blas_set and int(lib.openblas_get_num_threads()) != count:
+        split.openblas_threads = int(lib.openblas_get_num_threads())
+        lib.openblas_set_num_threads(count)
+    return split if split.me_cpu_count is not None or split.openblas_threads is not None else None
+
+
 __all__ = [
     "DEFAULT_TORCH_THREADS",
     "CorePlan",
@@ -244,6 +279,7 @@ __all__ = [
     "available_cores",
     "check_pin",
     "configure_replica_threads",
+    "follow_omp_num_threads",
     "me_coordinate_manager_module",
     "plan_cores",
     "split_threads",

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
 from lightning_sparse_dp.threads import available_cores, threads_per_replica
 
@@ -74,3 +75,47 @@ def test_nothing_is_changed_when_the_user_chose_the_threads(tmp_path):
     chosen = _probe(tmp_path, devices=2, before="torch.set_num_threads(3)")
     original = chosen["start"][0]
     assert all(me_count == original for _, _, me_count in chosen["seen"])  # ME's CPU_COUNT untouched
+
+
+_DDP_PROBE = """
+import json, os, sys, torch
+from datetime import timedelta
+import MinkowskiEngine as ME
+from lightning_sparse_dp import SparseDDPStrategy
+from lightning_sparse_dp.threads import _openblas, me_coordinate_manager_module
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+cm = me_coordinate_manager_module()
+start = [cm.CPU_COUNT, int(_openblas().openblas_get_num_threads())]
+seen = []
+
+class Probe(SparseNet):
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)  # ME sets OpenMP threads here
+        seen.append([torch.get_num_threads(), cm.CPU_COUNT, int(_openblas().openblas_get_num_threads())])
+        return super().training_step(batch, batch_idx)
+
+t = trainer(strategy=SparseDDPStrategy(timeout=timedelta(seconds=120)), devices=2, max_steps=2)
+t.fit(Probe(), loader(collate_dict(random_samples(8))))
+end = [cm.CPU_COUNT, int(_openblas().openblas_get_num_threads())]
+with open(f"seen-rank{t.global_rank}.json", "w") as f:
+    json.dump({"seen": seen, "start": start, "end": end, "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+"""
+
+
+def test_sparse_ddp_ranks_run_me_and_openblas_on_the_launchers_share(tmp_path):
+    """Lightning's launcher sets OMP_NUM_THREADS (cores // 2) in every rank after ME read it at import: without
+    follow_omp_num_threads each rank's ME would set OpenMP back to every core in each SparseTensor, beside
+    OpenBLAS's every core (measured: digits sparse_ddp-2 steps 35-48 ms against 19-21 ms with it)."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(_DDP_PROBE))
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    environ.update(PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    share = _suggested_max_num_threads(2)  # what Lightning's launcher gives each of 2 processes
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"seen-rank{rank}.json").read_text())
+        assert out["omp"] == str(share)  # set by the launcher, after the import
+        assert out["seen"] and all(s == [share, share, share] for s in out["seen"])
+        assert out["end"] == out["start"]  # put back at teardown
