@@ -553,13 +553,13 @@ def table(model_name: str, results: dict, global_batch: int, label: str = "") ->
     base = results["auto-1"]["step_s"]
     points = results["auto-1"]["points_per_sample"] * global_batch
     print(f"\n== {model_name}{label}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
-    print(f"{'case':<20}{'devices':>8}{'batch/dev':>10}{'ms/iter [min-max]':>24}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
+    print(f"{'case':<30}{'devices':>8}{'batch/dev':>10}{'ms/iter [min-max]':>24}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
           f"{'CPU ms/iter':>13}{'peak RSS MB':>13}")
     for name, r in results.items():
         devices = r["devices"]
         low, high = r.get("step_range", (r["step_s"], r["step_s"]))
         spread = f"{r['step_s'] * 1e3:.1f} [{low * 1e3:.1f}-{high * 1e3:.1f}]"
-        print(f"{name:<20}{devices:>8}{global_batch / devices:>10.1f}{spread:>24}"
+        print(f"{name:<30}{devices:>8}{global_batch / devices:>10.1f}{spread:>24}"
               f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}"
               f"{r.get('peak_rss_mb', 0.0):>13.0f}")
 
@@ -583,16 +583,16 @@ def stage_breakdown(result: dict) -> dict[str, float]:
 
 def stage_table(results: dict) -> None:
     names = STAGES + ["replica forward max", "replica backward max"]
-    print(f"\n{'stage medians (ms)':<20}" + "".join(f"{n.replace('replica ', 'r.'):>12}" for n in names))
+    print(f"\n{'stage medians (ms)':<30}" + "".join(f"{n.replace('replica ', 'r.'):>12}" for n in names))
     for case, r in results.items():
         st = stage_breakdown(r)
         if st:
-            print(f"{case:<20}" + "".join(f"{st[n]:>12.2f}" for n in names))
+            print(f"{case:<30}" + "".join(f"{st[n]:>12.2f}" for n in names))
     for case, r in results.items():
         layers = syncbn_layers(r)
         if layers:
             st = {k: v * 1e3 for k, v in r["stages"].items()}
-            print(f"{case:<20} sync BN: {st['syncbn']:.2f} ms per step in {len(layers)} layers (forward + backward, mean "
+            print(f"{case:<30} sync BN: {st['syncbn']:.2f} ms per step in {len(layers)} layers (forward + backward, mean "
                   f"over replicas), {st['syncbn_wait']:.2f} ms of it waiting for the slowest replica; per layer: "
                   + " ".join(f"{v:.2f}" for v in layers))
 
