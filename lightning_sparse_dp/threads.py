@@ -17,6 +17,9 @@ are threads of one process, so the same share has to be set in three places:
 
 Nothing is changed when the user chose: ``OMP_NUM_THREADS`` is set, or ``torch.set_num_threads`` was
 called after this package was imported (its count differs from the one seen at import).
+
+``sparse_ddp``'s processes get their share from Lightning's launcher, which sets ``OMP_NUM_THREADS``
+after ME and OpenBLAS read it: :func:`follow_omp_num_threads` gives them the launcher's count.
 """
 
 from __future__ import annotations
