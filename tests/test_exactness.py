@@ -91,6 +91,40 @@ def test_metric_state_after_a_step_equals_one_update_with_the_whole_batch():
     assert t.callback_metrics["train_acc"].item() == pytest.approx(expected.compute().item(), rel=REL)
 
 
+class _ForwardMetrics(SparseNet):
+    """Metrics called as Lightning's docs call them (``forward``: the batch value), logged on every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.train_sum = torchmetrics.SumMetric()  # of whole numbers below: exact in its float32 state in any order
+        self.batch_values: list[tuple[float, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.train_acc(logits, batch["labels"])
+        self.train_sum((logits.argmax(1) + batch["labels"] + 1).float())
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=False)
+        self.log("train_sum", self.train_sum, on_step=True, on_epoch=False)
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # the root's batch values after each step
+        self.batch_values.append((self.train_acc._forward_cache.item(), self.train_sum._forward_cache.item()))
+
+
+def test_forward_metric_values_of_every_step_equal_single_device():
+    """The replicas' forward values are merged in an empty metric kept for the run (emptied every step): each
+    step's batch value is the whole batch's."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (41, 42, 43)]
+    ours, reference = same_start(_ForwardMetrics)
+    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=3).fit(ours, loader(*batches))
+    trainer(strategy="auto", devices=1, logger=False, max_steps=3).fit(reference, loader(*batches))
+    assert len(ours.batch_values) == len(reference.batch_values) == 3
+    for (acc, total), (acc_ref, total_ref) in zip(ours.batch_values, reference.batch_values):
+        assert acc == pytest.approx(acc_ref, rel=REL) and total == pytest.approx(total_ref, rel=REL)
+
+
 def test_epoch_level_metric_compute_equals_single_device():
     batches = [collate_dict(random_samples(7, seed=28)), collate_dict(random_samples(5, seed=29))]
     ours, reference = same_start(_WithMetrics)
