@@ -15,8 +15,9 @@ are threads of one process, so the same share has to be set in three places:
 - OpenBLAS (ME's CPU convolutions call ``cblas_sgemm`` / ``cblas_dgemm``): one process-wide thread
   count, set to the share when the library is loaded and ``OPENBLAS_NUM_THREADS`` is not set.
 
-Nothing is changed when the user chose: ``OMP_NUM_THREADS`` is set, or ``torch.set_num_threads`` was
-called after this package was imported (its count differs from the one seen at import).
+Nothing is changed when the user set ``OMP_NUM_THREADS`` (ME and OpenBLAS read it at import). When the user
+called ``torch.set_num_threads(k)`` after this package was imported (its count differs from the one seen at
+import), each replica runs ``k`` threads, and ME and OpenBLAS get ``k`` too, since ME would undo it.
 
 ``sparse_ddp``'s processes get their share from Lightning's launcher, which sets ``OMP_NUM_THREADS``
 after ME and OpenBLAS read it: :func:`follow_omp_num_threads` gives them the launcher's count.
@@ -215,28 +216,51 @@ class ThreadSplit:
             self.openblas_threads = None
 
 
+def _give_me_and_openblas(count: int, split: ThreadSplit) -> ThreadSplit:
+    """ME's ``CPU_COUNT`` and, unless ``OPENBLAS_NUM_THREADS`` / ``GOTO_NUM_THREADS`` is set, OpenBLAS's thread
+    count set to ``count``; what they were is kept in ``split`` for :meth:`ThreadSplit.restore`."""
+    coordinate_manager = me_coordinate_manager_module()
+    if coordinate_manager.CPU_COUNT != count:
+        split.me_cpu_count = coordinate_manager.CPU_COUNT
+        coordinate_manager.CPU_COUNT = count
+    lib = _openblas()
+    blas_set = "OPENBLAS_NUM_THREADS" in os.environ or "GOTO_NUM_THREADS" in os.environ
+    if lib is not None and not blas_set and int(lib.openblas_get_num_threads()) != count:
+        split.openblas_threads = int(lib.openblas_get_num_threads())
+        lib.openblas_set_num_threads(count)
+    return split
+
+
 def split_threads(num_replicas: int) -> ThreadSplit | None:
-    """Give ME's OpenMP and OpenBLAS ``threads_per_replica(num_replicas)`` threads for the run, and say so (info).
+    """Give each replica's ME OpenMP and OpenBLAS its share of the cores for the run, and say so (info).
+
+    The share is ``threads_per_replica(num_replicas)``, or ``k`` when the user called ``torch.set_num_threads(k)``
+    after importing this package: each replica thread runs with the calling thread's ``k`` intra-op threads, and
+    ME would set it back to its import-time count (every core) at every SparseTensor, so ME and OpenBLAS get
+    ``k`` too (digits, 2 replicas on 2 cores after ``torch.set_num_threads(1)``: 41-75 ms a step with ME left
+    alone, against about 20).
 
     Returns:
-        the split (torch's per-thread count is for the replica threads to set), or ``None`` when the user
-        chose the thread counts (:func:`user_chose_threads`) or there is one replica.
+        the split (torch's per-thread count is for the replica threads to set), or ``None``: one replica, or
+        ``OMP_NUM_THREADS`` is set (ME and OpenBLAS read it at import: the user's count, kept).
     """
-    if num_replicas < 2 or user_chose_threads():
+    if num_replicas < 2 or "OMP_NUM_THREADS" in os.environ:
         return None
-    split = ThreadSplit(threads_per_replica(num_replicas), main_thread_threads=torch.get_num_threads())
-    coordinate_manager = me_coordinate_manager_module()
-    split.me_cpu_count = coordinate_manager.CPU_COUNT
-    coordinate_manager.CPU_COUNT = split.per_replica
-    lib = _openblas()
-    if lib is not None and "OPENBLAS_NUM_THREADS" not in os.environ:
-        split.openblas_threads = int(lib.openblas_get_num_threads())
-        lib.openblas_set_num_threads(split.per_replica)
-    rank_zero_info(
-        f"sparse_dp: {num_replicas} CPU replicas on {available_cores()} cores get {split.per_replica} intra-op "
-        "thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's DDP splits cores between processes. Set "
-        "OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
-    )
+    chosen = torch.get_num_threads() != DEFAULT_TORCH_THREADS
+    count = torch.get_num_threads() if chosen else threads_per_replica(num_replicas)
+    split = _give_me_and_openblas(count, ThreadSplit(count, main_thread_threads=torch.get_num_threads()))
+    if chosen:
+        rank_zero_info(
+            f"sparse_dp: {num_replicas} CPU replicas each run the {count} intra-op thread(s) torch.set_num_threads "
+            "chose, for ME's OpenMP and OpenBLAS too (ME would set every replica thread back to its import-time count "
+            "at each SparseTensor). Export OMP_NUM_THREADS before starting Python to leave ME and OpenBLAS alone."
+        )
+    else:
+        rank_zero_info(
+            f"sparse_dp: {num_replicas} CPU replicas on {available_cores()} cores get {count} intra-op "
+            "thread(s) each (torch, ME's OpenMP, OpenBLAS), as Lightning's DDP splits cores between processes. Set "
+            "OMP_NUM_THREADS (or call torch.set_num_threads) to choose."
+        )
     return split
 
 
@@ -262,16 +286,7 @@ def follow_omp_num_threads() -> ThreadSplit | None:
         return None
     if count < 1:
         return None
-    split = ThreadSplit(count)
-    coordinate_manager = me_coordinate_manager_module()
-    if coordinate_manager.CPU_COUNT != count:
-        split.me_cpu_count = coordinate_manager.CPU_COUNT
-        coordinate_manager.CPU_COUNT = count
-    lib = _openblas()
-    blas_set = "OPENBLAS_NUM_THREADS" in os.environ or "GOTO_NUM_THREADS" in os.environ
-    if lib is not None and not blas_set and int(lib.openblas_get_num_threads()) != count:
-        split.openblas_threads = int(lib.openblas_get_num_threads())
-        lib.openblas_set_num_threads(count)
+    split = _give_me_and_openblas(count, ThreadSplit(count))
     return split if split.me_cpu_count is not None or split.openblas_threads is not None else None
 
 

@@ -29,7 +29,8 @@ seen = []
 class Probe(SparseNet):
     def training_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)  # ME sets OpenMP threads here
-        seen.append([threading.current_thread().name, torch.get_num_threads(), cm.CPU_COUNT])
+        seen.append([threading.current_thread().name, torch.get_num_threads(), cm.CPU_COUNT,
+                     int(_openblas().openblas_get_num_threads())])
         return super().training_step(batch, batch_idx)
 
 start = [cm.CPU_COUNT, torch.get_num_threads(), int(_openblas().openblas_get_num_threads())]
@@ -62,19 +63,31 @@ def test_each_replica_gets_its_share_for_torch_and_me_and_everything_is_restored
     out = _probe(tmp_path, devices=2)
     share = max(1, available_cores() // 2)
     assert len(out["seen"]) == 2
-    for name, torch_threads, me_count in out["seen"]:
+    for name, torch_threads, me_count, blas_threads in out["seen"]:
         assert name.startswith("sparse_dp-replica")
         assert torch_threads == share and me_count == share  # after ME built its coordinate manager in the thread
+        assert blas_threads == share
     assert out["end"] == out["start"]  # ME's CPU_COUNT, the main thread's torch threads, OpenBLAS
 
 
-def test_nothing_is_changed_when_the_user_chose_the_threads(tmp_path):
+def test_nothing_is_changed_when_the_user_set_omp_num_threads(tmp_path):
     out = _probe(tmp_path, devices=2, env={"OMP_NUM_THREADS": "1"})
-    for _, torch_threads, me_count in out["seen"]:
-        assert torch_threads == 1 and me_count == 1  # the user's count, read by ME from the environment
+    for _, torch_threads, me_count, blas_threads in out["seen"]:
+        assert torch_threads == 1 and me_count == 1 and blas_threads == 1  # the user's count, read at import
+    assert out["end"] == out["start"]
+
+
+def test_torch_set_num_threads_is_each_replicas_count_and_me_keeps_it(tmp_path):
+    """ME sets a thread back to its import-time count at every SparseTensor: without giving it the user's
+    count, each replica ran every core's worth of OpenMP threads (digits, 2 replicas after
+    torch.set_num_threads(1): 34-70 ms a step against 18-21 ms)."""
     chosen = _probe(tmp_path, devices=2, before="torch.set_num_threads(3)")
-    original = chosen["start"][0]
-    assert all(me_count == original for _, _, me_count in chosen["seen"])  # ME's CPU_COUNT untouched
+    assert chosen["start"][1] == 3
+    assert len(chosen["seen"]) == 2
+    for name, torch_threads, me_count, blas_threads in chosen["seen"]:
+        assert name.startswith("sparse_dp-replica")
+        assert torch_threads == 3 and me_count == 3 and blas_threads == 3
+    assert chosen["end"] == chosen["start"]  # ME's CPU_COUNT, the main thread's torch threads, OpenBLAS
 
 
 _DDP_PROBE = """
