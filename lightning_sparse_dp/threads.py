@@ -49,6 +49,18 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def chosen_torch_threads() -> int | None:
+    """The intra-op thread count the user chose with ``torch.set_num_threads`` after importing this package.
+
+    ``None`` when the calling thread's count is the one seen at import, or the one ME sets in a thread that
+    builds a SparseTensor (``min(CPU_COUNT, 20)``, MinkowskiCoordinateManager.py; e.g. after a forward pass
+    before the fit, on a machine whose logical CPUs outnumber torch's default, its physical cores).
+    """
+    count = torch.get_num_threads()
+    me_count = min(int(me_coordinate_manager_module().CPU_COUNT), 20)
+    return None if count in (DEFAULT_TORCH_THREADS, me_count) else count
+
+
 def user_chose_threads() -> bool:
     """Whether the user set ``OMP_NUM_THREADS`` or called ``torch.set_num_threads`` after importing this package."""
     return "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != DEFAULT_TORCH_THREADS
@@ -237,8 +249,8 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     The share is ``threads_per_replica(num_replicas)``, or ``k`` when the user called ``torch.set_num_threads(k)``
     after importing this package: each replica thread runs with the calling thread's ``k`` intra-op threads, and
     ME would set it back to its import-time count (every core) at every SparseTensor, so ME and OpenBLAS get
-    ``k`` too (digits, 2 replicas on 2 cores after ``torch.set_num_threads(1)``: 41-75 ms a step with ME left
-    alone, against about 20).
+    ``k`` too (digits, 2 replicas on 2 cores after ``torch.set_num_threads(1)``: 34-75 ms a step with ME left
+    alone, against 18-21): :func:`chosen_torch_threads`.
 
     Returns:
         the split (torch's per-thread count is for the replica threads to set), or ``None``: one replica, or
@@ -246,10 +258,10 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     """
     if num_replicas < 2 or "OMP_NUM_THREADS" in os.environ:
         return None
-    chosen = torch.get_num_threads() != DEFAULT_TORCH_THREADS
-    count = torch.get_num_threads() if chosen else threads_per_replica(num_replicas)
+    chosen = chosen_torch_threads()
+    count = chosen if chosen is not None else threads_per_replica(num_replicas)
     split = _give_me_and_openblas(count, ThreadSplit(count, main_thread_threads=torch.get_num_threads()))
-    if chosen:
+    if chosen is not None:
         rank_zero_info(
             f"sparse_dp: {num_replicas} CPU replicas each run the {count} intra-op thread(s) torch.set_num_threads "
             "chose, for ME's OpenMP and OpenBLAS too (ME would set every replica thread back to its import-time count "
@@ -296,6 +308,7 @@ __all__ = [
     "ThreadSplit",
     "available_cores",
     "check_pin",
+    "chosen_torch_threads",
     "configure_replica_threads",
     "follow_omp_num_threads",
     "me_coordinate_manager_module",

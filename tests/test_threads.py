@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
-from lightning_sparse_dp.threads import available_cores, threads_per_replica
+import torch
+
+from lightning_sparse_dp import threads
+from lightning_sparse_dp.threads import available_cores, chosen_torch_threads, me_coordinate_manager_module, threads_per_replica
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,3 +135,20 @@ def test_sparse_ddp_ranks_run_me_and_openblas_on_the_launchers_share(tmp_path):
         assert out["omp"] == str(share)  # set by the launcher, after the import
         assert out["seen"] and all(s == [share, share, share] for s in out["seen"])
         assert out["end"] == out["start"]  # put back at teardown
+
+
+def test_a_count_me_set_is_not_taken_for_the_users_choice(monkeypatch):
+    """ME sets a thread that builds a SparseTensor to min(CPU_COUNT, 20) threads (a forward pass before the fit
+    does it to the main thread): that count is not the user's, nor is the one seen at import."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "DEFAULT_TORCH_THREADS", 4)
+    monkeypatch.setattr(me_coordinate_manager_module(), "CPU_COUNT", 8)
+    try:
+        for count, expected in ((4, None), (8, None), (3, 3), (1, 1)):
+            torch.set_num_threads(count)
+            assert chosen_torch_threads() == expected, count
+        monkeypatch.setattr(me_coordinate_manager_module(), "CPU_COUNT", 32)
+        torch.set_num_threads(20)  # ME caps its count at 20
+        assert chosen_torch_threads() is None
+    finally:
+        torch.set_num_threads(before)
