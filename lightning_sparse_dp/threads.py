@@ -15,9 +15,10 @@ are threads of one process, so the same share has to be set in three places:
 - OpenBLAS (ME's CPU convolutions call ``cblas_sgemm`` / ``cblas_dgemm``): one process-wide thread
   count, set to the share when the library is loaded and ``OPENBLAS_NUM_THREADS`` is not set.
 
-Nothing is changed when the user set ``OMP_NUM_THREADS`` (ME and OpenBLAS read it at import). When the user
-called ``torch.set_num_threads(k)`` after this package was imported (its count differs from the one seen at
-import), each replica runs ``k`` threads, and ME and OpenBLAS get ``k`` too, since ME would undo it.
+Nothing is changed when the user set ``OMP_NUM_THREADS`` before the imports (ME, OpenBLAS and torch read it
+then). When the user called ``torch.set_num_threads(k)`` after this package was imported (its count differs from
+the one seen at import), or set ``OMP_NUM_THREADS=k`` after the imports, each replica runs ``k`` threads, and ME
+and OpenBLAS get ``k`` too, since ME would undo it.
 
 ``sparse_ddp``'s processes get their share from Lightning's launcher, which sets ``OMP_NUM_THREADS``
 after ME and OpenBLAS read it: :func:`follow_omp_num_threads` gives them the launcher's count.
@@ -228,6 +229,15 @@ class ThreadSplit:
             self.openblas_threads = None
 
 
+def _omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a positive integer, or ``None`` (unset or not one)."""
+    try:
+        count = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return count if count >= 1 else None
+
+
 def _give_me_and_openblas(count: int, split: ThreadSplit) -> ThreadSplit:
     """ME's ``CPU_COUNT`` and, unless ``OPENBLAS_NUM_THREADS`` / ``GOTO_NUM_THREADS`` is set, OpenBLAS's thread
     count set to ``count``; what they were is kept in ``split`` for :meth:`ThreadSplit.restore`."""
@@ -252,20 +262,29 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     ``k`` too (digits, 2 replicas on 2 cores after ``torch.set_num_threads(1)``: 34-75 ms a step with ME left
     alone, against 18-21): :func:`chosen_torch_threads`.
 
+    ``OMP_NUM_THREADS`` set before the imports is the user's count, which ME, OpenBLAS and torch read then; set
+    after them (a notebook cell), only this run reads it: it is taken as ``k`` the same way.
+
     Returns:
         the split (torch's per-thread count is for the replica threads to set), or ``None``: one replica, or
-        ``OMP_NUM_THREADS`` is set (ME and OpenBLAS read it at import: the user's count, kept).
+        ``OMP_NUM_THREADS`` is set and ME read it at import (the user's count, kept).
     """
-    if num_replicas < 2 or "OMP_NUM_THREADS" in os.environ:
+    if num_replicas < 2:
         return None
-    chosen = chosen_torch_threads()
+    if "OMP_NUM_THREADS" in os.environ:
+        late = _omp_num_threads()
+        if late is None or late == me_coordinate_manager_module().CPU_COUNT:
+            return None  # read by ME, OpenBLAS and torch at import: the user's count, kept
+        chosen, how = late, "OMP_NUM_THREADS (set after the imports)"
+    else:
+        chosen, how = chosen_torch_threads(), "torch.set_num_threads"
     count = chosen if chosen is not None else threads_per_replica(num_replicas)
     split = _give_me_and_openblas(count, ThreadSplit(count, main_thread_threads=torch.get_num_threads()))
     if chosen is not None:
         rank_zero_info(
-            f"sparse_dp: {num_replicas} CPU replicas each run the {count} intra-op thread(s) torch.set_num_threads "
-            "chose, for ME's OpenMP and OpenBLAS too (ME would set every replica thread back to its import-time count "
-            "at each SparseTensor). Export OMP_NUM_THREADS before starting Python to leave ME and OpenBLAS alone."
+            f"sparse_dp: {num_replicas} CPU replicas each run the {count} intra-op thread(s) {how} chose, for "
+            "ME's OpenMP and OpenBLAS too (ME would set every replica thread back to its import-time count at each "
+            "SparseTensor). Export OMP_NUM_THREADS before starting Python to leave ME and OpenBLAS alone."
         )
     else:
         rank_zero_info(
@@ -282,21 +301,17 @@ def follow_omp_num_threads() -> ThreadSplit | None:
     ME reads ``OMP_NUM_THREADS`` once, when it is imported (its ``CPU_COUNT``, which every coordinate manager
     passes to ``omp_set_num_threads`` in the calling thread), and OpenBLAS when it is loaded (with ME), falling
     back to ``OMP_NUM_THREADS`` when ``OPENBLAS_NUM_THREADS`` / ``GOTO_NUM_THREADS`` are not set. Lightning's DDP
-    launcher sets ``OMP_NUM_THREADS=cores // processes`` and ``torch.set_num_threads`` in the launching process
-    after the script imported ME, so without this rank 0 would run ME's OpenMP (overriding torch's count in
-    every thread that builds a SparseTensor) and OpenBLAS on every core, beside the other ranks, which start
-    with the variable set and use their share. This applies ME's and OpenBLAS's own rule again, with the
-    variable as it is now.
+    launcher sets ``OMP_NUM_THREADS=cores // processes`` and ``torch.set_num_threads`` in every rank after the
+    script imported ME (it starts the other ranks before it sets the variable), so without this every rank
+    would run ME's OpenMP (overriding torch's count in every thread that builds a SparseTensor) and OpenBLAS
+    on every core. This applies ME's and OpenBLAS's own rule again, with the variable as it is now.
 
     Returns:
         what was changed, to undo at teardown (:meth:`ThreadSplit.restore`), or ``None``: the variable is not a
         positive integer, or ME and OpenBLAS already follow it.
     """
-    try:
-        count = int(os.environ.get("OMP_NUM_THREADS", ""))
-    except ValueError:
-        return None
-    if count < 1:
+    count = _omp_num_threads()
+    if count is None:
         return None
     split = _give_me_and_openblas(count, ThreadSplit(count))
     return split if split.me_cpu_count is not None or split.openblas_threads is not None else None

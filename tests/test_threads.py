@@ -137,6 +137,18 @@ def test_sparse_ddp_ranks_run_me_and_openblas_on_the_launchers_share(tmp_path):
         assert out["end"] == out["start"]  # put back at teardown
 
 
+def test_omp_num_threads_set_after_the_imports_is_each_replicas_count(tmp_path):
+    """A notebook cell setting the variable after ME read it: without taking it, every replica ran ME on
+    every core (the variable counted as the user's choice, already applied)."""
+    late = _probe(tmp_path, devices=2, before='import os; os.environ["OMP_NUM_THREADS"] = "1"')
+    if late["start"][0] == 1:
+        pytest.skip("ME read 1 thread at import (one core): nothing to tell apart")
+    assert len(late["seen"]) == 2
+    for _, torch_threads, me_count, blas_threads in late["seen"]:
+        assert torch_threads == 1 and me_count == 1 and blas_threads == 1
+    assert late["end"] == late["start"]
+
+
 def test_a_count_me_set_is_not_taken_for_the_users_choice(monkeypatch):
     """ME sets a thread that builds a SparseTensor to min(CPU_COUNT, 20) threads (a forward pass before the fit
     does it to the main thread): that count is not the user's, nor is the one seen at import."""
