@@ -62,11 +62,6 @@ def chosen_torch_threads() -> int | None:
     return None if count in (DEFAULT_TORCH_THREADS, me_count) else count
 
 
-def user_chose_threads() -> bool:
-    """Whether the user set ``OMP_NUM_THREADS`` or called ``torch.set_num_threads`` after importing this package."""
-    return "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() != DEFAULT_TORCH_THREADS
-
-
 def threads_per_replica(num_replicas: int, cores: int | None = None) -> int:
     """``cores // num_replicas``, at least 1 (Lightning's DDP share per process).
 
@@ -330,5 +325,4 @@ __all__ = [
     "plan_cores",
     "split_threads",
     "threads_per_replica",
-    "user_chose_threads",
 ]
