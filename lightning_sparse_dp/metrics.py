@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_sparse_dp.terms import outside_capture
+
 
 @dataclass
 class MetricReplicas:
@@ -113,6 +115,9 @@ class ReplicaMetrics:
             copy = self._template(metric).clone()
             if device != metric.device:
                 copy.to(device)
+            if index >= 0:  # a replica's: its update runs outside the step's loss capture (terms.outside_capture)
+                copy.update = outside_capture(copy.update)
+                copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy
         else:
             reset_metric(copy)

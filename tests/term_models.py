@@ -10,6 +10,8 @@ import MinkowskiEngine as ME
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sparse_dp import split_batch
 from tests.clients import conv_bn_relu
@@ -176,4 +178,49 @@ class LoggedOnly(ScanNetSeg):
             aux = F.l1_loss(batch["features"][mask], torch.zeros_like(batch["features"][mask]))
         self.log("aux", aux)
         self.log("total", (loss + 0.5 * aux).detach())
+        return loss
+
+
+#: ``torch._C._len_torch_function_stack()`` seen by every :class:`ModeDepth` update (all replicas, in call order)
+MODE_DEPTHS: list[int] = []
+
+
+class ModeDepth(Metric):
+    """A running mean cross entropy (torch's own mean-reduced loss, inside ``update``) that records how many torch
+    function modes its update runs under (:data:`MODE_DEPTHS`)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        MODE_DEPTHS.append(torch._C._len_torch_function_stack())
+        keep = labels != 255
+        self.total += F.cross_entropy(logits.detach()[keep], labels[keep]) * keep.sum()
+        self.count += keep.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
+
+
+class WithMetrics(ScanNetSeg):
+    """Updates a metric after the loss (:class:`ModeDepth`, logged per epoch) and calls an accuracy's ``forward``
+    before it (logged per step), as Lightning's documentation writes metrics into a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_ce = ModeDepth()
+        self.acc = MulticlassAccuracy(num_classes=NUM_CLASSES, ignore_index=255)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.logits(batch)
+        self.acc(logits, batch["labels"])
+        self.log("acc", self.acc)  # the metric: its forward value on step, the whole batch's
+        loss = self.criterion(logits, batch["labels"])
+        self.mean_ce.update(logits, batch["labels"])
+        self.log("train_loss", loss)
+        self.log("mean_ce", self.mean_ce, on_step=False, on_epoch=True)
         return loss

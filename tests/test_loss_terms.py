@@ -18,7 +18,8 @@ from tests.clients import fresh_loader
 from tests.helpers import relative_difference, state_differences
 from tests.helpers import trainer as _trainer
 from tests.term_models import (
-    LevelCompletion, LoggedOnly, MaskedMean, MultiHead, ScanNetSeg, SometimesL1, WithPenalty, seg_batch
+    MODE_DEPTHS, LevelCompletion, LoggedOnly, MaskedMean, MultiHead, ScanNetSeg, SometimesL1, WithMetrics, WithPenalty,
+    seg_batch,
 )
 
 trainer = partial(_trainer, precision="64-true")
@@ -162,4 +163,18 @@ def test_a_loss_computed_only_to_be_logged_has_its_own_weights_and_no_gradient()
     worst, t, r = _compare(LoggedOnly, batches, 3)
     assert worst <= REL  # the gradients are the loss's alone
     for name in ("aux", "total"):
+        assert relative_difference(t.logged_metrics[name], r.logged_metrics[name]) <= REL, name
+
+
+def test_metrics_updated_in_the_step_run_outside_the_capture_and_stay_exact():
+    """A metric's update and forward in a replica run with no torch function mode (the capture is popped for
+    them: nothing a metric computes is a loss term), before and after the step's loss; values stay exact."""
+    batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (12, 13)]
+    MODE_DEPTHS.clear()
+    ours, reference = _same(WithMetrics)
+    t = _fit(ours, batches, "sparse_dp", 3)
+    assert len(MODE_DEPTHS) == 6 and set(MODE_DEPTHS) == {0}  # 3 replicas, 2 steps; the loss came before each
+    r = _fit(reference, batches)
+    assert _worst(ours, reference) <= REL
+    for name in ("train_loss", "acc", "mean_ce"):
         assert relative_difference(t.logged_metrics[name], r.logged_metrics[name]) <= REL, name

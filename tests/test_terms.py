@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sparse_dp.losses import CAPTURED, bind, denominator
-from lightning_sparse_dp.terms import TermCapture
+from lightning_sparse_dp.terms import TermCapture, outside_capture
 
 _DEFAULT_DTYPE = torch.get_default_dtype()
 torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
@@ -172,3 +172,46 @@ def test_scaled_value_and_gradient(keep):
     factor.data.fill_(3.0)  # as Term.scale does after the step
     out.backward()
     assert float(out.detach()) == (2.0 if bool(keep) else 0.0) and float(a.grad) == (3.0 if bool(keep) else 0.0)
+
+
+def test_outside_capture_pops_the_mode_and_keeps_a_pending_capture_from_entering():
+    seen = []
+
+    @outside_capture
+    def metric_update(logits, labels):  # what a metric computes: never one of the step's terms
+        seen.append(torch._C._len_torch_function_stack())
+        return F.cross_entropy(logits, labels) * 2
+
+    capture = TermCapture()
+
+    def step():
+        metric_update(logits, labels)  # before the first loss: its loss call does not enter the capture
+        assert torch._C._len_torch_function_stack() == 0
+        loss = F.mse_loss(x, y)
+        metric_update(logits, labels)  # after it: run with the mode popped, then the mode is back
+        assert torch._C._len_torch_function_stack() == 1
+        return 2 * loss  # still followed
+
+    loss = capture.run(step)
+    assert seen == [0, 0] and [t.name for t in capture.terms] == ["F.mse_loss"]
+    assert capture.combination(loss)[0] == [2.0]
+    assert outside_capture(lambda: torch._C._len_torch_function_stack())() == 0  # no capture: a plain call
+
+
+def test_outside_capture_leaves_the_mode_when_the_step_entered_another_after_it():
+    class Outer(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    depths = []
+    capture = TermCapture()
+
+    def step():
+        loss = F.mse_loss(x, y)
+        with Outer():  # on top of the capture: popping the top would pop this one
+            outside_capture(lambda: depths.append(torch._C._len_torch_function_stack()))()
+            tripled = loss * 3  # followed through both modes
+        return tripled
+
+    loss = capture.run(step)
+    assert depths == [2] and capture.combination(loss)[0] == [3.0]
