@@ -651,7 +651,7 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.tight_layout()
     speedup = out_dir / "speedup.png"
-    fig.savefig(speedup, dpi=110)
+    fig.savefig(speedup, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
     bars = [(f"{model} {case} ({mode})", stage_breakdown(r)) for (model, mode), results in runs.items()
@@ -666,10 +666,10 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
     ax.invert_yaxis()
     ax.set(xlabel="ms per step (medians; apply = the replicas' forward, backward = their backward passes)",
            title="segmentation: where a sparse_dp step's time goes")
-    ax.legend(ncol=9, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / len(bars)), frameon=False)
+    ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / len(bars)), frameon=False)
     fig.tight_layout()
     stages = out_dir / "stages.png"
-    fig.savefig(stages, dpi=110)
+    fig.savefig(stages, dpi=110, bbox_inches="tight")  # "tight": the legend below the axes and the label stay in
     plt.close(fig)
     return [speedup, stages]
 
