@@ -115,7 +115,7 @@ class ReplicaMetrics:
             copy = self._template(metric).clone()
             if device != metric.device:
                 copy.to(device)
-            if index >= 0:  # a replica's: its update runs outside the step's loss capture (terms.outside_capture)
+            if index >= 0:  # a replica's: update and forward run outside the step's loss capture (terms.outside_capture)
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy

@@ -177,7 +177,6 @@ class TermCapture(TorchFunctionMode):
         self.terms: list[Term] = []
         self.forms: dict[int, Form] = {}
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
-        self._entered = False
         self.blocked: str | None = None  # why the mode could not be entered
 
     def run(self, fn: Callable[[], T]) -> T:
@@ -194,8 +193,7 @@ class TermCapture(TorchFunctionMode):
                 return fn()
             finally:
                 _local.pending = None
-                if self._entered:
-                    self._entered = False
+                if getattr(_local, "active", None) is self:  # entered at a loss call of the step
                     _local.active = None
                     self.__exit__(None, None, None)
 
@@ -205,7 +203,6 @@ class TermCapture(TorchFunctionMode):
             self.blocked = "the step had a torch function mode of its own active (e.g. `with torch.device(...)`) at its first loss"
             return
         self.__enter__()
-        self._entered = True
         _local.active = self
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
