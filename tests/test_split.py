@@ -89,6 +89,50 @@ def test_balanced_assignment_covers_every_sample_once_within_grahams_bound(sizes
     assert largest <= (4 / 3 - 1 / (3 * m)) * optimum
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=40), st.integers(1, 5))
+def test_balanced_assignment_is_grahams_rule_with_ties_to_the_lower_sample_and_chunk(sizes, k):
+    # the rule written out plainly: samples by decreasing size (the lower id first on ties), each to the chunk
+    # with the fewest points so far (the lower index on ties); sizes from 1..4, so ties are everywhere
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    m = min(k, len(sizes))
+    loads, members = [0] * m, [[] for _ in range(m)]
+    for i in order:
+        j = min(range(m), key=lambda c: (loads[c], c))
+        loads[j] += sizes[i]
+        members[j].append(i)
+    assert [c.tolist() for c in balanced_assignment(torch.tensor(sizes), k)] == [sorted(c) for c in members]
+
+
+_DTYPES = [torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "dtype, form",
+    [(d, f) for d in _DTYPES for f in ("contiguous", "column view")]
+    + [(d, "requires grad") for d in _DTYPES if d.is_floating_point],
+)
+def test_chunk_coordinates_are_their_samples_rows_renumbered_in_every_dtype_and_layout(dtype, form):
+    # the cut takes a fast path for plain CPU tensors of numpy's dtypes and torch ops otherwise (bfloat16, a tensor
+    # that requires grad); both must give each chunk its samples' rows, column 0 the sample's place in the chunk
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 1, 7, 3, 4, 6, 2]
+    batch_index = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    wide = torch.cat([batch_index[:, None], torch.randint(-50, 50, (len(batch_index), 4), generator=g)], 1).to(dtype)
+    coordinates = wide[:, :4] if form == "column view" else wide.contiguous()
+    if form == "requires grad":
+        coordinates = coordinates.requires_grad_()
+    features = torch.randn(len(batch_index), 2, generator=g)
+    chunks, plan = split_batch({"coordinates": coordinates, "features": features}, 3)
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        rows = [r for s in ids.tolist() for r in range(len(batch_index)) if int(batch_index[r]) == s]
+        expected = coordinates.detach()[rows].clone()
+        expected[:, 0] = torch.tensor([ids.tolist().index(int(batch_index[r])) for r in rows], dtype=dtype)
+        got = chunk["coordinates"]
+        assert got.dtype == dtype and got.is_contiguous() and torch.equal(got.detach(), expected)
+        assert torch.equal(chunk["features"], features[rows])
+
+
 def test_balanced_split_evens_points_better_than_contiguous():
     sizes = [400, 390, 380, 10, 10, 10, 10, 10, 10]  # contiguous chunks: 1170 / 30 / 30 points
     samples = [
@@ -282,3 +326,18 @@ def test_assignment_gives_each_sample_its_chunk_and_position():
     chunks, chunk_of, position = assign(torch.tensor([5, 1, 1, 4, 2]), 2, lambda sizes, k: [torch.tensor([1, 3]), torch.tensor([0, 2, 4])])
     assert [c.tolist() for c in chunks] == [[1, 3], [0, 2, 4]]
     assert chunk_of.tolist() == [1, 0, 1, 0, 1] and position.tolist() == [0, 0, 1, 1, 2]
+
+
+def test_record_replace_matches_dataclasses_replace_and_refuses_unknown_fields():
+    import dataclasses
+
+    from lightning_sparse_dp.split.records import Leaf, Source, replace
+
+    leaf = Leaf(("k",), "batch['k']", torch.zeros(2), role="points", source=0)
+    assert replace(leaf, role="samples", source=-1) == dataclasses.replace(leaf, role="samples", source=-1)
+    assert leaf.role == "points"  # the record itself is unchanged
+    source = Source("batch['c']", 0, torch.zeros(3, dtype=torch.long))
+    copy = replace(source, counts=torch.tensor([3]))
+    assert copy.counts.tolist() == [3] and source.counts is None and type(copy) is Source
+    with pytest.raises(TypeError, match="Source has no field 'count'"):
+        replace(source, count=torch.tensor([3]))

@@ -28,7 +28,6 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +58,7 @@ from lightning_sparse_dp.split.records import (
     Source,
     names_coordinates,
     names_indices,
+    replace,
 )
 from lightning_sparse_dp.split.roles import resolve_roles, targets
 from lightning_sparse_dp.split.sources import count_samples, find_sources
@@ -132,7 +132,7 @@ def split_batch(
     num_samples, sources = count_samples(leaves, sources)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
         chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)
-        sources = tuple(dataclasses.replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
+        sources = tuple(replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
     else:
         chunk_samples, index_in_chunk, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
     k = len(chunk_samples)
@@ -180,7 +180,7 @@ def _assign_points(
         # each chunk's rows in ascending order: one comparison pass per chunk, cheaper than a stable sort of N
         # (numpy's flatnonzero: 2-3x torch.nonzero's speed here, from 3e3 to 3e5 points)
         rows = tuple(torch.from_numpy(np.flatnonzero(chunk_of_point == j)) for j in range(len(chunk_samples)))
-        with_rows.append(dataclasses.replace(src, rows=rows))
+        with_rows.append(replace(src, rows=rows))
     return chunk_samples, index_in_chunk, tuple(with_rows)
 
 

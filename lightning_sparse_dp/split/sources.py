@@ -24,7 +24,6 @@ never sources: they get the role ``"indices"`` (:mod:`.indices`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,15 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent
-from lightning_sparse_dp.split.records import COORDINATE_KEYS, BatchLayoutError, Leaf, Source, names_coordinates, names_indices
+from lightning_sparse_dp.split.records import (
+    COORDINATE_KEYS,
+    BatchLayoutError,
+    Leaf,
+    Source,
+    names_coordinates,
+    names_indices,
+    replace,
+)
 
 
 def looks_like_collated_coordinates(t: Tensor) -> bool:
@@ -114,7 +121,7 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
 
 
 def _as_source(leaves: list[Leaf], sources: list[Source], i: int, batch_index: Tensor) -> None:
-    leaves[i] = dataclasses.replace(leaves[i], role="coordinates", source=len(sources))
+    leaves[i] = replace(leaves[i], role="coordinates", source=len(sources))
     sources.append(Source(leaves[i].name, i, batch_index.cpu()))
 
 
@@ -141,7 +148,7 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
                 "which returns tensors [N, D+1] with the batch index in column 0."
             )
         elif leaf.role is None and _integer_matrix(leaf.value) and names_indices(key):
-            out[i] = dataclasses.replace(leaf, role="indices")
+            out[i] = replace(leaf, role="indices")
     for i, leaf in enumerate(out):  # more coordinate tensors under names that say so: target_coordinates, coords1
         x = leaf.value
         if leaf.role is None and isinstance(x, Tensor) and names_coordinates(key_of(leaf.path)):
@@ -213,7 +220,7 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
             disagree on ``B``, no tensor to split, or an empty batch.
     """
     if sources:
-        sources = tuple(dataclasses.replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
+        sources = tuple(replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
         samples = {s.name: int(s.counts.numel()) for s in sources}
         if len(set(samples.values())) > 1:
             first = sources[0]
