@@ -54,13 +54,22 @@ class ThreadState:
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads())
 
     def enter(self, stack: ExitStack) -> None:
-        """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set)."""
+        """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set).
+
+        Only what differs from the thread's own state is entered (a replica thread usually has the caller's
+        state already: grad mode on, no inference mode, autocast off): entering ``torch.autocast`` and the
+        grad-mode contexts costs ~10 us of Python a call, which replica threads take in turn under the GIL.
+        """
         if torch.get_num_threads() != self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
-        stack.enter_context(torch.inference_mode(self.inference_mode))
-        stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        if torch.is_inference_mode_enabled() != self.inference_mode:
+            stack.enter_context(torch.inference_mode(self.inference_mode))
+        if torch.is_grad_enabled() != self.grad_enabled:  # after inference mode, which turns grad mode off
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for device_type, enabled, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            # the dtype counts while disabled too: a step's own torch.autocast(device_type) without a dtype takes it
+            if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
 
 
 class ReplicaExecutor:

@@ -112,6 +112,27 @@ def test_executor_runs_concurrently_and_carries_grad_mode_and_autocast():
         executor.shutdown()
 
 
+def test_executor_carries_inference_mode_and_the_dtype_of_a_disabled_autocast():
+    # the executor enters only what differs from a replica thread's own state; what it enters is undone after
+    def probe():
+        return (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"))
+
+    executor = ReplicaExecutor(2)
+    default = torch.get_autocast_dtype("cpu")
+    try:
+        with torch.inference_mode():
+            assert executor.run([probe] * 2, CPU3[:2]) == [(True, False, False, default)] * 2
+        torch.set_autocast_dtype("cpu", torch.float16)  # disabled, but a step's torch.autocast("cpu") would take it
+        try:
+            assert executor.run([probe] * 2, CPU3[:2]) == [(False, True, False, torch.float16)] * 2
+        finally:
+            torch.set_autocast_dtype("cpu", default)
+        assert executor.run([probe] * 2, CPU3[:2]) == [(False, True, False, default)] * 2
+    finally:
+        executor.shutdown()
+
+
 def test_executor_reraises_with_replica_index_after_all_finish():
     finished = []
 
