@@ -341,3 +341,27 @@ def test_record_replace_matches_dataclasses_replace_and_refuses_unknown_fields()
     assert copy.counts.tolist() == [3] and source.counts is None and type(copy) is Source
     with pytest.raises(TypeError, match="Source has no field 'count'"):
         replace(source, count=torch.tensor([3]))
+
+
+@pytest.mark.parametrize("form", ["dict", "tuple", "list", "dict with a TensorField", "nested"])
+def test_flattened_leaves_are_pytrees_key_paths_for_every_batch_form(form):
+    # flatten takes a shortcut for one level of tensors; its leaves, paths and spec must be pytree's own walk's
+    import torch.utils._pytree as pytree
+
+    from lightning_sparse_dp.split.leaves import _tensor_lists, flatten
+
+    batch = collate_dict(random_samples(4))
+    if form == "tuple":
+        batch = (batch["coordinates"], batch["features"], batch["labels"])
+    elif form == "list":
+        batch = [batch["coordinates"], batch["features"], batch["labels"]]
+    elif form == "dict with a TensorField":
+        batch = {"x": ME.TensorField(batch["features"], batch["coordinates"].float()), "labels": batch["labels"]}
+    elif form == "nested":
+        batch = {"inputs": {"coordinates": batch["coordinates"], "features": batch["features"]}, "labels": batch["labels"]}
+    leaves, spec = flatten(batch, None)
+    walked, walked_spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(None))
+    assert spec == walked_spec
+    assert [leaf.path for leaf in leaves] == [tuple(p) for p, _ in walked]
+    assert all(leaf.value is x for leaf, (_, x) in zip(leaves, walked))
+    assert [leaf.name for leaf in leaves] == [str("batch" + "".join(str(k) for k in p)) for p, _ in walked]
