@@ -92,7 +92,9 @@ class ReplicaMetrics:
 
     Each root metric gets one copy per replica index and device, made on first use (``Metric.clone`` of
     an empty template, so the root's accumulated state is never copied) and kept for the run; every
-    step resets it (``Metric.reset``, far cheaper than a new copy) before handing it to the replica.
+    step resets it (:func:`reset_metric`, far cheaper than a new copy) before handing it to the replica,
+    unless no ``update``, ``forward`` or ``compute`` ran on it since its last reset (the validation metric
+    in a training step): torchmetrics counts every ``update`` in ``_update_count``.
     """
 
     def __init__(self) -> None:
@@ -119,8 +121,8 @@ class ReplicaMetrics:
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy
-        else:
-            reset_metric(copy)
+        elif copy._update_count or copy._computed is not None or copy._forward_cache is not None:
+            reset_metric(copy)  # else no update, forward or compute ran on it since its reset: it is still empty
         return copy
 
     @contextmanager

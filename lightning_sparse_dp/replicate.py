@@ -31,6 +31,9 @@ its storage moved (``module.to(...)``, ``configure_model``, a precision plugin's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +66,74 @@ def copy_slots(source: nn.Module, replica: nn.Module) -> None:
             object.__setattr__(dst, name, value)
 
 
+class BufferMirror:
+    """Copies of the module's buffers for the replicas after the root one, refreshed with one fused copy per dtype.
+
+    ``nn.DataParallel`` broadcasts the module's buffers to its replicas every step (``Broadcast.apply`` on the
+    buffers in ``torch.nn.parallel.replicate``); so does this, coalesced the way ``broadcast_coalesced`` is:
+    each replica's copies of the module's contiguous buffers that need no gradient are views into one flat
+    tensor per (dtype, device) of the replica's, and a refresh concatenates the module's buffers (flat views of
+    them, made once) into the first replica's flat tensor with ``torch.cat(..., out=...)`` and copies that
+    into the others'. Segmentation network of the bench, 39 buffers, 2 replicas: about 31 us with a cold
+    cache against 90 us for one ``copy_`` per buffer. Other buffers (not contiguous, another layout, needing a
+    gradient) are copied one by one.
+
+    The flat views keep the module's buffer storage alive, so a buffer given new storage (``module.to(...)``,
+    a precision conversion) never gets its old address back: :meth:`Replicas.matches` sees the change.
+
+    Args:
+        sources: the module's buffers (no ``None``).
+        devices: one device per replica after the root one.
+
+    Attributes:
+        copies: ``copies[r][k]``: replica ``r + 1``'s copy of ``sources[k]``, on ``devices[r]``.
+    """
+
+    def __init__(self, sources: Sequence[Tensor], devices: Sequence[torch.device]) -> None:
+        self.copies: list[list[Tensor]] = [[] for _ in devices]
+        self._groups: list[tuple[list[Tensor], Tensor | None, list[Tensor]]] = []  # (flat sources, staging, flats)
+        self._loose: list[tuple[Tensor, list[Tensor]]] = []  # (source, its copy per replica)
+        if not devices:
+            return
+        slots: list[list[Tensor | None]] = [[None] * len(sources) for _ in devices]
+        grouped: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for k, b in enumerate(sources):
+            if b.layout == torch.strided and b.is_contiguous() and not b.requires_grad:
+                grouped.setdefault((b.dtype, b.device), []).append(k)
+            else:
+                copies = [b.detach().to(device, copy=True) for device in devices]
+                for r, copy in enumerate(copies):
+                    slots[r][k] = copy
+                self._loose.append((b, copies))
+        for (dtype, device), indices in grouped.items():
+            views = [sources[k].detach().view(-1) for k in indices]
+            total = sum(v.numel() for v in views)
+            flats = [torch.empty(total, dtype=dtype, device=d) for d in devices]
+            for r, flat in enumerate(flats):
+                for k, piece in zip(indices, flat.split([v.numel() for v in views])):
+                    slots[r][k] = piece.view(sources[k].shape)
+            staging = None if flats[0].device == device else torch.empty(total, dtype=dtype, device=device)
+            self._groups.append((views, staging, flats))
+        self.copies = [list(s) for s in slots]  # type: ignore[arg-type]  # every slot is filled above
+        self.refresh(len(devices))
+
+    def refresh(self, count: int) -> None:
+        """Copy the module's buffers into the first ``count`` replicas after the root one."""
+        if count <= 0:
+            return
+        for views, staging, flats in self._groups:
+            first = flats[0] if staging is None else staging
+            torch.cat(views, out=first)  # the buffers need no gradient: nothing is recorded
+            for flat in flats[:count]:
+                if flat is not first:
+                    flat.copy_(first)
+        if self._loose:
+            with torch.no_grad():
+                for source, copies in self._loose:
+                    for copy in copies[:count]:
+                        copy.copy_(source)
+
+
 class Replicas:
     """Persistent replicas of ``module`` for ``devices`` (all CPU or all CUDA, the root device first).
 
@@ -85,16 +156,18 @@ class Replicas:
         self.root = module
         self.devices = list(devices)
         self._sources = list(module.modules())
-        self._fingerprint = _fingerprint(self._sources)
+        self._source_dicts = [m.__dict__ for m in self._sources]
+        self._fingerprint = _fingerprint(self._source_dicts)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         index = {id(m): i for i, m in enumerate(self._sources)}
         self.modules: list[nn.Module] = []
         self.leaves: list[list[Tensor]] = []
         self._copies: list[list[nn.Module]] = []
-        self._buffer_pairs: list[tuple[list[Tensor], list[Tensor]]] = []  # per replica > 0: (root buffers, copies)
+        buffer_slots: list[list[tuple[dict[str, Tensor | None], str]]] = []  # per replica > 0
         root_device = self.devices[0]
         for r, device in enumerate(self.devices):
             shares_storage = device.type == "cpu" or device == root_device
+            slots = []  # replica r > 0: where its copy of each of the module's buffers goes, in `buffer_sources` order
             leaf_of = {}
             for p in self.trainable:
                 data = p.detach() if shares_storage else torch.empty_like(p, device=device)
@@ -104,17 +177,13 @@ class Replicas:
                     if not p.requires_grad:
                         leaf_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
             copies = [m._replicate_for_data_parallel() for m in self._sources]
-            sources, targets = [], []
             for m, c in zip(self._sources, copies):
                 c._parameters = {k: (None if p is None else leaf_of.get(id(p), p)) for k, p in m._parameters.items()}
                 if r == 0:
                     c._buffers = m._buffers  # DataParallel: the root replica's buffers are the module's
                 else:
-                    c._buffers = {k: (None if b is None else b.detach().to(device, copy=True)) for k, b in m._buffers.items()}
-                    for k, b in m._buffers.items():
-                        if b is not None:
-                            sources.append(b)
-                            targets.append(c._buffers[k])
+                    c._buffers = dict(m._buffers)  # filled in by the mirror below
+                    slots.extend((c._buffers, k) for k, b in m._buffers.items() if b is not None)
                 c._modules = {k: (None if child is None else copies[index[id(child)]]) for k, child in m._modules.items()}
             copy_slots(module, copies[0])
             if hasattr(copies[0], "_device"):  # Lightning's DeviceDtypeModuleMixin: `self.device` in the replica
@@ -123,7 +192,12 @@ class Replicas:
             self.leaves.append([leaf_of[id(p)] for p in self.trainable])
             self._copies.append(copies)
             if r > 0:
-                self._buffer_pairs.append((sources, targets))
+                buffer_slots.append(slots)
+        buffer_sources = [b for m in self._sources for b in m._buffers.values() if b is not None]
+        self._buffer_mirror = BufferMirror(buffer_sources, self.devices[1:])
+        for r, slots in enumerate(buffer_slots):
+            for (buffers, key), copy in zip(slots, self._buffer_mirror.copies[r], strict=True):
+                buffers[key] = copy
         self._dicts = [
             (c.__dict__, m.__dict__, {"_parameters": c._parameters, "_buffers": c._buffers, "_modules": c._modules})
             for copies in self._copies
@@ -137,7 +211,7 @@ class Replicas:
             module is self.root
             and len(devices) <= len(self.devices)
             and list(devices) == self.devices[: len(devices)]
-            and _fingerprint(self._sources) == self._fingerprint
+            and _fingerprint(self._source_dicts) == self._fingerprint
         )
 
     def refresh(self, count: int | None = None) -> list[nn.Module]:
@@ -153,10 +227,7 @@ class Replicas:
         if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
             for replica, device in zip(self.modules[:count], self.devices):
                 replica.__dict__["_device"] = device
-        with torch.no_grad():
-            for sources, targets in self._buffer_pairs[: max(0, count - 1)]:
-                if sources:
-                    torch._foreach_copy_(targets, sources)
+        self._buffer_mirror.refresh(count - 1)
         self._copy_parameters(count)
         return self.modules[:count]
 
@@ -204,28 +275,34 @@ class Replicas:
         return out
 
 
-def _fingerprint(modules: list[nn.Module]) -> tuple:
+def _fingerprint(dicts: list[dict[str, Any]]) -> tuple:
     """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
 
-    Flat lists built by comprehensions and ``map`` (this runs every step): per module the sizes of its three
-    dicts, then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``,
-    storage and dtype and each buffer's storage.
+    ``dicts``: the modules' ``__dict__``. Built with C-level iteration (``map``, ``itertools.chain``; this runs
+    every step, mostly on a cold cache after the previous step's backward pass): per module the sizes of its three
+    dicts, then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``, storage
+    address and dtype and each buffer's storage address. A conversion (``module.to(torch.float64)``, a precision
+    plugin's) gives every non-empty tensor new storage at a new address: the replicas' leaves (parameters) and
+    :class:`BufferMirror`'s views (buffers) keep the old storage alive, so the address is not reused.
     """
-    children = [m._modules for m in modules]
-    parameters = [m._parameters for m in modules]
-    buffers = [m._buffers for m in modules]
-    params = [p for d in parameters for p in d.values()]
-    bufs = [b for d in buffers for b in d.values()]
+    children = list(map(_MODULES, dicts))
+    parameters = list(map(_PARAMETERS, dicts))
+    buffers = list(map(_BUFFERS, dicts))
+    params = list(chain.from_iterable(map(dict.values, parameters)))
+    bufs = list(chain.from_iterable(map(dict.values, buffers)))
     return (
         list(map(len, children)),
         list(map(len, parameters)),
         list(map(len, buffers)),
-        [id(c) for d in children for c in d.values()],
+        list(map(id, chain.from_iterable(map(dict.values, children)))),
         list(map(id, params)),
         list(map(id, bufs)),
         [None if p is None else (p.requires_grad, p.data_ptr(), p.dtype) for p in params],
         [None if b is None else b.data_ptr() for b in bufs],
     )
+
+
+_MODULES, _PARAMETERS, _BUFFERS = itemgetter("_modules"), itemgetter("_parameters"), itemgetter("_buffers")
 
 
 def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
@@ -238,4 +315,4 @@ def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn
     return Replicas(module, devices).modules
 
 
-__all__ = ["Replicas", "copy_slots", "make_replicas"]
+__all__ = ["BufferMirror", "Replicas", "copy_slots", "make_replicas"]

@@ -7,7 +7,7 @@ import torch
 from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sparse_dp.metrics import reset_metric
+from lightning_sparse_dp.metrics import ReplicaMetrics, reset_metric
 
 
 def _updated(make):
@@ -71,3 +71,43 @@ def test_a_metric_with_its_own_reset_keeps_it():
     metric.update(torch.tensor([1.0]))
     reset_metric(metric)
     assert Counting.resets == 1 and metric._update_count == 0
+
+
+def test_replica_metric_copies_start_every_step_empty_whether_or_not_the_last_step_used_them():
+    # two metrics; each step updates one of them in some replicas: the root ends as one metric fed every batch
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = MeanMetric()
+            self.b = MulticlassAccuracy(num_classes=4, average="micro")
+
+    root = Holder()
+    replicas = [Holder(), Holder(), Holder()]
+    reference = Holder()
+    g = torch.Generator().manual_seed(1)
+    replica_metrics = ReplicaMetrics()
+    for step, (name, used) in enumerate([("a", (0, 2)), ("b", (1,)), ("a", (1,)), ("b", (0, 1, 2)), ("a", (0,))]):
+        with replica_metrics.installed(root, replicas, [torch.device("cpu")] * 3, structure=replicas) as merged:
+            for entry in merged:
+                for copy in entry.replicas:  # every copy handed to a replica is empty
+                    assert copy._update_count == 0 and copy._computed is None and copy._forward_cache is None
+                    for state, default in copy._defaults.items():
+                        value = getattr(copy, state)
+                        assert torch.equal(value, default) if isinstance(default, torch.Tensor) else value == [], state
+            for r in used:
+                metric = getattr(replicas[r], name)
+                if name == "a":
+                    values = torch.rand(3 + r, generator=g)
+                    metric.update(values)
+                    reference.a.update(values)
+                else:
+                    preds, target = torch.randn(5, 4, generator=g), torch.randint(0, 4, (5,), generator=g)
+                    if step == 3 and r == 2:
+                        metric(preds, target)  # forward: the copy's _forward_cache is set too
+                    else:
+                        metric.update(preds, target)
+                    reference.b.update(preds, target)
+            if step == 1:
+                replicas[0].a.compute()  # compute on an unused copy (a warning): it is reset all the same
+    assert torch.equal(root.a.compute(), reference.a.compute())
+    assert torch.equal(root.b.compute(), reference.b.compute())

@@ -94,6 +94,59 @@ def test_replica_buffers_follow_data_parallel():
     torch.testing.assert_close(replicas[2].running_var, model.running_var)
 
 
+class _ManyBuffers(torch.nn.Module):
+    """Every kind of buffer the mirror handles: fused (float32, int64 0-dim, empty) and copied one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(3)  # running_mean / running_var float32 [3], num_batches_tracked int64 []
+        self.register_buffer("table", torch.arange(12, dtype=torch.float64).reshape(3, 4).t())  # not contiguous
+        self.register_buffer("empty", torch.zeros(0))
+        self.register_buffer("absent", None)
+        self.register_buffer("scale", torch.ones(2, requires_grad=True))  # a buffer that needs a gradient
+
+
+def _buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: b.clone() for k, b in module.named_buffers()}
+
+
+def test_replica_buffers_are_refreshed_from_the_module_and_stay_each_replicas_own():
+    model = _ManyBuffers()
+    replicas = Replicas(model, CPU3)
+    with torch.no_grad():  # the module's buffers change between steps (e.g. running statistics of the last step)
+        for b in model.buffers():
+            b.add_(torch.arange(b.numel()).reshape(b.shape).to(b.dtype) + 1)
+    expected = _buffers_of(model)
+    stale = _buffers_of(replicas.modules[2])
+    replicas.refresh(2)  # a step with 2 chunks: replica 2 is left as it was
+    for r, replica in enumerate(replicas.modules):
+        got = dict(replica.named_buffers())
+        assert got.keys() == expected.keys()
+        for k, value in (stale if r == 2 else expected).items():
+            assert got[k].dtype == value.dtype and got[k].shape == value.shape and torch.equal(got[k], value), (r, k)
+    assert replicas.modules[1].table.shape == (4, 3) and not replicas.modules[1].table.requires_grad
+    replicas.refresh()
+    with torch.no_grad():  # a replica's in-place update (its batch norm's running statistics) is its own
+        replicas.modules[1].bn.running_mean.add_(5.0)
+        replicas.modules[1].bn.num_batches_tracked.add_(1)
+    for other in (model, replicas.modules[2]):
+        assert torch.equal(other.bn.running_mean, expected["bn.running_mean"])
+        assert torch.equal(other.bn.num_batches_tracked, expected["bn.num_batches_tracked"])
+    replicas.refresh()
+    assert torch.equal(replicas.modules[1].bn.running_mean, expected["bn.running_mean"])
+    assert replicas.matches(model, CPU3)
+    model.double()  # new storage for every floating-point buffer and parameter
+    assert not replicas.matches(model, CPU3)
+
+
+def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
+    model = torch.nn.BatchNorm1d(4, affine=False)  # no parameters: only the buffers tell
+    replicas = Replicas(model, CPU3)
+    assert replicas.matches(model, CPU3)
+    model.double()
+    assert not replicas.matches(model, CPU3)
+
+
 def test_executor_runs_concurrently_and_carries_grad_mode_and_autocast():
     barrier = threading.Barrier(3, timeout=10)  # passes only if all three run at once
 
