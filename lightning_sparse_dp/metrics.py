@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from torch import nn
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_sum
 
 from lightning_sparse_dp.terms import outside_capture
 
@@ -100,7 +101,8 @@ class ReplicaMetrics:
     def __init__(self) -> None:
         self._templates: dict[int, Metric] = {}
         self._copies: dict[tuple[int, int, torch.device], Metric] = {}
-        self._found: tuple[object, list[tuple[str, Metric]]] | None = None  # (structure, the root's metrics)
+        # (structure, the root's metrics, each replica's (parent module, attribute) per metric by id(replica))
+        self._found: tuple[object, list[tuple[str, Metric]], dict[int, list[tuple[nn.Module, str]]]] | None = None
 
     def _template(self, metric: Metric) -> Metric:
         template = self._templates.get(id(metric))
@@ -135,7 +137,8 @@ class ReplicaMetrics:
         metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
         had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
         replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
-        it is the same, the root's metrics are not looked up again (no ``named_modules`` walk per step).
+        it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
+        ``named_modules`` walk or ``get_submodule`` per step).
 
         Yields:
             the metrics of the step, one entry per root metric.
@@ -147,17 +150,20 @@ class ReplicaMetrics:
             yield []
             return
         if structure is not None and self._found is not None and self._found[0] is structure:
-            found = self._found[1]
+            _, found, slots_of = self._found
         else:
             found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
-            self._found = None if structure is None else (structure, found)
+            slots_of = {}
+            self._found = None if structure is None else (structure, found, slots_of)
         merged = [MetricReplicas(name, m, [], partial(self._copy, m, -1, m.device)) for name, m in found]  # -1: the batch's
         previous: list[tuple[nn.Module, str, nn.Module]] = []
         for index, (replica, device) in enumerate(zip(replicas, devices)):
-            for entry in merged:
+            slots = slots_of.get(id(replica))
+            if slots is None:  # each metric's parent module in this replica (its own module: the child slot is set directly)
+                slots = [(replica.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in found]
+                slots_of[id(replica)] = slots
+            for entry, (parent, attr) in zip(merged, slots):
                 copy = self._copy(entry.root, index, device)
-                parent_name, _, attr = entry.name.rpartition(".")
-                parent = replica.get_submodule(parent_name)  # a replica's own module: its child slot set directly
                 previous.append((parent, attr, parent._modules[attr]))
                 parent._modules[attr] = copy
                 entry.replicas.append(copy)
@@ -167,6 +173,44 @@ class ReplicaMetrics:
         finally:
             for parent, attr, module in previous:
                 parent._modules[attr] = module
+
+
+def merge_states(target: Metric, sources: list[Metric]) -> None:
+    """``for m in sources: target.merge_state(m)``, with one fused add per source where that gives the same states.
+
+    The fused path (``torch._foreach_add``, about 11 us against 43 for 3 copies of an accuracy metric) takes
+    metrics that keep torchmetrics' own ``merge_state`` and whose states are all tensors summed across
+    processes (``dist_reduce_fx="sum"``), of one shape, dtype and device in ``target`` and every source:
+    torchmetrics' ``_reduce_states`` sets each such state to ``incoming + local``, a new tensor, and so does this
+    (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
+    ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
+    """
+    if not sources:
+        return
+    names = list(target._defaults)
+    fused = (
+        type(target).merge_state is Metric.merge_state
+        and type(target)._reduce_states is Metric._reduce_states
+        and target.full_state_update is False
+        and not target.dist_sync_on_step
+        and all(type(m) is type(target) for m in sources)
+        and all(target._reductions[n] is dim_zero_sum for n in names)
+    )
+    if fused:
+        states = [getattr(target, n) for n in names]
+        incoming = [[getattr(m, n) for n in names] for m in sources]
+        fused = all(isinstance(t, torch.Tensor) and not t.requires_grad for t in states) and all(
+            isinstance(x, torch.Tensor) and x.shape == t.shape and x.dtype == t.dtype and x.device == t.device
+            for theirs in incoming
+            for x, t in zip(theirs, states)
+        )
+    if not fused:
+        for m in sources:
+            target.merge_state(m)
+        return
+    for theirs in incoming:
+        states = torch._foreach_add(theirs, states)  # incoming + local, as _reduce_states; new tensors
+    target.__dict__.update(zip(names, states))  # metric states are plain attributes (as reset_metric sets them)
 
 
 def merge_into_root(metrics: list[MetricReplicas]) -> None:
@@ -188,12 +232,10 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
                 else:
                     batch = entry.root.clone()
                     batch.reset()
-                for m in updated:
-                    batch.merge_state(m)
+                merge_states(batch, updated)
                 batch._update_count = update_count
                 entry.root._forward_cache = batch.compute()
-            for m in updated:
-                entry.root.merge_state(m)
+            merge_states(entry.root, updated)
         except RuntimeError as err:
             raise RuntimeError(
                 f"the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated in sparse_dp replicas "
@@ -204,4 +246,4 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
         entry.root._computed = None
 
 
-__all__ = ["MetricReplicas", "ReplicaMetrics", "merge_into_root"]
+__all__ = ["MetricReplicas", "ReplicaMetrics", "merge_into_root", "merge_states", "reset_metric"]

@@ -1,4 +1,5 @@
-"""reset_metric (the per-step reset of the replicas' metric copies) leaves a metric as torchmetrics' reset does."""
+"""The replicas' metric copies: reset_metric leaves a metric as torchmetrics' reset does, merge_states merges as
+merge_state does, and every copy a replica gets is empty."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sparse_dp.metrics import ReplicaMetrics, reset_metric
+from lightning_sparse_dp.metrics import ReplicaMetrics, merge_states, reset_metric
 
 
 def _updated(make):
@@ -111,3 +112,51 @@ def test_replica_metric_copies_start_every_step_empty_whether_or_not_the_last_st
                 replicas[0].a.compute()  # compute on an unused copy (a warning): it is reset all the same
     assert torch.equal(root.a.compute(), reference.a.compute())
     assert torch.equal(root.b.compute(), reference.b.compute())
+
+
+class _FullState(MeanMetric):
+    full_state_update = True
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MulticlassAccuracy(num_classes=4, average="micro"),  # int64 sums: fused
+    lambda: MulticlassAccuracy(num_classes=4, average="none"),  # per-class [4] sums: fused
+    lambda: MeanMetric(),  # float32 sums (value and weight): fused
+    lambda: MeanMetric().double(),  # float64 sums: fused
+    CatMetric,  # cat: merge_state
+])
+def test_merge_states_equals_torchmetrics_merge_state(make):
+    g = torch.Generator().manual_seed(3)
+
+    def fed(n: int):
+        metric = make()
+        for _ in range(n):
+            if isinstance(metric, MulticlassAccuracy):
+                metric.update(torch.randn(7, 4, generator=g), torch.randint(0, 4, (7,), generator=g))
+            else:
+                metric.update(torch.rand(5, generator=g, dtype=torch.float64) * 1e3)
+        return metric
+
+    root, copies = fed(2), [fed(1), fed(3), fed(1)]
+    reference = make()
+    reference.merge_state(root)
+    ours = make()
+    ours.merge_state(root)
+    for m in copies:
+        reference.merge_state(m)
+    merge_states(ours, copies)
+    for name in ours._defaults:
+        a, b = getattr(ours, name), getattr(reference, name)
+        if isinstance(a, list):
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), name
+        else:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name  # bit for bit
+            assert all(a is not getattr(m, name) for m in copies)  # the copies' tensors are not taken over
+    torch.testing.assert_close(ours.compute(), reference.compute(), rtol=0, atol=0)
+
+
+def test_merge_states_refuses_what_merge_state_refuses():
+    root, copy = _FullState(), _FullState()
+    copy.update(torch.ones(2))
+    with pytest.raises(RuntimeError, match="full_state_update"):
+        merge_states(root, [copy])
