@@ -55,11 +55,14 @@ def reset_metric(metric: Metric) -> None:
     reset (a merge into the root builds new tensors for the root), are copied back to their defaults in
     place with one fused ``torch._foreach_copy_``, list states are cleared, and the other attributes
     ``reset`` sets are set directly. Anything else (an overridden ``reset``, a state whose shape, dtype or
-    device changed, or that needs a gradient) goes through ``metric.reset()``.
+    device changed, that needs a gradient, or an inference tensor outside inference mode: a state made in a
+    validation or predict step, which Lightning runs in ``torch.inference_mode``, cannot be updated in place
+    in a training step) goes through ``metric.reset()``, which makes new tensors.
     """
     if type(metric).reset is not Metric.reset:
         metric.reset()
         return
+    inference = torch.is_inference_mode_enabled()
     attributes = metric.__dict__
     states, defaults, lists = [], [], []
     for name, default in metric._defaults.items():
@@ -71,6 +74,7 @@ def reset_metric(metric: Metric) -> None:
                 and current.dtype == default.dtype
                 and current.device == default.device
                 and not current.requires_grad
+                and (inference or not current.is_inference())  # made in a validation / predict step's inference mode
             ):
                 metric.reset()
                 return
@@ -157,16 +161,19 @@ class ReplicaMetrics:
             self._found = None if structure is None else (structure, found, slots_of)
         merged = [MetricReplicas(name, m, [], partial(self._copy, m, -1, m.device)) for name, m in found]  # -1: the batch's
         previous: list[tuple[nn.Module, str, nn.Module]] = []
-        for index, (replica, device) in enumerate(zip(replicas, devices)):
-            slots = slots_of.get(id(replica))
-            if slots is None:  # each metric's parent module in this replica (its own module: the child slot is set directly)
-                slots = [(replica.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in found]
-                slots_of[id(replica)] = slots
-            for entry, (parent, attr) in zip(merged, slots):
-                copy = self._copy(entry.root, index, device)
-                previous.append((parent, attr, parent._modules[attr]))
-                parent._modules[attr] = copy
-                entry.replicas.append(copy)
+        # copies made and reset outside inference mode, also in a validation / predict step (Lightning runs them in
+        # torch.inference_mode): inference tensors could not be updated in place in a later training step
+        with torch.inference_mode(False):
+            for index, (replica, device) in enumerate(zip(replicas, devices)):
+                slots = slots_of.get(id(replica))
+                if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
+                    slots = [(replica.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in found]
+                    slots_of[id(replica)] = slots
+                for entry, (parent, attr) in zip(merged, slots):
+                    copy = self._copy(entry.root, index, device)
+                    previous.append((parent, attr, parent._modules[attr]))
+                    parent._modules[attr] = copy
+                    entry.replicas.append(copy)
         try:
             yield merged
             merge_into_root(merged)

@@ -153,6 +153,13 @@ class Replicas:
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
         check_devices(devices)
+        # Built outside inference mode even in a validation / predict step (Lightning runs them in
+        # torch.inference_mode): tensors made there are inference tensors, which the training steps that
+        # later refresh the same replicas could not update in place.
+        with torch.inference_mode(False):
+            self._build(module, devices)
+
+    def _build(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
         self.root = module
         self.devices = list(devices)
         self._sources = list(module.modules())

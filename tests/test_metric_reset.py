@@ -160,3 +160,18 @@ def test_merge_states_refuses_what_merge_state_refuses():
     copy.update(torch.ones(2))
     with pytest.raises(RuntimeError, match="full_state_update"):
         merge_states(root, [copy])
+
+
+def test_reset_metric_of_inference_tensors_outside_inference_mode_makes_normal_ones():
+    # a metric whose states were made in a validation step (Lightning's inference mode), reset in a training step
+    with torch.inference_mode():
+        ours = _updated(MeanMetric)
+    theirs = _updated(MeanMetric)
+    assert ours.mean_value.is_inference()
+    reset_metric(ours)  # in place would raise: "Inplace update to inference tensor outside InferenceMode"
+    theirs.reset()
+    _same(_state(ours), _state(theirs))
+    assert not any(ours.__dict__[n].is_inference() for n in ours._defaults)
+    ours.update(torch.tensor([0.5, 2.0]))  # and the metric works on outside inference mode
+    theirs.update(torch.tensor([0.5, 2.0]))
+    assert torch.equal(ours.compute(), theirs.compute())

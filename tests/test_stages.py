@@ -147,6 +147,19 @@ def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
     assert not replicas.matches(model, CPU3)
 
 
+def test_replicas_built_in_inference_mode_serve_training_steps_after_it():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    with torch.inference_mode():  # a validation step (Lightning's inference mode) builds the replicas
+        replicas = Replicas(model, CPU3)
+        replicas.refresh()
+    with torch.no_grad():
+        model[1].running_mean.fill_(2.0)
+    refreshed = replicas.refresh()  # a training step: the replicas' buffers are updated in place
+    assert all(torch.equal(r[1].running_mean, model[1].running_mean) for r in refreshed)
+    refreshed[1](torch.randn(4, 3)).sum().backward()
+    assert replicas.leaves[1][0].grad is not None and model[0].weight.grad is None
+
+
 def test_executor_runs_concurrently_and_carries_grad_mode_and_autocast():
     barrier = threading.Barrier(3, timeout=10)  # passes only if all three run at once
 

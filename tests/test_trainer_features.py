@@ -12,7 +12,9 @@ from functools import partial
 import MinkowskiEngine as ME
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torchmetrics import MeanMetric
 
 from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start
 from tests.helpers import trainer as _trainer
@@ -160,3 +162,55 @@ def test_resuming_continues_exactly_as_an_uninterrupted_run(tmp_path):
         """,
         tmp_path,
     )
+
+
+class _Metered(SparseNet):
+    """Per-sample losses into a torchmetrics metric in training and in validation (each logged per epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_norm=True)
+        self.train_mean = MeanMetric()
+        self.val_mean = MeanMetric()
+
+    def _per_sample(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return F.cross_entropy(self(x), batch["labels"], reduction="none")
+
+    def training_step(self, batch, batch_idx):
+        losses = self._per_sample(batch)
+        self.train_mean.update(losses.detach())
+        self.log("train_mean", self.train_mean, on_step=False, on_epoch=True)
+        return losses.mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_mean.update(self._per_sample(batch))
+        self.log("val_mean", self.val_mean, batch_size=batch["labels"].shape[0])
+
+
+def test_validate_then_fit_then_validate_with_metrics_equals_one_device():
+    # Lightning runs trainer.validate in torch.inference_mode: the replicas and metric copies made there (for
+    # every metric, the training one too) must serve the training steps of a later fit on the same Trainer.
+    # (One device cannot update the validation metric in fit's validation after that: torchmetrics' reset at
+    # the end of trainer.validate leaves it inference tensors, which fit's validation loop, outside inference
+    # mode, cannot update in place; so fit runs no validation here.)
+    batch = collate_dict(random_samples(7, seed=35))
+    figures = {}
+    ours_module, reference_module = same_start(_Metered)
+    for name, module, kwargs in (("sparse_dp", ours_module, {"strategy": "sparse_dp", "devices": 3, "sync_batchnorm": True}),
+                                 ("one device", reference_module, {"devices": 1})):
+        run = trainer(limit_val_batches=1, max_steps=2, **kwargs)
+        first = run.validate(module, loader(batch), verbose=False)[0]["val_mean"]
+        run.fit(module, loader(batch))  # no validation inside fit (see below)
+        fitted = {k: float(v) for k, v in run.callback_metrics.items()}
+        last = run.validate(module, loader(batch), verbose=False)[0]["val_mean"]
+        figures[name] = (first, fitted, last, module)
+    ours, theirs = figures["sparse_dp"], figures["one device"]
+    # the metrics add float32 values (torchmetrics casts to its own dtype, float32 here): equal to float32 rounding
+    metric_rel = 1e-6
+    assert abs(ours[0] - theirs[0]) <= metric_rel * abs(theirs[0])
+    assert ours[1].keys() == theirs[1].keys() >= {"train_mean"}
+    for key in theirs[1]:
+        assert abs(ours[1][key] - theirs[1][key]) <= metric_rel * abs(theirs[1][key]), key
+    assert abs(ours[2] - theirs[2]) <= metric_rel * abs(theirs[2])
+    assert ours[2] != ours[0]  # the model trained in between
+    assert_same_states(ours[3], theirs[3])  # float64 throughout
