@@ -16,7 +16,7 @@ a tenth of that).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -163,7 +163,7 @@ class ReplicaMetrics:
         previous: list[tuple[nn.Module, str, nn.Module]] = []
         # copies made and reset outside inference mode, also in a validation / predict step (Lightning runs them in
         # torch.inference_mode): inference tensors could not be updated in place in a later training step
-        with torch.inference_mode(False):
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext():
             for index, (replica, device) in enumerate(zip(replicas, devices)):
                 slots = slots_of.get(id(replica))
                 if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
