@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
@@ -167,8 +167,8 @@ class ReplicaMetrics:
             for index, (replica, device) in enumerate(zip(replicas, devices)):
                 slots = slots_of.get(id(replica))
                 if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
-                    slots = [(replica.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name, _ in found]
-                    slots_of[id(replica)] = slots
+                    paths = [name.rpartition(".") for name, _ in found]
+                    slots = slots_of[id(replica)] = [(replica.get_submodule(parent), attr) for parent, _, attr in paths]
                 for entry, (parent, attr) in zip(merged, slots):
                     copy = self._copy(entry.root, index, device)
                     previous.append((parent, attr, parent._modules[attr]))
@@ -192,32 +192,39 @@ def merge_states(target: Metric, sources: list[Metric]) -> None:
     (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
     ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
     """
-    if not sources:
+    summed = _summed_states(target, sources)
+    if summed is None:
+        for m in sources:
+            target.merge_state(m)
         return
+    names, states, incoming = summed
+    for theirs in incoming:
+        states = torch._foreach_add(theirs, states)  # incoming + local, as _reduce_states; new tensors
+    target.__dict__.update(zip(names, states))  # metric states are plain attributes (as reset_metric sets them)
+
+
+def _summed_states(target: Metric, sources: list[Metric]) -> tuple[list[str], list[Tensor], list[list[Tensor]]] | None:
+    """``(state names, target's states, each source's states)`` when :func:`merge_states` may add them fused, else ``None``."""
+    if not sources:
+        return None
     names = list(target._defaults)
-    fused = (
+    if not (
         type(target).merge_state is Metric.merge_state
         and type(target)._reduce_states is Metric._reduce_states
         and target.full_state_update is False
         and not target.dist_sync_on_step
         and all(type(m) is type(target) for m in sources)
         and all(target._reductions[n] is dim_zero_sum for n in names)
+    ):
+        return None
+    states = [getattr(target, n) for n in names]
+    incoming = [[getattr(m, n) for n in names] for m in sources]
+    same_kind = all(isinstance(t, Tensor) and not t.requires_grad for t in states) and all(
+        isinstance(x, Tensor) and x.shape == t.shape and x.dtype == t.dtype and x.device == t.device
+        for theirs in incoming
+        for x, t in zip(theirs, states)
     )
-    if fused:
-        states = [getattr(target, n) for n in names]
-        incoming = [[getattr(m, n) for n in names] for m in sources]
-        fused = all(isinstance(t, torch.Tensor) and not t.requires_grad for t in states) and all(
-            isinstance(x, torch.Tensor) and x.shape == t.shape and x.dtype == t.dtype and x.device == t.device
-            for theirs in incoming
-            for x, t in zip(theirs, states)
-        )
-    if not fused:
-        for m in sources:
-            target.merge_state(m)
-        return
-    for theirs in incoming:
-        states = torch._foreach_add(theirs, states)  # incoming + local, as _reduce_states; new tensors
-    target.__dict__.update(zip(names, states))  # metric states are plain attributes (as reset_metric sets them)
+    return (names, states, incoming) if same_kind else None
 
 
 def merge_into_root(metrics: list[MetricReplicas]) -> None:
