@@ -82,11 +82,11 @@ class BufferMirror:
     a precision conversion) never gets its old address back: :meth:`Replicas.matches` sees the change.
 
     Args:
-        sources: the module's buffers (no ``None``).
-        devices: one device per replica after the root one.
+        sources: the module's buffers (no ``None``), any shapes and dtypes.
+        devices: one device per replica after the root one (none: nothing to mirror).
 
     Attributes:
-        copies: ``copies[r][k]``: replica ``r + 1``'s copy of ``sources[k]``, on ``devices[r]``.
+        copies: ``copies[r][k]``: replica ``r + 1``'s copy of ``sources[k]`` (its shape and dtype), on ``devices[r]``.
     """
 
     def __init__(self, sources: Sequence[Tensor], devices: Sequence[torch.device]) -> None:
@@ -118,7 +118,7 @@ class BufferMirror:
         self.refresh(len(devices))
 
     def refresh(self, count: int) -> None:
-        """Copy the module's buffers into the first ``count`` replicas after the root one."""
+        """Copy the module's buffers into the first ``count`` replicas after the root one (``count <= 0``: none)."""
         if count <= 0:
             return
         for views, staging, flats in self._groups:
