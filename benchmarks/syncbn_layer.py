@@ -16,7 +16,10 @@ each with its own input of ``--points`` rows, torch's layer unsynchronized and t
 ranks of one :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup`, and prints the wall-clock
 microseconds per forward + backward (the slowest thread's mean over ``--calls``; medians of 5 rounds). On
 a small layer this is the GIL's figure more than the arithmetic's: every op that releases the GIL waits to
-take it back while another thread runs Python.
+take it back while another thread runs Python. The synchronized layer runs as it would (gathered when the
+threads' inputs hold at most ``GATHER_MAX_BYTES`` bytes together, else per rank), then forced onto each
+path (``gathered``: every rank's input at once, by one thread; ``per rank``), which is how that threshold was
+chosen (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_sparse_dp.syncbn import _gathered  # noqa: E402
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm  # noqa: E402
 from lightning_sparse_dp.syncbn.collective import ThreadGroup  # noqa: E402
 
@@ -96,10 +100,17 @@ def main() -> None:
     torch.set_num_threads(1)
     dtype = torch.float64 if args.float64 else torch.float32
     if args.threads >= 2:
-        rounds = {"torch BatchNorm1d": [], "SyncBatchNorm": []}
+        rounds = {"torch BatchNorm1d": [], "SyncBatchNorm": [], "  gathered": [], "  per rank": []}
+        threshold = _gathered.GATHER_MAX_BYTES
         for _ in range(5):
             rounds["torch BatchNorm1d"].append(threaded_us(False, args.threads, args.points, args.channels, dtype, args.calls))
             rounds["SyncBatchNorm"].append(threaded_us(True, args.threads, args.points, args.channels, dtype, args.calls))
+            for name, forced in (("  gathered", 1 << 62), ("  per rank", 0)):
+                _gathered.GATHER_MAX_BYTES = forced
+                try:
+                    rounds[name].append(threaded_us(True, args.threads, args.points, args.channels, dtype, args.calls))
+                finally:
+                    _gathered.GATHER_MAX_BYTES = threshold
         print(f"{args.threads} threads x {args.points} x {args.channels} {dtype}, forward + backward, wall-clock us per "
               f"layer (median of 5 rounds of {args.calls} calls [min-max]):")
         for name, values in rounds.items():

@@ -8,12 +8,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse_dp.syncbn import _functions
+from lightning_sparse_dp.syncbn import _functions, _gathered
 from lightning_sparse_dp.syncbn._functions import accumulation_dtype, combine_statistics, compute_dtype
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted, ThreadGroup
 from tests.test_collective import run_ranks
 from tests.helpers import relative_difference
+
+
+@pytest.fixture(params=["gathered", "per-rank"])
+def path(request, monkeypatch):
+    """Both ways a synchronized layer of CPU replica threads is computed: gathered (small layers: every replica's
+    input at once, by one thread) and per rank (each replica its part; what larger layers, accelerators and
+    process groups take). The threshold of :mod:`~lightning_sparse_dp.syncbn._gathered` picks one."""
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 1 << 40 if request.param == "gathered" else 0)
+    return request.param
 
 
 def make_layer(cls, channels, dtype, momentum=0.1, affine=True):
@@ -86,7 +95,7 @@ def sync_step(rows, channels, shape_tail=(), dtype=torch.float64, momentum=0.1, 
     [([5, 3, 8], ()), ([1, 1], ()), ([7], ()), ([40, 2, 17, 9], ()), ([4, 6, 3], (5, 2)), ([0, 6, 3], ())],
     ids=["3-ranks", "one-row-each", "one-rank", "4-ranks", "NCHW", "empty-rank"],
 )
-def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail):
+def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail, path):
     got, want, _ = sync_step(rows, channels=6, shape_tail=tail)
     for name in want:
         assert got[name].dtype == want[name].dtype, name
@@ -99,6 +108,7 @@ def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype):
     """The per-channel arithmetic of CUDA input (tensors, no numpy) is the CPU's (numpy): forced here on CPU."""
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)  # the per-rank path, which CUDA replicas take
     cpu, _, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
     monkeypatch.setattr(_functions, "HOST_DEVICE_TYPES", ())
     tensors, want, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
@@ -107,13 +117,13 @@ def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype)
         assert relative_difference(tensors[name], want[name]) < (1e-10 if dtype == torch.float64 else 1e-5), name
 
 
-def test_cumulative_average_and_no_affine():
+def test_cumulative_average_and_no_affine(path):
     got, want, _ = sync_step([5, 4], channels=3, momentum=None, affine=False)
     for name in want:
         assert relative_difference(got[name], want[name]) < 1e-10, name
 
 
-def test_only_the_rank_that_updates_touches_its_running_statistics():
+def test_only_the_rank_that_updates_touches_its_running_statistics(path):
     _, _, layers = sync_step([5, 4, 3], channels=3)
     fresh = make_layer(SyncBatchNorm, 3, torch.float64)
     assert not torch.equal(layers[0].running_mean, fresh.running_mean)
@@ -122,7 +132,7 @@ def test_only_the_rank_that_updates_touches_its_running_statistics():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lower_precision_inputs_are_computed_in_at_least_float32(dtype):
+def test_lower_precision_inputs_are_computed_in_at_least_float32(dtype, path):
     got, want, _ = sync_step([30, 20, 11], channels=4, dtype=dtype)
     assert got["output"].dtype == dtype and got["grad_input"].dtype == dtype
     # the reference ran in ``dtype`` too; both are rounded results of the same float64 math
@@ -131,7 +141,7 @@ def test_lower_precision_inputs_are_computed_in_at_least_float32(dtype):
         assert relative_difference(got[name], want[name]) < bound, name
 
 
-def test_float32_statistics_accumulate_in_float64_on_cpu():
+def test_float32_statistics_accumulate_in_float64_on_cpu(path):
     assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(torch.float16) == torch.float32
     assert compute_dtype(torch.float64) == torch.float64
     assert accumulation_dtype(torch.float32, torch.device("cpu")) == torch.float64
@@ -143,8 +153,12 @@ def test_float32_statistics_accumulate_in_float64_on_cpu():
         layer.collective = group.member(rank)
     parts = x.split(2000)
     outs = run_ranks(group, lambda rank, member: layers[rank](parts[rank]).detach())
-    expected = F.batch_norm(x.double(), None, None, training=True).float()
-    assert relative_difference(torch.cat(outs), expected) < 1e-6
+    if path == "gathered":  # torch's own float32 kernel on the whole batch: the one-device result (to the order of
+        # the kernel's sums, which its intra-op threads split), as far from float64's as torch's own
+        assert relative_difference(torch.cat(outs), F.batch_norm(x, None, None, training=True)) < 1e-6
+    else:  # each rank's input centered first: nothing lost to the offset
+        expected = F.batch_norm(x.double(), None, None, training=True).float()
+        assert relative_difference(torch.cat(outs), expected) < 1e-6
 
 
 def test_combine_statistics_refuses_a_single_value_per_channel():
@@ -176,7 +190,7 @@ def test_without_a_collective_it_is_torch_batch_norm():
     assert torch.equal(layer(x), plain(x)) and torch.equal(layer.running_var, plain.running_var)
 
 
-def test_a_failing_rank_stops_the_others_in_backward():
+def test_a_failing_rank_stops_the_others_in_backward(path):
     group = ThreadGroup(2)
     layers = [SyncBatchNorm(2).double() for _ in range(2)]
     for rank, layer in enumerate(layers):
@@ -211,3 +225,74 @@ def test_convert_and_revert_keep_parameters_buffers_and_state_dict_keys():
         nn.BatchNorm1d, nn.SyncBatchNorm, nn.BatchNorm2d, nn.BatchNorm3d,
     ]
     assert model[0].bn.weight is tensors[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gathered_layer_is_torch_batch_norm_of_the_concatenation_bit_for_bit(dtype, monkeypatch):
+    """A small layer of CPU replica threads runs torch's kernels once on the ranks' input together: the one-device
+    values exactly (a layer this small is summed in one intra-op thread), the summed weight / bias gradients
+    included (rank 0 gets them, the other ranks zeros)."""
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 1 << 40)
+    got, want, ours = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for layer in ours[1:]:
+        assert not layer.weight.grad.any() and not layer.bias.grad.any()
+
+
+def test_a_layer_above_the_gather_threshold_is_computed_per_rank(monkeypatch):
+    """The threshold counts the ranks' input bytes together: at it the layer is gathered, one byte less per rank."""
+    results = []
+    forward_all = _gathered.forward_all
+    monkeypatch.setattr(_gathered, "forward_all", lambda *a, **k: results.append(forward_all(*a, **k)) or results[-1])
+    size = (5 + 3 + 8) * 6 * 8  # rows x channels x float64 bytes
+    for threshold, gathered in ((size, True), (size - 1, False)):
+        monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", threshold)
+        got, want, _ = sync_step([5, 3, 8], channels=6)
+        assert (results.pop() is not None) is gathered and not results
+        for name in want:
+            assert relative_difference(got[name], want[name]) < 1e-10, name
+
+
+def test_in_place_ops_on_a_rank_output_touch_its_rows_only(path):
+    """Each rank's output is its own tensor (not a view of the gathered one), so ``ReLU(inplace=True)`` after the
+    layer, as ME's ResNet blocks have it, gives the one-device values and gradients."""
+    g = torch.Generator().manual_seed(3)
+    rows, channels = [6, 4, 5], 3
+    xs = [torch.randn(n, channels, generator=g, dtype=torch.float64) for n in rows]
+    dys = [torch.randn(n, channels, generator=g, dtype=torch.float64) for n in rows]
+    group = ThreadGroup(len(rows))
+    ours = [make_layer(SyncBatchNorm, channels, torch.float64) for _ in rows]
+    for rank, layer in enumerate(ours):
+        layer.collective, layer.update_running_stats = group.member(rank), rank == 0
+    inputs = [x.clone().requires_grad_() for x in xs]
+    outs = run_ranks(group, lambda rank, member: F.relu(ours[rank](inputs[rank]), inplace=True))
+    run_ranks(group, lambda rank, member: outs[rank].backward(dys[rank]))
+    reference = make_layer(nn.BatchNorm1d, channels, torch.float64)
+    whole = torch.cat(xs).requires_grad_()
+    expected = F.relu(reference(whole))
+    expected.backward(torch.cat(dys))
+    assert relative_difference(torch.cat([o.detach() for o in outs]), expected.detach()) < 1e-10
+    assert relative_difference(torch.cat([i.grad for i in inputs]), whole.grad) < 1e-10
+
+
+def test_a_synchronized_step_leaves_no_reference_cycle(path):
+    """The outputs and what the backward keeps are freed by reference counting alone (a cycle through autograd's
+    C++ nodes would keep every step's activations until the garbage collector runs, if it can free them at all)."""
+    import gc
+    import weakref
+
+    group = ThreadGroup(2)
+    layers = [SyncBatchNorm(4).double() for _ in range(2)]
+    for rank, layer in enumerate(layers):
+        layer.collective = group.member(rank)
+    xs = [torch.randn(7, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    gc.disable()
+    try:
+        outs = run_ranks(group, lambda rank, member: layers[rank](xs[rank]))
+        refs = [weakref.ref(o) for o in outs]
+        run_ranks(group, lambda rank, member: outs[rank].sum().backward())
+        del outs
+        assert all(ref() is None for ref in refs)
+    finally:
+        gc.enable()

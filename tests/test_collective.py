@@ -135,6 +135,24 @@ def test_all_gather_reduce_computes_once_and_hands_every_rank_the_same_result():
     assert all(r is results[0] for r in results) and results[0].tolist() == [3, 30]
 
 
+def test_all_gather_apply_takes_items_of_any_shape_and_checks_their_kind():
+    group = ThreadGroup(3)
+    calls = []
+
+    def concatenate(items):
+        calls.append(len(items))
+        return torch.cat([x for x, _ in items])
+
+    items = [(torch.full((rank + 1,), float(rank)), f"rank {rank}") for rank in range(3)]  # 1, 2 and 3 rows
+    results = run_ranks(group, lambda rank, member: member.all_gather_apply(items[rank], ("layer", 1), concatenate))
+    assert calls == [1 * 3] and all(r is results[0] for r in results)
+    assert results[0].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+    group = ThreadGroup(2)  # ranks naming different kinds ran different layers
+    results = run_ranks(group, lambda rank, member: member.all_gather_apply(rank, ("layer", rank), lambda items: items))
+    assert all(isinstance(r, ReplicaAborted) and "different" in str(r) for r in results)
+
+
 def test_a_reduction_that_raises_raises_in_every_rank():
     group = ThreadGroup(2)
 

@@ -8,6 +8,8 @@ sees only its share, as ``torch.nn.SyncBatchNorm`` computes it. As torch keeps t
   model's batch-norm layers for it and back (:func:`convert_sync_batchnorm`, :func:`revert_sync_batchnorm`);
 - :mod:`~lightning_sparse_dp.syncbn._functions`: the math (statistics combined with Chan et al.'s
   formula, gradient sums exchanged) over any collective;
+- :mod:`~lightning_sparse_dp.syncbn._gathered`: small layers of CPU replica threads, computed once for all
+  replicas on their input together (torch's own kernels: the one-device computation);
 - :mod:`~lightning_sparse_dp.syncbn.collective`: the collective protocol and :class:`ThreadGroup`,
   the abortable all-gather between replica threads;
 - :mod:`~lightning_sparse_dp.syncbn.replicas`: ``sparse_dp``'s side, each step's replica layers made

@@ -45,6 +45,14 @@ numpy keeps the GIL through such small operations and costs well under a microse
 input-sized work (centering, statistics, normalization, backward sums, input gradient) stays in
 torch's native kernels.
 
+Small layers of CPU replica threads. Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` of
+CPU replicas the forward's one rendezvous hands over each rank's input, and when they hold at most
+:data:`~lightning_sparse_dp.syncbn._gathered.GATHER_MAX_BYTES` together the rank completing it computes the
+layer for all ranks with torch's own kernels on the concatenation, forward and (at the backward's rendezvous)
+backward (:mod:`lightning_sparse_dp.syncbn._gathered`): the one-device computation, float32 included, and
+a fraction of the per-rank path's Python, which replica threads take in turn under the GIL. Larger layers take
+the per-rank path above after that rendezvous (a second one, for the statistics).
+
 Timing. Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` each layer's forward and backward
 time (its own work plus the wait for the other replicas at its rendezvous) is recorded per replica
 (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.timings`); ``sparse_dp`` puts it in its stage
@@ -54,12 +62,14 @@ times (``syncbn<j>``, ``syncbn_wait``).
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse_dp.syncbn import _gathered
 from lightning_sparse_dp.syncbn.collective import Collective, gather_reduce
 
 
@@ -205,18 +215,34 @@ def _local_statistics(x: Tensor) -> tuple[Values | None, Tensor, Tensor]:
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over every rank's input (see the module docstring).
 
-    ``apply(input, weight, bias, collective, eps)`` with ``input [N, C]`` or ``[N, C, *]``, ``weight`` /
-    ``bias`` ``[C]`` or ``None``, returns ``(output, mean, unbiased_var)``: the output in the input's
-    dtype and shape, and the global per-channel mean and unbiased variance ``[C]`` (float64, no
-    gradient) for the running statistics. Every rank must call it for the same layers in the same
-    order, in forward and in backward (one rendezvous each).
+    ``apply(input, weight, bias, collective, eps, running)`` with ``input [N, C]`` or ``[N, C, *]``, ``weight`` /
+    ``bias`` ``[C]`` or ``None``, ``running`` ``(running_mean, running_var, factor)`` on the rank that updates
+    them (``running = (1 - factor) * running + factor * global``, the global mean and unbiased variance, as
+    ``torch.nn.functional.batch_norm`` updates them with ``momentum=factor``) or ``None``; returns the output in
+    the input's dtype and shape. Every rank must call it for the same layers in the same order, in forward
+    and in backward (one rendezvous each; two in forward on the per-rank path of CPU replica threads).
+
+    Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` of CPU replicas a small layer is computed
+    once for all ranks (:mod:`lightning_sparse_dp.syncbn._gathered`); otherwise each rank computes its part.
     """
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None, collective: Collective, eps: float):
+    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None, collective: Collective, eps: float,
+                running: tuple[Tensor | None, Tensor | None, float] | None = None):
         start = time.perf_counter()
         cdt = compute_dtype(input.dtype)
-        shift, centered, stats = _local_statistics(input if input.dtype == cdt else input.to(cdt))
+        x = input if input.dtype == cdt else input.to(cdt)
+        ctx.collective, ctx.gathered = collective, None
+        ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        apply = getattr(collective, "all_gather_apply", None)
+        if apply is not None and x.device.type in HOST_DEVICE_TYPES:
+            offer = _gathered.Offer(x, weight, bias, running, eps)
+            done = apply(offer, ("syncbn forward", tuple(x.shape[1:]), cdt), partial(_gathered.forward_all, dtype=input.dtype))
+            if done is not None:
+                outputs, ctx.gathered = done
+                ctx.layer = _record(collective, None, time.perf_counter() - start)
+                return outputs[collective.rank]
+        shift, centered, stats = _local_statistics(x)
         # combined once per layer by one rank and shared: read here, never written
         total, moments = gather_reduce(collective, stats, _combine)
         mean64, var64 = moments[0], moments[1]
@@ -228,18 +254,24 @@ class SyncBatchNormFunction(torch.autograd.Function):
         invstd = (var64 + eps) ** -0.5
         scale = invstd if weight is None else invstd * _values(weight)
         ctx.save_for_backward(centered, frame_c, var_c)
-        ctx.collective, ctx.total, ctx.eps, ctx.invstd, ctx.scale = collective, total, eps, invstd, scale
+        ctx.total, ctx.eps, ctx.invstd, ctx.scale = total, eps, invstd, scale
         ctx.frame_mean = frame_mean
         ctx.has_weight = weight is not None
-        ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        mean_out, unbiased = _tensor(mean64, torch.float64), _tensor(moments[2], torch.float64)  # this rank's own
-        ctx.mark_non_differentiable(mean_out, unbiased)
+        if running is not None:
+            _update_running(running, moments[0], moments[2])
         ctx.layer = _record(collective, None, time.perf_counter() - start)
-        return (output if output.dtype == input.dtype else output.to(input.dtype)), mean_out, unbiased
+        return output if output.dtype == input.dtype else output.to(input.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor, _grad_mean: Any, _grad_var: Any):
+    def backward(ctx: Any, grad_output: Tensor):
         start = time.perf_counter()
+        if ctx.gathered is not None:
+            collective = ctx.collective
+            kind = ("syncbn backward", tuple(grad_output.shape[1:]))
+            grads = collective.all_gather_apply(grad_output, kind, partial(_gathered.backward_all, ctx.gathered, dtypes=ctx.dtypes))
+            grad_input, grad_weight, grad_bias = grads[collective.rank]
+            _record(collective, ctx.layer, time.perf_counter() - start)
+            return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None, None
         centered, frame_c, var_c = ctx.saved_tensors
         cdt = centered.dtype
         dy = grad_output if grad_output.dtype == cdt else grad_output.to(cdt)
@@ -270,7 +302,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = _cast(sum_dy, bias_dtype)
         _record(ctx.collective, ctx.layer, time.perf_counter() - start)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+@torch.no_grad()
+def _update_running(running: tuple[Tensor | None, Tensor | None, float], mean: Values, unbiased_var: Values) -> None:
+    """``running_mean`` / ``running_var`` moved towards the global ``mean`` / ``unbiased_var`` by ``factor``, in
+    place, as ``torch.nn.functional.batch_norm`` updates them (``(1 - factor) * running + factor * value``)."""
+    running_mean, running_var, factor = running
+    for buffer, value in ((running_mean, mean), (running_var, unbiased_var)):
+        if buffer is not None:
+            buffer.mul_(1 - factor).add_(_tensor(value, torch.float64).to(buffer), alpha=factor)
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:

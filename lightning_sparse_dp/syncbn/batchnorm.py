@@ -48,23 +48,21 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:
             raise ValueError(f"expected {self.num_features} channels in dim 1, got input of shape {tuple(input.shape)}")
-        output, mean, unbiased_var = SyncBatchNormFunction.apply(input, self.weight, self.bias, collective, self.eps)
+        running = None
         if self.training and self.track_running_stats and self.update_running_stats:
-            self._update_running_stats(mean, unbiased_var)
-        return output
+            running = (self.running_mean, self.running_var, self._update_factor())
+        return SyncBatchNormFunction.apply(input, self.weight, self.bias, collective, self.eps, running)
 
-    @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
-        """Update the running statistics as ``torch.nn.modules.batchnorm._BatchNorm`` does (momentum or cumulative)."""
+    def _update_factor(self) -> float:
+        """Count this batch in ``num_batches_tracked`` and give the running statistics' update factor, as
+        ``torch.nn.modules.batchnorm._BatchNorm.forward`` does (``momentum``, or ``1 / num_batches_tracked``
+        for the cumulative average when ``momentum`` is ``None``)."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
-        if self.running_mean is not None:
-            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean), alpha=factor)
-        if self.running_var is not None:
-            self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var), alpha=factor)
+        return factor
 
 
 #: The layers :func:`convert_sync_batchnorm` swaps: torch's BatchNorm1d/2d/3d and SyncBatchNorm, which

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor
@@ -100,7 +100,7 @@ class ThreadGroup:
         self.world_size = world_size
         self._cond = threading.Condition()
         self._calls = [0] * world_size  # calls made by each rank so far
-        self._slots: dict[int, list[tuple[int, Tensor] | None]] = {}  # call -> [(phase, tensor) per rank]
+        self._slots: dict[int, list[tuple[int, Any, Hashable] | None]] = {}  # call -> [(phase, item, kind) per rank]
         self._reads: dict[int, int] = {}  # call -> ranks that have taken the result
         self._phase = [0] * world_size  # phases each rank has entered through run()
         self._finished: dict[int, int] = {}  # rank -> calls made when it finished its current phase
@@ -128,7 +128,25 @@ class ThreadGroup:
         """``rank``'s next call: see :meth:`Collective.all_gather`."""
         slot = self._rendezvous(rank, tensor, None)
         device = tensor.device
-        return [t if t.device == device else t.to(device) for _, t in slot]  # type: ignore[misc]
+        return [t if t.device == device else t.to(device) for _, t, _ in slot]  # type: ignore[misc]
+
+    def all_gather_apply(self, rank: int, item: Any, kind: Hashable, fn: Callable[[list[Any]], R]) -> R:
+        """``rank``'s next call: ``fn`` of every rank's ``item`` (any object; rank order), computed once, by the rank
+        that completes the call, and handed to every rank (the same object: do not modify it in place).
+
+        Unlike :meth:`all_gather_reduce` nothing is moved between devices and the items may differ in shape (e.g.
+        each replica's input); ``kind`` (hashable, e.g. the layer's channels and dtype) must be the same on every
+        rank, as a tensor's shape and dtype must in :meth:`Collective.all_gather`: ranks that give different kinds
+        ran different layers, and the group aborts.
+
+        Raises:
+            ReplicaAborted: as :meth:`Collective.all_gather`.
+            Exception: what ``fn`` raised (in every rank).
+        """
+        result = self._rendezvous(rank, item, fn, kind)[-1]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def all_gather_reduce(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
         """``rank``'s next call: ``fn`` of every rank's ``tensor`` (rank order), computed once, by the rank that
@@ -146,21 +164,26 @@ class ThreadGroup:
         device = tensor.device  # replicas on other CUDA devices get the result's tensors on their own
         return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, result)
 
-    def _rendezvous(self, rank: int, tensor: Tensor, fn: Callable[[list[Tensor]], Any] | None) -> list:
-        """Add ``rank``'s ``tensor`` to its next call and wait for the others: the call's slot, ``[(phase, tensor)] * world_size``
-        and, with ``fn``, ``fn``'s result (or its exception) at the end."""
+    def _rendezvous(self, rank: int, tensor: Any, fn: Callable[[list[Any]], Any] | None, kind: Hashable = None) -> list:
+        """Add ``rank``'s ``tensor`` to its next call and wait for the others: the call's slot,
+        ``[(phase, tensor, kind)] * world_size`` and, with ``fn``, ``fn``'s result (or its exception) at the end.
+        ``kind`` (``None``: the tensor's shape and dtype) must be the same on every rank (:meth:`_check_same_kind`);
+        over tensors ``fn`` gets them moved to the completing rank's device, over other items the items."""
         with self._cond:
             self._raise_if_aborted()
             call = self._calls[rank]
             self._calls[rank] += 1
             slot = self._slots.setdefault(call, [None] * self.world_size)
-            slot[rank] = (self._phase[rank], tensor)
+            slot[rank] = (self._phase[rank], tensor, (tuple(tensor.shape), tensor.dtype) if kind is None else kind)
             if all(s is not None for s in slot[: self.world_size]):
                 self._check_same_kind(call, slot)
                 if fn is not None and self._error is None:
-                    device = tensor.device
+                    items = [entry[1] for entry in slot]
+                    if kind is None:
+                        device = tensor.device
+                        items = [t if t.device == device else t.to(device) for t in items]
                     try:
-                        slot.append(fn([t if t.device == device else t.to(device) for _, t in slot]))
+                        slot.append(fn(items))
                     except Exception as err:  # every rank raises it
                         slot.append(err)
                 self._cond.notify_all()
@@ -242,12 +265,13 @@ class ThreadGroup:
             raise ReplicaAborted(f"the replica group stopped: {self._error}.")
 
     def _check_same_kind(self, call: int, slot: list) -> None:
-        kinds = [(tuple(t.shape), t.dtype) for _, t in slot[: self.world_size]]
+        kinds = [kind for _, _, kind in slot[: self.world_size]]
         if len(set(kinds)) > 1:
             self._mismatched.add(call)
         if len(set(kinds)) > 1 and self._error is None:
             self._error = (
-                f"collective call #{call} got tensors of different shapes / dtypes from the replicas ({kinds}); the "
+                f"collective call #{call} got tensors of different shapes / dtypes (or layers of different kinds) from the "
+                f"replicas ({kinds}); the "
                 "replicas ran different layers (data-dependent control flow?). Every replica must run the same "
                 "synchronized layers in the same order"
             )
@@ -287,6 +311,10 @@ class ThreadMember:
     def all_gather_reduce(self, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
         """See :meth:`ThreadGroup.all_gather_reduce`."""
         return self.group.all_gather_reduce(self.rank, tensor, fn)
+
+    def all_gather_apply(self, item: Any, kind: Hashable, fn: Callable[[list[Any]], R]) -> R:
+        """See :meth:`ThreadGroup.all_gather_apply`."""
+        return self.group.all_gather_apply(self.rank, item, kind, fn)
 
     def record(self, seconds: float, layer: int | None = None) -> int:
         """See :meth:`ThreadGroup.record`."""
