@@ -28,7 +28,7 @@ afterwards, as any data-parallel gradient is).
 
 Precision. Computed in the input's dtype, at least float32 (float16 / bfloat16 inputs are computed in
 float32 and the output cast back); float64 stays float64. The native kernels accumulate in the
-compute dtype; below float64 the input is first centered on its own (compute-dtype) mean and the
+compute dtype; on the per-rank path, below float64, the input is first centered on its own (compute-dtype) mean and the
 statistics taken again from the centered values (the shifted-data algorithm), so a large ``|mean|``
 against the deviation costs no digits, and the layer normalizes and saves the centered values (no
 further copy of the features). The gathered statistics are float64 on every device, so counts stay
