@@ -297,3 +297,22 @@ def test_a_synchronized_step_leaves_no_reference_cycle(path):
         assert all(ref() is None for ref in refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("rows, threshold, calls", [([5, 3, 8], 0, 1), ([5, 3, 8], 6 * 8 * 3 * 3 + 1, 2)],
+                         ids=["every-guess-right", "one-guess-wrong"])
+def test_the_per_rank_path_brings_its_statistics_to_the_first_rendezvous(rows, threshold, calls, monkeypatch):
+    """A rank whose own input times the ranks is over the threshold brings its statistics along: when every rank does,
+    the forward takes one rendezvous; a rank that expected the layer gathered (3 rows x 3 ranks under the
+    threshold) makes the ranks meet again for the statistics. The values are the one-device values either way."""
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", threshold)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, 6, generator=g, dtype=torch.float64) for n in rows]
+    group = ThreadGroup(len(rows))
+    ours = [make_layer(SyncBatchNorm, 6, torch.float64) for _ in rows]
+    for rank, layer in enumerate(ours):
+        layer.collective, layer.update_running_stats = group.member(rank), rank == 0
+    outs = run_ranks(group, lambda rank, member: ours[rank](xs[rank]))
+    assert group._calls == [calls] * len(rows)
+    expected = make_layer(nn.BatchNorm1d, 6, torch.float64)(torch.cat(xs))
+    assert relative_difference(torch.cat([o.detach() for o in outs]), expected.detach()) < 1e-10

@@ -51,7 +51,9 @@ CPU replicas the forward's one rendezvous hands over each rank's input, and when
 layer for all ranks with torch's own kernels on the concatenation, forward and (at the backward's rendezvous)
 backward (:mod:`lightning_sparse_dp.syncbn._gathered`): the one-device computation, float32 included, and
 a fraction of the per-rank path's Python, which replica threads take in turn under the GIL. Larger layers take
-the per-rank path above after that rendezvous (a second one, for the statistics).
+the per-rank path above: each rank brings its statistics to that rendezvous when it expects the layer to be
+too large (its own input times the ranks), and a second rendezvous exchanges them only where a rank's guess was
+wrong.
 
 Timing. Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` each layer's forward and backward
 time (its own work plus the wait for the other replicas at its rendezvous) is recorded per replica
@@ -173,6 +175,17 @@ def _combine(gathered: list[Tensor]) -> tuple[Values, Values]:
     return total, moments
 
 
+def _meet(offers: list[_gathered.Offer], dtype: torch.dtype) -> tuple | None:
+    """The forward rendezvous of CPU replica threads: the gathered layer (``(outputs, Gathered)``,
+    :func:`~lightning_sparse_dp.syncbn._gathered.forward_all`) when it is small enough, else the ranks' statistics
+    combined (``(total, moments)``, :func:`_combine`) when every rank brought them, else ``None`` (the ranks
+    exchange their statistics at a second rendezvous)."""
+    done = _gathered.forward_all(offers, dtype)
+    if done is None and all(offer.stats is not None for offer in offers):
+        return _combine([offer.stats for offer in offers])
+    return done
+
+
 def _sum_ranks(gathered: list[Tensor]) -> Values:
     """The ranks' ``[2, C]`` gradient sums added up over ranks (as ``SyncBatchNorm`` all-reduces them), float64."""
     return _stack(gathered).sum(0)
@@ -220,7 +233,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     them (``running = (1 - factor) * running + factor * global``, the global mean and unbiased variance, as
     ``torch.nn.functional.batch_norm`` updates them with ``momentum=factor``) or ``None``; returns the output in
     the input's dtype and shape. Every rank must call it for the same layers in the same order, in forward
-    and in backward (one rendezvous each; two in forward on the per-rank path of CPU replica threads).
+    and in backward (one rendezvous each; two in forward where a CPU replica thread's guess of the gathered path
+    was wrong, see :func:`_meet`).
 
     Over a :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup` of CPU replicas a small layer is computed
     once for all ranks (:mod:`lightning_sparse_dp.syncbn._gathered`); otherwise each rank computes its part.
@@ -235,16 +249,20 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.collective, ctx.gathered = collective, None
         ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         apply = getattr(collective, "all_gather_apply", None)
+        local = combined = None
         if apply is not None and x.device.type in HOST_DEVICE_TYPES:
-            offer = _gathered.Offer(x, weight, bias, running, eps)
-            done = apply(offer, ("syncbn forward", tuple(x.shape[1:]), cdt), partial(_gathered.forward_all, dtype=input.dtype))
-            if done is not None:
+            if x.numel() * x.element_size() * collective.world_size > _gathered.GATHER_MAX_BYTES:
+                local = _local_statistics(x)  # expected too large to gather: the statistics come along
+            offer = _gathered.Offer(x, weight, bias, running, eps, None if local is None else local[2])
+            done = apply(offer, ("syncbn forward", tuple(x.shape[1:]), cdt), partial(_meet, dtype=input.dtype))
+            if done is not None and isinstance(done[1], _gathered.Gathered):
                 outputs, ctx.gathered = done
                 ctx.layer = _record(collective, None, time.perf_counter() - start)
                 return outputs[collective.rank]
-        shift, centered, stats = _local_statistics(x)
+            combined = done
+        shift, centered, stats = _local_statistics(x) if local is None else local
         # combined once per layer by one rank and shared: read here, never written
-        total, moments = gather_reduce(collective, stats, _combine)
+        total, moments = gather_reduce(collective, stats, _combine) if combined is None else combined
         mean64, var64 = moments[0], moments[1]
         # the global mean in the frame of `centered` (x - shift): small below float64, so the fused native
         # normalization centered * (w * invstd) + (b - mean * w * invstd) cancels nothing

@@ -30,7 +30,10 @@ float32 the precision is then torch's own: input whose mean is thousands of time
 here as on one device (the per-rank path centers each rank's input first). At the cost
 of a copy of the layer's input and output gradient (at most :data:`GATHER_MAX_BYTES` bytes each) and of
 running the layer's arithmetic in one thread while the other replicas wait, which on a small layer is less
-than the Python it saves. Larger layers, replicas on accelerators and process groups take the per-rank path.
+than the Python it saves. Larger layers, replicas on accelerators and process groups take the per-rank path; on CPU replica threads a
+layer's ranks bring their statistics to the same rendezvous when each expects the layer to be too large (its
+own input times the ranks), so the per-rank path takes one rendezvous in forward there too, and a second only
+when a rank's guess was wrong.
 """
 
 from __future__ import annotations
@@ -50,14 +53,18 @@ GATHER_MAX_BYTES = 1 << 20
 
 
 class Offer(NamedTuple):
-    """What a rank hands the layer's forward rendezvous: its input (compute dtype) and, from the rank whose layer
-    updates them, the running statistics and the update factor (``None`` from the others)."""
+    """What a rank hands the layer's forward rendezvous: its input (compute dtype); from the rank whose layer
+    updates them, the running statistics and the update factor (``None`` from the others); and, when the rank
+    expects the layer to be too large to gather (its own input times the ranks over :data:`GATHER_MAX_BYTES`),
+    its per-rank statistics ``[3, C]`` float64 (count, mean, M2), so that the per-rank path needs no second
+    rendezvous (``None`` otherwise)."""
 
     input: Tensor
     weight: Tensor | None
     bias: Tensor | None
     running: tuple[Tensor | None, Tensor | None, float] | None
     eps: float
+    stats: Tensor | None = None
 
 
 class Gathered(NamedTuple):
