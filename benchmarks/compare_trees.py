@@ -7,7 +7,8 @@
 Each repetition runs, for each tree in turn (the order of the trees and of the cases reversed every other
 repetition), one fresh process that imports that tree's ``benchmarks/bench.py`` and package and runs the cases
 through its :class:`bench.CaseRunner` (every case in a fresh process of its own, as ``bench.py`` runs them), so
-the two trees differ in their code only and a slow spell of the machine lands on both. Prints, per tree and case,
+the two trees differ in their code only and a slow spell of the machine lands on both (the same tree twice gives
+an A/A run: how far two arms of identical code drift apart). Prints, per tree and case,
 the median step time with its [min-max] over repetitions, the first case's step time over each case's within
 each repetition (``vs <first case>``: plain Lightning's speedup when the first case is ``auto-1``), and the
 median time of the synchronized batch-norm layers per replica (``syncbn``) where a case has them. The trees
@@ -72,20 +73,20 @@ def main() -> None:
     args = parser.parse_args()
     batch = 96 if args.model == "digits" else 12
     trees = [t.resolve() for t in args.trees]
-    results: dict = {t: {c: [] for c in args.cases} for t in trees}
+    results: list[dict] = [{c: [] for c in args.cases} for _ in trees]  # by position: a tree may be given twice (A/A)
     for k in range(args.repeats):
-        for tree in trees if k % 2 == 0 else trees[::-1]:
+        for i in (0, 1) if k % 2 == 0 else (1, 0):
             cases = args.cases if k % 2 == 0 else args.cases[::-1]
-            for case, r in run_tree(tree, args.model, cases, batch, args.steps, args.warmup).items():
-                results[tree][case].append(r)
-            print(f"  repetition {k + 1}/{args.repeats}: {tree} done", flush=True)
+            for case, r in run_tree(trees[i], args.model, cases, batch, args.steps, args.warmup).items():
+                results[i][case].append(r)
+            print(f"  repetition {k + 1}/{args.repeats}: {trees[i]} done", flush=True)
     first = args.cases[0]
-    for tree in trees:
-        print(tree)
+    for i, tree in enumerate(trees):
+        print(f"{'AB'[i]}: {tree}")
         for case in args.cases:
-            ms = [r["step_s"] * 1e3 for r in results[tree][case]]
-            ratio = [a["step_s"] / b["step_s"] for a, b in zip(results[tree][first], results[tree][case])]
-            syncbn = [r["syncbn"] * 1e3 for r in results[tree][case]]
+            ms = [r["step_s"] * 1e3 for r in results[i][case]]
+            ratio = [a["step_s"] / b["step_s"] for a, b in zip(results[i][first], results[i][case])]
+            syncbn = [r["syncbn"] * 1e3 for r in results[i][case]]
             line = (f"  {case:<28} {statistics.median(ms):7.2f} ms [{min(ms):.1f}-{max(ms):.1f}]   vs {first} "
                     f"{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}]")
             if any(syncbn):
