@@ -74,7 +74,9 @@ say how much work a step costs.
 
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
 of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
-glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter).
+glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter), and
+the segmentation cases run with ``OPENBLAS_THREAD_TIMEOUT=4`` (:data:`OPENBLAS_THREAD_TIMEOUT`;
+``--default-openblas`` leaves OpenBLAS's spin-wait alone).
 The load average is printed at the start and the end.
 """
 
@@ -214,7 +216,7 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
 
 def _passed_on() -> list[str]:
     """Flags of this run that child processes must get too."""
-    return ["--default-malloc"] if "--default-malloc" in sys.argv else []
+    return [flag for flag in ("--default-malloc", "--default-openblas") if flag in sys.argv]
 
 
 #: Thread settings a case runs under. ``default``: the process's own (sparse_dp splits the cores between its
@@ -249,7 +251,19 @@ def case_workers(case: str) -> int:
     return 1 if case == PRESPLIT_CASE else 0
 
 
-def case_env(mode: str, case: str) -> dict[str, str]:
+#: ``OPENBLAS_THREAD_TIMEOUT`` per model: how long (2**N cycles) OpenBLAS's idle pool threads spin after a call.
+#: ME's CPU convolutions call the pthreads OpenBLAS, whose pool ignores ``OMP_WAIT_POLICY`` and spins on
+#: ``sched_yield`` for 2**28 cycles by default. With 2 threads on this 2-core machine that made one-device
+#: segmentation processes bimodal (``benchmarks/openblas_spin.py``, fresh processes: 6 of 14 at 677-748 ms a step
+#: with twice the CPU time, the others 338-400 ms; 2**4 cycles: 14 of 14 at 328-390 ms, a quarter less CPU;
+#: 2**22: 3 of 6 slow), while on digits the spin saves wake-ups between its many small GEMMs (one device 17.6-18.9
+#: ms a step with the default, 24 ms with 2**4, 20.3 with 2**22). Each model runs with the setting under which its
+#: one-device baseline is fastest, the same in all its cases; it matters only where OpenBLAS has 2 threads (plain
+#: Lightning and sparse_dp-1 with default threads: more replicas and DDP ranks give it 1).
+OPENBLAS_THREAD_TIMEOUT = {"segmentation": "4"}
+
+
+def case_env(mode: str, case: str, model_name: str) -> dict[str, str]:
     """The environment of a case's process: the same for every case of a mode but for what its strategy needs.
 
     ``1 thread``: one intra-op thread for torch, ME's OpenMP and OpenBLAS in every process. ``default``: the
@@ -261,6 +275,8 @@ def case_env(mode: str, case: str) -> dict[str, str]:
     makes the two differ in their strategy alone. :data:`LAUNCHER_CASES` run without both variables instead.
     """
     env = dict(os.environ)
+    if model_name in OPENBLAS_THREAD_TIMEOUT and "--default-openblas" not in sys.argv:
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT[model_name])
     if mode == "1 thread":
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     elif case in LAUNCHER_CASES:
@@ -291,7 +307,8 @@ class CaseRunner:
     """Runs cases in fresh processes with the environment of one thread setting (``mode``).
 
     Each non-DDP case runs in a process forked from a server that imported everything once with the mode's
-    environment and has run nothing since (``--case-server``): every case starts from the same process state
+    environment (and the model's, :func:`case_env`: one server per model) and has run nothing since
+    (``--case-server``): every case starts from the same process state
     (imports, threads, allocator, no warm-up carried over), so two cases differ in their strategy only, and
     the child's peak resident memory is the case's (``peak_rss_mb``; the server's imports included, alike in
     every case). DDP cases need a command line Lightning can re-run for rank 1: each is a fresh process.
@@ -299,7 +316,7 @@ class CaseRunner:
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self._server: subprocess.Popen | None = None
+        self._servers: dict[str, tuple[subprocess.Popen, str]] = {}  # model -> (server, its stderr log)
 
     def run(self, model_name: str, case: str, global_batch: int, steps: int, warmup: int) -> dict:
         """``case``'s result (rank 0's for DDP)."""
@@ -309,32 +326,34 @@ class CaseRunner:
                        str(global_batch), "--steps", str(steps), "--warmup", str(warmup)]
             if case in DDP_CASES:
                 done = subprocess.run([sys.executable, __file__, *request, *_passed_on()], capture_output=True, text=True,
-                                      timeout=1800, cwd=ROOT, env=case_env(self.mode, case))
+                                      timeout=1800, cwd=ROOT, env=case_env(self.mode, case, model_name))
                 failed = done.returncode != 0
                 log = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
             else:
-                server = self._start()
+                server, server_log = self._start(model_name)
                 server.stdin.write(json.dumps(request) + "\n")
                 server.stdin.flush()
                 status = server.stdout.readline().strip()
-                failed, log = status != "0", f"status {status!r}; the server's stderr: {_tail(Path(self._log.name))}"
+                failed, log = status != "0", f"status {status!r}; the server's stderr: {_tail(Path(server_log))}"
             if failed or not out.exists():
                 raise RuntimeError(f"the case {case!r} ({model_name}, {self.mode}) failed:\n{log}")
             return json.loads(out.read_text())
 
-    def _start(self) -> subprocess.Popen:
-        if self._server is None or self._server.poll() is not None:
-            self._log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-            self._server = subprocess.Popen([sys.executable, __file__, "--case-server", *_passed_on()], cwd=ROOT,
-                                            env=case_env(self.mode, "auto-1"), stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=self._log, text=True)
-        return self._server
+    def _start(self, model_name: str) -> tuple[subprocess.Popen, str]:
+        if model_name not in self._servers or self._servers[model_name][0].poll() is not None:
+            log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+            server = subprocess.Popen([sys.executable, __file__, "--case-server", *_passed_on()], cwd=ROOT,
+                                      env=case_env(self.mode, "auto-1", model_name), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=log, text=True)
+            self._servers[model_name] = (server, log.name)
+        return self._servers[model_name]
 
     def close(self) -> None:
-        if self._server is not None and self._server.poll() is None:
-            self._server.stdin.close()
-            self._server.wait(timeout=60)
-        self._server = None
+        for server, _ in self._servers.values():
+            if server.poll() is None:
+                server.stdin.close()
+                server.wait(timeout=60)
+        self._servers = {}
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
@@ -801,6 +820,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every case (interleaved), >= 3 for spreads")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
+    parser.add_argument("--default-openblas", action="store_true",
+                        help="leave OpenBLAS's spin-wait after each call alone (OPENBLAS_THREAD_TIMEOUT unset)")
     parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, help="most devices for sparse_dp (default: 3 on CPU, every GPU)")

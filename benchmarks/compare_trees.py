@@ -11,7 +11,9 @@ the two trees differ in their code only and a slow spell of the machine lands on
 an A/A run: how far two arms of identical code drift apart). Prints, per tree and case,
 the median step time with its [min-max] over repetitions, the first case's step time over each case's within
 each repetition (``vs <first case>``: plain Lightning's speedup when the first case is ``auto-1``), and the
-median time of the synchronized batch-norm layers per replica (``syncbn``) where a case has them. The trees
+median time of the synchronized batch-norm layers per replica (``syncbn``) where a case has them. Both trees run
+with ``OMP_WAIT_POLICY=PASSIVE``, and segmentation with ``OPENBLAS_THREAD_TIMEOUT=4``, unless the environment
+sets them (the settings of today's ``bench.py``, whatever an older tree's sets). The trees
 must be importable with this interpreter (the same dependencies); the package each process imports is
 checked to be its tree's.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,9 +54,13 @@ def run_tree(root: Path, model: str, cases: list[str], batch: int, steps: int, w
     Raises:
         RuntimeError: the child failed (its stderr's end in the message).
     """
+    env = dict(os.environ)  # both trees under today's bench.py's settings, whatever an older tree's sets
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if model == "segmentation":  # bench.OPENBLAS_THREAD_TIMEOUT
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(root), model, json.dumps(cases), str(batch), str(steps), str(warmup)],
-        capture_output=True, text=True, cwd=root,
+        capture_output=True, text=True, cwd=root, env=env,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     if done.returncode != 0 or not lines:
