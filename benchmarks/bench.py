@@ -254,8 +254,8 @@ def case_workers(case: str) -> int:
 #: ``OPENBLAS_THREAD_TIMEOUT`` per model: how long (2**N cycles) OpenBLAS's idle pool threads spin after a call.
 #: ME's CPU convolutions call the pthreads OpenBLAS, whose pool ignores ``OMP_WAIT_POLICY`` and spins on
 #: ``sched_yield`` for 2**28 cycles by default. With 2 threads on this 2-core machine that made one-device
-#: segmentation processes bimodal (``benchmarks/openblas_spin.py``, fresh processes: 6 of 14 at 677-748 ms a step
-#: with twice the CPU time, the others 338-400 ms; 2**4 cycles: 14 of 14 at 328-390 ms, a quarter less CPU;
+#: segmentation processes bimodal (``benchmarks/openblas_spin.py``, fresh processes: 7 of 20 at 685-748 ms a step
+#: with twice the CPU time, the others 338-400 ms; 2**4 cycles: 19 of 20 at 328-408 ms, a quarter less CPU;
 #: 2**22: 3 of 6 slow), while on digits the spin saves wake-ups between its many small GEMMs (one device 17.6-18.9
 #: ms a step with the default, 24 ms with 2**4, 20.3 with 2**22). Each model runs with the setting under which its
 #: one-device baseline is fastest, the same in all its cases; it matters only where OpenBLAS has 2 threads (plain
