@@ -273,6 +273,8 @@ def case_env(mode: str, case: str, model_name: str) -> dict[str, str]:
     ME's OpenMP and OpenBLAS on every core in each rank (ME resets OpenMP's count whenever it builds a
     coordinate manager), sparse_ddp applies the launcher's count to them, so only the preset variable
     makes the two differ in their strategy alone. :data:`LAUNCHER_CASES` run without both variables instead.
+    Every case of ``model_name`` gets the model's :data:`OPENBLAS_THREAD_TIMEOUT`, unless the environment sets
+    the variable or the run was given ``--default-openblas``.
     """
     env = dict(os.environ)
     if model_name in OPENBLAS_THREAD_TIMEOUT and "--default-openblas" not in sys.argv:
