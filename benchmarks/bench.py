@@ -75,7 +75,7 @@ say how much work a step costs.
 Step times are medians over the steps after warm-up, taken with a callback from the start to the end
 of each training batch (forward, backward and optimizer step). ``OMP_WAIT_POLICY=PASSIVE`` and fixed
 glibc allocation thresholds are set unless given (see below; ``--default-malloc`` leaves the latter), and
-the segmentation cases run with ``OPENBLAS_THREAD_TIMEOUT=4`` (:data:`OPENBLAS_THREAD_TIMEOUT`;
+the segmentation cases run with ``OPENBLAS_THREAD_TIMEOUT=4`` (``harness.OPENBLAS_THREAD_TIMEOUT``;
 ``--default-openblas`` leaves OpenBLAS's spin-wait alone).
 The load average is printed at the start and the end.
 """
@@ -96,10 +96,9 @@ import time
 import warnings
 from pathlib import Path
 
-# ME's OpenMP runtime, torch's own copy of it and OpenBLAS each keep threads that spin while idle; on a
-# 2-core machine they take turns stealing the cores and step times become bimodal (seen: 11 ms vs 31 ms
-# for the same digits forward). Passive waiting makes the timings repeatable; set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from harness import wait_env  # the scripts' shared settings (no torch import there)
+
+wait_env(os.environ)  # passive OpenMP waiting for this process and its children, before torch loads
 
 # glibc returns freed large blocks to the kernel (heap trimming, mmap) and maps fresh pages for the next
 # one; where page faults are slow (seen on this project's sandboxed machine: two live 5 MB tensors cost
@@ -251,18 +250,6 @@ def case_workers(case: str) -> int:
     return 1 if case == PRESPLIT_CASE else 0
 
 
-#: ``OPENBLAS_THREAD_TIMEOUT`` per model: how long (2**N cycles) OpenBLAS's idle pool threads spin after a call.
-#: ME's CPU convolutions call the pthreads OpenBLAS, whose pool ignores ``OMP_WAIT_POLICY`` and spins on
-#: ``sched_yield`` for 2**28 cycles by default. With 2 threads on this 2-core machine that made one-device
-#: segmentation processes bimodal (``benchmarks/openblas_spin.py``, fresh processes: 7 of 20 at 685-748 ms a step
-#: with twice the CPU time, the others 338-400 ms; 2**4 cycles: 19 of 20 at 328-408 ms, a quarter less CPU;
-#: 2**22: 3 of 6 slow), while on digits the spin saves wake-ups between its many small GEMMs (one device 17.6-18.9
-#: ms a step with the default, 24 ms with 2**4, 20.3 with 2**22). Each model runs with the setting under which its
-#: one-device baseline is fastest, the same in all its cases; it matters only where OpenBLAS has 2 threads (plain
-#: Lightning and sparse_dp-1 with default threads: more replicas and DDP ranks give it 1).
-OPENBLAS_THREAD_TIMEOUT = {"segmentation": "4"}
-
-
 def case_env(mode: str, case: str, model_name: str) -> dict[str, str]:
     """The environment of a case's process: the same for every case of a mode but for what its strategy needs.
 
@@ -273,12 +260,10 @@ def case_env(mode: str, case: str, model_name: str) -> dict[str, str]:
     ME's OpenMP and OpenBLAS on every core in each rank (ME resets OpenMP's count whenever it builds a
     coordinate manager), sparse_ddp applies the launcher's count to them, so only the preset variable
     makes the two differ in their strategy alone. :data:`LAUNCHER_CASES` run without both variables instead.
-    Every case of ``model_name`` gets the model's :data:`OPENBLAS_THREAD_TIMEOUT`, unless the environment sets
-    the variable or the run was given ``--default-openblas``.
+    Every case of ``model_name`` gets the model's :data:`harness.OPENBLAS_THREAD_TIMEOUT`, unless the environment
+    sets the variable or the run was given ``--default-openblas``.
     """
-    env = dict(os.environ)
-    if model_name in OPENBLAS_THREAD_TIMEOUT and "--default-openblas" not in sys.argv:
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT[model_name])
+    env = wait_env(dict(os.environ), model_name, openblas="--default-openblas" not in sys.argv)
     if mode == "1 thread":
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     elif case in LAUNCHER_CASES:

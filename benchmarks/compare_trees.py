@@ -24,9 +24,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from harness import child_result, wait_env
 
 #: The child: imports ``bench`` from the tree given, runs the cases, prints one ``RESULT`` JSON line.
 _CHILD = r"""
@@ -44,7 +45,7 @@ try:
         out[case] = {"step_s": r["step_s"], "syncbn": r["stages"].get("syncbn", 0.0)}
 finally:
     runner.close()
-print("RESULT" + json.dumps(out))
+print("RESULT" + json.dumps(out))  # harness.RESULT
 """
 
 
@@ -54,18 +55,9 @@ def run_tree(root: Path, model: str, cases: list[str], batch: int, steps: int, w
     Raises:
         RuntimeError: the child failed (its stderr's end in the message).
     """
-    env = dict(os.environ)  # both trees under today's bench.py's settings, whatever an older tree's sets
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if model == "segmentation":  # bench.OPENBLAS_THREAD_TIMEOUT
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(root), model, json.dumps(cases), str(batch), str(steps), str(warmup)],
-        capture_output=True, text=True, cwd=root, env=env,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{root}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT"):])
+    command = [sys.executable, "-c", _CHILD, str(root), model, json.dumps(cases), str(batch), str(steps), str(warmup)]
+    # both trees under today's bench.py's settings, whatever an older tree's sets
+    return child_result(command, f"{root}: the run", env=wait_env(dict(os.environ), model), cwd=root)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ ignores ``OMP_WAIT_POLICY`` and, after every call, spins on ``sched_yield`` for 
 (28 unless ``OPENBLAS_THREAD_TIMEOUT`` says otherwise, read when the library loads). Each repetition runs every
 case once in a fresh process per setting (OpenBLAS's default, then each ``--timeouts`` value; the order of the
 settings reversed every other repetition), with ``OMP_WAIT_POLICY=PASSIVE`` and the benchmark's allocator
-settings in all: the measurement behind ``bench.OPENBLAS_THREAD_TIMEOUT``. Prints per process the median step
+settings in all: the measurement behind ``harness.OPENBLAS_THREAD_TIMEOUT``. Prints per process the median step
 time (ms), the CPU time per step (ms, all threads), and the busiest thread other than the main one (its CPU
 seconds and its voluntary context switches: a thread that spins never sleeps, so it has almost none). Then, per case and setting, the median step time with its [min-max].
 """
@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from harness import OMP_WAIT_POLICY, RESULT, child_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,22 +49,18 @@ def child(model: str, case: str, steps: int, warmup: int) -> None:
     strategy, devices = bench.case_strategy(model, case)
     r = bench.run_case(model, strategy, devices, 96 if model == "digits" else 12, steps, warmup)
     busiest = thread_usage()[0]
-    print("RESULT" + json.dumps({"step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3, "thread_cpu_s": busiest[0],
+    print(RESULT + json.dumps({"step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3, "thread_cpu_s": busiest[0],
                                  "thread_voluntary": busiest[1]}))
 
 
 def run(model: str, case: str, timeout: int | None, steps: int, warmup: int) -> dict:
     """One case in a fresh process; ``timeout``: ``OPENBLAS_THREAD_TIMEOUT`` (``None``: unset, OpenBLAS's 28)."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, OMP_WAIT_POLICY=OMP_WAIT_POLICY)
     env.pop("OPENBLAS_THREAD_TIMEOUT", None)
     if timeout is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = str(timeout)
-    done = subprocess.run([sys.executable, __file__, "--child", case, "--model", model, "--steps", str(steps),
-                           "--warmup", str(warmup)], capture_output=True, text=True, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{case} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT") :])
+    command = [sys.executable, __file__, "--child", case, "--model", model, "--steps", str(steps), "--warmup", str(warmup)]
+    return child_result(command, case, env=env)
 
 
 def main() -> None:
