@@ -49,6 +49,11 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   (``syncbn_cost_ratio_2`` / ``_2_1t``: sparse_dp-2; ``syncbn_cost_ratio_unpinned`` / ``_1t_unpinned``: with
   ``pin_replicas=False``, what the default's pinning of 3 replicas to 2 cores saves);
 - ``digits_syncbn_speedup_3``: digits, plain Lightning's step time over sparse_dp-3 with sync BN (default threads);
+- ``digits_ceiling_2_1t`` / ``digits_ceiling_3``: the most any strategy whose replicas are threads of one process
+  could reach on this machine for the two digits figures above (one thread each / default threads): plain
+  Lightning's step over its serial part plus its network part (``training_step`` + backward) run in 2 / 3 bare
+  threads, each on its share of the batch with nothing else (``benchmarks/ceiling.py``; measured in one process
+  per repetition, the ``ceiling-2`` / ``ceiling-3`` cases);
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
@@ -92,6 +97,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 import time
 import warnings
 from pathlib import Path
@@ -134,6 +140,7 @@ from lightning_sparse_dp import ReplicaExecutor, SparseDataParallelStrategy, spl
 from lightning_sparse_dp.ddp import SparseDDPStrategy  # noqa: E402
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler  # noqa: E402
 import train_digits  # noqa: E402
+from ceiling import NetworkClock, bare_thread_times, ceiling  # noqa: E402
 import train_segmentation as seg  # noqa: E402
 
 
@@ -189,8 +196,9 @@ def _workload(model_name: str, global_batch: int, steps: int):
 
 
 def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int,
-             accelerator: str = "cpu", num_workers: int = 0, **trainer_kwargs):
-    """Median step time (s) and the strategy's stage medians for one configuration (``num_workers``: the DataLoader's)."""
+             accelerator: str = "cpu", num_workers: int = 0, callbacks: Sequence[L.Callback] = (), **trainer_kwargs):
+    """Median step time (s) and the strategy's stage medians for one configuration (``num_workers``: the DataLoader's;
+    ``callbacks``: the Trainer's, beside the step clock)."""
     model_cls, data, collate, points = _workload(model_name, global_batch, steps + warmup)
     distributed = strategy == "ddp" or isinstance(strategy, SparseDDPStrategy)
     batch = global_batch // devices if distributed else global_batch
@@ -198,7 +206,7 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
     clock = StepClock()
     trainer = L.Trainer(
         strategy=strategy, accelerator=accelerator, devices=devices, max_steps=steps + warmup, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, *callbacks],
         num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )
     loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=num_workers,
@@ -236,12 +244,18 @@ LAUNCHER_CASES = ("ddp-2 launcher threads", "sparse_ddp-2 launcher threads")
 PRESPLIT_CASE = "sparse_dp-3 presplit"
 
 
+#: The ceiling cases (``benchmarks/ceiling.py``): plain Lightning's step, its network part in bare threads instead;
+#: digits only, the thread setting of the target each one bounds (``digits_ceiling_2_1t``, ``digits_ceiling_3``).
+CEILING_CASES = {"1 thread": "ceiling-2", "default": "ceiling-3"}
+
+
 def case_names(mode: str, model_name: str = "segmentation") -> list[str]:
     """The cases of one model and thread setting, in the order of one repetition (the next one runs them reversed)."""
     names = ["auto-1", "sparse_dp-1"]
     names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
               "ddp-2 (gloo)"]
     names += ["sparse_ddp-2 gloo"] if mode == "default" else []
+    names += [CEILING_CASES[mode]] if model_name == "digits" else []
     return names + ([PRESPLIT_CASE, *LAUNCHER_CASES] if mode == "default" and model_name == "digits" else [])
 
 
@@ -378,11 +392,28 @@ def case_server() -> None:
 
 def run_case_child(args) -> None:
     """One case, as asked by :class:`CaseRunner`; rank 0 writes its result to ``--case-out``."""
+    if args.case_child in CEILING_CASES.values():
+        result = run_ceiling_case(args.model, _devices(args.case_child), args.global_batch, args.steps, args.warmup)
+        Path(args.case_out).write_text(json.dumps(result))
+        return
     strategy, devices = case_strategy(args.model, args.case_child)
     result = run_case(args.model, strategy, devices, args.global_batch, args.steps, args.warmup, args.accelerator,
                       num_workers=case_workers(args.case_child))
     if result["rank"] == 0:
         Path(args.case_out).write_text(json.dumps(result))
+
+
+def run_ceiling_case(model_name: str, replicas: int, global_batch: int, steps: int, warmup: int) -> dict:
+    """A ceiling case: plain Lightning's steps (``step_s`` as ``auto-1``'s), the network part of each
+    (:class:`ceiling.NetworkClock`), then the first batch's network part in ``replicas`` bare threads
+    (:func:`ceiling.bare_thread_times`), all in this process; ``ceiling``: :func:`ceiling.ceiling` of them."""
+    network = NetworkClock()
+    plain = run_case(model_name, "auto", 1, global_batch, steps, warmup, callbacks=[network])
+    model_cls, data, collate, _ = _workload(model_name, global_batch, 1)
+    bare = bare_thread_times(model_cls(), [data[i] for i in range(global_batch)], collate, replicas, steps, warmup)
+    parts = network.times[warmup:]
+    return {**plain, "network_s": statistics.median(parts), "bare_s": statistics.median(bare),
+            "ceiling": ceiling(plain["times"], parts, bare)}
 
 
 def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, strategy: str = "ddp",
@@ -561,13 +592,23 @@ def table(model_name: str, results: dict, global_batch: int, label: str = "") ->
     print(f"\n== {model_name}{label}: global batch {global_batch} samples, about {points:.0f} points per batch ==")
     print(f"{'case':<30}{'devices':>8}{'batch/dev':>10}{'ms/iter [min-max]':>24}{'speedup':>9}{'ideal':>7}{'points/s':>11}"
           f"{'CPU ms/iter':>13}{'peak RSS MB':>13}")
+    ceilings = {name: r for name, r in results.items() if name in CEILING_CASES.values()}
     for name, r in results.items():
+        if name in ceilings:
+            continue
         devices = r["devices"]
         low, high = r.get("step_range", (r["step_s"], r["step_s"]))
         spread = f"{r['step_s'] * 1e3:.1f} [{low * 1e3:.1f}-{high * 1e3:.1f}]"
         print(f"{name:<30}{devices:>8}{global_batch / devices:>10.1f}{spread:>24}"
               f"{base / r['step_s']:>9.2f}{devices:>7}{points / r['step_s']:>11.0f}{r.get('cpu_s', 0.0) * 1e3:>13.1f}"
               f"{r.get('peak_rss_mb', 0.0):>13.0f}")
+    for name, r in ceilings.items():
+        reps = r.get("reps", [r])
+        values = [x["ceiling"] for x in reps]
+        print(f"{name}: plain Lightning {r['step_s'] * 1e3:.1f} ms a step, its network part "
+              f"{statistics.median(x['network_s'] for x in reps) * 1e3:.1f} ms, in {r['devices']} bare threads "
+              f"{statistics.median(x['bare_s'] for x in reps) * 1e3:.1f} ms: a thread-parallel strategy with no cost of its "
+              f"own would reach {statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}] (benchmarks/ceiling.py)")
 
 
 #: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop).
@@ -745,6 +786,8 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("replicate_ms", [v * 1e3 for v in stage_sum(seg, d, "sparse_dp-3", ("replicate", "state"))], 3)
     put("digits_speedup_sparse_dp_2_1t", ratio(dig, one, "auto-1", "sparse_dp-2"), 3)
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
+    put("digits_ceiling_2_1t", [r["ceiling"] for r in raw[(dig, one)][CEILING_CASES[one]]], 3)
+    put("digits_ceiling_3", [r["ceiling"] for r in raw[(dig, d)][CEILING_CASES[d]]], 3)
     fixed = ("split", "place", "replicate", "state", "gather", "log")
     put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
     put("step_overhead_ms_presplit", [v * 1e3 for v in stage_sum(dig, d, PRESPLIT_CASE, fixed)], 3)
