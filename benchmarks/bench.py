@@ -102,7 +102,7 @@ import time
 import warnings
 from pathlib import Path
 
-from harness import wait_env  # the scripts' shared settings (no torch import there)
+from harness import GLOBAL_BATCH, wait_env  # the scripts' shared settings (no torch import there)
 
 wait_env(os.environ)  # passive OpenMP waiting for this process and its children, before torch loads
 
@@ -518,18 +518,20 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
     from lightning_sparse_dp.term_weights import StepTerms
     from lightning_sparse_dp.weighting import chunk_weights
 
+    batch = GLOBAL_BATCH["digits"]
+
     times: dict[str, list[float]] = {"terms": [], "auto": []}
     ratios = []
     for _ in range(pairs):
         medians = {}
         for weighting in ("terms", "auto"):
-            r = run_case("digits", SparseDataParallelStrategy(loss_weighting=weighting), 2, 96, steps, warmup)
+            r = run_case("digits", SparseDataParallelStrategy(loss_weighting=weighting), 2, batch, steps, warmup)
             times[weighting] += r["times"]
             medians[weighting] = r["step_s"]
         ratios.append(medians["terms"] / medians["auto"])
-    model_cls, data, collate, _ = _workload("digits", 96, 1)
+    model_cls, data, collate, _ = _workload("digits", batch, 1)
     model = model_cls()
-    chunks, plan = split_batch(collate([data[i] for i in range(96)]), 2)
+    chunks, plan = split_batch(collate([data[i] for i in range(batch)]), 2)
 
     def replica_pass(chunk, capture=None):
         def step():
@@ -815,7 +817,7 @@ def main_gpu(args) -> None:
     print(f"torch {torch.__version__}; GPUs: {[torch.cuda.get_device_name(i) for i in range(max_devices)]}; "
           f"{steps} timed steps after {warmup} warm-up steps per case")
     headline = {}
-    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", 96)):
+    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", GLOBAL_BATCH["digits"])):
         def sdp(**kwargs):
             return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
 
@@ -846,7 +848,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="6 timed steps after 2 warm-up steps per case (noisier)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=12)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH["segmentation"])
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every case (interleaved), >= 3 for spreads")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's allocation thresholds alone (see MALLOC_TUNING)")
@@ -881,7 +883,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; every case in a fresh process, {args.repeats} "
           f"interleaved repetitions, {steps} timed steps after {warmup} warm-up steps each; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    models = [("segmentation", args.global_batch), ("digits", 96)]
+    models = [("segmentation", args.global_batch), ("digits", GLOBAL_BATCH["digits"])]
     raw = run_all(models, steps, warmup, args.repeats)
     runs = {key: {case: aggregate(reps, _devices(case)) for case, reps in cases.items()} for key, cases in raw.items()}
     for (model_name, mode), results in runs.items():

@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness import child_result, wait_env
+from harness import GLOBAL_BATCH, child_result, wait_env
 
 #: The child: imports ``bench`` from the tree given, runs the cases, prints one ``RESULT`` JSON line.
 _CHILD = r"""
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    batch = 96 if args.model == "digits" else 12
+    batch = GLOBAL_BATCH[args.model]
     trees = [t.resolve() for t in args.trees]
     results: list[dict] = [{c: [] for c in args.cases} for _ in trees]  # by position: a tree may be given twice (A/A)
     for k in range(args.repeats):

@@ -1,5 +1,5 @@
-"""What the benchmark scripts share without importing torch: the wait settings of their case processes, and
-the one JSON result a child process prints.
+"""What the benchmark scripts share without importing torch: each model's global batch, the wait settings of their
+case processes, and the one JSON result a child process prints.
 
 ``bench.py`` applies :func:`wait_env` to every case's process; ``compare_trees.py`` gives it to both trees (an
 older tree's ``bench.py`` may not set it); ``openblas_spin.py`` measures the OpenBLAS setting.
@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Mapping, MutableMapping, Sequence
+
+#: Samples per global batch of each model (segmentation: ``bench.py --global-batch``'s default), in every script.
+GLOBAL_BATCH = {"segmentation": 12, "digits": 96}
 
 #: ME's OpenMP runtime, torch's own copy of it and OpenBLAS each keep threads that spin while idle; on a
 #: 2-core machine they take turns stealing the cores and step times become bimodal (seen: 11 ms vs 31 ms

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness import OMP_WAIT_POLICY, RESULT, child_result
+from harness import GLOBAL_BATCH, OMP_WAIT_POLICY, RESULT, child_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,7 +47,7 @@ def child(model: str, case: str, steps: int, warmup: int) -> None:
     import bench  # noqa: PLC0415  (its allocator settings apply to this process)
 
     strategy, devices = bench.case_strategy(model, case)
-    r = bench.run_case(model, strategy, devices, 96 if model == "digits" else 12, steps, warmup)
+    r = bench.run_case(model, strategy, devices, GLOBAL_BATCH[model], steps, warmup)
     busiest = thread_usage()[0]
     print(RESULT + json.dumps({"step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3, "thread_cpu_s": busiest[0],
                                  "thread_voluntary": busiest[1]}))
