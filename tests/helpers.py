@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +17,21 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" / "sparse_ddp", the names tests pass to trainer())
 
+ROOT = Path(__file__).resolve().parents[1]
+
 NUM_CLASSES = 4
 IN_CHANNELS = 3
+
+
+def load_file(path: str):
+    """The Python file at ``path`` (relative to the repository's root, e.g. ``"examples/train_completion.py"``)
+    imported as a module named after the file (registered in ``sys.modules``); for scripts outside the package."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_samples(num_samples: int, seed: int = 0, dim: int = 3, min_points: int = 5, max_points: int = 40):

@@ -8,10 +8,8 @@ back as they were afterwards.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -19,18 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp.threads import me_coordinate_manager_module
+from tests.helpers import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _ceiling_module():
-    spec = importlib.util.spec_from_file_location("ceiling", ROOT / "benchmarks" / "ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ceiling = _ceiling_module()
+ceiling = load_file("benchmarks/ceiling.py")
 
 LOG_SLEEP_S = 0.02  # the module's self.log takes at least this long in a Trainer (patched below)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.place import current_stream, device_context
+from tests.helpers import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 # the module (the package exports a function of the same name)
@@ -200,15 +200,8 @@ def test_me_backend_kind_is_reported():
         assert ME.cuda_version() // 1000 == int(torch.version.cuda.split(".")[0])
 
 
-def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_check_reads_pytest_and_bench_outputs():
-    gpu_check = _gpu_check_module()
+    gpu_check = load_file("scripts/gpu_check.py")
     assert gpu_check.pytest_counts("....\n12 passed, 1 failed, 2 skipped in 3.2s\n") == {"passed": 12, "failed": 1, "skipped": 2}
     assert gpu_check.pytest_counts("E   boom\n1 error in 0.1s") == {"errors": 1}
     assert gpu_check.bench_headline('table\n{"speedup_sparse_dp_2_gpu": 1.8}\n') == {"speedup_sparse_dp_2_gpu": 1.8}

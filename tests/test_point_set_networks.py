@@ -12,10 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import lightning as L
 import MinkowskiEngine as ME
 import pytest
@@ -25,21 +21,10 @@ from torch.utils.data import DataLoader
 
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.helpers import assert_same_states, relative_difference, same_start, trainer
+from tests.helpers import assert_same_states, load_file, relative_difference, same_start, trainer
 from tests.pairs import PairNet, pair_batch, pairs_in
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-completion = _example("train_completion")
+completion = load_file("examples/train_completion.py")
 
 
 def _by_coordinates(coordinates: torch.Tensor, logits: torch.Tensor):
