@@ -97,9 +97,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness import GLOBAL_BATCH, wait_env  # the scripts' shared settings (no torch import there)

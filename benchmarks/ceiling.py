@@ -1,11 +1,11 @@
-"""The ceiling of data parallelism with threads in one process: plain Lightning's step with its network part in bare threads.
+"""How far replica threads in one process could go: plain Lightning's step with its network part in bare threads.
 
 Plain Lightning's step (:class:`NetworkClock` times its parts, inside the Trainer) is the network part,
 ``training_step`` and the backward of its loss on the whole batch, plus serial work: Lightning's loop, zero_grad,
-the optimizer step, the hooks, the step's ``self.log`` calls. Replicas that are threads of one process can at best run the network part as ``R``
-bare threads do (:func:`bare_thread_times`): each thread with its own copy of the module (``copy.deepcopy``) on
-``1/R`` of the batch's samples (consecutive, collated with the model's own collate), with the thread shares
-sparse_dp gives its replicas (:func:`lightning_sparse_dp.threads.split_threads`, each thread
+the optimizer step, the hooks, the step's ``self.log`` calls. Replicas that are threads of one process can at best
+run the network part as ``R`` bare threads do (:func:`bare_thread_times`): each thread with its own copy of the
+module (``copy.deepcopy``) on ``1/R`` of the batch's samples (consecutive, collated with the model's own collate),
+with the thread shares sparse_dp gives its replicas (:func:`lightning_sparse_dp.threads.split_threads`, each thread
 ``torch.set_num_threads(share)``), and nothing else: no split, placing, replication, loss gather, gradient
 reduction or logging. So, with ``plain`` plain Lightning's step, ``serial`` its serial part and ``bare`` the bare
 threads' wall time (started together, to the slowest one's end), all measured in one process::
