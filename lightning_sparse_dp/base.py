@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from typing_extensions import override
 
+from lightning_sparse_dp.term_weights import SiteMemory
 from lightning_sparse_dp.weighting import check_loss_weighting
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
@@ -44,6 +45,7 @@ class SparseStrategyMixin:
         self.loss_weighting = loss_weighting
         self.split = split
         self.layout = dict(layout) if layout else None
+        self._site_memory = SiteMemory()  # how the step's loss call sites were read (term_weights), for the run
 
     def _resolve_layer_sync(self) -> None:
         """At setup, before the plugin is applied: ``self._layer_sync`` becomes :attr:`own_layer_sync` in place of

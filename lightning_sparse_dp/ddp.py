@@ -53,7 +53,7 @@ from lightning_sparse_dp.log import MEAN_NAMES
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin
-from lightning_sparse_dp.term_weights import decide, pack, rank_scale
+from lightning_sparse_dp.term_weights import ChunkShape, Summary, decide, rank_scale, summarize
 from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
@@ -185,6 +185,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
         self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
+        self._batch: Any = None  # this rank's batch during a step
+        self._plan: SplitPlan | None = None  # its split as one chunk, made when the terms need it
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
@@ -245,27 +247,47 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
+        self._batch, self._plan = batch, None
         step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
             output = step() if self._capture is None else self._capture.run(step)
-            if step_name == "training_step" and terms:
-                self._loss_scale = self._term_scale(output, n, batch)
+            module = self.lightning_module
+            if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
+                self._loss_scale = self._term_scale(output)
             return output
         finally:
             self._count = None
             self._capture = None
+            self._batch = self._plan = None
 
-    def _all_reduce(self, vector: list[float]) -> Tensor:  # summed over the ranks; itself without a process group
-        on_device = torch.tensor(vector, dtype=torch.float64, device=self.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
-        return on_device.cpu()
+    def _step_plan(self) -> SplitPlan:
+        """This rank's batch split as one chunk (what the terms are read against), once per step."""
+        if self._plan is None:
+            self._plan = split_batch(self._batch, 1, layout=self.layout)[1]
+        return self._plan
 
-    def _term_scale(self, output: Any, n: float, batch: Any) -> float:
-        """After the step: the loss scale, and each term's gradient scale, from one all-reduce (:func:`rank_scale`)."""
+    def _summaries(self, value: Any) -> list[Summary]:
+        """Every rank's :class:`Summary` of ``value`` (one ``all_gather_object``), in rank order."""
         assert self._capture is not None
-        auto = lambda: resolve_auto(split_batch(batch, 1, layout=self.layout)[1])  # noqa: E731
-        return rank_scale(self._capture, loss_of(output), n, self.world_size, self._all_reduce, self._warning_cache, auto)
+        summary = summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [summary]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, summary)
+        return gathered
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _term_scale(self, output: Any) -> float:
+        """After the step (or at a ``manual_backward`` in it): the loss scale, and each term's gradient scale, from
+        every rank's summary of the loss (:func:`rank_scale`)."""
+        assert self._capture is not None
+        summaries = self._summaries(loss_of(output))
+        auto = lambda: resolve_auto(self._step_plan())  # noqa: E731
+        return rank_scale(
+            summaries, self._rank(), self._capture, self.world_size, self._site_memory, self._warning_cache, auto
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -281,7 +303,14 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled)."""
+        """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled).
+
+        Under manual optimization (``self.manual_backward(loss)`` inside the step) with ``loss_weighting="terms"``,
+        the ranks decide on ``loss`` here, before its backward runs: every rank calls ``manual_backward`` alike.
+        """
+        module = self.lightning_module
+        if self._capture is not None and module is not None and not module.automatic_optimization:
+            self._loss_scale = self._term_scale(closure_loss)
         if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
             closure_loss = zeroed(closure_loss)
         elif self._loss_scale != 1.0:
@@ -303,7 +332,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self._capture is not None and id(tensor) in self._capture.forms and group is None:  # a combination of terms
-            value = decide(self._all_reduce(pack(self._capture, tensor)[0]), self._capture, tensor, [None], "rank").value
+            value = decide(self._summaries(tensor), self._site_memory, "rank").value
             if value is not None:
                 return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
         # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance

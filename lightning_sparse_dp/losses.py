@@ -117,6 +117,11 @@ def is_mean(a: Arguments) -> bool:
     return _reduction_of(a) in ("mean", "batchmean", "elementwise_mean")
 
 
+def is_sum(a: Arguments) -> bool:
+    """Whether the call reduces by a sum (``reduction="sum"``)."""
+    return _reduction_of(a) == "sum"
+
+
 def denominator(func: Callable[..., Tensor], a: Arguments) -> float | Tensor:
     """``D`` of one mean-reduced call of a :data:`CAPTURED` loss: its value times ``D`` is its ``"sum"`` value.
 
@@ -133,4 +138,4 @@ def loss_name(func: Callable[..., Any]) -> str:
     return f"F.{getattr(func, '__name__', func)}"
 
 
-__all__ = ["CAPTURED", "UNCAPTURED", "bind", "denominator", "is_mean", "loss_name"]
+__all__ = ["CAPTURED", "UNCAPTURED", "bind", "denominator", "is_mean", "is_sum", "loss_name"]

@@ -10,9 +10,11 @@ left it (the step places each chunk on its own device), and teardown skips
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -20,6 +22,20 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_sparse_dp.place import check_devices
+
+
+def _loops_call_before_transfer() -> bool:
+    """Whether Lightning's loops call ``on_before_batch_transfer`` before ``Strategy.batch_to_device`` (Lightning 2.6:
+    ``loops/training_epoch_loop.py``), rather than ``batch_to_device`` calling it through
+    ``LightningModule._apply_batch_transfer_handler`` (earlier 2.x)."""
+    try:
+        return "on_before_batch_transfer" not in inspect.getsource(LightningModule._apply_batch_transfer_handler)
+    except (OSError, TypeError):  # no source at hand: the current Lightning's behaviour
+        return True
+
+
+#: read once: the hook runs once per batch, as under plain Lightning, whichever Lightning is installed
+LOOPS_CALL_BEFORE_TRANSFER = _loops_call_before_transfer()
 
 
 class SingleProcessParallelStrategy(ParallelStrategy):
@@ -62,10 +78,12 @@ class SingleProcessParallelStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Run the module's ``on_before_batch_transfer`` hook; the batch stays where it is.
+        """The batch as ``on_before_batch_transfer`` leaves it; the batch stays where it is.
 
-        Each chunk is placed on its own device in the step, so ``transfer_batch_to_device`` and
-        ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
+        The hook runs once per batch, as under plain Lightning: Lightning 2.6's loops call it before this
+        method (:data:`LOOPS_CALL_BEFORE_TRANSFER`), earlier versions' ``batch_to_device`` called it, and then
+        this method does. Each chunk is placed on its own device in the step, so ``transfer_batch_to_device``
+        and ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
         """
         module = self.lightning_module
         if module is None:
@@ -79,6 +97,8 @@ class SingleProcessParallelStrategy(ParallelStrategy):
                     "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
                     "before the split) or into the step (runs on each chunk, on its device)."
                 )
+        if LOOPS_CALL_BEFORE_TRANSFER:
+            return batch
         return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
 
     @override

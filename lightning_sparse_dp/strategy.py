@@ -222,7 +222,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
-            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache)
+            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()

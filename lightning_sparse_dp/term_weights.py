@@ -1,171 +1,372 @@
 """Term weights: each captured loss of each replica (rank) weighted by its own share of the batch.
 
 Replica ``i``'s step calls torch's mean-reduced losses ``L_ik`` with denominators ``D_ik``
-(:mod:`lightning_sparse_dp.terms`) and returns ``loss_i = sum_k c_k L_ik + r``. The whole batch's
-term is ``T_k = sum_i D_ik L_ik / D_k`` with ``D_k = sum_j D_jk`` (research notes, "Losses as users
-write them"), so the whole batch's loss is ``sum_k c_k T_k + r`` and its gradient reaches term ``k``
-of replica ``i`` with weight ``c_k D_ik / D_k``: each term gets its own weight, which no single
-weight per replica can give when the terms' denominators differ (an ignore label, levels of a
-decoder, heads over different masks).
+(:mod:`lightning_sparse_dp.terms`) and returns ``loss_i = sum_k c_ik L_ik + r``. Which of its terms
+are one criterion of the whole batch is read from where the user's code called them (the call site,
+:func:`lightning_sparse_dp.terms.call_site`):
 
-Each replica (rank) sums up its step in one vector (:func:`pack`): its terms' ``D_ik`` and
-``D_ik L_ik``, its loss's remainder ``r``, and checks that every replica called the same losses in
-the same order with the same coefficients. The vectors are added (in ``sparse_ddp`` by the one
-all-reduce that already gave the loss weights), and :func:`decide` reads the sum: the whole batch's
-value, or why the loss is not such a combination (then the strategy weights each replica's loss as
-``"auto"`` does, and says so once). ``r`` may be a constant or a penalty on the parameters, the
-same in every replica; a remainder that differs between replicas (a hand-written masked mean) is
-not a combination of terms.
+- **Matched terms** (a loss called once per step, the levels of a decoder, heads): the ``j``-th call of
+  a site in every replica is one criterion; its whole-batch value is ``T = sum_i D_ij L_ij / D_j`` with
+  ``D_j = sum_i D_ij`` (torch's mean, computed in parts: docs/exactness.md), so its gradient reaches
+  replica ``i``'s call with weight ``c_j D_ij / D_j``. A ``reduction="sum"`` call is ``T = sum_i L_ij``
+  (each replica's sum counts once).
+- **Per-sample terms** (a loop over the chunk's samples, ``[F.cross_entropy(out_s, y_s) for s in
+  ...]``): a site called once per sample of the chunk in every replica, whose inputs' rows are each
+  sample's points (or one row each), or whose number of calls follows the chunks' samples. Every call
+  is its own criterion; the one-device step calls it ``B`` times with one coefficient ``c``: ``C / B``
+  when each replica's ``c_i b_i`` is one ``C`` (``sum(losses) / len(losses)``,
+  ``torch.stack(losses).mean()``), or ``c_i`` itself when that is the same in every replica (a sum, or a
+  division by the whole batch's size).
+
+The remainder ``r`` (a constant, a penalty on the parameters) must be one value in every replica, to
+rounding. A loss that is not such a combination, whose replicas called different sequences of losses,
+or one of whose terms is a statistic of the chunk (its input has as many rows in every replica and they
+are none of the chunk's sizes: ``F.mse_loss(out.F.mean(0), target)``) is weighted per replica as
+``"auto"`` does, and the reason is said once. Readings of ambiguous steps (chunks of equal sizes) are
+said once too, and the reading of a site seen once without ambiguity is kept for later steps
+(:class:`SiteMemory`).
+
+``sparse_dp`` decides on its replicas' :class:`Summary` objects in its process; ``sparse_ddp`` gathers the
+ranks' summaries (``all_gather_object``) and every rank decides alike.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor
 
 from lightning_sparse_dp.backward import loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.weighting import resolve_auto
 
-#: The most terms one step may capture (the summary vector has a fixed length, so that ranks agree on it).
-CAPACITY = 64
-_HEADER = 10  # count, n, K, K^2, signature, signature^2, not-a-combination, r, r^2, scale
-_SPREAD = 1e-6  # relative spread of the replicas' remainders still taken as one value (rounding: ~1e-16)
+_SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What one replica's (rank's) share of the batch holds, as a loss's rows are read against it.
+
+    Attributes:
+        samples: ``b_i``, samples in the chunk.
+        sample_points: per coordinate source, the points of each of the chunk's samples, in order.
+        sizes: the row counts of a whole-chunk tensor: ``b_i``, each source's points, each index tensor's rows.
+    """
+
+    samples: int
+    sample_points: tuple[tuple[int, ...], ...] = ()
+    sizes: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, plan: SplitPlan, chunk: int) -> ChunkShape:
+        """Chunk ``chunk`` of ``plan``."""
+        ids = plan.chunk_samples[chunk]
+        points = tuple(tuple(counts[ids].tolist()) for counts in plan.sample_points)
+        sizes = {int(ids.numel())} | {int(rows[chunk].numel()) for rows in plan.point_rows}
+        sizes |= {int(rows[chunk].numel()) for rows in plan.index_rows.values()}
+        return cls(int(ids.numel()), points, frozenset(sizes))
+
+    def per_sample(self, rows: Sequence[int]) -> bool:
+        """Whether a site's calls, with inputs of ``rows`` rows, are one per sample of a chunk of several:
+        one row each, or each sample's points (of some coordinate source, in any order)."""
+        if len(rows) != self.samples or self.samples < 2:
+            return False
+        if all(r == 1 for r in rows):
+            return True
+        ordered = sorted(rows)
+        return any(sorted(points) == ordered for points in self.sample_points)
+
+
+@dataclass
+class SiteTerms:
+    """The calls of one call site in one replica's step, in call order (what :func:`decide` reads of them)."""
+
+    key: int
+    where: str
+    name: str
+    in_loop: bool
+    sums: list[bool]  # reduction="sum"
+    coeffs: list[float]
+    denominators: list[float]
+    values: list[float]
+    rows: list[int]
+    per_sample: bool  # the rows are one per sample of the chunk (ChunkShape.per_sample)
+    whole_chunk: list[bool]  # each call's rows are one of the chunk's sizes
+
+
+@dataclass
+class Summary:
+    """One replica's (rank's) value as a combination of its terms, or ``reason`` it is not one.
+
+    ``order[t]`` is ``(site position, call index)`` of the capture's term ``t``; ``tolerance`` is the
+    rounding within which two replicas' remainders are one value.
+    """
+
+    reason: str | None
+    samples: int
+    n: float = 0.0
+    sites: list[SiteTerms] = field(default_factory=list)
+    order: list[tuple[int, int]] = field(default_factory=list)
+    remainder: float = 0.0
+    tolerance: float = 0.0
+
+
+def summarize(capture: TermCapture | None, value: Any, shape: ChunkShape, n: float = 0.0) -> Summary:
+    """The :class:`Summary` of one replica's ``value`` (its loss, or a logged value) on a chunk of ``shape``.
+
+    ``n`` rides along: the replica's ``"auto"`` count (summed by :func:`decide` for the fallback).
+    """
+    comb = capture.combination(value) if capture is not None else "nothing was captured"
+    if isinstance(comb, str):
+        return Summary(comb, shape.samples, n)
+    coeffs, r, scale = comb
+    assert capture is not None
+    out = Summary(None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale)
+    position: dict[int, int] = {}
+    for term, c in zip(capture.terms, coeffs):
+        p = position.setdefault(term.site, len(out.sites))
+        if p == len(out.sites):
+            out.sites.append(SiteTerms(term.site, term.where, term.name, term.in_loop, [], [], [], [], [], False, []))
+        site = out.sites[p]
+        d, v = term.numbers()
+        out.order.append((p, len(site.coeffs)))
+        site.sums.append(term.is_sum)
+        site.coeffs.append(c)
+        site.denominators.append(d)
+        site.values.append(v)
+        site.rows.append(term.rows)
+        site.whole_chunk.append(term.rows in shape.sizes)
+        site.in_loop = site.in_loop or term.in_loop
+    for site in out.sites:
+        site.per_sample = shape.per_sample(site.rows)
+    return out
+
+
+class SiteMemory(dict):
+    """Per call site (its key), how it was read where the step left no doubt: ``("samples", "mean" | "sum" |
+    None)`` or ``("matched", None)``; kept by the strategy for the run, so that a later step of equal chunks reads
+    the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same summaries."""
 
 
 @dataclass
 class Decision:
-    """What the summed vectors say: ``value`` (the whole batch's), or ``reason`` it is not a combination.
+    """What the replicas' summaries say: ``value`` (the whole batch's), or ``reason`` it is not a combination.
 
-    ``totals[k]`` is ``D_k``; ``empty`` names the terms the value uses whose ``D_k`` is 0 in the whole batch.
+    ``scales[i][t]``: the gradient scale of replica ``i``'s term ``t`` relative to the weight of the replica's
+    loss as a whole (:func:`set_scales` multiplies it by that weight's inverse); ``empty`` names the terms
+    the value uses with nothing to average over in the whole batch (the value is then NaN, as on one
+    device); ``notes``: readings of an ambiguous step, each to be said once.
     """
 
     value: float | None
     reason: str | None = None
-    totals: list[float] = field(default_factory=list)
+    scales: list[list[float]] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     count: float = 0.0  # replicas or ranks
-    n: float = 0.0  # sum of the n_i packed (the "auto" counts)
+    n: float = 0.0  # sum of the n_i (the "auto" counts)
 
 
-def pack(capture: TermCapture | None, value: Any, n: float = 0.0, capacity: int = CAPACITY) -> tuple[list[float], str | None]:
-    """The summary vector (``10 + 2 * capacity`` floats) of one replica's ``value``, and why it is not a combination.
-
-    ``n`` rides along (the replica's ``"auto"`` count, summed by the same reduction). Ranks use the
-    fixed :data:`CAPACITY`, so that their vectors agree in length whatever each captured.
-    """
-    head = [1.0, float(n)] + [0.0] * (_HEADER - 2)
-    ds, dls = [0.0] * capacity, [0.0] * capacity
-    comb = capture.combination(value) if capture is not None else "nothing was captured"
-    if not isinstance(comb, str) and len(capture.terms) > capacity:  # type: ignore[union-attr]
-        comb = f"it captures more than {capacity} mean-reduced losses in one step"
-    if isinstance(comb, str):
-        head[6] = 1.0
-    else:
-        coeffs, r, scale = comb
-        k = len(coeffs)
-        names = [t.name for t in capture.terms]  # type: ignore[union-attr]
-        sig = float(zlib.crc32(repr((names, coeffs)).encode()) % (1 << 20))
-        head[2:] = [k, k * k, sig, sig * sig, 0.0, r, r * r, scale]
-        for j, term in enumerate(capture.terms):  # type: ignore[union-attr]
-            d, v = term.numbers()
-            ds[j], dls[j] = d, d * v
-    return head + ds + dls, (comb if isinstance(comb, str) else None)
+class _NotExact(Exception):
+    """A reason the value is not a combination of the whole batch's terms (the message is the reason)."""
 
 
-def decide(
-    total: Sequence[float], capture: TermCapture | None, value: Any, reasons: Sequence[str | None], who: str = "replica"
-) -> Decision:
-    """Read the sum of every replica's :func:`pack` of ``value`` (``capture``: this replica's own).
+def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: str = "replica") -> Decision:
+    """The whole batch's value of one value per replica (rank), from their :class:`Summary` objects.
 
     Args:
-        total: the summed vectors (a list, or a tensor from an all-reduce).
-        reasons: the reasons :func:`pack` gave here (every replica's in ``sparse_dp``, this rank's in ``sparse_ddp``).
-        who: ``"replica"`` or ``"rank"``, for the reason.
+        summaries: one per replica (rank), in order.
+        memory: readings of call sites kept across steps (updated here); ``None``: none kept.
+        who: ``"replica"`` or ``"rank"``, for the reasons and notes.
     """
-    t = total.tolist() if isinstance(total, Tensor) else list(total)
-    capacity = (len(t) - _HEADER) // 2
-    count, n = t[0], t[1]
-    out = Decision(None, count=count, n=n)
-    if t[6] > 0:
-        local = next((r for r in reasons if r is not None), None)
-        out.reason = local or f"another {who}'s loss is not such a combination"
+    memory = SiteMemory() if memory is None else memory
+    out = Decision(None, count=float(len(summaries)), n=sum(s.n for s in summaries))
+    reason = next((s.reason for s in summaries if s.reason is not None), None)
+    if reason is not None:
+        out.reason = reason
         return out
-    if t[3] * count != t[2] ** 2 or t[5] * count != t[4] ** 2:
-        out.reason = (
-            f"the {who}s' steps called different sequences of mean-reduced losses (or combined them with different "
-            "coefficients), e.g. a loss computed only when the chunk has something for it"
-        )
-        return out
-    s1, s2, scale = t[7], t[8], t[9] / count
-    if s2 / count - (s1 / count) ** 2 > (_SPREAD * scale) ** 2 or not all(map(math.isfinite, (s1, s2, scale))):
-        out.reason = (
-            f"a part of it differs from {who} to {who} and is not one of torch's mean-reduced losses (e.g. a "
-            "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
-        )
-        return out
-    assert capture is not None
-    coeffs = capture.combination(value)[0]  # type: ignore[index]
-    k = len(coeffs)
-    out.totals = t[_HEADER : _HEADER + k]
-    weighted = t[_HEADER + capacity : _HEADER + capacity + k]
-    result = s1 / count
-    for j, c in enumerate(coeffs):
-        if c == 0.0:
-            continue
-        if out.totals[j] > 0:
-            result += c * weighted[j] / out.totals[j]
-        else:
-            result, out.empty = math.nan, out.empty + [capture.terms[j].name]
-    out.value = result
+    try:
+        _decide(summaries, memory, who, out)
+    except _NotExact as err:
+        out.reason, out.value, out.scales, out.empty = str(err), None, [], []
     return out
 
 
-def set_scales(capture: TermCapture, totals: Sequence[float], factor: float) -> None:
-    """Scale the gradient of this replica's term ``k`` by ``factor * D_ik / D_k`` (0 where ``D_k = 0``).
+def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision) -> None:
+    if len({tuple(site.key for site in s.sites) for s in summaries}) > 1:
+        raise _NotExact(
+            f"the {who}s' steps called different sequences of mean-reduced losses (e.g. a loss computed only when the "
+            "chunk has something for it)"
+        )
+    rs = [s.remainder for s in summaries]
+    if max(rs) - min(rs) > max(s.tolerance for s in summaries) or not all(map(math.isfinite, rs)):
+        raise _NotExact(
+            f"a part of it differs from {who} to {who} and is not one of torch's mean-reduced losses (e.g. a "
+            "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
+        )
+    value = rs[0]
+    scales: list[list[float]] = [[0.0] * len(s.order) for s in summaries]
+    site_scales: list[list[list[float]]] = [[[] for _ in s.sites] for s in summaries]
+    for p in range(len(summaries[0].sites)):
+        sites = [s.sites[p] for s in summaries]
+        if _per_sample(sites, summaries, memory, who, out.notes):
+            part, per_replica = _samples_part(sites, summaries, memory, who, out)
+        else:
+            part, per_replica = _matched_part(sites, summaries, memory, who, out)
+        value += part
+        for i, site_scale in enumerate(per_replica):
+            site_scales[i][p] = site_scale
+    for i, s in enumerate(summaries):
+        for t, (p, j) in enumerate(s.order):
+            scales[i][t] = site_scales[i][p][j]
+    out.value, out.scales = value, scales
+
+
+def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
+    """Whether a site's calls are one per sample (each its own criterion), else matched by position."""
+    calls = [len(site.coeffs) for site in sites]
+    if any(n != s.samples for n, s in zip(calls, summaries)):
+        return False
+    learned = memory.get(sites[0].key, (None, None))[0]
+    if len(set(calls)) > 1 or any(site.per_sample for site in sites) or learned == "samples":
+        return True
+    if learned is not None or len(sites) < 2:
+        return False
+    site = sites[0]
+    if calls[0] == 1 and all(s.in_loop for s in sites):
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} is called in a loop, once in each {who}'s step, and each {who}'s "
+            "chunk holds one sample: taken as one loss per sample (each its own mean). If it is one loss over the chunk, "
+            "batches of more samples than devices make the difference plain."
+        )
+        return True
+    if calls[0] > 1:
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} is called {calls[0]} times in each {who}'s step, as many as its "
+            "samples, on inputs that are not one per sample (their rows are not the samples' points): taken as "
+            f"{calls[0]} distinct losses, the j-th of every {who} one loss (decoder levels, heads). If they are one "
+            "loss per sample, pass loss_weighting='samples' (exact for sum(losses) / len(losses))."
+        )
+    return False
+
+
+def _samples_part(
+    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
+) -> tuple[float, list[list[float]]]:
+    """A per-sample site: its whole-batch part of the value and each call's gradient scale."""
+    site = sites[0]
+    for s in sites:
+        if any(not math.isclose(c, s.coeffs[0], rel_tol=_SAME, abs_tol=0.0) for c in s.coeffs):
+            raise _NotExact(f"the per-sample losses {site.name} at {site.where} are combined with different coefficients")
+    total = sum(s.samples for s in summaries)
+    cs = [s.coeffs[0] for s in sites]
+    means = [c * s.samples for c, s in zip(cs, summaries)]
+    mean_ok = all(math.isclose(m, means[0], rel_tol=1e-9, abs_tol=0.0) for m in means)
+    sum_ok = all(math.isclose(c, cs[0], rel_tol=1e-9, abs_tol=0.0) for c in cs)
+    learned = memory.get(site.key, (None, None))[1]
+    if mean_ok and sum_ok:
+        if learned is not None:
+            reading = learned
+        elif math.isclose(means[0], 1.0, rel_tol=1e-9) or not math.isclose(cs[0] * total, 1.0, rel_tol=1e-9):
+            reading = "mean"
+            if not math.isclose(means[0], 1.0, rel_tol=1e-9) and len(sites) > 1:
+                out.notes.append(
+                    f"sparse_dp: the per-sample losses {site.name} at {site.where} have the coefficient {cs[0]:g} in every "
+                    f"{who}, whose chunks hold {summaries[0].samples} samples each: read as {means[0]:g} times their mean "
+                    f"over the batch's samples, not {cs[0]:g} times their sum."
+                )
+        else:
+            reading = "sum"  # divided by the whole batch's number of samples
+    elif mean_ok or sum_ok:
+        reading = "mean" if mean_ok else "sum"
+        memory[site.key] = ("samples", reading)
+    else:
+        raise _NotExact(
+            f"the per-sample losses {site.name} at {site.where} have coefficients that are neither one number in every "
+            f"{who} (a sum) nor one number over the chunk's samples (a mean)"
+        )
+    if any(s.per_sample for s in sites) or len({len(s.coeffs) for s in sites}) > 1:
+        memory.setdefault(site.key, ("samples", None))
+    c = means[0] / total if reading == "mean" else cs[0]
+    part, per_replica = 0.0, []
+    for s, ci in zip(sites, cs):
+        for d, v, is_sum in zip(s.denominators, s.values, s.sums):
+            if d == 0 and not is_sum and c != 0.0:
+                part, out.empty = math.nan, out.empty + [site.name]
+            part += c * v
+        per_replica.append([c / ci if ci != 0.0 else 0.0] * len(s.coeffs))
+    return part, per_replica
+
+
+def _matched_part(
+    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
+) -> tuple[float, list[list[float]]]:
+    """A site whose j-th call is one loss in every replica: its whole-batch part and each call's gradient scale."""
+    site = sites[0]
+    if len({len(s.coeffs) for s in sites}) > 1:
+        raise _NotExact(
+            f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
+            "with a sample that has no loss)"
+        )
+    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites):
+        raise _NotExact(
+            f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
+            "count of the chunk)"
+        )
+    if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
+        memory.setdefault(site.key, ("matched", None))
+    per_replica: list[list[float]] = [[] for _ in sites]
+    part = 0.0
+    for j, c in enumerate(site.coeffs):
+        rows = {s.rows[j] for s in sites}
+        if len(sites) > 1 and len(rows) == 1 and not any(s.whole_chunk[j] for s in sites):
+            raise _NotExact(
+                f"the input of {site.name} at {site.where} has {rows.pop()} rows in every {who}, none of the chunk's "
+                "sizes (points, samples): a statistic of the chunk (e.g. out.F.mean(0)), which no split of the batch "
+                "computes as one device does"
+            )
+        if site.sums[j]:
+            part += c * sum(s.values[j] for s in sites)
+            for scale in per_replica:
+                scale.append(1.0)
+            continue
+        total = sum(s.denominators[j] for s in sites)
+        if total > 0:
+            part += c * sum(s.denominators[j] * s.values[j] for s in sites) / total
+        elif c != 0.0:
+            part, out.empty = math.nan, out.empty + [site.name]
+        for s, scale in zip(sites, per_replica):
+            scale.append(s.denominators[j] / total if total > 0 else 0.0)
+    return part, per_replica
+
+
+def set_scales(capture: TermCapture, scales: Sequence[float], factor: float) -> None:
+    """Scale the gradient of this replica's term ``t`` by ``factor * scales[t]``.
 
     ``factor`` undoes the weight the replica's loss gets as a whole: ``1 / w_i`` in ``sparse_dp`` (the
     gathered loss is ``sum_i w_i loss_i``), the world size in ``sparse_ddp`` (DDP averages gradients).
     """
-    for term, d_total in zip(capture.terms, totals):
-        term.scale = factor * term.numbers()[0] / d_total if d_total > 0 else 0.0
-
-
-def combine(captures: Sequence[TermCapture], values: Sequence[Any], counts: Sequence[float] | None = None) -> Decision:
-    """:func:`decide` over the replicas of one process (``sparse_dp``): their vectors added here."""
-    capacity = max(len(c.terms) for c in captures)
-    packed = [pack(c, v, n, capacity) for c, v, n in zip(captures, values, counts or [0.0] * len(values))]
-    total = [sum(column) for column in zip(*(p[0] for p in packed))]
-    return decide(total, captures[0], values[0], [p[1] for p in packed])
+    for term, scale in zip(capture.terms, scales):
+        term.scale = factor * scale
 
 
 def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: float) -> list[Tensor]:
     """The replicas' losses shifted by one constant so that ``sum_i weights[i] * loss_i`` is ``value``.
 
     The shift is detached: each replica's loss keeps its gradient ``w_i``, which :func:`set_scales`
-    (``factor = 1 / w_i``) turns into ``c_k D_ik / D_k`` at term ``k``, and its remainder's gradient
+    (``factor = 1 / w_i``) turns into the terms' own weights, and its remainder's gradient
     ``w_i`` adds up to the remainder's own. The gather (the strategy's, or an override) then
     combines them as any loss.
     """
     base = sum(w * float(loss.detach()) for w, loss in zip(weights, losses))
     return [loss + (value - base) for loss in losses]
-
-
-def log_value(captures: Sequence[TermCapture], values: Sequence[Any]) -> float | None:
-    """The whole batch's value of a logged value (one per replica) that is a combination of terms, else ``None``."""
-    if any(not isinstance(v, Tensor) or not v.is_floating_point() for v in values):
-        return None
-    return combine(captures, values).value
 
 
 def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
@@ -179,33 +380,6 @@ def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
     )
 
 
-def rank_scale(
-    capture: TermCapture,
-    loss: Any,
-    n: float,
-    world_size: int,
-    all_reduce: Callable[[list[float]], Tensor],
-    warning_cache: WarningCache,
-    auto: Callable[[], tuple[str, str]],
-) -> float:
-    """``sparse_ddp`` after a rank's training step: its loss scale, and each term's gradient scale ``W D_rk / D_k``.
-
-    One ``all_reduce`` (a sum over ranks) of :func:`pack`'s vector, which carries ``n_r`` too: when the
-    loss is a combination of terms the loss scale is 1 (the terms are scaled); else it is ``"auto"``'s
-    ``W n_r / N`` (``auto()`` gives its choice and reason for the line said once; 0 when ``N = 0``).
-    """
-    vector, reason = pack(capture, loss, n)
-    decision = decide(all_reduce(vector), capture, loss, [reason], who="rank")
-    if decision.value is None:
-        if loss is not None:
-            warning_cache.info(fallback_message("sparse_ddp", decision.reason or "", *auto()))
-        return world_size * n / decision.n if decision.n > 0 else 0.0
-    if decision.empty:
-        warning_cache.warn(empty_message("sparse_ddp", decision.empty))
-    set_scales(capture, decision.totals, world_size)
-    return 1.0
-
-
 def empty_message(strategy: str, names: Sequence[str]) -> str:
     """The one warning of a term with nothing to average over in the whole batch."""
     return (
@@ -214,30 +388,75 @@ def empty_message(strategy: str, names: Sequence[str]) -> str:
     )
 
 
+def say(decision: Decision, strategy: str, warning_cache: WarningCache) -> None:
+    """Say a decision's notes (info) and its empty terms (warning), each once."""
+    for note in decision.notes:
+        warning_cache.info(note.replace("sparse_dp:", f"{strategy}:", 1))
+    if decision.value is not None and decision.empty:
+        warning_cache.warn(empty_message(strategy, decision.empty))
+
+
+def rank_scale(
+    summaries: Sequence[Summary],
+    rank: int,
+    capture: TermCapture,
+    world_size: int,
+    memory: SiteMemory,
+    warning_cache: WarningCache,
+    auto: Callable[[], tuple[str, str]],
+) -> float:
+    """``sparse_ddp`` after a rank's training step (or at its ``manual_backward``): its loss scale, and each
+    term's gradient scale, from every rank's :class:`Summary` of the loss (``summaries``, gathered in rank order).
+
+    When the loss is a combination of terms the loss scale is 1 (the terms are scaled, ``world_size`` times
+    their share, DDP averaging gradients); else it is ``"auto"``'s ``W n_r / N`` (``auto()`` gives its choice and
+    reason for the line said once; 0 when ``N = 0``).
+    """
+    decision = decide(summaries, memory, who="rank")
+    say(decision, "sparse_ddp", warning_cache)
+    if decision.value is None:
+        if decision.reason is not None and summaries[rank].reason != "nothing was captured":
+            warning_cache.info(fallback_message("sparse_ddp", decision.reason, *auto()))
+        n = summaries[rank].n
+        return world_size * n / decision.n if decision.n > 0 else 0.0
+    set_scales(capture, decision.scales[rank], world_size)
+    return 1.0
+
+
 class StepTerms:
     """The terms of one ``sparse_dp`` step: a :class:`TermCapture` per replica, the loss's decision, exact values.
 
     Args:
         count: replicas in the step.
-        warning_cache: where the fallback info line and the empty-term warning go (each said once).
+        warning_cache: where the fallback info line, the notes and the empty-term warning go (each said once).
+        memory: the strategy's readings of call sites, kept across steps.
     """
 
-    def __init__(self, count: int, warning_cache: WarningCache) -> None:
+    def __init__(self, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None) -> None:
         self.captures = [TermCapture() for _ in range(count)]
         self.warning_cache = warning_cache
+        self.memory = SiteMemory() if memory is None else memory
         self.decision: Decision | None = None
+        self.shapes: list[ChunkShape] = []
         self._losses: list[Any] = []
 
     @classmethod
-    def for_step(cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache) -> StepTerms | None:
+    def for_step(
+        cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None
+    ) -> StepTerms | None:
         """The capture of a step's replicas: for ``loss_weighting="terms"``, several replicas, not predict."""
         if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
             return None
-        return cls(count, warning_cache)
+        return cls(count, warning_cache, memory)
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
         return [partial(c.run, step) for c, step in zip(self.captures, steps)]
+
+    def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
+        """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
+        replicas = range(len(self.captures)) if replicas is None else replicas
+        return decide([summarize(self.captures[i], v, self.shapes[i]) for i, v in zip(replicas, values)], self.memory)
 
     def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
         """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.
@@ -245,18 +464,18 @@ class StepTerms:
         ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
         point, so none is 0).
         """
+        self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
         if any(loss is None for loss in losses):
             return
-        self.decision = combine(self.captures, losses)
+        self.decision = self.decide(losses)
         self._losses = list(losses)
+        say(self.decision, "sparse_dp", self.warning_cache)
         if self.decision.value is None:
             choice, why = resolve_auto(plan)
             self.warning_cache.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
             return
-        if self.decision.empty:
-            self.warning_cache.warn(empty_message("sparse_dp", self.decision.empty))
-        for capture, w in zip(self.captures, weights):
-            set_scales(capture, self.decision.totals, 1.0 / w)
+        for capture, scales, w in zip(self.captures, self.decision.scales, weights):
+            set_scales(capture, scales, 1.0 / w)
 
     def exact_outputs(self, outputs: Sequence[Any], weights: Sequence[float]) -> list[Any]:
         """The replicas' outputs, their losses shifted so that their weighted sum is the whole batch's loss."""
@@ -268,26 +487,30 @@ class StepTerms:
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
-        if len(replicas) != len(self.captures):
+        if len(replicas) != len(self.captures) or not self.shapes:
             return None
         if self.decision is not None and all(v is loss for v, loss in zip(values, self._losses)):
             value = self.decision.value  # the logged loss itself: decided already
+        elif any(not isinstance(v, Tensor) or not v.is_floating_point() for v in values):
+            return None
         else:
-            value = log_value([self.captures[i] for i in replicas], values)
+            value = self.decide(values, replicas).value
         return None if value is None else torch.tensor(value, dtype=values[0].dtype)
 
 
 __all__ = [
-    "CAPACITY",
+    "ChunkShape",
     "Decision",
+    "SiteMemory",
+    "SiteTerms",
     "StepTerms",
-    "combine",
+    "Summary",
     "decide",
     "empty_message",
     "exact_losses",
     "fallback_message",
-    "log_value",
-    "pack",
     "rank_scale",
+    "say",
     "set_scales",
+    "summarize",
 ]

@@ -22,19 +22,24 @@ combines replicas' terms into whole-batch values.
 
 from __future__ import annotations
 
+import dis
 import functools
+import importlib.util
 import numbers
+import os
+import sys
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_sparse_dp.losses import CAPTURED, UNCAPTURED, bind, denominator, is_mean, loss_name
+from lightning_sparse_dp.losses import CAPTURED, UNCAPTURED, Arguments, bind, denominator, is_mean, is_sum, loss_name
 
 T = TypeVar("T")
 
@@ -105,18 +110,33 @@ _IGNORED = frozenset({"__get__", "__set__", "item", "tolist", "size", "dim", "nu
 class Term:
     """One captured call: ``name`` (``"F.cross_entropy"``), denominator ``D`` and value ``L`` (0 where ``D = 0``).
 
+    ``denominator`` is ``None`` for a ``reduction="sum"`` call (its value counts once per replica).
+    ``site`` (:func:`call_site`'s key) names the place in the user's code that called it, the same in every
+    process (``where``: ``file.py:line``), and ``in_loop`` whether that call ran inside a loop of the user's code; ``rows`` is the
+    number of rows its input has (``input.shape[0]``; 1 for an unbatched or 0-dim input), which tells a
+    loss over one sample's points from one over a decoder level's voxels.
+
     The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
     after the step, without a version bump, so the multiplication's backward (which reads ``s``
     then) scales the gradient that reaches the call. A plain multiplication costs less than a
     Python autograd function's backward (seen: about 10 against 30 microseconds).
     """
 
-    __slots__ = ("name", "denominator", "value", "_scale", "_factor")
+    __slots__ = ("name", "denominator", "value", "site", "where", "in_loop", "rows", "_scale", "_factor")
 
-    def __init__(self, name: str, denominator: float | Tensor, factor: Tensor) -> None:
+    def __init__(
+        self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1
+    ) -> None:
         self.name, self.denominator, self._factor = name, denominator, factor
+        site = site or CallSite(0, "?", False)
+        self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
         self.value: Tensor | None = None
         self._scale = 1.0
+
+    @property
+    def is_sum(self) -> bool:
+        """Whether the call reduced by ``"sum"``: each replica's value counts once, no denominator."""
+        return self.denominator is None
 
     @property
     def scale(self) -> float:
@@ -129,8 +149,9 @@ class Term:
         self._factor.data.fill_(scale)  # .data: no version bump, or backward would refuse the saved factor
 
     def numbers(self) -> tuple[float, float]:
-        """``(D, L)`` as Python floats."""
-        return float(self.denominator), float(self.value)  # type: ignore[arg-type]
+        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call)."""
+        d = 1.0 if self.denominator is None else float(self.denominator)
+        return d, float(self.value)  # type: ignore[arg-type]
 
 
 def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
@@ -143,12 +164,19 @@ def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
 
 
 class Form:
-    """How a tensor of the step was computed from its terms: ``coeffs`` ``{k: c_k}``, or ``None`` and ``why`` not."""
+    """How a tensor of the step was computed from its terms: ``coeffs`` ``{k: c_k}``, or ``None`` and ``why`` not.
 
-    __slots__ = ("tensor", "coeffs", "why")
+    A 1-dim tensor stacked from losses (``torch.stack(losses)``) has ``elements``: the coefficients of each
+    of its entries (``coeffs`` is then ``None`` and ``why`` says what a non-reducing use of it means).
+    """
 
-    def __init__(self, tensor: Tensor, coeffs: dict[int, float] | None, why: str | None = None) -> None:
-        self.tensor, self.coeffs, self.why = tensor, coeffs, why
+    __slots__ = ("tensor", "coeffs", "why", "elements")
+
+    def __init__(
+        self, tensor: Tensor, coeffs: dict[int, float] | None, why: str | None = None,
+        elements: list[dict[int, float]] | None = None,
+    ) -> None:
+        self.tensor, self.coeffs, self.why, self.elements = tensor, coeffs, why, elements
 
 
 def _number(x: Any) -> float | str:
@@ -162,6 +190,77 @@ def _number(x: Any) -> float | str:
             return f"multiplies it by a tensor of shape {tuple(x.shape)}"
         return float(x)
     return f"combines it with a {type(x).__name__}"
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are the library's, not a call site of the user's: torch (its losses and modules),
+    Lightning (both names) and this package; the user's frames lie between a loss and the first of these above."""
+    dirs = []
+    for name in ("torch", "lightning", "pytorch_lightning", __name__.split(".")[0]):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(spec.origin) + os.sep)
+    return tuple(dirs)
+
+
+_SITES: dict[tuple[Any, int], CallSite] = {}  # (code, offset) -> that instruction's site
+_JUMPS = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+_COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>"})
+
+
+class CallSite(NamedTuple):
+    """A place in the user's code that calls a loss: ``key`` (stable across processes), ``where`` (``file.py:line``),
+    ``in_loop`` (inside a ``for`` / ``while`` body or a comprehension of the user's frames up to the step)."""
+
+    key: int
+    where: str
+    in_loop: bool
+
+
+def _frame_site(code: Any, offset: int, line: int | None) -> CallSite:
+    """The site of one instruction: its key, and whether a backward jump of its code spans it (a loop body)."""
+    found = _SITES.get((code, offset))
+    if found is None:
+        key = zlib.crc32(f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}:{offset}".encode())
+        in_loop = code.co_name in _COMPREHENSIONS or any(
+            ins.opname in _JUMPS and isinstance(ins.argval, int) and ins.argval <= offset < ins.offset
+            for ins in dis.get_instructions(code)
+        )
+        found = _SITES[(code, offset)] = CallSite(key, f"{os.path.basename(code.co_filename)}:{line}", in_loop)
+    return found
+
+
+def call_site(depth: int = 1) -> CallSite:
+    """Where the user's code called the loss being captured (``depth``: frames between the caller and this call).
+
+    The site is the innermost frame outside torch, Lightning and this package (its code and
+    instruction, so two loss calls on one line are two sites); ``in_loop`` is whether any of the user's
+    frames up to the step (the first library frame above) is inside a loop: a loss called once per
+    sample from a helper function is in a loop too. Costs a walk of the stack (a few microseconds).
+    """
+    library = _library_dirs()
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        frame = frame.f_back
+    if frame is None:
+        return CallSite(0, "?", False)
+    site = _frame_site(frame.f_code, frame.f_lasti, frame.f_lineno)
+    outer, in_loop = frame.f_back, site.in_loop
+    while not in_loop and outer is not None and not outer.f_code.co_filename.startswith(library):
+        in_loop = _frame_site(outer.f_code, outer.f_lasti, outer.f_lineno).in_loop
+        outer = outer.f_back
+    return site if in_loop == site.in_loop else site._replace(in_loop=in_loop)
+
+
+def _rows(func: Any, a: Arguments) -> int:
+    """The rows of a loss call's input: ``input.shape[0]``, 1 for a 0-dim input or an unbatched class score."""
+    x = a.get("input")
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        return 1
+    if x.dim() == 1 and func in (F.cross_entropy, F.nll_loss):
+        return 1  # one sample's class scores [C]
+    return int(x.shape[0])
 
 
 class TermCapture(TorchFunctionMode):
@@ -240,13 +339,17 @@ class TermCapture(TorchFunctionMode):
     def _capture(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         out = func(*args, **kwargs)
         bound = bind(func, args, kwargs)
-        if not is_mean(bound):
-            return out  # "sum" / "none": what the step does with it is its own arithmetic
-        d = denominator(func, bound)
-        if isinstance(d, Tensor) and d.device.type == "cpu":
-            d = float(d)  # no device to wait for
-        keep: Tensor | bool = d > 0 if isinstance(d, Tensor) else bool(d > 0)
-        term = Term(loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device))
+        if is_sum(bound):
+            d: float | Tensor | None = None
+            keep: Tensor | bool = True
+        elif is_mean(bound):
+            d = denominator(func, bound)
+            if isinstance(d, Tensor) and d.device.type == "cpu":
+                d = float(d)  # no device to wait for
+            keep = d > 0 if isinstance(d, Tensor) else bool(d > 0)
+        else:
+            return out  # "none": what the step does with it is its own arithmetic
+        term = Term(loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device), call_site(2), _rows(func, bound))
         value = _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
@@ -258,9 +361,13 @@ class TermCapture(TorchFunctionMode):
         forms = [self.forms.get(id(a)) if isinstance(a, Tensor) else None for a in args]
         if isinstance(args[0] if args else None, (list, tuple)):
             if any(isinstance(t, Tensor) and id(t) in self.forms for t in args[0]):
-                self.forms[id(out)] = Form(out, None, f"it applies {name} to a list holding a loss")
+                self.forms[id(out)] = self._stacked(name, args, kwargs, out)
             return
         if not any(forms) or name in _IGNORED:
+            return
+        stacked = next((f for f in forms if f is not None and f.elements is not None), None)
+        if stacked is not None:
+            self.forms[id(out)] = self._reduced(name, args, kwargs, forms, stacked, out)
             return
         bad = next((f for f in forms if f is not None and f.coeffs is None), None)
         if bad is not None:
@@ -268,6 +375,33 @@ class TermCapture(TorchFunctionMode):
             return
         coeffs = self._linear(name, args, kwargs, forms, out)
         self.forms[id(out)] = Form(out, coeffs, None) if isinstance(coeffs, dict) else Form(out, None, coeffs)
+
+    def _stacked(self, name: str, args: tuple, kwargs: dict, out: Tensor) -> Form:
+        """``torch.stack(losses)`` (dim 0) of one-element tensors computed from terms: a form per entry."""
+        entries = [self.forms.get(id(t)) if isinstance(t, Tensor) else None for t in args[0]]
+        why = f"it applies {name} to a list holding a loss"
+        if name != "stack" or kwargs.get("dim", args[1] if len(args) > 1 else 0) not in (0, -out.dim()):
+            return Form(out, None, why)
+        if any(e is None or e.coeffs is None or e.tensor.numel() != 1 for e in entries) or out.dim() != 1:
+            bad = next((e.why for e in entries if e is not None and e.coeffs is None and e.why), None)
+            return Form(out, None, bad or why)
+        return Form(out, None, "it uses a stack of losses other than by its mean or sum", [dict(e.coeffs) for e in entries])  # type: ignore[union-attr, arg-type]
+
+    @staticmethod
+    def _reduced(name: str, args: tuple, kwargs: dict, forms: list[Form | None], stacked: Form, out: Tensor) -> Form:
+        """A use of a stack of losses: its ``mean()`` / ``sum()`` is a combination, a product by a number a stack."""
+        elements = stacked.elements or []
+        if forms[0] is stacked and len([f for f in forms if f is not None]) == 1:
+            if name in _SCALAR_SAME and len(args) == 1 and not kwargs and out.numel() == 1:
+                coeffs: dict[int, float] = {}
+                for e in elements:
+                    coeffs = _combine(coeffs, e, 1.0 / len(elements) if name in ("mean", "nanmean") else 1.0)
+                return Form(out, coeffs)
+            factor = _number(args[1]) if len(args) > 1 and name in _MUL | _DIV else "no"
+            if not isinstance(factor, str) and out.shape == stacked.tensor.shape and "rounding_mode" not in kwargs:
+                f = factor if name in _MUL else 1.0 / factor
+                return Form(out, None, stacked.why, [{k: c * f for k, c in e.items()} for e in elements])
+        return Form(out, None, stacked.why)
 
     @staticmethod
     def _linear(name: str, args: tuple, kwargs: dict, forms: list[Form | None], out: Tensor) -> dict[int, float] | str:
@@ -378,4 +512,4 @@ def _combine(a: dict[int, float], b: dict[int, float], beta: float) -> dict[int,
     return out
 
 
-__all__ = ["Form", "Term", "TermCapture", "outside_capture"]
+__all__ = ["CallSite", "Form", "Term", "TermCapture", "call_site", "outside_capture"]

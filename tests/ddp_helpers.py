@@ -7,6 +7,7 @@ or by torchrun) and, as the reference, in the test process on one device with th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,9 @@ import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp
 
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
 from tests.pairs import PairNet, PairScans, collate_pairs, pairs_in
-from tests.term_models import LevelCompletion, ScenesIgnoreSeg
+from tests.term_models import (
+    LevelCompletion, ScenesIgnoreSeg, ScenesManual, ScenesPerSample, ScenesRemainder, ScenesStatistic, ScenesSum,
+)
 
 SEED = 7  # initial weights
 
@@ -179,12 +182,26 @@ SCENARIOS = {
 }
 
 #: loss_weighting="terms" (the default) with losses as users write them; their own launch (tests/test_ddp.py)
-TERM_MODELS = {"ignore": ScenesIgnoreSeg, "levels": LevelCompletion}
+TERM_MODELS = {
+    "ignore": ScenesIgnoreSeg, "levels": LevelCompletion, "per_sample": ScenesPerSample, "manual": ScenesManual,
+    "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic,
+}
 TERM_SCENARIOS = {
     s.name: s
     for s in [
         Scenario("terms_ignore", "ignore", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         Scenario("terms_levels", "levels", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_per_sample", "per_sample", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_manual", "manual", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_sum", "sum", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+    ]
+}
+#: losses no split computes as one device does: each rank must say so (tests/test_ddp.py reads the messages)
+SAID_SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("said_remainder", "remainder", loss_weighting="terms", epochs=1),
+        Scenario("said_statistic", "statistic", loss_weighting="terms", epochs=1),
     ]
 }
 
@@ -265,9 +282,26 @@ def evaluate(trainer: L.Trainer, model: L.LightningModule, val: DataLoader) -> d
     return {"test_loss": test_loss, "predicted_rows": sum(p.shape[0] for p in predictions)}
 
 
+MESSAGES: list[str] = []  # what the strategy said (rank-zero info and warnings) in this process
+
+
+class _Said(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if "sparse_ddp:" in record.getMessage():
+            MESSAGES.append(record.getMessage())
+
+
+def listen() -> None:
+    """Keep what the strategy says in :data:`MESSAGES` (the rank-zero logger is set to INFO)."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(_Said())
+
+
 def result(trainer: L.Trainer, model: L.LightningModule, logger: Capture) -> dict[str, Any]:
     """What a run is compared by: the state dict, the logged values, the batch-norm layer types."""
     return {
+        "messages": list(MESSAGES),
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "history": logger.history,
         "bn_types": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__}),

@@ -21,7 +21,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_sparse_dp import SparseDDPStrategy  # noqa: E402
-from tests.ddp_helpers import SCENARIOS, TERM_SCENARIOS, Capture, evaluate, loaders, result, trainer_kwargs  # noqa: E402
+from tests.ddp_helpers import (  # noqa: E402
+    MESSAGES, SAID_SCENARIOS, SCENARIOS, TERM_SCENARIOS, Capture, evaluate, listen, loaders, result, trainer_kwargs,
+)
 
 
 def main() -> None:
@@ -30,8 +32,10 @@ def main() -> None:
     devices = 2 // num_nodes
     weighting = sys.argv[4] if len(sys.argv) > 4 else None  # overrides the scenario's (e.g. "equal": plain DDP)
     torch.set_num_threads(1)
+    listen()
     for name in names:
-        s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
+        MESSAGES.clear()
+        s = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS}[name]
         model = s.build(reference=False)
         train, val = loaders(s.per_rank, world_size=None, model=s.model)
         logger = Capture()

@@ -224,3 +224,112 @@ class WithMetrics(ScanNetSeg):
         self.log("train_loss", loss)
         self.log("mean_ce", self.mean_ce, on_step=False, on_epoch=True)
         return loss
+
+
+def _per_sample(logits, labels, index, criterion):
+    """One loss per sample of the chunk, in sample order (instance segmentation, registration, completion code)."""
+    return [criterion(logits[index == s], labels[index == s]) for s in range(int(index.max()) + 1)]
+
+
+class PerSampleLoop(ScanNetSeg):
+    """A loss per sample, then their mean as users write it: ``sum(losses) / len(losses)`` ("len"),
+    ``torch.stack(losses).mean()`` ("stack"), or their sum over a fixed number ("sum": ``sum(losses) / 8``)."""
+
+    def __init__(self, form: str = "len") -> None:
+        super().__init__()
+        self.form = form
+
+    def loss(self, batch):
+        losses = _per_sample(self.logits(batch), batch["labels"], batch["coordinates"][:, 0], self.criterion)
+        if self.form == "stack":
+            return torch.stack(losses).mean()
+        if self.form == "sum":
+            return sum(losses) / 8.0
+        return sum(losses) / len(losses)
+
+
+class PerSampleBeside(ScanNetSeg):
+    """A whole-chunk cross entropy plus 0.5 times the mean of per-sample L1 losses (two call sites, one loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Linear(NUM_CLASSES, IN_CHANNELS)
+
+    def loss(self, batch):
+        logits = self.logits(batch)
+        index = batch["coordinates"][:, 0]
+        l1 = [F.l1_loss(self.offset(logits[index == s]), batch["features"][index == s]) for s in range(int(index.max()) + 1)]
+        return self.criterion(logits, batch["labels"]) + 0.5 * sum(l1) / len(l1)
+
+
+class SumReduction(ScanNetSeg):
+    """``F.cross_entropy(..., reduction="sum")`` over a constant: each replica's sum counts once."""
+
+    def loss(self, batch):
+        return F.cross_entropy(self.logits(batch), batch["labels"], ignore_index=255, reduction="sum") / 100.0
+
+
+class SmallRemainder(ScanNetSeg):
+    """A cross entropy plus ``1e-6`` times a hand-written masked mean: a remainder that differs between replicas."""
+
+    def loss(self, batch):
+        logits = self.logits(batch)
+        mask = batch["labels"] != 255
+        return self.criterion(logits, batch["labels"]) + 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
+
+
+class ChunkStatistic(ScanNetSeg):
+    """A cross entropy plus an MSE on the mean feature of the chunk: a torch loss on a statistic of the chunk."""
+
+    def loss(self, batch):
+        logits = self.logits(batch)
+        return self.criterion(logits, batch["labels"]) + F.mse_loss(logits.mean(0), torch.zeros_like(logits[0]))
+
+
+class ScenesPerSample(ScenesIgnoreSeg):
+    """:class:`PerSampleLoop` on ``tests.ddp_helpers.Scenes`` batches (per-point labels, none ignored)."""
+
+    def loss(self, batch):
+        losses = _per_sample(self.logits(batch), batch["point_labels"], batch["coordinates"][:, 0], self.criterion)
+        return sum(losses) / len(losses)
+
+
+class ScenesManual(ScenesIgnoreSeg):
+    """:class:`ScenesIgnoreSeg` under manual optimization: ``manual_backward`` inside the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss, sync_dist=True)
+
+
+class ScenesSum(ScenesIgnoreSeg):
+    """:class:`SumReduction` on ``tests.ddp_helpers.Scenes`` batches."""
+
+    def loss(self, batch):
+        labels = batch["point_labels"].masked_fill(batch["point_labels"] == 0, 255)
+        return F.cross_entropy(self.logits(batch), labels, ignore_index=255, reduction="sum") / 100.0
+
+
+class ScenesRemainder(ScenesIgnoreSeg):
+    """:class:`SmallRemainder` on ``tests.ddp_helpers.Scenes`` batches (said, not exact)."""
+
+    def loss(self, batch):
+        logits = self.logits(batch)
+        mask = batch["point_labels"] != 0
+        return F.cross_entropy(logits, batch["point_labels"]) + 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
+
+
+class ScenesStatistic(ScenesIgnoreSeg):
+    """:class:`ChunkStatistic` on ``tests.ddp_helpers.Scenes`` batches (said, not exact)."""
+
+    def loss(self, batch):
+        logits = self.logits(batch)
+        return F.cross_entropy(logits, batch["point_labels"]) + F.mse_loss(logits.mean(0), torch.zeros_like(logits[0]))

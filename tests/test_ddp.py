@@ -20,7 +20,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.ddp_helpers import SCENARIOS, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs
+from tests.ddp_helpers import (
+    SAID_SCENARIOS, SCENARIOS, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs,
+)
 from tests.helpers import relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +73,7 @@ def ddp_runs(tmp_path_factory) -> Path:
 
 
 def _reference(name: str) -> dict:
-    s = SCENARIOS[name] if name in SCENARIOS else TERM_SCENARIOS[name]
+    s = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS}[name]
     model = s.build(reference=True)
     train, val = loaders(s.per_rank, world_size=2, model=s.model)
     logger = Capture()
@@ -137,7 +139,7 @@ def test_two_processes_equal_one_device(ddp_runs, name):
 @pytest.fixture(scope="module")
 def ddp_term_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sparse_ddp_terms")
-    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join(TERM_SCENARIOS)]], timeout=300)
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join([*TERM_SCENARIOS, *SAID_SCENARIOS])]], timeout=400)
     return out
 
 
@@ -156,12 +158,24 @@ def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name
     assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=RTOL)  # each step's whole-batch value
 
 
-def test_one_weight_per_rank_is_not_exact_for_an_ignore_label(ddp_term_runs):  # the comparison above can fail
-    ref = _reference("terms_ignore")
-    out = ddp_term_runs / "points"
+@pytest.mark.parametrize("name, words", [
+    ("said_remainder", "differs from rank to rank"), ("said_statistic", "a statistic of the chunk"),
+])
+def test_what_no_split_computes_exactly_is_said_on_ranks(ddp_term_runs, name, words):
+    ranks = [_load(ddp_term_runs, name, r) for r in range(2)]
+    said = [m for m in ranks[0]["messages"] if "loss_weighting='terms' cannot" in m]
+    assert len(said) == 1 and words in said[0], ranks[0]["messages"]
+    ref = _reference(name)
+    assert max(relative_difference(v, ref["state"][k]) for k, v in ranks[0]["state"].items() if v.is_floating_point()) > 1e-12
+
+
+@pytest.mark.parametrize("name", ["terms_ignore", "terms_per_sample", "terms_manual"])
+def test_one_weight_per_rank_is_not_exact_here(ddp_term_runs, name):  # the comparison above can fail
+    ref = _reference(name)
+    out = ddp_term_runs / f"points-{name}"
     out.mkdir()
-    _run([[sys.executable, "-m", "tests.ddp_script", str(out), "terms_ignore", "1", "points"]], timeout=120)
-    ours = _load(out, "terms_ignore", 0)
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), name, "1", "points"]], timeout=120)
+    ours = _load(out, name, 0)
     assert max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point()) > 1e-4
 
 
@@ -306,13 +320,13 @@ def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
     logits = torch.randn(batch["point_labels"].shape[0], 4, requires_grad=True)
     mask = batch["point_labels"] != 0
 
-    strategy._capture = TermCapture()  # as _weighted sets it around the step
+    strategy._capture, strategy._batch, strategy._count = TermCapture(), batch, 3.0  # as _weighted sets them around the step
     loss = strategy._capture.run(lambda: (F.cross_entropy(logits, batch["point_labels"], reduction="none") * mask).sum() / mask.sum())
     with caplog.at_level(logging.INFO):
-        assert strategy._term_scale(loss, 3.0, batch) == 1.0  # "auto"'s world_size * n_r / N, with one rank
+        assert strategy._term_scale(loss) == 1.0  # "auto"'s world_size * n_r / N, with one rank
     assert "sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term" in caplog.text
     assert "hand-written masked mean" in caplog.text and "SparseDDPStrategy(loss_weighting=lambda chunk" in caplog.text
 
     strategy._capture = TermCapture()
     loss = strategy._capture.run(lambda: F.cross_entropy(logits, batch["point_labels"], ignore_index=0))
-    assert strategy._term_scale(loss, 3.0, batch) == 1.0 and strategy._capture.terms[0].scale == 1.0
+    assert strategy._term_scale(loss) == 1.0 and strategy._capture.terms[0].scale == 1.0

@@ -261,6 +261,38 @@ def test_before_transfer_hook_runs_and_skipped_hooks_warn():
         _fit_one_step(Hooks(), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3)
 
 
+def test_before_transfer_hook_runs_once_per_batch_as_under_plain_lightning():
+    """A normalization in on_before_batch_transfer (features * 2) reaches the step once, in training and
+    validation: the same calls and the same parameters as plain Lightning (float64, 2 steps)."""
+
+    class Doubles(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.calls = []
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            self.calls.append(self.trainer.state.stage)
+            return {**batch, "features": batch["features"] * 2}
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.loss(batch), batch_size=int(batch["labels"].shape[0]))
+
+    batches = [collate_dict(random_samples(6, seed=s)) for s in (31, 32)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(Doubles)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_steps=2, limit_val_batches=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, val_check_interval=2, **kwargs)
+        t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None), torch.utils.data.DataLoader(batches, batch_size=None))
+    ours, reference = models
+    assert [str(c) for c in ours.calls] == [str(c) for c in reference.calls]
+    assert len(reference.calls) == 3  # 2 training batches, 1 validation batch
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+
+
 def _sample_loader(samples, **kwargs):
     return torch.utils.data.DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
 

@@ -85,8 +85,7 @@ def test_all_ignored_has_denominator_zero_and_the_term_is_zero_not_nan():
 
 def _capture(fn):
     capture = TermCapture()
-    with capture:
-        value = fn()
+    value = capture.run(fn)  # as the strategies run a step: the user's frames end at run()
     return capture, value
 
 
@@ -108,13 +107,38 @@ def test_linear_combinations_are_read_off():
 @pytest.mark.parametrize("expr, why", [
     (lambda a, b: a.sqrt(), "sqrt"),
     (lambda a, b: a * b, "multiplies two losses"),
-    (lambda a, b: torch.stack([a, b]).mean(), "list holding a loss"),
+    (lambda a, b: torch.stack([a, b]).max(), "stack of losses other than by its mean or sum"),
+    (lambda a, b: torch.cat([a.view(1), b.view(1)]).mean(), "list holding a loss"),
     (lambda a, b: a * nn.Parameter(torch.tensor(2.0)), "requires grad"),
     (lambda a, b: F.poisson_nll_loss(x, y.abs()) + a, "poisson_nll_loss"),
 ])
 def test_non_linear_uses_are_named(expr, why):
     capture, loss = _capture(lambda: expr(F.mse_loss(x, y), F.l1_loss(x, y)))
     assert why in capture.combination(loss)
+
+
+def test_a_stack_of_losses_reduced_by_its_mean_or_sum_is_a_combination():
+    def step():
+        losses = [F.mse_loss(x[i], y[i]) for i in range(3)]
+        return torch.stack(losses).mean() + 0.5 * (2 * torch.stack(losses[:2])).sum()
+    capture, loss = _capture(step)
+    coeffs, r, _ = capture.combination(loss)
+    assert coeffs == pytest.approx([1 / 3 + 1.0, 1 / 3 + 1.0, 1 / 3]) and r == 0.0
+
+
+def test_terms_know_their_call_site_and_whether_it_is_in_a_loop():
+    def per_sample():
+        return [F.mse_loss(x[i], y[i]) for i in range(2)]
+
+    def step():
+        first = F.l1_loss(x, y)
+        return first + sum(per_sample()) + F.cross_entropy(logits, labels, reduction="sum")
+    capture, loss = _capture(step)
+    sites = [(t.site, t.in_loop, t.is_sum) for t in capture.terms]
+    assert [s[1:] for s in sites] == [(False, False), (True, False), (True, False), (False, True)]
+    assert sites[1][0] == sites[2][0] != sites[0][0] != sites[3][0]
+    assert all(t.where.startswith("test_terms.py:") for t in capture.terms)
+    assert [t.rows for t in capture.terms] == [N, int(x[0].shape[0]), int(x[0].shape[0]), N]
 
 
 def test_a_hand_written_mean_is_a_remainder_and_no_term_is_not_a_combination():

@@ -153,6 +153,7 @@ def split_batch(
         sample_tensors=sample_tensors,
         index_rows={i: tuple(index_rows(leaves[i], c) for c in chunk_samples) for i in indexed},
         index_columns={i: leaves[i].columns for i in indexed},
+        sample_points=tuple(s.counts for s in sources),
     )
     return chunks, plan
 

@@ -86,6 +86,7 @@ class SplitPlan:
         index_rows: per flattened leaf of role ``"indices"`` (by its position), per chunk, int64
             ``[k_j]`` rows of the index tensor that went to the chunk.
         index_columns: per such leaf, the coordinate source of each column (-1: the batch column).
+        sample_points: per coordinate source, int64 ``[B]`` the points of each sample (empty for a dense batch).
     """
 
     num_samples: int
@@ -97,6 +98,7 @@ class SplitPlan:
     sample_tensors: tuple[str, ...] = ()
     index_rows: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     index_columns: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    sample_points: tuple[Tensor, ...] = ()
 
     @property
     def num_chunks(self) -> int:
