@@ -250,3 +250,27 @@ def test_what_no_split_computes_exactly_is_said_once(model, words, caplog):
     lines = _fallback_lines(caplog)
     assert len(lines) == 1 and words in lines[0], lines
     assert worst > 1e-12  # not exact, and said
+
+
+def test_one_sample_per_replica_reads_a_loss_in_a_loop_as_per_sample_and_says_so(caplog):
+    """Chunks of one sample each: a loss called in a loop once per replica is read as one loss per sample (said
+    once), a loss called once outside any loop as the chunk's loss (nothing said); both exact."""
+    batches = [seg_batch(3, seed=s, fractions=(0.1, 0.3, 0.2)) for s in (27, 28)]
+    for model, said in ((PerSampleLoop, True), (ScanNetSeg, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            worst, t, r = _compare(model, batches, 3)
+        assert ("is called in a loop, once in each replica's step" in caplog.text) is said
+        assert not _fallback_lines(caplog)
+        assert worst <= REL
+        assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
+
+
+def test_a_reading_seen_without_doubt_is_kept_for_steps_of_equal_chunks(caplog):
+    """sum(losses) / 8: a step of unequal chunks shows it is a sum (not a mean); the next step, of equal chunks,
+    where either reading fits, keeps it: exact, nothing said."""
+    batches = [seg_batch(7, seed=29, fractions=(0.1, 0.3, 0.2)), _even(6, 30, fractions=(0.1, 0.3, 0.2))]
+    with caplog.at_level(logging.INFO):
+        worst, _, _ = _compare(PerSampleLoop, batches, 3, form="sum", strategy=SparseDataParallelStrategy(split="contiguous"))
+    assert "read as" not in caplog.text and not _fallback_lines(caplog)
+    assert worst <= REL
