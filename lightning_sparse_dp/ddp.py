@@ -7,10 +7,12 @@ cluster environments, process groups and gradient all-reduce are used as they ar
 - **exact loss**: DDP averages gradients equally over ranks: the global batch's gradient only for equal
   shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
   captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled
-  by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk`` from one all-reduce after the step
-  (:mod:`~lightning_sparse_dp.term_weights`): exact for any linear combination of such losses.
+  by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk``, from every rank's summary of its terms, gathered
+  in one fixed-size all-gather after the step (:func:`gather_objects`; at each ``manual_backward``
+  under manual optimization) and read alike by every rank (:mod:`~lightning_sparse_dp.term_weights`):
+  exact for any linear combination of such losses, per-sample losses included.
   Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
-  all-reduce) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
+  gather) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
   ``n_r`` counts;
 - **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
   that are combinations of captured losses are the global batch's, other means are
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import pickle
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -59,6 +62,31 @@ from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
+
+
+#: bytes of a pickled summary that travel in the one fixed-size all-gather of :func:`gather_objects`
+GATHER_BYTES = 4096
+
+
+def gather_objects(obj: Any, device: torch.device, size: int = GATHER_BYTES) -> list[Any]:
+    """Every rank's ``obj`` in rank order, in one ``all_gather`` of ``size + 8`` bytes per rank where every
+    pickle fits (``all_gather_object`` costs two collectives: a length, then the data), else a second round
+    through ``all_gather_object`` (every rank sees every length, so all take the same path)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buffer = torch.zeros(size + 8, dtype=torch.uint8)
+    buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if len(data) <= size:
+        buffer[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    out = [torch.empty_like(buffer) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, buffer)
+    rows = [o.cpu().numpy().tobytes() for o in out]
+    lengths = [int.from_bytes(r[:8], "little") for r in rows]
+    if max(lengths) > size:
+        gathered: list[Any] = [None] * len(rows)
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    return [pickle.loads(r[8 : 8 + n]) for r, n in zip(rows, lengths)]
 
 
 def local_count(
@@ -272,9 +300,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         summary = summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [summary]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, summary)
-        return gathered
+        return gather_objects(summary, self.root_device)
 
     def _rank(self) -> int:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -330,3 +330,33 @@ def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
     strategy._capture = TermCapture()
     loss = strategy._capture.run(lambda: F.cross_entropy(logits, batch["point_labels"], ignore_index=0))
     assert strategy._term_scale(loss) == 1.0 and strategy._capture.terms[0].scale == 1.0
+
+
+def _gather_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_sparse_dp.ddp import gather_objects
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    small = gather_objects({"rank": rank, "samples": [3, 4][rank]}, torch.device("cpu"))
+    large = gather_objects("x" * (10 if rank == 0 else 5000), torch.device("cpu"), size=4096)  # one rank too large
+    torch.save({"small": small, "large": large}, f"{out}/gather-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_gather_objects_gives_every_rank_every_object_in_rank_order(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gather_worker, args=(port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"gather-{rank}.pt")
+        assert got["small"] == [{"rank": 0, "samples": 3}, {"rank": 1, "samples": 4}]
+        assert got["large"] == ["x" * 10, "x" * 5000]  # the second round, taken by both ranks
