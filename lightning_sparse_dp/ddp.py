@@ -35,7 +35,8 @@ from __future__ import annotations
 import atexit
 import copy
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -52,6 +53,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from typing_extensions import override
 
 from lightning_sparse_dp.backward import loss_of
+from lightning_sparse_dp.collectives import watching
+from lightning_sparse_dp.means import count_of, counting, plain_mean
 from lightning_sparse_dp.log import MEAN_NAMES
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
@@ -62,6 +65,25 @@ from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
 from lightning_sparse_dp.split import SplitPlan, split_batch
+
+
+@contextmanager
+def _plain_mean_in_log(module: Any) -> Iterator[None]:
+    """``module.log`` runs with torch's own ``torch.mean`` while the step counts means (:func:`plain_mean`)."""
+    if module is None:
+        yield
+        return
+    log = module.log
+
+    def plain_log(*args: Any, **kwargs: Any) -> Any:
+        with plain_mean():
+            return log(*args, **kwargs)
+
+    module.log = plain_log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
 
 
 #: bytes of a pickled summary that travel in the one fixed-size all-gather of :func:`gather_objects`
@@ -215,6 +237,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
         self._batch: Any = None  # this rank's batch during a step
         self._plan: SplitPlan | None = None  # its split as one chunk, made when the terms need it
+        self._collectives: list[str] = []  # torch.distributed calls of the user's code in this step
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
@@ -275,10 +298,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
-        self._batch, self._plan = batch, None
+        self._batch, self._plan, self._collectives = batch, None, []
         step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
-            output = step() if self._capture is None else self._capture.run(step)
+            with watching(self._collectives), counting(), _plain_mean_in_log(self.lightning_module):
+                output = step() if self._capture is None else self._capture.run(step)
             module = self.lightning_module
             if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
                 self._loss_scale = self._term_scale(output)
@@ -287,6 +311,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             self._count = None
             self._capture = None
             self._batch = self._plan = None
+            self._collectives = []
 
     def _step_plan(self) -> SplitPlan:
         """This rank's batch split as one chunk (what the terms are read against), once per step."""
@@ -297,7 +322,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     def _summaries(self, value: Any) -> list[Summary]:
         """Every rank's :class:`Summary` of ``value`` (one ``all_gather_object``), in rank order."""
         assert self._capture is not None
-        summary = summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0)
+        shape = ChunkShape.of(self._step_plan(), 0)
+        summary = summarize(self._capture, value, shape, self._count or 0.0, self._collectives)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [summary]
         return gather_objects(summary, self.root_device)
@@ -345,9 +371,12 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
-        """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"`` is the
-        mean weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (``self.log(..., sync_dist=True)`` uses it),
-        and a ``"mean"`` of an integer tensor is a float mean."""
+        """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"``
+        (``self.log(..., sync_dist=True)`` uses it) is, from one gather of every rank's value
+        (:func:`_rank_mean`): the whole batch's value of a combination of captured losses (or of its ``.item()``);
+        else a mean the step computed (``x[mask].mean()``) weighted by its element counts; else the mean
+        weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (equal weights in a step that reduces across ranks
+        itself). A ``"mean"`` of an integer tensor is a float mean."""
         is_mean = isinstance(reduce_op, str) and reduce_op.lower() in MEAN_NAMES
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
             # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
@@ -357,15 +386,41 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             return total / dist.get_world_size(group)
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if self._capture is not None and id(tensor) in self._capture.forms and group is None:  # a combination of terms
-            value = decide(self._summaries(tensor), self._site_memory, "rank").value
-            if value is not None:
-                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
-        # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance
-        n, value = self._count, tensor.detach().to(torch.float64).reshape(-1)
+        if group is None:
+            return self._rank_mean(tensor)
+        # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance; a step that reduces
+        # across ranks itself (a loss written for DDP) is averaged equally, as DDP would
+        n, value = (1.0 if self._collectives else self._count), tensor.detach().to(torch.float64).reshape(-1)
         pair = torch.stack([value * n, torch.full_like(value, n)])
         dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
         return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
+
+    def _rank_mean(self, tensor: Tensor) -> Tensor:
+        """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
+        x = tensor.detach()
+        one = x.numel() == 1 and x.device.type == "cpu"
+        summary = None
+        if self._capture is not None:
+            target = tensor if id(tensor) in self._capture.forms else self._capture.tensor_of(float(x)) if one else None
+            if target is not None:
+                summary = summarize(
+                    self._capture, target, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives
+                )
+        count = count_of(tensor)
+        if count is None and one:
+            count = count_of(float(x))
+        n = 1.0 if self._collectives else float(self._count or 0.0)
+        mine = (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
+        rows = gather_objects(mine, self.root_device) if dist.is_available() and dist.is_initialized() else [mine]
+        if all(r[0] is not None for r in rows):
+            value = decide([r[0] for r in rows], self._site_memory, "rank").value
+            if value is not None:
+                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
+        weights = [float(r[2]) for r in rows] if all(r[2] is not None for r in rows) else [r[3] for r in rows]
+        total = sum(weights)
+        values = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+        share = torch.tensor([w / total if total > 0 else 1.0 / len(rows) for w in weights], dtype=torch.float64)
+        return (values * share[:, None]).sum(0).reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -52,6 +52,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_sparse_dp.means import count_of
+
 _warning_cache = WarningCache()
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 #: The names of a mean, as ``reduce_fx`` (``self.log``) and ``reduce_op`` (``Strategy.reduce``) spell it.
@@ -70,6 +72,7 @@ class LogCall:
     name: str
     value: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
+    count: int | None = None  # the elements the value is a mean over, when the step computed it as one (means.py)
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class LogRecorder:
                 "log value.mean() or another reduction."
             )
         self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
-        self.calls[name] = LogCall(name, value, kwargs)
+        self.calls[name] = LogCall(name, value, kwargs, count_of(value))
 
 
 @contextmanager
@@ -225,13 +228,23 @@ def reduce_log_calls(
                 raise ValueError("a metric was logged in a replica but no root module was given to resolve it.")
             merged.append(LogCall(name, root.get_submodule(first.path), kwargs))
             continue
+        if len(present) < len(recorders) and not all(_is_integer(c.value) for _, c in present):
+            warning_cache.warn(
+                f"sparse_dp: self.log({name!r}, ...) was called by {len(present)} of {len(recorders)} replicas (a branch on "
+                "the chunk, e.g. `if len(batch['labels']) > k`): it is reduced over those replicas only, not over the "
+                "whole batch as one device would compute it. Log it in every replica's step (with a weight of 0 where "
+                "the chunk has nothing for it), or log a torchmetrics metric."
+            )
         value = exact([i for i, _ in present], [c.value for _, c in present]) if exact is not None else None
         if value is None:
-            value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache)
+            value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
-        kwargs["batch_size"] = sum(sizes) if all(s is not None for s in sizes) else num_samples
+        if all(s is not None for s in sizes):  # the whole batch's size passed by every replica counts once
+            kwargs["batch_size"] = num_samples if all(s == num_samples for s in sizes) else sum(sizes)
+        else:
+            kwargs["batch_size"] = num_samples
         merged.append(LogCall(name, value, kwargs))
     return merged
 
@@ -244,6 +257,7 @@ def _reduce_values(
     kwargs: dict[str, Any],
     device: torch.device,
     warning_cache: WarningCache,
+    num_samples: int = 0,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
@@ -255,8 +269,8 @@ def _reduce_values(
     if len(values) == 1:
         return values[0].reshape(())
     reduce_fx = kwargs.get("reduce_fx", "mean")
-    if losses is not None and all(losses[i] is not None and c.value is losses[i] for i, c in present):
-        reduce_fx = "mean"  # the loss is a weighted mean, whatever Lightning reduces it by over an epoch
+    if losses is not None and all(_is_loss(c.value, losses[i]) for i, c in present):
+        reduce_fx = "mean"  # the loss (or its .item()) is a weighted mean, whatever Lightning reduces it by over an epoch
     elif "reduce_fx" not in kwargs and all(_is_integer(c.value) for _, c in present):
         warning_cache.warn(
             f"sparse_dp: self.log({name!r}, <integer>) from several replicas is logged as the sum over the replicas "
@@ -273,7 +287,29 @@ def _reduce_values(
         )
     if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
         return values[0].reshape(())  # the mean, max or min of equal values, without rounding
+    if reduce_fx in (*MEAN_NAMES, torch.mean) and not (losses is not None and all(_is_loss(c.value, losses[i]) for i, c in present)):
+        counts = [c.count for _, c in present]
+        sizes = [c.kwargs.get("batch_size") for _, c in present]
+        if all(n is not None for n in counts):  # means the step computed: weighted by their own element counts
+            return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
+        if all(isinstance(s, numbers.Number) for s in sizes) and not all(s == num_samples for s in sizes):
+            return _reduce(values, [float(s) for s in sizes], reduce_fx)  # the chunks' own batch_size= counts
+        if not all(_is_integer(c.value) for _, c in present):
+            warning_cache.info(
+                f"sparse_dp: self.log({name!r}, ...) differs between replicas and is not a mean the step computed with "
+                "torch.mean / .mean() (e.g. a hand-made sum / count): it is reduced as a mean weighted by each replica's "
+                "share of the loss weighting (samples or points), the whole batch's value only for a mean over those. "
+                "For the whole batch's value log a torchmetrics metric, log value.mean() of the per-element values, or "
+                "pass batch_size= the count it is a mean over."
+            )
     return _reduce(values, w, reduce_fx)
+
+
+def _is_loss(value: Any, loss: Tensor | None) -> bool:
+    """Whether a logged value is the replica's step loss: the tensor, or its ``.item()`` / ``float()``."""
+    if loss is None:
+        return False
+    return value is loss or (isinstance(value, float) and loss.numel() == 1 and value == float(loss.detach()))
 
 
 def _no_print(*args: Any, **kwargs: Any) -> None:

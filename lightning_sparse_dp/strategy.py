@@ -28,6 +28,7 @@ from lightning_sparse_dp.backward import loss_of, parallel_backward
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.weighting import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
+from lightning_sparse_dp.means import run_counting
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin
@@ -360,6 +361,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
         if terms is not None:
             steps = terms.wrap(steps)
+        steps = [partial(run_counting, step) for step in steps]  # the element counts of the means the step logs
         if group is not None:
             steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
         steps = [self._timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]

@@ -20,8 +20,8 @@ are one criterion of the whole batch is read from where the user's code called t
 
 The remainder ``r`` (a constant, a penalty on the parameters) must be one value in every replica, to
 rounding. A loss that is not such a combination, whose replicas called different sequences of losses,
-or one of whose terms is a statistic of the chunk (its input has as many rows in every replica and they
-are none of the chunk's sizes: ``F.mse_loss(out.F.mean(0), target)``) is weighted per replica as
+or one of whose terms is a statistic of the chunk (its input a reduction over the chunk's rows, as autograd
+recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.terms.reduces_rows`) is weighted per replica as
 ``"auto"`` does, and the reason is said once. Readings of ambiguous steps (chunks of equal sizes) are
 said once too, and the reading of a site seen once without ambiguity is kept for later steps
 (:class:`SiteMemory`).
@@ -57,21 +57,17 @@ class ChunkShape:
     Attributes:
         samples: ``b_i``, samples in the chunk.
         sample_points: per coordinate source, the points of each of the chunk's samples, in order.
-        sizes: the row counts of a whole-chunk tensor: ``b_i``, each source's points, each index tensor's rows.
     """
 
     samples: int
     sample_points: tuple[tuple[int, ...], ...] = ()
-    sizes: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, plan: SplitPlan, chunk: int) -> ChunkShape:
         """Chunk ``chunk`` of ``plan``."""
         ids = plan.chunk_samples[chunk]
         points = tuple(tuple(counts[ids].tolist()) for counts in plan.sample_points)
-        sizes = {int(ids.numel())} | {int(rows[chunk].numel()) for rows in plan.point_rows}
-        sizes |= {int(rows[chunk].numel()) for rows in plan.index_rows.values()}
-        return cls(int(ids.numel()), points, frozenset(sizes))
+        return cls(int(ids.numel()), points)
 
     def per_sample(self, rows: Sequence[int]) -> bool:
         """Whether a site's calls, with inputs of ``rows`` rows, are one per sample of a chunk of several:
@@ -98,7 +94,7 @@ class SiteTerms:
     values: list[float]
     rows: list[int]
     per_sample: bool  # the rows are one per sample of the chunk (ChunkShape.per_sample)
-    whole_chunk: list[bool]  # each call's rows are one of the chunk's sizes
+    statistic: list[bool]  # each call's input is a reduction over rows (terms.reduces_rows)
 
 
 @dataclass
@@ -116,19 +112,25 @@ class Summary:
     order: list[tuple[int, int]] = field(default_factory=list)
     remainder: float = 0.0
     tolerance: float = 0.0
+    collectives: list[str] = field(default_factory=list)  # torch.distributed calls of the user's code in the step
 
 
-def summarize(capture: TermCapture | None, value: Any, shape: ChunkShape, n: float = 0.0) -> Summary:
+def summarize(
+    capture: TermCapture | None, value: Any, shape: ChunkShape, n: float = 0.0, collectives: Sequence[str] = ()
+) -> Summary:
     """The :class:`Summary` of one replica's ``value`` (its loss, or a logged value) on a chunk of ``shape``.
 
-    ``n`` rides along: the replica's ``"auto"`` count (summed by :func:`decide` for the fallback).
+    ``n`` rides along: the replica's ``"auto"`` count (summed by :func:`decide` for the fallback), and
+    ``collectives``: where the step's own code called ``torch.distributed`` (:mod:`lightning_sparse_dp.collectives`).
     """
     comb = capture.combination(value) if capture is not None else "nothing was captured"
     if isinstance(comb, str):
-        return Summary(comb, shape.samples, n)
+        return Summary(comb, shape.samples, n, collectives=list(collectives))
     coeffs, r, scale = comb
     assert capture is not None
-    out = Summary(None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale)
+    out = Summary(
+        None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
+    )
     position: dict[int, int] = {}
     for term, c in zip(capture.terms, coeffs):
         p = position.setdefault(term.site, len(out.sites))
@@ -142,7 +144,7 @@ def summarize(capture: TermCapture | None, value: Any, shape: ChunkShape, n: flo
         site.denominators.append(d)
         site.values.append(v)
         site.rows.append(term.rows)
-        site.whole_chunk.append(term.rows in shape.sizes)
+        site.statistic.append(term.statistic)
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = shape.per_sample(site.rows)
@@ -325,12 +327,10 @@ def _matched_part(
     per_replica: list[list[float]] = [[] for _ in sites]
     part = 0.0
     for j, c in enumerate(site.coeffs):
-        rows = {s.rows[j] for s in sites}
-        if len(sites) > 1 and len(rows) == 1 and not any(s.whole_chunk[j] for s in sites):
+        if len(sites) > 1 and c != 0.0 and any(s.statistic[j] for s in sites):
             raise _NotExact(
-                f"the input of {site.name} at {site.where} has {rows.pop()} rows in every {who}, none of the chunk's "
-                "sizes (points, samples): a statistic of the chunk (e.g. out.F.mean(0)), which no split of the batch "
-                "computes as one device does"
+                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
+                "chunk (e.g. out.F.mean(0)), which no split of the batch computes as one device does"
             )
         if site.sums[j]:
             part += c * sum(s.values[j] for s in sites)
@@ -370,8 +370,20 @@ def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: floa
 
 
 def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
-    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative."""
-    who, cls = ("replica", "SparseDataParallelStrategy") if strategy == "sparse_dp" else ("rank", "SparseDDPStrategy")
+    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative.
+
+    ``sparse_dp`` weights each replica's loss as ``"auto"`` does; ``sparse_ddp`` weights ranks equally, as DDP
+    averages gradients, so that it is never further from one device than the DDP a user moved from.
+    """
+    if strategy == "sparse_ddp":
+        return (
+            f"sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Its ranks are "
+            "weighted equally, as DDP averages gradients (exact for a loss the step normalizes across ranks itself, "
+            f"or for equal shares). If the loss is one mean over each rank's {choice} ({why}), pass "
+            "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), pass "
+            "a callable counting it, e.g. SparseDDPStrategy(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
+        )
+    who, cls = "replica", "SparseDataParallelStrategy"
     return (
         f"{strategy}: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Each {who}'s loss is "
         f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
@@ -385,6 +397,17 @@ def empty_message(strategy: str, names: Sequence[str]) -> str:
     return (
         f"{strategy}: {', '.join(sorted(set(names)))} has nothing to average over in the whole batch (denominator 0, "
         "e.g. every label is ignore_index): the step's loss is NaN, as on one device."
+    )
+
+
+def collective_message(calls: Sequence[str]) -> str:
+    """The one info line of a ``sparse_ddp`` step that reduces across ranks itself."""
+    return (
+        f"sparse_ddp: the training step calls {', '.join(calls)} itself (e.g. a loss normalized by a count "
+        "all-reduced across ranks, as DETR-style criteria do): its ranks are weighted equally, as DDP averages "
+        "gradients, which is exact for a loss written for DDP, and its losses are not re-weighted term by term. "
+        "To weight ranks by their share of the batch instead, pass SparseDDPStrategy(loss_weighting='auto') or a "
+        "callable counting what each rank's loss is a mean over; loss_weighting='equal' keeps this and says nothing."
     )
 
 
@@ -409,16 +432,21 @@ def rank_scale(
     term's gradient scale, from every rank's :class:`Summary` of the loss (``summaries``, gathered in rank order).
 
     When the loss is a combination of terms the loss scale is 1 (the terms are scaled, ``world_size`` times
-    their share, DDP averaging gradients); else it is ``"auto"``'s ``W n_r / N`` (``auto()`` gives its choice and
-    reason for the line said once; 0 when ``N = 0``).
+    their share, DDP averaging gradients; ``auto()`` gives ``"auto"``'s choice and
+    reason for the line said once). Where the loss is not such a combination, or the step's own code called a
+    collective (a loss the user normalized across ranks, :mod:`lightning_sparse_dp.collectives`), ranks are
+    weighted as DDP does (loss scale 1, terms unscaled), said once: never further from one device than DDP.
     """
+    calls = sorted({c for s in summaries for c in s.collectives})
+    if calls:
+        warning_cache.info(collective_message(calls))
+        return 1.0
     decision = decide(summaries, memory, who="rank")
     say(decision, "sparse_ddp", warning_cache)
     if decision.value is None:
         if decision.reason is not None and summaries[rank].reason != "nothing was captured":
             warning_cache.info(fallback_message("sparse_ddp", decision.reason, *auto()))
-        n = summaries[rank].n
-        return world_size * n / decision.n if decision.n > 0 else 0.0
+        return 1.0
     set_scales(capture, decision.scales[rank], world_size)
     return 1.0
 
@@ -489,13 +517,22 @@ class StepTerms:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
         if len(replicas) != len(self.captures) or not self.shapes:
             return None
-        if self.decision is not None and all(v is loss for v, loss in zip(values, self._losses)):
-            value = self.decision.value  # the logged loss itself: decided already
-        elif any(not isinstance(v, Tensor) or not v.is_floating_point() for v in values):
-            return None
+        dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
+        if self.decision is not None and all(_is_value_of(v, loss) for v, loss in zip(values, self._losses)):
+            value = self.decision.value  # the logged loss itself, or its .item(): decided already
         else:
-            value = self.decide(values, replicas).value
-        return None if value is None else torch.tensor(value, dtype=values[0].dtype)
+            tensors = [v if isinstance(v, Tensor) else self.captures[i].tensor_of(v) for i, v in zip(replicas, values)]
+            if any(t is None or not t.is_floating_point() for t in tensors):
+                return None
+            value = self.decide(tensors, replicas).value
+        return None if value is None else torch.tensor(value, dtype=dtype)
+
+
+def _is_value_of(value: Any, loss: Any) -> bool:
+    """Whether a logged value is ``loss`` itself or its ``.item()`` / ``float()``."""
+    if value is loss:
+        return True
+    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == float(loss.detach())
 
 
 __all__ = [
@@ -505,6 +542,7 @@ __all__ = [
     "SiteTerms",
     "StepTerms",
     "Summary",
+    "collective_message",
     "decide",
     "empty_message",
     "exact_losses",

@@ -114,7 +114,8 @@ class Term:
     ``site`` (:func:`call_site`'s key) names the place in the user's code that called it, the same in every
     process (``where``: ``file.py:line``), and ``in_loop`` whether that call ran inside a loop of the user's code; ``rows`` is the
     number of rows its input has (``input.shape[0]``; 1 for an unbatched or 0-dim input), which tells a
-    loss over one sample's points from one over a decoder level's voxels.
+    loss over one sample's points from one over a decoder level's voxels; ``statistic`` whether its input
+    is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk.
 
     The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
     after the step, without a version bump, so the multiplication's backward (which reads ``s``
@@ -122,14 +123,16 @@ class Term:
     Python autograd function's backward (seen: about 10 against 30 microseconds).
     """
 
-    __slots__ = ("name", "denominator", "value", "site", "where", "in_loop", "rows", "_scale", "_factor")
+    __slots__ = ("name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "_scale", "_factor")
 
     def __init__(
-        self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1
+        self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1,
+        statistic: bool = False,
     ) -> None:
         self.name, self.denominator, self._factor = name, denominator, factor
         site = site or CallSite(0, "?", False)
         self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
+        self.statistic = statistic
         self.value: Tensor | None = None
         self._scale = 1.0
 
@@ -193,11 +196,12 @@ def _number(x: Any) -> float | str:
 
 
 @functools.cache
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
     """Folders whose frames are the library's, not a call site of the user's: torch (its losses and modules),
-    Lightning (both names) and this package; the user's frames lie between a loss and the first of these above."""
+    Lightning (both names), torchmetrics and this package; the user's frames lie between a loss and the first of
+    these above."""
     dirs = []
-    for name in ("torch", "lightning", "pytorch_lightning", __name__.split(".")[0]):
+    for name in ("torch", "lightning", "pytorch_lightning", "torchmetrics", __name__.split(".")[0]):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
             dirs.append(os.path.dirname(spec.origin) + os.sep)
@@ -239,7 +243,7 @@ def call_site(depth: int = 1) -> CallSite:
     frames up to the step (the first library frame above) is inside a loop: a loss called once per
     sample from a helper function is in a loop too. Costs a walk of the stack (a few microseconds).
     """
-    library = _library_dirs()
+    library = library_dirs()
     frame = sys._getframe(depth + 1)
     while frame is not None and frame.f_code.co_filename.startswith(library):
         frame = frame.f_back
@@ -263,6 +267,44 @@ def _rows(func: Any, a: Arguments) -> int:
     return int(x.shape[0])
 
 
+_REDUCTIONS = (
+    "MeanBackward", "SumBackward", "NanmeanBackward", "NansumBackward", "MaxBackward", "MinBackward", "AmaxBackward",
+    "AminBackward", "StdBackward", "VarBackward", "LogsumexpBackward", "ProdBackward", "MedianBackward",
+)
+#: autograd nodes a statistic may pass through on its way to a loss (elementwise ops, views, conversions)
+_THROUGH = (
+    "View", "Unsqueeze", "Squeeze", "Expand", "Reshape", "Alias", "Permute", "Transpose", "TBackward", "ToCopy",
+    "Clone", "Mul", "Div", "Add", "Sub", "Neg", "Pow", "Exp", "Log", "Sqrt", "Rsqrt", "Sigmoid", "Tanh", "Relu",
+    "Abs", "Clamp",
+)
+
+
+def reduces_rows(x: Any, limit: int = 16) -> bool:
+    """Whether ``x`` comes from a reduction over the rows (dim 0, or every dim) of a tensor, through elementwise
+    ops only, as autograd recorded it: ``out.F.mean(0)``, ``feats.max(0).values``, ``x.mean()`` (a statistic of the
+    chunk: no split of the batch computes it as one device does). A per-row reduction (``x.sum(1)``), ME's
+    global pooling (one row per sample) and a stack of per-sample statistics are not. Looks at most ``limit``
+    autograd nodes; ``False`` for a tensor that needs no gradient."""
+    stack, seen = [getattr(x, "grad_fn", None)], 0
+    while stack and seen < limit:
+        node = stack.pop()
+        seen += 1
+        if node is None:
+            continue
+        name = node.name()
+        if name.startswith(_REDUCTIONS):
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            ndim = len(sizes) if sizes is not None else getattr(getattr(node, "_saved_self", None), "ndim", 0)
+            dim = getattr(node, "_saved_dim", None)
+            dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+            if ndim and (not dims or any(d % ndim == 0 for d in dims)):
+                return True
+            continue  # a reduction along the rows' other dims: per-row values
+        if name.startswith(_THROUGH):
+            stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
 class TermCapture(TorchFunctionMode):
     """The terms and forms of one replica's step (enter it in the replica's thread: :meth:`run`).
 
@@ -277,6 +319,17 @@ class TermCapture(TorchFunctionMode):
         self.forms: dict[int, Form] = {}
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
         self.blocked: str | None = None  # why the mode could not be entered
+
+    def tensor_of(self, value: Any) -> Tensor | None:
+        """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
+        a logged ``loss.item()`` is reduced as the loss. Only CPU tensors are looked at (a GPU one would sync)."""
+        if not isinstance(value, float):
+            return None
+        for form in reversed(list(self.forms.values())):
+            t = form.tensor
+            if form.coeffs is not None and t.numel() == 1 and t.device.type == "cpu" and float(t.detach()) == value:
+                return t
+        return None
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this capture as the calling thread's torch function mode from its first loss call on.
@@ -349,7 +402,10 @@ class TermCapture(TorchFunctionMode):
             keep = d > 0 if isinstance(d, Tensor) else bool(d > 0)
         else:
             return out  # "none": what the step does with it is its own arithmetic
-        term = Term(loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device), call_site(2), _rows(func, bound))
+        term = Term(
+            loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device), call_site(2), _rows(func, bound),
+            reduces_rows(bound.get("input")),
+        )
         value = _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
@@ -512,4 +568,4 @@ def _combine(a: dict[int, float], b: dict[int, float], beta: float) -> dict[int,
     return out
 
 
-__all__ = ["CallSite", "Form", "Term", "TermCapture", "call_site", "outside_capture"]
+__all__ = ["CallSite", "Form", "Term", "TermCapture", "call_site", "library_dirs", "outside_capture", "reduces_rows"]

@@ -24,7 +24,8 @@ import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
 from tests.pairs import PairNet, PairScans, collate_pairs, pairs_in
 from tests.term_models import (
-    LevelCompletion, ScenesIgnoreSeg, ScenesManual, ScenesPerSample, ScenesRemainder, ScenesStatistic, ScenesSum,
+    LevelCompletion, ScenesDetr, ScenesHeads, ScenesIgnoreSeg, ScenesManual, ScenesMasked, ScenesPerSample,
+    ScenesLogged, ScenesRemainder, ScenesStatistic, ScenesSum, ScenesWeights,
 )
 
 SEED = 7  # initial weights
@@ -184,7 +185,8 @@ SCENARIOS = {
 #: loss_weighting="terms" (the default) with losses as users write them; their own launch (tests/test_ddp.py)
 TERM_MODELS = {
     "ignore": ScenesIgnoreSeg, "levels": LevelCompletion, "per_sample": ScenesPerSample, "manual": ScenesManual,
-    "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic,
+    "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic, "weights": ScenesWeights,
+    "heads": ScenesHeads, "detr": ScenesDetr, "masked": ScenesMasked, "logged": ScenesLogged,
 }
 TERM_SCENARIOS = {
     s.name: s
@@ -194,16 +196,26 @@ TERM_SCENARIOS = {
         Scenario("terms_per_sample", "per_sample", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         Scenario("terms_manual", "manual", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         Scenario("terms_sum", "sum", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_weights", "weights", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_heads", "heads", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_detr", "detr", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 #: losses no split computes as one device does: each rank must say so (tests/test_ddp.py reads the messages)
 SAID_SCENARIOS = {
     s.name: s
     for s in [
-        Scenario("said_remainder", "remainder", loss_weighting="terms", epochs=1),
-        Scenario("said_statistic", "statistic", loss_weighting="terms", epochs=1),
+        Scenario("said_remainder", "remainder", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
+        Scenario("said_statistic", "statistic", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
+        Scenario("said_masked", "masked", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
+        Scenario("logged", "logged", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
     ]
 }
+#: the loss shapes whose distance to one device sparse_ddp keeps at most plain DDP's (equal weights, same batches)
+SIDE_BY_SIDE = (
+    "terms_ignore", "terms_weights", "terms_heads", "terms_levels", "terms_per_sample", "terms_sum", "terms_detr",
+    "said_masked",
+)
 
 TRAIN_SAMPLES, VAL_SAMPLES = 13, 7  # 13 = 6 + 7 with 2 ranks x 3: the last sample joins the batch before
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.ddp_helpers import (
-    SAID_SCENARIOS, SCENARIOS, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs,
+    SAID_SCENARIOS, SCENARIOS, SIDE_BY_SIDE, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs,
 )
 from tests.helpers import relative_difference
 
@@ -360,3 +360,45 @@ def test_gather_objects_gives_every_rank_every_object_in_rank_order(tmp_path):
         got = torch.load(tmp_path / f"gather-{rank}.pt")
         assert got["small"] == [{"rank": 0, "samples": 3}, {"rank": 1, "samples": 4}]
         assert got["large"] == ["x" * 10, "x" * 5000]  # the second round, taken by both ranks
+
+
+def _distance(state: dict, ref: dict) -> float:
+    return max(relative_difference(v, ref["state"][k]) for k, v in state.items() if v.is_floating_point())
+
+
+def test_a_loss_normalized_across_ranks_by_the_user_is_weighted_as_ddp_does_and_said(ddp_term_runs):
+    """DETR-style: dist.all_reduce of a count in the step; exact by default (test above), and said once."""
+    said = [m for m in _load(ddp_term_runs, "terms_detr", 0)["messages"] if "calls dist.all_reduce at" in m]
+    assert len(said) == 1 and "term_models.py" in said[0] and "weighted equally, as DDP" in said[0], said
+
+
+@pytest.fixture(scope="module")
+def ddp_equal_runs(ddp_term_runs) -> Path:
+    out = ddp_term_runs / "equal"
+    out.mkdir()
+    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join(SIDE_BY_SIDE), "1", "equal"]], timeout=400)
+    return out
+
+
+def test_sparse_ddp_is_never_further_from_one_device_than_plain_ddp(ddp_term_runs, ddp_equal_runs, capsys):
+    """Every loss shape, 2 ranks, float64, the same global batches: sparse_ddp's distance to one device (largest
+    relative difference of a parameter or buffer) is at most DDP's equal averaging's (or rounding, 1e-12)."""
+    rows = []
+    for name in SIDE_BY_SIDE:
+        ref = _reference(name)
+        ours = _distance(_load(ddp_term_runs, name, 0)["state"], ref)
+        ddp = _distance(_load(ddp_equal_runs, name, 0)["state"], ref)
+        rows.append((name, ours, ddp))
+    with capsys.disabled():
+        print("\n| loss shape | sparse_ddp | plain DDP (equal weights) |\n|---|---|---|")
+        for name, ours, ddp in rows:
+            print(f"| {name} | {ours:.1e} | {ddp:.1e} |")
+    for name, ours, ddp in rows:
+        assert ours <= max(ddp, 1e-12), (name, ours, ddp)
+
+
+def test_logged_values_as_users_write_them_are_one_devices_on_ranks(ddp_term_runs):
+    """sync_dist=True: loss.item() with batch_size=, float(loss), masked accuracies, a mean over all points."""
+    mine, theirs = _logged(_load(ddp_term_runs, "logged", 0)["history"]), _logged(_reference("logged")["history"])
+    for name, rel in (("loss_item", 1e-10), ("loss_float", 1e-10), ("acc", 1e-6), ("acc_fn", 1e-10), ("labeled", 1e-10)):
+        assert len(mine[name]) >= 2 and mine[name] == pytest.approx(theirs[name], rel=rel), name

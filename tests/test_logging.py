@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
+import torch
 
 from tests.helpers import (
     SparseNet, collate_dict, fit_float64, loader, random_samples, relative_difference, same_start, trainer
@@ -58,3 +60,49 @@ def test_print_once_per_step(capsys):
     trainer(strategy="sparse_dp", devices=3, max_steps=4).fit(Prints(), loader(*batches))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert lines == ["step 0", "step 1", "step 2", "step 3"]
+
+
+def test_logged_values_as_users_write_them_are_one_devices(caplog):
+    """loss.item() (with batch_size= the batch dict's int), float(loss), masked accuracies and a mean over all
+    points: one device's values on 3 replicas; a hand-made sum / count is said once; a value logged by some
+    replicas only is said once."""
+    import logging
+
+    from lightning_sparse_dp import SparseDataParallelStrategy
+    from tests.clients import fresh_loader
+    from tests.term_models import LoggedAsUsersDo, seg_batch
+
+    batches = []
+    for s in (41, 42):
+        b = seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.6))
+        b["batch_size"] = 7
+        batches.append(b)
+    torch.manual_seed(0)
+    ours, reference = LoggedAsUsersDo(), LoggedAsUsersDo()
+    reference.load_state_dict(ours.state_dict())
+    runs = []
+    for model, strategy, devices in ((ours, SparseDataParallelStrategy(), 3), (reference, "auto", 1)):
+        t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      sync_batchnorm=devices > 1)
+        t.fit(model, fresh_loader(batches))
+        runs.append(t.logged_metrics)
+    got, want = runs
+    for name, rel in (("loss_item", 1e-10), ("loss_float", 1e-10), ("acc", 1e-6), ("acc_fn", 1e-10), ("labeled", 1e-10)):
+        assert float(got[name]) == pytest.approx(float(want[name]), rel=rel), name
+
+    class HandMade(LoggedAsUsersDo):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("handmade", (batch["labels"] == 1).sum() / len(batch["labels"]))
+            if batch["coordinates"][:, 0].max() >= 2:  # a branch on the chunk
+                self.log("some", loss.detach())
+            return loss
+
+    with caplog.at_level(logging.INFO):
+        with pytest.warns(UserWarning, match=r"self.log\('some', ...\) was called by [12] of 3 replicas"):
+            L.Trainer(accelerator="cpu", devices=3, strategy="sparse_dp", precision="64-true", max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      ).fit(HandMade(), fresh_loader(batches))
+    said = [r.getMessage() for r in caplog.records if "self.log('handmade', ...) differs between replicas" in r.getMessage()]
+    assert len(said) == 1 and "batch_size=" in said[0]

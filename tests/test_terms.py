@@ -239,3 +239,14 @@ def test_outside_capture_leaves_the_mode_when_the_step_entered_another_after_it(
 
     loss = capture.run(step)
     assert depths == [2] and capture.combination(loss)[0] == [3.0]
+
+
+def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
+    from lightning_sparse_dp.terms import reduces_rows
+
+    a = x.clone().requires_grad_()
+    for statistic in (a.mean(0), a.sum(0, keepdim=True) * 2, a.max(0).values, a.amax(0).unsqueeze(0), a.mean(), a.std(0)):
+        assert reduces_rows(statistic)
+    index = labels % 2
+    rows = (a, a[labels > 1], a.sum(1), a * 2 + 1, torch.stack([a[index == s].mean(0) for s in range(2)]), a.mean(0).detach())
+    assert not any(reduces_rows(r) for r in rows)

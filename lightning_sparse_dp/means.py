@@ -1,0 +1,110 @@
+"""Means: how many elements each mean a step computes is over, for the logged values that are such means.
+
+A value logged as ``self.log("acc", (pred[mask] == y[mask]).float().mean())`` is a mean over the
+selection's elements, not over the chunk's samples or points: the whole batch's value is
+``sum_i c_i v_i / sum_i c_i`` with ``c_i`` the element count of replica ``i``'s mean. While a step runs
+under :func:`counting` (in its own thread: each replica's, or a ``sparse_ddp`` rank's step), every
+``torch.mean(x)`` / ``x.mean()`` that gives one value records ``x.numel()`` (``torch.mean`` and
+``Tensor.mean`` are wrapped while any step counts, reference-counted, as :mod:`~lightning_sparse_dp.terms`
+wraps the losses); :func:`count_of` then gives the count of a logged value, a tensor or its ``.item()``.
+A mean computed with other ops after it (``100 * acc``) is not followed. Lightning's own ``self.log`` must
+run with torch's ``mean`` (:func:`plain_mean`); in ``sparse_dp`` replicas it never runs inside a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+_local = threading.local()  # .counts: {id(mean): (mean, count)} of this thread's step, while it counts
+_lock = threading.Lock()
+_users = 0
+_saved: dict[str, Any] = {}
+
+
+def _counted(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    @functools.wraps(original)
+    def mean(*args: Any, **kwargs: Any) -> Tensor:
+        out = original(*args, **kwargs)
+        counts = getattr(_local, "counts", None)
+        if counts is not None and isinstance(out, Tensor) and out.dim() == 0:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, Tensor):
+                counts[id(out)] = (out, x.numel())
+        return out
+
+    return mean
+
+
+@contextmanager
+def counting() -> Iterator[dict[int, tuple[Tensor, int]]]:
+    """Record the element count of every one-value mean the calling thread computes in the ``with`` body."""
+    global _users
+    with _lock:
+        if _users == 0:
+            _saved["function"], _saved["method"] = torch.mean, torch.Tensor.mean
+            torch.mean = _counted(_saved["function"])  # type: ignore[assignment]
+            torch.Tensor.mean = _counted(_saved["method"])  # type: ignore[method-assign]
+        _users += 1
+    previous = getattr(_local, "counts", None)
+    _local.counts = counts = {}
+    try:
+        yield counts
+    finally:
+        _local.counts = previous
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                torch.mean = _saved["function"]  # type: ignore[assignment]
+                torch.Tensor.mean = _saved["method"]  # type: ignore[method-assign]
+
+
+@contextmanager
+def plain_mean() -> Iterator[None]:
+    """torch's own ``torch.mean`` / ``Tensor.mean`` for the ``with`` body, in a process where one step counts
+    (``sparse_ddp``): Lightning's ``self.log`` stores ``getattr(torch, "mean")`` as the reduction and later
+    checks ``reduce_fx is torch.mean``, so it must never see the counting wrapper. Not for concurrent steps."""
+    with _lock:
+        patched = _users > 0
+        if patched:
+            torch.mean, torch.Tensor.mean = _saved["function"], _saved["method"]  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        if patched:
+            with _lock:
+                torch.mean = _counted(_saved["function"])  # type: ignore[assignment]
+                torch.Tensor.mean = _counted(_saved["method"])  # type: ignore[method-assign]
+
+
+def run_counting(fn: Callable[[], T]) -> T:
+    """``fn()`` under :func:`counting` (for a replica's step, run in the replica's thread)."""
+    with counting():
+        return fn()
+
+
+def count_of(value: Any) -> int | None:
+    """The element count of ``value`` when the calling thread's step computed it as a mean: the tensor itself,
+    or a Python float equal to one such mean's value (its ``.item()``; the latest such mean); else ``None``."""
+    counts = getattr(_local, "counts", None)
+    if not counts:
+        return None
+    if isinstance(value, Tensor):
+        entry = counts.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+    if isinstance(value, float):
+        for mean, count in reversed(list(counts.values())):
+            if mean.device.type == "cpu" and float(mean) == value:  # a GPU mean would cost a sync: not looked at
+                return count
+    return None
+
+
+__all__ = ["count_of", "counting", "plain_mean", "run_counting"]
