@@ -104,6 +104,10 @@ class ReplicaExecutor:
         ]
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaExecutor:
+        """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
+        return self
+
     def run(self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device]) -> list[T]:
         """Call ``fns[i]()`` on ``devices[i]`` for every ``i`` at once and return the results in order.
 

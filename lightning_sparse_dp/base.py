@@ -13,12 +13,27 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
 from lightning_sparse_dp.term_weights import SiteMemory
 from lightning_sparse_dp.weighting import check_loss_weighting
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
+
+
+STEP_NAMES = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def dataloader_iter_steps(module: Any) -> list[str]:
+    """The module's steps written as ``step(self, dataloader_iter)`` (Lightning hands them the iterator, and the step
+    fetches its batches itself), found as Lightning finds them (``is_param_in_hook_signature``, explicit)."""
+    if module is None:
+        return []
+    return [
+        name for name in STEP_NAMES
+        if callable(getattr(module, name, None)) and is_param_in_hook_signature(getattr(module, name), "dataloader_iter", explicit=True)
+    ]
 
 
 class SparseStrategyMixin:
@@ -67,4 +82,4 @@ class SparseStrategyMixin:
             strategy_registry.register(cls.strategy_name, cls, description=cls.description)
 
 
-__all__ = ["SparseStrategyMixin"]
+__all__ = ["STEP_NAMES", "SparseStrategyMixin", "dataloader_iter_steps"]

@@ -58,7 +58,7 @@ from lightning_sparse_dp.means import count_of, counting, plain_mean
 from lightning_sparse_dp.log import MEAN_NAMES
 from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.term_weights import ChunkShape, Summary, decide, rank_scale, summarize
 from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
@@ -238,6 +238,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._batch: Any = None  # this rank's batch during a step
         self._plan: SplitPlan | None = None  # its split as one chunk, made when the terms need it
         self._collectives: list[str] = []  # torch.distributed calls of the user's code in this step
+        self._iterating: list[str] = []  # steps written as step(self, dataloader_iter), found at setup
         self._loss_scale = 1.0
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
@@ -261,6 +262,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
+        self._iterating = dataloader_iter_steps(module)
         self._resolve_layer_sync()
         if (
             self._layer_sync is None
@@ -286,6 +288,12 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         return float(total.item())
 
     def _weighted(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+        if step_name in self._iterating:  # step(self, dataloader_iter): its batches are fetched inside it
+            self._warning_cache.info(
+                f"sparse_ddp: {step_name}(self, dataloader_iter) fetches its batches itself, so they cannot be weighted: "
+                "its ranks are averaged as DDP does (the point-balanced sampler still deals the batches)."
+            )
+            return getattr(super(), step_name)(*args, **kwargs)
         batch = args[0] if args else kwargs.get("batch")
         n = local_count(batch, self.loss_weighting, self.layout, self._warning_cache)
         terms = self.loss_weighting == "terms"

@@ -9,6 +9,7 @@ on DataLoaders with ``num_workers > 0`` by itself (``presplit=True``); it can be
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,19 +87,25 @@ def presplit_loader(
     dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
     module: Any = None,
 ) -> Any:
-    """``dataloader`` with its collate function wrapped in :class:`PreSplitCollate`, when that helps and is safe.
+    """A shallow copy of ``dataloader`` whose collate function is wrapped in :class:`PreSplitCollate`, when that
+    helps and is safe; the user's DataLoader itself is never changed (after ``fit`` it yields what it yielded).
 
     Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
-    and only when ``module`` (the LightningModule) does not override ``on_before_batch_transfer``, which
-    must see the whole batch. Anything else is returned unchanged.
+    and only when neither ``module`` (the LightningModule) nor its Trainer's datamodule overrides
+    ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
     """
+    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None) if module is not None else None
     if (
         isinstance(dataloader, DataLoader)
         and dataloader.num_workers > 0
         and not isinstance(dataloader.collate_fn, PreSplitCollate)
         and not (module is not None and is_overridden("on_before_batch_transfer", module))
+        and not (datamodule is not None and is_overridden("on_before_batch_transfer", datamodule))
     ):
-        dataloader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points)
+        loader = copy.copy(dataloader)  # DataLoader.__setattr__ is bypassed: the copy has the same settings
+        loader.__dict__["_iterator"] = None  # a persistent-workers iterator stays the user's
+        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points)
+        return loader
     return dataloader
 
 

@@ -159,6 +159,11 @@ class Replicas:
         with torch.inference_mode(False):
             self._build(module, devices)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A deep copy (of a Trainer, e.g. by a callback) holds no replicas: its strategy builds its own at its next
+        step (replicas hold ME layers' autograd functions in ``__slots__``, which do not copy)."""
+        return None
+
     def _build(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
         self.root = module
         self.devices = list(devices)

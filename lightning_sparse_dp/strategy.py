@@ -31,7 +31,7 @@ from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.means import run_counting
 from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
-from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
@@ -40,6 +40,7 @@ from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment, split_batch
+from lightning_sparse_dp.state import StepState
 from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, check_pin, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
@@ -143,7 +144,14 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             raise MisconfigurationException(
                 "sparse_dp does not support manual optimization (automatic_optimization = False): the step runs on "
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
-                "chunk. Use automatic optimization, or strategy='ddp' for manual optimization."
+                "chunk. Use automatic optimization, or strategy='sparse_ddp' (exact with manual optimization)."
+            )
+        iterating = dataloader_iter_steps(module)
+        if iterating:
+            raise MisconfigurationException(
+                f"sparse_dp does not support {', '.join(iterating)}(self, dataloader_iter): it splits each batch before the "
+                "step runs, and such a step fetches its batches itself. Write the step as step(self, batch, batch_idx), or "
+                "use strategy='sparse_ddp', which runs such steps as DDP does."
             )
         self._resolve_layer_sync()
         if self._layer_sync is None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
@@ -224,6 +232,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
             terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
+            left = StepState(module, replicas)  # what the step sets on self, merged back below
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
@@ -231,6 +240,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
+        with self._timer.stage("state"):
+            left.merge(partial(self._combine, plan, weights, terms), self._warning_cache)
         if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
@@ -248,6 +259,18 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
             emit(module, calls)
         return output
+
+    def _combine(
+        self, plan: SplitPlan, weights: Sequence[float], terms: StepTerms | None, values: list[Any]
+    ) -> tuple[Any, bool]:
+        """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
+        a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
+        step outputs are (``False``)."""
+        if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
+            value = terms.log_value(list(range(len(values))), values)
+            if value is not None:
+                return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
+        return gather_outputs(values, plan, weights, self.root_device, self.output_layout, self._warning_cache), False
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.

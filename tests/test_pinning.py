@@ -109,14 +109,17 @@ def test_executor_pins_each_replica_thread_and_leaves_the_caller_alone():
 
 
 class RecordsCores(SparseNet):
-    """SparseNet that records, per replica step, the cores its thread may run on and its chunk's samples."""
+    """SparseNet that records, per replica step, the cores its thread may run on and its chunk's samples (in a
+    list of the class: a list of the module would get one device's entries, merged across replicas)."""
+
+    seen: list[tuple[frozenset, int]] = []
 
     def __init__(self):
         super().__init__(batch_norm=True)
-        self.seen: list[tuple[frozenset, int]] = []
+        type(self).seen.clear()
 
     def training_step(self, batch, batch_idx):
-        self.seen.append((frozenset(_real_affinity(0)), int(batch["labels"].numel())))
+        type(self).seen.append((frozenset(_real_affinity(0)), int(batch["labels"].numel())))
         return super().training_step(batch, batch_idx)
 
 
@@ -129,14 +132,15 @@ def test_sync_batchnorm_step_with_pinned_replicas_equals_one_device(pin, monkeyp
     ours, reference = same_start(RecordsCores)
     strategy = SparseDataParallelStrategy(pin_replicas=pin)
     trainer(strategy=strategy, devices=3, sync_batchnorm=True).fit(ours, loader(batch))
+    seen = list(RecordsCores.seen)
     trainer(devices=1).fit(reference, loader(batch))
     assert_same_states(ours, reference)
-    masks = {mask for mask, _ in ours.seen}
+    masks = {mask for mask, _ in seen}
     if pin:  # replica 0 alone on the first core, replicas 1 and 2 on the second
         assert masks == {frozenset([cores[0]]), frozenset([cores[-1]])}
     else:
         assert all(len(mask) >= len(cores) for mask in masks)
-    assert sum(n for _, n in ours.seen) == 9
+    assert sum(n for _, n in seen) == 9
 
 
 def test_presplit_in_workers_uses_the_per_core_split():

@@ -316,7 +316,8 @@ def test_presplit_in_worker_processes_equals_one_device():
     t = trainer(strategy=strategy, devices=3, max_steps=2)
     train = _sample_loader(samples, num_workers=2)
     t.fit(ours, train)
-    assert isinstance(train.collate_fn, lightning_sparse_dp.PreSplitCollate)
+    assert train.collate_fn is collate_dict  # the user's DataLoader is as it was: the strategy used a copy
+    assert isinstance(next(iter(train)), dict)
     assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2  # the split ran in the workers
     trainer(devices=1, max_steps=2).fit(reference, _sample_loader(samples))
     for p, q in zip(ours.parameters(), reference.parameters()):
@@ -371,3 +372,75 @@ def test_presplit_batch_with_more_chunks_than_devices_is_refused():
 def test_bad_split_option():
     with pytest.raises(ValueError, match="split='random'"):
         SparseDataParallelStrategy(split="random")
+
+
+def test_a_trainer_deep_copies_during_a_sparse_dp_fit():
+    """A callback that deep-copies the Trainer (as some do to snapshot it) works as under plain Lightning."""
+    import copy
+
+    copies = []
+
+    class DeepCopies(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            copies.append(copy.deepcopy(trainer))
+
+    t = trainer(strategy="sparse_dp", devices=3, max_steps=2, callbacks=[DeepCopies()])
+    t.fit(SparseNet(), loader(collate_dict(random_samples(6, seed=3))))
+    assert len(copies) == 2 and all(c.strategy is not t.strategy for c in copies)
+
+
+def test_state_a_step_leaves_on_the_module_is_one_devices():
+    """Lightning 2's pattern: self.validation_step_outputs.append(loss) then a mean in on_validation_epoch_end, plus
+    a flag, a counter and the last loss set on self in the step: one entry per step and one device's values
+    (float64, 3 replicas, uneven chunks), not one entry per replica or nothing."""
+
+    class Leaves(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.validation_step_outputs, self.epoch_means = [], []
+            self.flag, self.steps, self.last = False, 0, None
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.flag, self.steps, self.last = True, self.steps + 1, loss.detach()
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.validation_step_outputs.append(self.loss(batch))
+
+        def on_validation_epoch_end(self):
+            self.epoch_means.append(torch.stack(self.validation_step_outputs).mean())
+            self.validation_step_outputs.clear()
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (51, 52)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(Leaves)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+        data = torch.utils.data.DataLoader(batches, batch_size=None)
+        t.fit(model, data, data)
+    ours, reference = models
+    assert ours.flag is True and ours.steps == reference.steps == 2
+    assert len(ours.epoch_means) == len(reference.epoch_means) == 1
+    assert float(ours.epoch_means[0]) == pytest.approx(float(reference.epoch_means[0]), rel=1e-10)
+    assert float(ours.last) == pytest.approx(float(reference.last), rel=1e-10)
+
+
+class _IterSteps(SparseNet):
+    """training_step(self, dataloader_iter), as Lightning's fetcher tests write it."""
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)  # Lightning 2: (batch, batch_idx, dataloader_idx)
+        return self.loss(batch)
+
+
+def test_a_dataloader_iter_step_is_refused_by_sparse_dp_and_runs_on_sparse_ddp():
+    batches = [collate_dict(random_samples(6, seed=s)) for s in (61, 62)]
+    with pytest.raises(MisconfigurationException, match=r"training_step\(self, dataloader_iter\).*step\(self, batch, batch_idx\)"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(_IterSteps(), loader(*batches))
+    ours, reference = same_start(_IterSteps)
+    trainer(strategy="sparse_ddp", devices=1, max_steps=2).fit(ours, loader(*batches))
+    trainer(max_steps=2).fit(reference, loader(*batches))
+    assert_same_states(ours, reference, rel=1e-5)

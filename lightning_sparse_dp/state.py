@@ -1,0 +1,176 @@
+"""State: what a step leaves on the LightningModule, from its replicas, as one device's step leaves it.
+
+Replicas are copies of the module (:mod:`lightning_sparse_dp.replicate`), so what a step sets on ``self``
+(``self.flag = True``, ``self.last_loss = loss.detach()``) lands on a replica and is lost, and what it
+appends to a list of the module (``self.validation_step_outputs.append(...)``, the pattern Lightning 2
+recommends since ``validation_epoch_end`` was removed) is appended once per replica. :class:`StepState`
+gives each replica its own shallow copy of the module's list attributes before the step and, after it:
+
+- an attribute the replicas set to one value (``==``, or equal tensors) gets that value on the module;
+  one they set to different values gets them merged as the step's outputs are
+  (:func:`~lightning_sparse_dp.outputs.gather_outputs`: a 0-dim tensor is the mean weighted like the
+  loss, per-sample rows come back in sample order, differing non-tensors become the list of the
+  replicas' values), and a one-time warning names it;
+- the ``j``-th entry every replica appended to a list is merged the same way into one entry appended to
+  the module's list: one entry per step, as on one device.
+
+Only plain attributes of the module object itself are followed (not those of its submodules, not
+Lightning's and torch's own, not dicts changed in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor, nn
+
+_MISSING = object()
+
+
+def _own_keys() -> frozenset[str]:
+    """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), plus what the strategy installs."""
+    return frozenset(pl.LightningModule().__dict__) | {"log", "print"}
+
+
+_LIBRARY_KEYS: frozenset[str] | None = None
+
+
+def _followed(key: str, value: Any) -> bool:
+    global _LIBRARY_KEYS
+    if _LIBRARY_KEYS is None:
+        _LIBRARY_KEYS = _own_keys()
+    return key not in _LIBRARY_KEYS and not isinstance(value, (nn.Module, nn.Parameter))
+
+
+def _same(values: Sequence[Any]) -> bool:
+    first = values[0]
+    for v in values[1:]:
+        if v is first:
+            continue
+        if isinstance(first, Tensor) or isinstance(v, Tensor):
+            if not (isinstance(first, Tensor) and isinstance(v, Tensor) and first.shape == v.shape
+                    and first.dtype == v.dtype and bool(torch.equal(first.cpu(), v.cpu()))):
+                return False
+            continue
+        try:
+            if not bool(v == first):
+                return False
+        except Exception:  # noqa: BLE001  (a value whose == raises or is not a bool cannot be told equal)
+            return False
+    return True
+
+
+class StepState:
+    """The module's attributes around one step of ``replicas`` (copies of ``module``; the module itself, when it is
+    among them, keeps what it sets, as one device does).
+
+    Args:
+        module: the LightningModule.
+        replicas: this step's replicas, in replica order.
+    """
+
+    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module]) -> None:
+        self.module = module
+        self.replicas = list(replicas)
+        self.active = module not in self.replicas and len(self.replicas) > 1
+        self.before: dict[str, Any] = {}
+        self.entered: list[dict[str, Any]] = []  # each replica's own attributes as the step found them
+        if not self.active:
+            return
+        self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
+        for replica in self.replicas:
+            for key, value in self.before.items():
+                if type(value) is list:
+                    replica.__dict__[key] = list(value)  # each replica appends to its own
+            self.entered.append(dict(replica.__dict__))
+
+    def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
+        """After the step: set on the module what the replicas left (see the module docstring).
+
+        ``combine(values)``: the replicas' values of one output leaf merged as the step's outputs are, and whether
+        that is one device's value for certain (a combination of the step's captured losses).
+        """
+        if not self.active:
+            return
+        keys: list[str] = []  # what the step set: new or other objects than the step found (or lists it grew)
+        for replica, entered in zip(self.replicas, self.entered):
+            keys.extend(
+                k for k, v in replica.__dict__.items()
+                if k not in keys and _followed(k, v) and (entered.get(k, _MISSING) is not v or type(v) is list)
+            )
+        for key in keys:
+            before = self.before.get(key, _MISSING)
+            values = [r.__dict__.get(key, _MISSING) for r in self.replicas]
+            if type(before) is list:
+                self._merge_list(key, before, values, combine, warning_cache)
+                for replica in self.replicas:  # what runs after the step (a backward hook) appends to the module's
+                    replica.__dict__[key] = before
+                continue
+            changed = [v is not e.get(key, _MISSING) for v, e in zip(values, self.entered)]
+            if not any(changed):
+                continue
+            if not all(changed):
+                warning_cache.warn(
+                    f"sparse_dp: self.{key} was set by some replicas' steps only (a branch on the chunk): the module "
+                    "gets the value of the first that set it. Set it in every replica's step, from the whole batch's values."
+                )
+                setattr(self.module, key, next(v for v, c in zip(values, changed) if c))
+                continue
+            if _same(values):
+                setattr(self.module, key, values[0])
+                continue
+            try:
+                value, exact = combine(values)
+            except Exception:  # noqa: BLE001  (values the output merge cannot read)
+                value, exact = list(values), False
+            if not exact:
+                warning_cache.warn(
+                    f"sparse_dp: self.{key} was set to different values by the replicas' steps: the module gets them "
+                    "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in sample "
+                    "order; other values: the list of the replicas' values). Log it, or return it from the step, to get "
+                    "one device's value in every case."
+                )
+            setattr(self.module, key, value)
+
+    def _merge_list(
+        self, key: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache
+    ) -> None:
+        lists = [v for v in values if type(v) is list]
+        if len(lists) != len(values) or any(len(v) < len(before) or any(a is not b for a, b in zip(v, before)) for v in lists):
+            warning_cache.warn(
+                f"sparse_dp: self.{key} (a list) was replaced or changed in place by the replicas' steps: only entries "
+                "appended to it are merged back into the module's list."
+            )
+        added = [v[len(before):] if type(v) is list else [] for v in values]
+        counts = {len(a) for a in added}
+        if counts == {0}:
+            return
+        if len(counts) > 1:
+            warning_cache.warn(
+                f"sparse_dp: the replicas' steps appended different numbers of entries to self.{key} "
+                f"({[len(a) for a in added]}): the module's list gets each replica's entries in replica order, not one "
+                "device's entries."
+            )
+            for a in added:
+                before.extend(a)
+            return
+        merged = []
+        for j in range(counts.pop()):
+            try:
+                merged.append(combine([a[j] for a in added])[0])
+            except Exception as err:  # noqa: BLE001  (entries the output merge cannot read: kept as they are)
+                warning_cache.warn(
+                    f"sparse_dp: the entries the replicas' steps appended to self.{key} cannot be merged as step outputs "
+                    f"are ({type(err).__name__}: {err}): the module's list gets each replica's entries in replica order."
+                )
+                for a in added:
+                    before.extend(a)
+                return
+        before.extend(merged)
+
+
+__all__ = ["StepState"]
