@@ -473,7 +473,21 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         ):
             return dataloader
         assert isinstance(sampler, DistributedSampler)
-        counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
+        size = len(dataloader.dataset)  # type: ignore[arg-type]
+        if size < self.world_size:  # empty, or fewer samples than ranks: DDP's sampler pads, and Lightning warns / skips
+            self._warning_cache.info(
+                f"sparse_ddp: a DataLoader of {size} samples, fewer than the {self.world_size} ranks, keeps Lightning's "
+                "DistributedSampler (which repeats samples to give every rank one)."
+            )
+            return dataloader
+        try:
+            counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
+        except TypeError as err:  # items with no tensor to count points of (e.g. a range of ints)
+            self._warning_cache.info(
+                f"sparse_ddp: {err} Until then this DataLoader keeps Lightning's DistributedSampler (samples dealt "
+                "round-robin, the epoch padded with repeated samples)."
+            )
+            return dataloader
         batch_sampler = PointBalancedBatchSampler(
             counts,
             inner.batch_size * self.world_size,

@@ -127,6 +127,8 @@ def split_batch(
             assignment that does not cover every sample once.
     """
     check_num_chunks(num_chunks)
+    if _is_sample_list(batch) and layout is None:
+        return _split_sample_list(batch, num_chunks, assignment)
     leaves, spec = flatten(batch, layout)
     leaves, sources = find_sources(leaves)
     num_samples, sources = count_samples(leaves, sources)
@@ -156,6 +158,23 @@ def split_batch(
         sample_points=tuple(s.counts for s in sources),
     )
     return chunks, plan
+
+
+def _is_sample_list(batch: Any) -> bool:
+    """A batch that is a non-empty list or tuple of samples holding no tensor or array (ints, strings, ids):
+    ``default_collate`` of such items gives a tensor, so this is a collate function's list of samples."""
+    if type(batch) not in (list, tuple) or not batch:
+        return False
+    leaves = pytree.tree_leaves(batch)
+    return not any(isinstance(x, Tensor) or hasattr(x, "__array__") for x in leaves)
+
+
+def _split_sample_list(batch: list | tuple, num_chunks: int, assignment: str | Assignment) -> tuple[list[Any], SplitPlan]:
+    """A list (tuple) of ``B`` samples with no tensor: chunks of whole entries, each weighing 1, as a dense batch."""
+    sizes = torch.ones(len(batch), dtype=torch.long)
+    chunk_samples, _, _ = assign(sizes, min(num_chunks, len(batch)), assignment)
+    chunks = [type(batch)(batch[i] for i in ids.tolist()) for ids in chunk_samples]
+    return chunks, SplitPlan(num_samples=len(batch), chunk_samples=tuple(chunk_samples), roles=("samples",))
 
 
 def _assign_points(
