@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -49,6 +50,22 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._warned_transfer_hooks = False
+
+    @property
+    def num_nodes(self) -> int:
+        """1: every device of this strategy belongs to this one process."""
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # the Trainer's connector sets this from Trainer(num_nodes=...) on strategies that have the attribute
+        if num_nodes != 1:
+            raise MisconfigurationException(
+                f"Trainer(num_nodes={num_nodes}) with {getattr(self, 'strategy_name', type(self).__name__)}: its replicas "
+                "are threads of one process, on one machine. For several machines use strategy='sparse_ddp' (the same "
+                "exact training over processes and nodes), e.g. Trainer(strategy='sparse_ddp', num_nodes="
+                f"{num_nodes}, devices=<GPUs per node>)."
+            )
 
     @property
     @override

@@ -256,3 +256,30 @@ def test_a_per_sample_integer_table_is_not_taken_for_coordinates():
     assert len(plan.point_rows) == 1 and plan.roles[1] == "samples"
     for chunk, ids in zip(chunks, plan.chunk_samples):
         assert torch.equal(chunk["boxes"], boxes[ids])  # untouched, not renumbered
+
+
+def test_an_index_tensor_left_to_its_length_is_named_with_the_indices_role():
+    """FCGF's hardest-negative sampling: `negatives` holds, for each point of the second scan, the row of another
+    point of its sample, so it has that scan's length. Taken by its length it would be cut as per-point values and
+    not re-based (the pairs would be wrong): a warning names the 'indices' role, and with it each chunk's indices
+    pick the same points as the whole batch's."""
+    from tests.pairs import pair_batch
+
+    batch = pair_batch(range(5))
+    index = batch["sinput1_C"][:, 0].long()
+    assert batch["sinput0_C"].shape[0] != batch["sinput1_C"].shape[0]
+    negatives = torch.empty_like(index)
+    for s in range(int(index.max()) + 1):
+        rows = torch.nonzero(index == s).flatten()
+        negatives[rows] = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(s))]
+    batch["negatives"] = negatives
+    with pytest.warns(UserWarning, match=r"batch\['negatives'\] is an integer tensor under a key that names indices.*"
+                                         r"layout=\{'negatives': 'indices:sinput1_C'\}"):
+        split_batch(batch, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunks, plan = split_batch(batch, 3, layout={"negatives": "indices:sinput1_C"})
+    rows_of = plan.index_rows[max(plan.index_rows)]  # the negatives' rows that went to each chunk
+    for chunk, rows in zip(chunks, rows_of):
+        whole = batch["sinput1_C"][batch["negatives"][rows]][:, 1:]
+        assert torch.equal(chunk["sinput1_C"][chunk["negatives"]][:, 1:], whole)

@@ -508,3 +508,9 @@ def test_an_empty_validation_loader_is_skipped_by_sparse_ddp_as_by_ddp(in_proces
     t = trainer(strategy="sparse_ddp", devices=1, max_steps=2, limit_val_batches=None)
     t.fit(WithVal(), _sample_loader(samples), empty)
     assert t.global_step == 2
+
+
+def test_num_nodes_is_refused_with_the_pointer_to_sparse_ddp():
+    with pytest.raises(MisconfigurationException, match=r"num_nodes=2.*strategy='sparse_ddp'"):
+        trainer(strategy="sparse_dp", devices=3, num_nodes=2)
+    assert trainer(strategy="sparse_dp", devices=3, num_nodes=1).strategy.num_nodes == 1

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
 from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
@@ -116,7 +117,21 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"belongs to cannot be told. Name it: SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
+    if num_chunks > 1 and role is None and not x.dtype.is_floating_point and x.dtype != torch.bool and _NAMES_INDICES_TOO.search(str(key_of(leaf.path))):
+        _warning_cache.warn(
+            f"{leaf.name} is an integer tensor under a key that names indices, split as per-point values of "
+            f"{sources[matches[0]].name} (its length is that set's number of points), so its values are not re-based "
+            "to each chunk's rows. If it holds row indices into a point set (FCGF's negatives, a neighbor list), give "
+            f"it the role 'indices': layout={{{key_of(leaf.path)!r}: "
+            f"'indices:{key_of(leaves[sources[matches[0]].leaf].path)}'}}; if it is per-point data, "
+            f"layout={{{key_of(leaf.path)!r}: 'points'}} says so and silences this."
+        )
     return replace(leaf, role="points", source=matches[0])
+
+
+#: keys that name indices but are not taken for them without ``layout`` (``corr``, ``match``, ``pair`` are: records.py)
+_NAMES_INDICES_TOO = re.compile(r"neg|idx|index|indices|neighbo|knn|anchor|(^|_)pos(itive)?s?(_|$|\d)", re.IGNORECASE)
+_warning_cache = WarningCache()
 
 
 def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:
