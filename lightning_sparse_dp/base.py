@@ -13,9 +13,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
+from lightning_sparse_dp._me import CPU_PATCHES, GPU_PATCHES, missing_patches, unpatched_message
 from lightning_sparse_dp.term_weights import SiteMemory
 from lightning_sparse_dp.weighting import check_loss_weighting
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
@@ -48,7 +51,8 @@ class SparseStrategyMixin:
     sync_batchnorm: bool = False
 
     def _set_options(
-        self, loss_weighting: str | Callable[[Any], Any], split: str, layout: Mapping[Any, str] | None
+        self, loss_weighting: str | Callable[[Any], Any], split: str, layout: Mapping[Any, str] | None,
+        allow_unpatched_me: bool = False,
     ) -> None:
         """Check and keep the shared options.
 
@@ -61,7 +65,24 @@ class SparseStrategyMixin:
         self.split = split
         self.layout = dict(layout) if layout else None
         self._site_memory = SiteMemory()  # how the step's loss call sites were read (term_weights), for the run
+        self.allow_unpatched_me = allow_unpatched_me
 
+    def _check_minkowski_build(self, device_type: str, count: int) -> None:
+        """Before the first step: refuse CPU replicas / ranks (``count > 1``) on an ME without the CPU patches
+        (unless ``allow_unpatched_me``, then warn); on GPUs warn once what the missing patches cost.
+
+        Raises:
+            MisconfigurationException: CPU replicas on an unpatched ME, ``allow_unpatched_me`` not set.
+        """
+        if count < 2:
+            return
+        missing = missing_patches(CPU_PATCHES if device_type == "cpu" else GPU_PATCHES)
+        if not missing:
+            return
+        message = unpatched_message(self.strategy_name, device_type, missing)
+        if device_type == "cpu" and not self.allow_unpatched_me:
+            raise MisconfigurationException(message)
+        rank_zero_warn(message)
     def _resolve_layer_sync(self) -> None:
         """At setup, before the plugin is applied: ``self._layer_sync`` becomes :attr:`own_layer_sync` in place of
         Lightning's ``TorchSyncBatchNorm``, or in place of ``None`` when the strategy was built with

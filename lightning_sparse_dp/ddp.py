@@ -208,6 +208,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             Counts are measured once per dataset, each rank measuring ``1/world_size`` of it.
         layout: roles for batch entries that cannot be told apart, as for ``split_batch`` (used to
             count ``n_r``).
+        allow_unpatched_me: go on with CPU ranks on a MinkowskiEngine this project's recipe did not build (refused
+            at setup otherwise: its CPU defects make a rank's result depend on its share of the batch).
         **kwargs: passed to ``DDPStrategy``: what the Trainer fills (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``) and its options
             (``start_method``, ``timeout``, ``process_group_backend``, ``find_unused_parameters``,
@@ -228,9 +230,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         split: str = "balanced",
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
+        allow_unpatched_me: bool = False,
         **kwargs: Any,
     ) -> None:
-        self._set_options(loss_weighting, split, layout)
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
         super().__init__(**kwargs)
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
@@ -262,6 +265,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
+        self._check_minkowski_build(self.root_device.type, self.world_size)
         self._iterating = dataloader_iter_steps(module)
         self._resolve_layer_sync()
         if (

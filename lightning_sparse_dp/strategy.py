@@ -92,13 +92,18 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
             ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`, applied
             at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
+        allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
+            (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
+            setup otherwise; :func:`~lightning_sparse_dp._me.missing_patches`).
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
             ``checkpoint_io``, ``precision_plugin``), which the Trainer fills from ``accelerator=`` and
             ``devices=``.
 
     Raises:
         ValueError: an unknown ``loss_weighting`` or ``split``.
-        MisconfigurationException: at setup, for manual optimization or unusable devices.
+        MisconfigurationException: at setup, for manual optimization, ``step(self, dataloader_iter)``, unusable
+            devices, or CPU replicas on an unpatched MinkowskiEngine; at construction of the Trainer, for
+            ``num_nodes > 1``.
     """
 
     strategy_name = "sparse_dp"
@@ -116,9 +121,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         presplit: bool = True,
         record_stage_times: bool = False,
         pin_replicas: bool | None = None,
+        allow_unpatched_me: bool = False,
         **kwargs: Any,
     ) -> None:
-        self._set_options(loss_weighting, split, layout)
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
         super().__init__(**kwargs)
         self.sync_batchnorm = sync_batchnorm  # the LayerSync plugin is resolved at setup (base._resolve_layer_sync)
         self.output_layout = dict(output_layout) if output_layout else None
@@ -146,6 +152,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 "several replicas at once, and each would call manual_backward() and optimizer.step() on its own "
                 "chunk. Use automatic optimization, or strategy='sparse_ddp' (exact with manual optimization)."
             )
+        self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
         iterating = dataloader_iter_steps(module)
         if iterating:
             raise MisconfigurationException(

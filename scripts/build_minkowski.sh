@@ -110,8 +110,25 @@ except m.PackageNotFoundError:
     print("")
 PYEOF
 )
+# The marker lightning_sparse_dp reads (lightning_sparse_dp/_me.py: build_info): which recipe and patches
+# built the installed MinkowskiEngine, written into its package folder at every install of this script's wheel.
+write_marker() {
+    "$PY" - "$KEY" "$RECIPE" "$PATCH_HASH" "$VARIANT" "$PATCHES"/*.patch <<'PYEOF' || die "could not write the build marker"
+import json, os, sys
+import MinkowskiEngine
+key, recipe, patch_hash, variant, *patches = sys.argv[1:]
+marker = {
+    "builder": "lightning-sparse-dp scripts/build_minkowski.sh", "key": key, "recipe": int(recipe),
+    "patch_hash": patch_hash, "variant": variant, "me_version": MinkowskiEngine.__version__,
+    "patches": sorted(os.path.basename(p).split(".patch")[0] for p in patches),
+}
+with open(os.path.join(os.path.dirname(MinkowskiEngine.__file__), "lsdp_build.json"), "w") as f:
+    json.dump(marker, f, indent=1)
+PYEOF
+}
 if [ "$installed" = "$ME_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] \
         && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
+    write_marker
     log "MinkowskiEngine $ME_VERSION ($KEY) already installed and importable"
     exit 0
 fi
@@ -255,4 +272,5 @@ if [ "$VARIANT" != cpu ]; then
     "$PY" -c "import MinkowskiEngine as ME, torch; assert ME.is_cuda_available(); print('MinkowskiEngine CUDA build; GPUs visible:', torch.cuda.device_count())" >&2 \
         || die "MinkowskiEngine was built with --cuda but its backend says it has no CUDA support"
 fi
+write_marker
 echo "$KEY" > "$STAMP"

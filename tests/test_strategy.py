@@ -514,3 +514,21 @@ def test_num_nodes_is_refused_with_the_pointer_to_sparse_ddp():
     with pytest.raises(MisconfigurationException, match=r"num_nodes=2.*strategy='sparse_ddp'"):
         trainer(strategy="sparse_dp", devices=3, num_nodes=2)
     assert trainer(strategy="sparse_dp", devices=3, num_nodes=1).strategy.num_nodes == 1
+
+
+def test_an_unpatched_minkowski_engine_is_refused_for_cpu_replicas_and_said_on_gpus(monkeypatch):
+    """Without this project's build marker (a stock ME), CPU replicas are refused before the first step with the
+    defects and the build command; allow_unpatched_me=True goes on with a warning; GPUs get a warning naming what
+    the missing patches cost. With the marker (this environment's ME) nothing is said."""
+    from lightning_sparse_dp import _me
+
+    assert _me.build_info() is not None and not _me.missing_patches(_me.CPU_PATCHES)  # the project's build
+    monkeypatch.setattr(_me, "build_info", lambda: None)
+    batch = collate_dict(random_samples(6, seed=81))
+    with pytest.raises(MisconfigurationException, match=r"stock MinkowskiEngine.*global pooling rows.*build_minkowski\.sh"):
+        trainer(strategy="sparse_dp", devices=3).fit(SparseNet(), loader(batch))
+    with pytest.warns(UserWarning, match=r"stock MinkowskiEngine.*allow_unpatched_me=True"):
+        trainer(strategy=SparseDataParallelStrategy(allow_unpatched_me=True), devices=3).fit(SparseNet(), loader(batch))
+    trainer(strategy="sparse_dp", devices=1).fit(SparseNet(), loader(batch))  # one replica: nothing to differ
+    gpu = _me.unpatched_message("sparse_dp", "cuda", _me.missing_patches(_me.GPU_PATCHES))
+    assert "on GPUs the replicas still train exactly" in gpu and "13:" in gpu and "--cuda" in gpu
