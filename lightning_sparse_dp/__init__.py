@@ -90,3 +90,10 @@ __all__ = [
     "run_on_replicas",
     "split_batch",
 ]
+
+if __name__ == "lightning_sparse_dp":  # not in the mirror itself (lightning_sparse_dp.pl runs this file too)
+    from lightning_sparse_dp import _namespaces
+
+    #: this package for modules written against ``pytorch_lightning`` (its strategies registered there), when
+    #: that package is installed: ``lightning_sparse_dp.pl.SparseDataParallelStrategy`` (:mod:`._namespaces`)
+    pl = _namespaces.import_mirror()

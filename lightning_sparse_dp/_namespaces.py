@@ -1,0 +1,96 @@
+"""Namespaces: the same package for modules written against the standalone ``pytorch_lightning``.
+
+Lightning ships ``lightning.pytorch`` and ``pytorch_lightning`` as one source under two names, with classes that
+are not each other's: ``pytorch_lightning.Trainer`` accepts only ``pytorch_lightning`` strategies, and its
+registry is its own. ME's ``multigpu_lightning.py`` and most published ME modules import ``pytorch_lightning``.
+So this package is loaded a second time, as ``lightning_sparse_dp.pl``, from the same files: an import hook
+(:class:`MirrorFinder`) reads each module's source and rewrites its imports (``lightning.pytorch`` ->
+``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``, ``lightning_sparse_dp.`` ->
+``lightning_sparse_dp.pl.``) before compiling it, so there is one source and nothing to keep in step.
+``import lightning_sparse_dp`` imports the mirror when ``pytorch_lightning`` is installed, which registers
+``"sparse_dp"`` and ``"sparse_ddp"`` in ``pytorch_lightning``'s strategy registry too.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+from types import ModuleType
+
+PACKAGE = __name__.rsplit(".", 1)[0]  # "lightning_sparse_dp"
+MIRROR = f"{PACKAGE}.pl"
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+_REWRITES = (
+    (re.compile(r"\blightning\.pytorch\b"), "pytorch_lightning"),
+    (re.compile(r"\blightning\.fabric\b"), "lightning_fabric"),
+    (re.compile(rf"\b{PACKAGE}\.(?!pl\b)"), f"{MIRROR}."),
+)
+
+
+def _source_path(fullname: str) -> tuple[str, bool] | None:
+    """The file of the package module that ``fullname`` (under :data:`MIRROR`) mirrors, and whether it is a package."""
+    parts = fullname[len(MIRROR):].lstrip(".").split(".") if fullname != MIRROR else []
+    base = os.path.join(_ROOT, *parts)
+    if os.path.isfile(os.path.join(base, "__init__.py")):
+        return os.path.join(base, "__init__.py"), True
+    if parts and os.path.isfile(base + ".py") and parts[-1] != os.path.splitext(os.path.basename(__file__))[0]:
+        return base + ".py", False
+    return None
+
+
+def rewrite(source: str) -> str:
+    """A module's source as the ``pytorch_lightning`` mirror runs it."""
+    for pattern, replacement in _REWRITES:
+        source = pattern.sub(replacement, source)
+    return source
+
+
+class MirrorFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads ``lightning_sparse_dp.pl[.*]`` from this package's own files, imports rewritten."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != MIRROR and not fullname.startswith(MIRROR + "."):
+            return None
+        found = _source_path(fullname)
+        if found is None:
+            return None
+        origin, is_package = found
+        spec = importlib.util.spec_from_loader(fullname, self, origin=origin, is_package=is_package)
+        assert spec is not None
+        spec.has_location = True
+        if is_package:
+            spec.submodule_search_locations = [os.path.dirname(origin)]
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        origin = module.__spec__.origin  # type: ignore[union-attr]
+        assert origin is not None
+        with open(origin, encoding="utf-8") as f:
+            code = compile(rewrite(f.read()), origin, "exec")  # the original file name: tracebacks point at it
+        module.__file__ = origin
+        exec(code, module.__dict__)  # noqa: S102  (this package's own source)
+
+
+def install() -> None:
+    """Put :class:`MirrorFinder` on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, MirrorFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MirrorFinder())
+
+
+def import_mirror() -> ModuleType | None:
+    """``lightning_sparse_dp.pl`` when ``pytorch_lightning`` is installed (registering its strategies there), else
+    ``None``."""
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        return None
+    install()
+    return importlib.import_module(MIRROR)
+
+
+__all__ = ["MIRROR", "MirrorFinder", "import_mirror", "install", "rewrite"]

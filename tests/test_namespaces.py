@@ -1,0 +1,69 @@
+"""Modules written against the standalone ``pytorch_lightning`` (as ME's multigpu_lightning.py and most published ME
+modules are): ``pytorch_lightning.Trainer(strategy="sparse_dp")`` and the strategy instances of
+``lightning_sparse_dp.pl`` train them to one device's parameters (float64); one source, loaded twice."""
+
+from __future__ import annotations
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+import torch.nn.functional as F
+
+pl = pytest.importorskip("pytorch_lightning")
+
+import lightning_sparse_dp  # noqa: E402
+from tests.helpers import IN_CHANNELS, NUM_CLASSES, collate_dict, random_samples, relative_difference  # noqa: E402
+
+
+class PLNet(pl.LightningModule):
+    """ME's multigpu_lightning.py in small: a pytorch_lightning module, the SparseTensor built in the step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(8, NUM_CLASSES),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        loss = F.cross_entropy(self.net(x).F, batch["labels"])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy, devices, **kwargs):
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    model = PLNet().double()
+    t = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_steps=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+    return model, t
+
+
+def test_the_mirror_is_this_package_on_pytorch_lightnings_classes():
+    mirror = lightning_sparse_dp.pl
+    assert mirror is not None and mirror.__name__ == "lightning_sparse_dp.pl"
+    assert issubclass(mirror.SparseDataParallelStrategy, pl.strategies.ParallelStrategy)
+    assert issubclass(mirror.SparseDDPStrategy, pl.strategies.DDPStrategy)
+    assert mirror.SparseDataParallelStrategy.__init__.__code__.co_filename == (
+        lightning_sparse_dp.SparseDataParallelStrategy.__init__.__code__.co_filename
+    )  # one source
+    assert {"sparse_dp", "sparse_ddp"} <= set(pl.strategies.StrategyRegistry)
+
+
+@pytest.mark.parametrize("strategy", ["sparse_dp", "instance"])
+def test_a_pytorch_lightning_module_trains_to_one_devices_parameters(strategy):
+    chosen = lightning_sparse_dp.pl.SparseDataParallelStrategy() if strategy == "instance" else "sparse_dp"
+    ours, t = _fit(chosen, 3, sync_batchnorm=True)
+    reference, r = _fit("auto", 1)
+    assert type(t.strategy).__module__ == "lightning_sparse_dp.pl.strategy"
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        if a.is_floating_point():
+            assert relative_difference(a, b) <= 1e-10, name
+    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= 1e-10
