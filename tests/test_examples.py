@@ -44,3 +44,26 @@ def test_digits_under_sparse_ddp_prints_its_global_result_once(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert [line for line in lines if line.startswith("val_acc=")] == lines[-1:], lines[-4:]
     assert re.fullmatch(r"val_acc=0\.\d{4}", lines[-1]), lines[-3:]
+
+
+@pytest.mark.parametrize("how", ["config", "command line"])
+def test_lightning_cli_takes_the_strategy_and_its_options(how, tmp_path):
+    """examples/cli_digits.py through LightningCLI: the strategy as a class path with init_args in the YAML config,
+    or by class path and options on the command line."""
+    pytest.importorskip("jsonargparse")
+    short = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
+             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    if how == "config":
+        args, expected = ["--config", str(ROOT / "examples" / "cli_digits.yaml")], "loss_weighting=terms devices=3"
+    else:
+        args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.logger=false",
+                "--trainer.enable_checkpointing=false", "--trainer.strategy=lightning_sparse_dp.SparseDataParallelStrategy",
+                "--trainer.strategy.loss_weighting=samples"]
+        expected = "loss_weighting=samples devices=2"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cli_digits.py"), "fit", *args, *short], cwd=tmp_path,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2] == f"strategy=SparseDataParallelStrategy {expected}" and re.fullmatch(r"val_acc=0\.\d{4}", lines[-1])
