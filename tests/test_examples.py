@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("train_segmentation.py", ["--max-epochs", "1", "--train-scenes", "6", "--val-scenes", "3"], r"val_miou=0\.\d{4}"),
         ("train_completion.py", ["--max-epochs", "2", "--train-shapes", "16", "--val-shapes", "6", "--grid", "12"],
          r"val_iou=0\.\d{4}"),
+        ("train_registration.py", ["--max-epochs", "1", "--train-pairs", "24", "--val-pairs", "8"], r"val_loss=\d+\.\d{4}"),
     ],
 )
 def test_example_runs(script, args, last_line, tmp_path):
@@ -67,3 +68,24 @@ def test_lightning_cli_takes_the_strategy_and_its_options(how, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[-2] == f"strategy=SparseDataParallelStrategy {expected}" and re.fullmatch(r"val_acc=0\.\d{4}", lines[-1])
+
+
+def test_registration_example_is_exact_against_one_device():
+    """examples/train_registration.py's module and batches (FCGF-style pairs, negatives named with the 'indices'
+    layout, the loss weighted by pairs): two float64 steps on 3 replicas with sync batch norm equal one device's."""
+    import torch
+
+    from tests.helpers import load_file, relative_difference, same_start, trainer
+
+    reg = load_file(ROOT / "examples" / "train_registration.py")
+    data = reg.ScanPairs(16, seed=5)
+    batches = [reg.collate_pairs([data[i] for i in range(s, s + 8)]) for s in (0, 8)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    ours, reference = same_start(reg.FeatureNet)
+    strategy = reg.SparseDataParallelStrategy(layout=reg.LAYOUT, loss_weighting=reg.pairs_in)
+    loader = lambda: torch.utils.data.DataLoader(batches, batch_size=None)  # noqa: E731
+    trainer(strategy=strategy, devices=3, max_steps=2, precision="64-true", sync_batchnorm=True).fit(ours.double(), loader())
+    trainer(max_steps=2, precision="64-true").fit(reference.double(), loader())
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        if a.is_floating_point():
+            assert relative_difference(a, b) <= 1e-10, name
