@@ -37,6 +37,10 @@ its math, the all-gather between replica threads or over a process group, the ``
 weights and batch norm; :mod:`~lightning_sparse_dp.base` holds what the two share.
 """
 
+import lightning_utilities.core.rank_zero as _rank_zero
+
+_RANK_ZERO_LOG = _rank_zero.log  # where Lightning's rank-zero lines went before this import (see the end)
+
 from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
@@ -97,3 +101,5 @@ if __name__ == "lightning_sparse_dp":  # not in the mirror itself (lightning_spa
     #: this package for modules written against ``pytorch_lightning`` (its strategies registered there), when
     #: that package is installed: ``lightning_sparse_dp.pl.SparseDataParallelStrategy`` (:mod:`._namespaces`)
     pl = _namespaces.import_mirror()
+    if _RANK_ZERO_LOG.name.endswith(".utilities.rank_zero"):  # the user imported pytorch_lightning (or lightning) first
+        _rank_zero.log = _RANK_ZERO_LOG  # importing the other namespace must not move Lightning's messages

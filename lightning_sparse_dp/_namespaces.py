@@ -19,6 +19,8 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 PACKAGE = __name__.rsplit(".", 1)[0]  # "lightning_sparse_dp"
@@ -90,7 +92,26 @@ def import_mirror() -> ModuleType | None:
     if importlib.util.find_spec("pytorch_lightning") is None:
         return None
     install()
-    return importlib.import_module(MIRROR)
+    with kept_rank_zero_logger():
+        return importlib.import_module(MIRROR)
 
 
-__all__ = ["MIRROR", "MirrorFinder", "import_mirror", "install", "rewrite"]
+@contextmanager
+def kept_rank_zero_logger() -> Iterator[None]:
+    """The ``with`` body's imports leave Lightning's rank-zero messages where they went before.
+
+    ``lightning_utilities``' rank-zero functions log to one module-level logger, which ``lightning.pytorch`` and
+    ``pytorch_lightning`` each set to their own when imported: importing the other would move every Lightning
+    info line (``GPU available: ...``, this package's) to a logger the user did not configure.
+    """
+    import lightning_utilities.core.rank_zero as rank_zero
+
+    before = rank_zero.log
+    try:
+        yield
+    finally:
+        if before.name.endswith(".utilities.rank_zero"):  # a Lightning package's, set by an earlier import
+            rank_zero.log = before
+
+
+__all__ = ["MIRROR", "MirrorFinder", "import_mirror", "install", "kept_rank_zero_logger", "rewrite"]

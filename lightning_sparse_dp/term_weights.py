@@ -481,6 +481,10 @@ class StepTerms:
         """Each replica's step run under its own capture (entered in the replica's thread)."""
         return [partial(c.run, step) for c, step in zip(self.captures, steps)]
 
+    def set_plan(self, plan: SplitPlan) -> None:
+        """The chunks' shapes, before the step (manual optimization decides inside it)."""
+        self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
+
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
         """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
         replicas = range(len(self.captures)) if replicas is None else replicas
@@ -492,7 +496,7 @@ class StepTerms:
         ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
         point, so none is 0).
         """
-        self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
+        self.set_plan(plan)
         if any(loss is None for loss in losses):
             return
         self.decision = self.decide(losses)

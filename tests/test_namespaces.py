@@ -88,3 +88,20 @@ def test_sparse_ddp_under_pytorch_lightning_trains_as_one_device():
     for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
         if a.is_floating_point():
             assert relative_difference(a, b) <= 1e-10, name
+
+
+@pytest.mark.parametrize("first", ["lightning.pytorch", "pytorch_lightning", None])
+def test_importing_the_package_leaves_lightnings_messages_where_they_went(first):
+    """lightning_utilities logs every Lightning rank-zero line through one logger that each namespace sets to its own
+    when imported: importing this package (which loads both) keeps the user's, or lightning.pytorch's by default."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import {first}\n" if first else "") + (
+        "import lightning_sparse_dp\nimport lightning_utilities.core.rank_zero as r\nprint(r.log.name)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"{first or 'lightning.pytorch'}.utilities.rank_zero"

@@ -134,16 +134,6 @@ def test_more_cuda_devices_than_the_machine_has(monkeypatch):
         check_devices([torch.device("cpu"), torch.device("cuda", 0)])
 
 
-def test_manual_optimization_is_refused_at_setup():
-    class Manual(SparseNet):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-
-    with pytest.raises(MisconfigurationException, match="manual optimization"):
-        _fit_one_step(Manual(), collate_dict(random_samples(4)), strategy="sparse_dp", devices=3)
-
-
 def test_bad_batch_error_reaches_the_user():
     batch = collate_dict(random_samples(4))
     batch["coordinates"] = batch["coordinates"].float()
