@@ -10,6 +10,8 @@
 #           TORCH_CUDA_ARCH_LIST (e.g. "8.0" or "8.0;9.0"), or those of the visible GPUs.
 #   --cpu   build the CPU-only extension (same as LSDP_CUDA=0) even where a GPU is visible.
 #   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
+#   OpenBLAS: found by scripts/find_blas.sh (LSDP_BLAS_INCLUDE / LSDP_BLAS_LIB, the active conda
+#   environment, pkg-config, the system); PYTHON may be any interpreter (a venv's, conda's, a module's).
 #   Environment: LSDP_CACHE (cache folder), MAX_JOBS (compile jobs), LSDP_KEEP_BUILD=1 (keep the
 #   scratch folder with the patched sources and torch's build.ninja, e.g. to compile one file:
 #   ninja -C <folder>/MinkowskiEngine-0.5.4/build/temp.linux-x86_64-cpython-311 <object>).
@@ -139,10 +141,10 @@ if [ -z "$wheel" ]; then
     [ "$VARIANT" = cpu ] || took="CUDA takes about 20 minutes for one architecture on 2 cores"
     log "no cached wheel for $KEY: building ($took)"
     case "$(uname -s)" in Linux) ;; *) die "only Linux builds are supported by this script";; esac
-    if ! { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] \
-           || ls /usr/include/*/cblas.h >/dev/null 2>&1; }; then
-        die "cblas.h not found: install Debian's libopenblas-dev (apt-get install libopenblas-dev)"
-    fi
+    # OpenBLAS from wherever the environment has it (scripts/find_blas.sh: named folders, conda, pkg-config,
+    # the system): no sudo or apt needed when it is there
+    blas=$(bash "$(dirname "$0")/find_blas.sh") || die "no OpenBLAS for the build (see the lines above)"
+    read -r BLAS_INCLUDE BLAS_LIB <<< "$blas"
     BUILD_ENV="$CACHE/build-env-$PYTAG"
     # A CUDA build's environment sees a CUDA torch: kept apart, so that a CPU build running at the
     # same time does not see it (the .pth below names one target).
@@ -241,6 +243,8 @@ PYEOF
     done
 
     args=(--blas=openblas)
+    [ -z "${BLAS_INCLUDE:-}" ] || args+=("--blas_include_dirs=$BLAS_INCLUDE")
+    [ -z "${BLAS_LIB:-}" ] || args+=("--blas_library_dirs=$BLAS_LIB")
     if [ "$VARIANT" = cpu ]; then
         args+=(--cpu_only)
     else

@@ -48,8 +48,9 @@ Run: TORCH_CUDA_ARCH_LIST=9.0 bash scripts/setup.sh --cuda   (8.0 A100, 8.6 RTX 
 9.0 H100, or several: \"8.0;9.0\")"
 fi
 
-# 1. Debian packages: cblas.h for the MinkowskiEngine build
-if ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
+# 1. Debian packages: cblas.h for the MinkowskiEngine build (not when an OpenBLAS is there already: conda's,
+#    pkg-config's, named with LSDP_BLAS_INCLUDE, or the system's; scripts/find_blas.sh)
+if ! bash scripts/find_blas.sh >/dev/null 2>&1 && ! dpkg -s libopenblas-dev >/dev/null 2>&1; then
     log "installing Debian's libopenblas-dev"
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO=sudo

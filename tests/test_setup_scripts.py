@@ -233,3 +233,51 @@ def test_pip_takes_the_cuda_build_with_the_cpu_build_excluded(tmp_path, spec, ch
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert [i["metadata"]["version"] for i in json.loads(report.read_text())["install"]] == [chosen]
+
+
+def _find_blas(tmp_path, env=None, pkg_config=None):
+    """scripts/find_blas.sh with a PATH of its own (sed, cat and, when given, a fake pkg-config) and no system BLAS."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("sed", "cat"):
+        target = bin_dir / tool
+        if not target.exists():
+            target.symlink_to(shutil.which(tool))
+    if pkg_config is not None:
+        script = bin_dir / "pkg-config"
+        script.write_text("#!/bin/sh\n" + pkg_config)
+        script.chmod(0o755)
+    full = {"PATH": str(bin_dir), "LSDP_BLAS_SYSTEM_DIRS": str(tmp_path / "no-system"), **(env or {})}
+    bash = shutil.which("bash")
+    return subprocess.run([bash, str(ROOT / "scripts" / "find_blas.sh")], env=full, capture_output=True, text=True)
+
+
+def test_find_blas_finds_openblas_where_the_environment_has_it(tmp_path):
+    """Named folders, the active conda environment, pkg-config (RHEL, Spack, modules): no apt, no sudo."""
+    conda = tmp_path / "conda"
+    (conda / "include").mkdir(parents=True)
+    (conda / "include" / "cblas.h").write_text("")
+    named = _find_blas(tmp_path, {"LSDP_BLAS_INCLUDE": str(conda / "include"), "LSDP_BLAS_LIB": "/opt/lib"})
+    assert named.returncode == 0 and named.stdout.split() == [str(conda / "include"), "/opt/lib"]
+    assert _find_blas(tmp_path, {"CONDA_PREFIX": str(conda)}).stdout.split() == [str(conda / "include"), str(conda / "lib")]
+    spack = tmp_path / "spack"
+    (spack / "include" / "openblas").mkdir(parents=True)
+    (spack / "include" / "openblas" / "cblas.h").write_text("")
+    fake = (
+        'case "$*" in *--exists*openblas*) exit 0;; *--exists*) exit 1;; '
+        f'*includedir*) echo {spack}/include;; *libdir*) echo {spack}/lib;; *) echo;; esac\n'
+    )
+    found = _find_blas(tmp_path, pkg_config=fake)
+    assert found.returncode == 0 and found.stdout.split() == [str(spack / "include" / "openblas"), str(spack / "lib")]
+
+
+def test_find_blas_says_what_to_install_or_pass_when_there_is_none(tmp_path):
+    missing = _find_blas(tmp_path)
+    assert missing.returncode == 1
+    for advice in ("conda install -c conda-forge openblas", "apt-get install libopenblas-dev", "dnf install openblas-devel",
+                   "LSDP_BLAS_INCLUDE="):
+        assert advice in missing.stderr
+    wrong = _find_blas(tmp_path, {"LSDP_BLAS_INCLUDE": str(tmp_path)})
+    assert wrong.returncode == 1 and "has no cblas.h" in wrong.stderr
