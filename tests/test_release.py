@@ -51,3 +51,17 @@ def test_the_version_has_one_source():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject and "\nversion =" not in pyproject.split("[tool.setuptools.dynamic]")[0]
     assert f"## [{lightning_sparse_dp.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_installing_into_an_environment_with_torch_and_me_installs_the_package_alone(tmp_path):
+    """pip's own resolution (offline, against what this environment has): ``pip install .`` would install this
+    package and nothing else: torch (a CUDA build, in users' environments) and MinkowskiEngine are left as they are."""
+    import json
+
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation", "--quiet",
+         "--report", str(report), str(ROOT)], capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]] == ["lightning-sparse-dp"]
