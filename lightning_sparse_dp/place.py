@@ -108,4 +108,23 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
 
 
-__all__ = ["build_sparse", "check_devices", "current_stream", "device_context", "place_chunk", "place_chunks"]
+
+
+def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
+    """The whole batch on ``device`` as plain Lightning's ``batch_to_device`` leaves it (tensors moved with Lightning's
+    ``move_data_to_device``), for a step on one device; ``None`` when an ``ME.SparseTensor`` / ``ME.TensorField`` of
+    the batch is elsewhere (it has no ``.to()``: the split-and-place path rebuilds it on the device)."""
+    import torch.utils._pytree as pytree
+
+    from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+
+    me = [x for x in pytree.tree_leaves(batch, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
+          if is_sparse_tensor(x) or is_tensor_field(x)]
+    if any(x.device != device and torch.device(x.device) != device for x in me):
+        return None
+    return move_data_to_device(batch, device)
+
+
+__all__ = [
+    "build_sparse", "check_devices", "current_stream", "device_context", "place_chunk", "place_chunks", "whole_batch_on",
+]

@@ -36,7 +36,7 @@ from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
 from lightning_sparse_dp.metrics import ReplicaMetrics
-from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.place import place_chunks, whole_batch_on
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader
 from lightning_sparse_dp.replicate import Replicas
@@ -189,8 +189,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Move the split into the loader's worker processes (``presplit``), when it has workers."""
-        if not self.presplit or self.split_fn is not None or self.parallel_devices is None:
-            return dataloader
+        if not self.presplit or self.split_fn is not None or self.parallel_devices is None or len(self.parallel_devices) < 2:
+            return dataloader  # one device: nothing to split
         return presplit_loader(dataloader, len(self.parallel_devices), self.layout, self._assignment(),
                                self._min_points(), self.lightning_module)
 
@@ -226,6 +226,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         assert module is not None
         if not args:
             raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
+        if self.parallel_devices is not None and len(self.parallel_devices) == 1 and self.split_fn is None:
+            batch = None if isinstance(args[0], PreSplitBatch) else whole_batch_on(args[0], self.root_device)
+            if batch is not None:  # one device: plain Lightning's step on the module itself, nothing split or weighed
+                return getattr(module, step_name)(batch, *args[1:], **kwargs)
         self._timer.new_step()
         inputs, plan = self.scatter(args[0])
         devices = self.parallel_devices[: len(inputs)]

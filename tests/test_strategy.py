@@ -522,3 +522,20 @@ def test_an_unpatched_minkowski_engine_is_refused_for_cpu_replicas_and_said_on_g
     trainer(strategy="sparse_dp", devices=1).fit(SparseNet(), loader(batch))  # one replica: nothing to differ
     gpu = _me.unpatched_message("sparse_dp", "cuda", _me.missing_patches(_me.GPU_PATCHES))
     assert "on GPUs the replicas still train exactly" in gpu and "13:" in gpu and "--cuda" in gpu
+
+
+def test_one_device_is_plain_lightning():
+    """devices=1: the module's own step on the batch, nothing split, replicated or weighed (no stage ran), and the
+    same parameters and logged values as plain Lightning (float64; the strategy's thread settings may change the
+    order of float sums, so not bit for bit)."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (121, 122)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    ours, reference = same_start(SparseNet)
+    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    t = trainer(strategy=strategy, devices=1, max_steps=2, precision="64-true")
+    t.fit(ours.double(), loader(*batches))
+    r = trainer(max_steps=2, precision="64-true")
+    r.fit(reference.double(), loader(*batches))
+    assert not list(strategy.stage_times.steps)  # the fast path: no stage of the data path ran
+    assert_same_states(ours, reference)
+    assert float(t.logged_metrics["train_loss"]) == pytest.approx(float(r.logged_metrics["train_loss"]), rel=1e-12)
