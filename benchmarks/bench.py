@@ -100,6 +100,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from harness import GLOBAL_BATCH, wait_env  # the scripts' shared settings (no torch import there)
@@ -195,6 +196,15 @@ def _workload(model_name: str, global_batch: int, steps: int):
     return train_digits.DigitNet, data, train_digits.collate, float(np.mean([len(s[0]) for s in data.samples]))
 
 
+def _on_current_gpu(collate, samples):
+    """``collate(samples)`` with its ME tensors built on the current GPU (:func:`lightning_sparse_dp.place.place_batch`):
+    plain Lightning's ``batch_to_device`` cannot move an ``ME.TensorField``, and a CPU one meeting CUDA weights crashes
+    ME's CUDA build (the segmentation reference segfaulted on the H200)."""
+    from lightning_sparse_dp.place import place_batch
+
+    return place_batch(collate(samples), torch.device("cuda", torch.cuda.current_device()))
+
+
 def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: int, warmup: int,
              accelerator: str = "cpu", num_workers: int = 0, callbacks: Sequence[L.Callback] = (), **trainer_kwargs):
     """Median step time (s) and the strategy's stage medians for one configuration (``num_workers``: the DataLoader's;
@@ -209,6 +219,9 @@ def run_case(model_name: str, strategy, devices: int, global_batch: int, steps: 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, *callbacks],
         num_sanity_val_steps=0, limit_val_batches=0, **trainer_kwargs,
     )
+    if accelerator == "gpu" and not isinstance(strategy, (SparseDataParallelStrategy, SparseDDPStrategy)) \
+            and strategy not in ("sparse_dp", "sparse_ddp"):
+        collate = partial(_on_current_gpu, collate)  # plain Lightning leaves ME tensors where the collate made them
     loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=num_workers,
                         persistent_workers=num_workers > 0)
     trainer.fit(model_cls(), loader)

@@ -110,6 +110,21 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
 
 
 
+def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
+    """The whole batch on ``device``, its ``ME.SparseTensor`` / ``ME.TensorField`` rebuilt there (they have no
+    ``.to()``, and Lightning's ``batch_to_device`` leaves them where they are): for plain Lightning on a GPU, whose
+    step would otherwise meet a CPU TensorField with CUDA weights (ME's CUDA build then crashes in its assertion).
+
+    Args:
+        batch: a batch :func:`~lightning_sparse_dp.split.split_batch` can read (``layout`` as there).
+        device: the target device.
+    """
+    from lightning_sparse_dp.split import split_batch
+
+    chunks, _ = split_batch(batch, 1, layout=layout)
+    return place_chunk(chunks[0], device)
+
+
 def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
     """The whole batch on ``device`` as plain Lightning's ``batch_to_device`` leaves it (tensors moved with Lightning's
     ``move_data_to_device``), for a step on one device; ``None`` when an ``ME.SparseTensor`` / ``ME.TensorField`` of
@@ -126,5 +141,6 @@ def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
 
 
 __all__ = [
-    "build_sparse", "check_devices", "current_stream", "device_context", "place_chunk", "place_chunks", "whole_batch_on",
+    "build_sparse", "check_devices", "current_stream", "device_context", "place_batch", "place_chunk", "place_chunks",
+    "whole_batch_on",
 ]

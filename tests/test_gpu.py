@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp.place import place_batch
 from tests.helpers import (
     SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, same_start, state_differences,
     trainer
@@ -57,7 +58,9 @@ def _compare(name, ours, reference, batches, devices, steps=2, **strategy_kwargs
     strategy = SparseDataParallelStrategy(**strategy_kwargs)
     kwargs = dict(accelerator=ACCELERATOR, precision="64-true", max_steps=steps)
     trainer(strategy=strategy, devices=devices, **kwargs).fit(ours, loader(*batches))
-    trainer(devices=1, **kwargs).fit(reference, loader(*batches))
+    # plain Lightning does not move ME tensors (no .to()): the reference gets them built on its GPU, as users must
+    root = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
+    trainer(devices=1, **kwargs).fit(reference, loader(*[place_batch(b, root) for b in batches]))
     moved = [k for k, v in ours.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v.cpu(), start[k])]
     assert moved, "the steps changed nothing: the comparison would prove nothing"
     diff = max(state_differences(ours, reference).values())

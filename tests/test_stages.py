@@ -295,3 +295,19 @@ def test_replica_gradients_are_added_in_replica_order(missing):
     reduced = replicas.reduce_gradients()
     assert all(torch.equal(a, b) for a, b in zip(reduced, expected))  # bit for bit
     assert all(leaf.grad is None for leaves in replicas.leaves for leaf in leaves)
+
+
+def test_place_batch_builds_the_batchs_me_tensors_on_the_device():
+    """For plain Lightning on a GPU (its batch_to_device cannot move ME tensors): every TensorField / SparseTensor of
+    the batch rebuilt on the device with its points and features, plain tensors moved."""
+    import MinkowskiEngine as ME
+
+    from lightning_sparse_dp.place import place_batch
+    from tests.helpers import collate_dict, random_samples
+
+    batch = collate_dict(random_samples(5, seed=131))
+    batch["x"] = ME.TensorField(batch["features"], batch["coordinates"].float())
+    placed = place_batch(batch, torch.device("cpu"))
+    assert isinstance(placed["x"], ME.TensorField) and placed["x"].device == torch.device("cpu")
+    assert torch.equal(placed["x"].F, batch["x"].F) and torch.equal(placed["x"].C, batch["x"].C)
+    assert torch.equal(placed["labels"], batch["labels"])
