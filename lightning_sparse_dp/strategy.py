@@ -93,6 +93,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             replicas of each step, while fitting; reverted at teardown. It goes through Lightning's
             ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`, applied
             at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
+        replicas_per_device: replicas on each device (default 1): ``devices=1, replicas_per_device=3`` runs three
+            replicas on one GPU, so that every multi-replica path (replica threads and streams, synchronized batch
+            norm on CUDA tensors, the gather, the gradient reduction) runs on a one-GPU machine; exact as ever, no
+            faster. ``parallel_devices`` may also repeat a device.
         allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
             (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
             setup otherwise; :func:`~lightning_sparse_dp._me.missing_patches`).
@@ -123,9 +127,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         record_stage_times: bool = False,
         pin_replicas: bool | None = None,
         allow_unpatched_me: bool = False,
+        replicas_per_device: int = 1,
         **kwargs: Any,
     ) -> None:
         self._set_options(loss_weighting, split, layout, allow_unpatched_me)
+        if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(f"replicas_per_device={replicas_per_device!r}; give an int >= 1.")
+        self.replicas_per_device = replicas_per_device  # before the base class sets parallel_devices
         super().__init__(**kwargs)
         self.sync_batchnorm = sync_batchnorm  # the LayerSync plugin is resolved at setup (base._resolve_layer_sync)
         self.output_layout = dict(output_layout) if output_layout else None
@@ -141,6 +149,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
         self._thread_split: ThreadSplit | None = None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The replicas' devices, one entry per replica: each device Lightning gives, ``replicas_per_device`` times."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        k = getattr(self, "replicas_per_device", 1)
+        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
 
     # --- set-up and teardown (the rest of Lightning's plumbing: single_process.py) -------------------
     @override

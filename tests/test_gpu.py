@@ -89,6 +89,16 @@ def test_segmentation_per_point_loss_equals_one_device(devices):
     _compare("segmentation", ours, reference, batches, devices, sync_batchnorm=True, loss_weighting="points")
 
 
+@pytest.mark.parametrize("per_device", [2, 3])
+def test_replicas_sharing_one_gpu_equal_one_device(per_device):
+    """2 and 3 replicas on one GPU (``replicas_per_device``): the multi-replica CUDA paths (replica threads, sync
+    batch norm on CUDA tensors, gather, gradient reduction) on a one-GPU machine, labelled ``shared-<k>``."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (3, 4)]
+    ours, reference = same_start(SparseNet, batch_norm=True)
+    _compare(f"sync_batchnorm-shared-{per_device}", ours, reference, batches, 1, sync_batchnorm=True,
+             replicas_per_device=per_device)
+
+
 def test_replicas_run_on_distinct_devices():
     seen = []
 

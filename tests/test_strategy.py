@@ -539,3 +539,18 @@ def test_one_device_is_plain_lightning():
     assert not list(strategy.stage_times.steps)  # the fast path: no stage of the data path ran
     assert_same_states(ours, reference)
     assert float(t.logged_metrics["train_loss"]) == pytest.approx(float(r.logged_metrics["train_loss"]), rel=1e-12)
+
+
+def test_several_replicas_share_one_device():
+    """replicas_per_device=3 on one device: three replicas (the multi-replica paths, as on one GPU), exact."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (141, 142)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    ours, reference = same_start(SparseNet, batch_norm=True)
+    strategy = SparseDataParallelStrategy(replicas_per_device=3, record_stage_times=True)
+    t = trainer(strategy=strategy, devices=1, max_steps=2, precision="64-true", sync_batchnorm=True)
+    t.fit(ours.double(), loader(*batches))
+    trainer(max_steps=2, precision="64-true").fit(reference.double(), loader(*batches))
+    assert len(t.strategy.parallel_devices) == 3 and {"replica0", "replica2"} <= set(list(strategy.stage_times.steps)[0])
+    assert_same_states(ours, reference)
+    with pytest.raises(ValueError, match="replicas_per_device"):
+        SparseDataParallelStrategy(replicas_per_device=0)
