@@ -554,3 +554,20 @@ def test_several_replicas_share_one_device():
     assert_same_states(ours, reference)
     with pytest.raises(ValueError, match="replicas_per_device"):
         SparseDataParallelStrategy(replicas_per_device=0)
+
+
+def test_a_datamodules_before_transfer_hook_sees_the_batch_as_under_plain_lightning():
+    """With DataLoader workers (where presplit would split), a LightningDataModule's on_before_batch_transfer gets the
+    collated dict batch, once per batch, as under plain Lightning: presplit stays off for it."""
+    seen = []
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            return _sample_loader(random_samples(14, seed=151), num_workers=2)
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            seen.append(type(batch).__name__)
+            return batch
+
+    trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(SparseNet(), datamodule=Data())
+    assert seen == ["dict", "dict"]
