@@ -126,13 +126,21 @@ def local_count(
         ValueError: an unknown ``loss_weighting``.
         BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
     """
+    return count_and_plan(batch, loss_weighting, layout, warning_cache)[0]
+
+
+def count_and_plan(
+    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, warning_cache: WarningCache | None = None
+) -> tuple[float, SplitPlan | None]:
+    """:func:`local_count` and the batch's split as one chunk (``None`` for ``"equal"``, which reads nothing), so that
+    a step splits its batch once for both the count and the terms (about 125 us for 12 scenes here)."""
     if loss_weighting == "equal":
-        return 1.0
+        return 1.0, None
     chunks, plan = split_batch(batch, 1, layout=layout)
     count = float(chunk_counts(plan, chunks, loss_weighting)[0])
     if warning_cache is not None:
         say_auto_choice(plan, loss_weighting, warning_cache, strategy="sparse_ddp")
-    return count
+    return count, plan
 
 
 def destroy_process_group_at_exit() -> None:
@@ -299,7 +307,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             )
             return getattr(super(), step_name)(*args, **kwargs)
         batch = args[0] if args else kwargs.get("batch")
-        n = local_count(batch, self.loss_weighting, self.layout, self._warning_cache)
+        n, plan = count_and_plan(batch, self.loss_weighting, self.layout, self._warning_cache)
         terms = self.loss_weighting == "terms"
         if step_name == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
@@ -310,7 +318,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._capture = TermCapture() if terms else None
-        self._batch, self._plan, self._collectives = batch, None, []
+        self._batch, self._plan, self._collectives = batch, plan, []
         step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
             with watching(self._collectives), counting(), _plain_mean_in_log(self.lightning_module):
