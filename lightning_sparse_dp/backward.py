@@ -127,6 +127,14 @@ def loss_of(output: Any) -> Tensor | None:
     return None
 
 
+def is_loss_value(value: Any, loss: Any) -> bool:
+    """Whether a logged or stored ``value`` is ``loss`` itself or its ``.item()`` / ``float()`` (a Python float equal to
+    the one-element loss tensor's value)."""
+    if value is loss:
+        return True
+    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == float(loss.detach())
+
+
 def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: Any) -> list[Any]:
     """The replicas' ``training_step`` outputs, their losses replaced by ones whose backward runs per replica.
 
@@ -155,4 +163,4 @@ def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: 
     return result
 
 
-__all__ = ["ReplicaBackward", "loss_of", "parallel_backward"]
+__all__ = ["ReplicaBackward", "is_loss_value", "loss_of", "parallel_backward"]

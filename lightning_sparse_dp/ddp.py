@@ -339,26 +339,25 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             self._plan = split_batch(self._batch, 1, layout=self.layout)[1]
         return self._plan
 
-    def _summaries(self, value: Any) -> list[Summary]:
-        """Every rank's :class:`Summary` of ``value`` (one ``all_gather_object``), in rank order."""
+    def _summary(self, value: Any) -> Summary:
+        """This rank's :class:`Summary` of ``value`` (its loss, or a logged value) on its share of the batch."""
         assert self._capture is not None
-        shape = ChunkShape.of(self._step_plan(), 0)
-        summary = summarize(self._capture, value, shape, self._count or 0.0, self._collectives)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [summary]
-        return gather_objects(summary, self.root_device)
+        return summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives)
 
-    def _rank(self) -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (:func:`gather_objects`); ``[obj]`` without a process group of several."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [obj]
+        return gather_objects(obj, self.root_device)
 
     def _term_scale(self, output: Any) -> float:
         """After the step (or at a ``manual_backward`` in it): the loss scale, and each term's gradient scale, from
         every rank's summary of the loss (:func:`rank_scale`)."""
         assert self._capture is not None
-        summaries = self._summaries(loss_of(output))
+        summaries = self._gather(self._summary(loss_of(output)))
         auto = lambda: resolve_auto(self._step_plan())  # noqa: E731
         return rank_scale(
-            summaries, self._rank(), self._capture, self.world_size, self._site_memory, self._warning_cache, auto
+            summaries, self.global_rank, self._capture, self.world_size, self._site_memory, self._warning_cache, auto
         )
 
     @override
@@ -423,15 +422,13 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if self._capture is not None:
             target = tensor if id(tensor) in self._capture.forms else self._capture.tensor_of(float(x)) if one else None
             if target is not None:
-                summary = summarize(
-                    self._capture, target, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives
-                )
+                summary = self._summary(target)
         count = count_of(tensor)
         if count is None and one:
             count = count_of(float(x))
         n = 1.0 if self._collectives else float(self._count or 0.0)
         mine = (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
-        rows = gather_objects(mine, self.root_device) if dist.is_available() and dist.is_initialized() else [mine]
+        rows = self._gather(mine)
         if all(r[0] is not None for r in rows):
             value = decide([r[0] for r in rows], self._site_memory, "rank").value
             if value is not None:

@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_sparse_dp.backward import is_loss_value
 from lightning_sparse_dp.means import count_of
 
 _warning_cache = WarningCache()
@@ -269,7 +270,8 @@ def _reduce_values(
     if len(values) == 1:
         return values[0].reshape(())
     reduce_fx = kwargs.get("reduce_fx", "mean")
-    if losses is not None and all(_is_loss(c.value, losses[i]) for i, c in present):
+    is_loss = losses is not None and all(is_loss_value(c.value, losses[i]) for i, c in present)
+    if is_loss:
         reduce_fx = "mean"  # the loss (or its .item()) is a weighted mean, whatever Lightning reduces it by over an epoch
     elif "reduce_fx" not in kwargs and all(_is_integer(c.value) for _, c in present):
         warning_cache.warn(
@@ -287,7 +289,7 @@ def _reduce_values(
         )
     if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
         return values[0].reshape(())  # the mean, max or min of equal values, without rounding
-    if reduce_fx in (*MEAN_NAMES, torch.mean) and not (losses is not None and all(_is_loss(c.value, losses[i]) for i, c in present)):
+    if reduce_fx in (*MEAN_NAMES, torch.mean) and not is_loss:
         counts = [c.count for _, c in present]
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(n is not None for n in counts):  # means the step computed: weighted by their own element counts
@@ -304,12 +306,6 @@ def _reduce_values(
             )
     return _reduce(values, w, reduce_fx)
 
-
-def _is_loss(value: Any, loss: Tensor | None) -> bool:
-    """Whether a logged value is the replica's step loss: the tensor, or its ``.item()`` / ``float()``."""
-    if loss is None:
-        return False
-    return value is loss or (isinstance(value, float) and loss.numel() == 1 and value == float(loss.detach()))
 
 
 def _no_print(*args: Any, **kwargs: Any) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.term_weights import StepTerms, set_scales, say
+from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.weighting import zeroed
 
 
@@ -44,16 +44,15 @@ class ManualStep:
         group: the step's thread group (the batch-norm group when there is one, so that every rendezvous of a
             replica, batch norm's and these, is numbered in one sequence).
         weights: the chunks' weights (``"auto"``'s or the given ``loss_weighting``'s).
-        terms: the step's term captures under ``loss_weighting="terms"``, else ``None``.
-        say_fallback: says once why a loss is weighted per replica (``terms`` could not follow it).
+        terms: the step's term captures under ``loss_weighting="terms"`` (its plan set), else ``None``.
     """
 
     def __init__(
         self, module: nn.Module, replicas: Replicas, count: int, group: ThreadGroup, weights: Sequence[float],
-        terms: StepTerms | None, say_fallback: Callable[[str], None],
+        terms: StepTerms | None,
     ) -> None:
         self.module, self.replicas, self.count, self.group = module, replicas, count, group
-        self.weights, self.terms, self.say_fallback = list(weights), terms, say_fallback
+        self.weights, self.terms = list(weights), terms
 
     # --- the stand-ins, called in replica threads ------------------------------------------------
     def manual_backward(self, rank: int, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -74,13 +73,7 @@ class ManualStep:
     # --- run once, by the replica that completes the rendezvous ------------------------------------
     def _decide(self, losses: list[Tensor]) -> list[float]:
         if self.terms is not None:
-            decision = self.terms.decide(losses)
-            say(decision, "sparse_dp", self.terms.warning_cache)
-            if decision.value is not None:
-                for capture, scales, w in zip(self.terms.captures, decision.scales, self.weights):
-                    set_scales(capture, scales, 1.0 / w if w else 0.0)
-                return list(self.weights)
-            self.say_fallback(decision.reason or "")
+            self.terms.scale_terms(losses, self.weights)
         return list(self.weights)
 
     def _reduce(self) -> None:

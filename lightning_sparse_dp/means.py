@@ -16,18 +16,17 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from lightning_sparse_dp._patch import SharedPatch
+
 T = TypeVar("T")
 
 _local = threading.local()  # .counts: {id(mean): (mean, count)} of this thread's step, while it counts
-_lock = threading.Lock()
-_users = 0
-_saved: dict[str, Any] = {}
 
 
 def _counted(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -44,45 +43,27 @@ def _counted(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return mean
 
 
+#: ``torch.mean`` and ``Tensor.mean`` counted while any step counts
+_COUNTING = SharedPatch({(torch, "mean"): _counted(torch.mean), (torch.Tensor, "mean"): _counted(torch.Tensor.mean)})
+
+
 @contextmanager
 def counting() -> Iterator[dict[int, tuple[Tensor, int]]]:
     """Record the element count of every one-value mean the calling thread computes in the ``with`` body."""
-    global _users
-    with _lock:
-        if _users == 0:
-            _saved["function"], _saved["method"] = torch.mean, torch.Tensor.mean
-            torch.mean = _counted(_saved["function"])  # type: ignore[assignment]
-            torch.Tensor.mean = _counted(_saved["method"])  # type: ignore[method-assign]
-        _users += 1
-    previous = getattr(_local, "counts", None)
-    _local.counts = counts = {}
-    try:
-        yield counts
-    finally:
-        _local.counts = previous
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                torch.mean = _saved["function"]  # type: ignore[assignment]
-                torch.Tensor.mean = _saved["method"]  # type: ignore[method-assign]
+    with _COUNTING.held():
+        previous = getattr(_local, "counts", None)
+        _local.counts = counts = {}
+        try:
+            yield counts
+        finally:
+            _local.counts = previous
 
 
-@contextmanager
-def plain_mean() -> Iterator[None]:
+def plain_mean() -> AbstractContextManager[None]:
     """torch's own ``torch.mean`` / ``Tensor.mean`` for the ``with`` body, in a process where one step counts
     (``sparse_ddp``): Lightning's ``self.log`` stores ``getattr(torch, "mean")`` as the reduction and later
     checks ``reduce_fx is torch.mean``, so it must never see the counting wrapper. Not for concurrent steps."""
-    with _lock:
-        patched = _users > 0
-        if patched:
-            torch.mean, torch.Tensor.mean = _saved["function"], _saved["method"]  # type: ignore[assignment, method-assign]
-    try:
-        yield
-    finally:
-        if patched:
-            with _lock:
-                torch.mean = _counted(_saved["function"])  # type: ignore[assignment]
-                torch.Tensor.mean = _counted(_saved["method"])  # type: ignore[method-assign]
+    return _COUNTING.suspended()
 
 
 def run_counting(fn: Callable[[], T]) -> T:

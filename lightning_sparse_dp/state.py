@@ -20,6 +20,7 @@ Lightning's and torch's own, not dicts changed in place).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,19 +32,14 @@ from torch import Tensor, nn
 _MISSING = object()
 
 
-def _own_keys() -> frozenset[str]:
+@functools.cache
+def _library_keys() -> frozenset[str]:
     """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), plus what the strategy installs."""
     return frozenset(pl.LightningModule().__dict__) | {"log", "print"}
 
 
-_LIBRARY_KEYS: frozenset[str] | None = None
-
-
 def _followed(key: str, value: Any) -> bool:
-    global _LIBRARY_KEYS
-    if _LIBRARY_KEYS is None:
-        _LIBRARY_KEYS = _own_keys()
-    return key not in _LIBRARY_KEYS and not isinstance(value, (nn.Module, nn.Parameter))
+    return key not in _library_keys() and not isinstance(value, (nn.Module, nn.Parameter))
 
 
 def _same(values: Sequence[Any]) -> bool:

@@ -26,11 +26,11 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.backward import loss_of, parallel_backward
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.weighting import resolve_auto, step_weights
+from lightning_sparse_dp.weighting import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.manual import ManualStep, installed
 from lightning_sparse_dp.means import run_counting
-from lightning_sparse_dp.term_weights import StepTerms, fallback_message
+from lightning_sparse_dp.term_weights import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
@@ -257,13 +257,15 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
             terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
             left = StepState(module, replicas)  # what the step sets on self, merged back below
+            weights: list[float] | None = None
             if step_name == "training_step" and not module.automatic_optimization and len(replicas) > 1:
-                group = self._manual_step(state, module, replicas, inputs, plan, group, terms)
+                group, weights = self._manual_step(state, module, replicas, inputs, plan, group, terms)
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
         losses = [loss_of(o) for o in outputs]  # the replicas' own losses: a logged value that is one is reduced as the loss
-        weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
+        if weights is None:
+            weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
         with self._timer.stage("state"):
@@ -289,21 +291,18 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def _manual_step(
         self, state: ExitStack, module: nn.Module, replicas: list[nn.Module], inputs: Sequence[Any], plan: SplitPlan,
         group: ThreadGroup | None, terms: StepTerms | None,
-    ) -> ThreadGroup:
+    ) -> tuple[ThreadGroup, list[float]]:
         """Manual optimization: the replicas' ``manual_backward`` and optimizer calls met once per step
-        (:mod:`~lightning_sparse_dp.manual`); the step's thread group (a new one when no batch norm is synchronized)."""
+        (:mod:`~lightning_sparse_dp.manual`); the step's thread group (a new one when no batch norm is synchronized)
+        and the chunks' weights (needed inside the step, so computed before it)."""
         group = group if group is not None else ThreadGroup(len(replicas))
         weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
         if terms is not None:
             terms.set_plan(plan)
-
-        def say_fallback(reason: str) -> None:
-            self._warning_cache.info(fallback_message("sparse_dp", reason, *resolve_auto(plan)))
-
         assert self._replicas is not None
-        manual = ManualStep(module, self._replicas, len(replicas), group, weights, terms, say_fallback)
+        manual = ManualStep(module, self._replicas, len(replicas), group, weights, terms)
         state.enter_context(installed(manual, replicas))
-        return group
+        return group, weights
 
     def _combine(
         self, plan: SplitPlan, weights: Sequence[float], terms: StepTerms | None, values: list[Any]

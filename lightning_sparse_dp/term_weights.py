@@ -42,7 +42,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
-from lightning_sparse_dp.backward import loss_of
+from lightning_sparse_dp.backward import is_loss_value, loss_of
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.weighting import resolve_auto
@@ -214,7 +214,6 @@ def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Dec
             "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
         )
     value = rs[0]
-    scales: list[list[float]] = [[0.0] * len(s.order) for s in summaries]
     site_scales: list[list[list[float]]] = [[[] for _ in s.sites] for s in summaries]
     for p in range(len(summaries[0].sites)):
         sites = [s.sites[p] for s in summaries]
@@ -225,10 +224,8 @@ def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Dec
         value += part
         for i, site_scale in enumerate(per_replica):
             site_scales[i][p] = site_scale
-    for i, s in enumerate(summaries):
-        for t, (p, j) in enumerate(s.order):
-            scales[i][t] = site_scales[i][p][j]
-    out.value, out.scales = value, scales
+    out.value = value
+    out.scales = [[site_scales[i][p][j] for p, j in s.order] for i, s in enumerate(summaries)]
 
 
 def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
@@ -465,6 +462,7 @@ class StepTerms:
         self.warning_cache = warning_cache
         self.memory = SiteMemory() if memory is None else memory
         self.decision: Decision | None = None
+        self.plan: SplitPlan | None = None
         self.shapes: list[ChunkShape] = []
         self._losses: list[Any] = []
 
@@ -482,8 +480,14 @@ class StepTerms:
         return [partial(c.run, step) for c, step in zip(self.captures, steps)]
 
     def set_plan(self, plan: SplitPlan) -> None:
-        """The chunks' shapes, before the step (manual optimization decides inside it)."""
+        """The step's split: the chunks' shapes, before the step (manual optimization decides inside it)."""
+        self.plan = plan
         self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
+
+    def say_fallback(self, decision: Decision) -> None:
+        """Say once why the loss is weighted per replica (as ``"auto"`` does for the step's batch) instead."""
+        assert self.plan is not None
+        self.warning_cache.info(fallback_message("sparse_dp", decision.reason or "", *resolve_auto(self.plan)))
 
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
         """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
@@ -499,15 +503,21 @@ class StepTerms:
         self.set_plan(plan)
         if any(loss is None for loss in losses):
             return
-        self.decision = self.decide(losses)
+        self.decision = self.scale_terms(losses, weights)
         self._losses = list(losses)
-        say(self.decision, "sparse_dp", self.warning_cache)
-        if self.decision.value is None:
-            choice, why = resolve_auto(plan)
-            self.warning_cache.info(fallback_message("sparse_dp", self.decision.reason or "", choice, why))
-            return
-        for capture, scales, w in zip(self.captures, self.decision.scales, weights):
-            set_scales(capture, scales, 1.0 / w)
+
+    def scale_terms(self, losses: Sequence[Tensor], weights: Sequence[float]) -> Decision:
+        """The decision on the replicas' ``losses`` (its notes said); when exact, every term's gradient scaled by
+        its share over its replica's weight in ``weights`` (0 for a weight of 0); else why not, said once. After the
+        step (:meth:`weigh`), or at a ``manual_backward`` in it (:mod:`~lightning_sparse_dp.manual`)."""
+        decision = self.decide(losses)
+        say(decision, "sparse_dp", self.warning_cache)
+        if decision.value is None:
+            self.say_fallback(decision)
+            return decision
+        for capture, scales, w in zip(self.captures, decision.scales, weights):
+            set_scales(capture, scales, 1.0 / w if w else 0.0)
+        return decision
 
     def exact_outputs(self, outputs: Sequence[Any], weights: Sequence[float]) -> list[Any]:
         """The replicas' outputs, their losses shifted so that their weighted sum is the whole batch's loss."""
@@ -522,7 +532,7 @@ class StepTerms:
         if len(replicas) != len(self.captures) or not self.shapes:
             return None
         dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
-        if self.decision is not None and all(_is_value_of(v, loss) for v, loss in zip(values, self._losses)):
+        if self.decision is not None and all(is_loss_value(v, loss) for v, loss in zip(values, self._losses)):
             value = self.decision.value  # the logged loss itself, or its .item(): decided already
         else:
             tensors = [v if isinstance(v, Tensor) else self.captures[i].tensor_of(v) for i, v in zip(replicas, values)]
@@ -530,13 +540,6 @@ class StepTerms:
                 return None
             value = self.decide(tensors, replicas).value
         return None if value is None else torch.tensor(value, dtype=dtype)
-
-
-def _is_value_of(value: Any, loss: Any) -> bool:
-    """Whether a logged value is ``loss`` itself or its ``.item()`` / ``float()``."""
-    if value is loss:
-        return True
-    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == float(loss.detach())
 
 
 __all__ = [

@@ -30,8 +30,7 @@ import os
 import sys
 import threading
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -39,15 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_sparse_dp._patch import SharedPatch
 from lightning_sparse_dp.losses import CAPTURED, UNCAPTURED, Arguments, bind, denominator, is_mean, is_sum, loss_name
 
 T = TypeVar("T")
 
 _local = threading.local()  # .pending: the capture of this thread's step, until its first loss call enters it;
 # .active: that capture once entered, until the step ends
-_patch_lock = threading.Lock()
-_patch_users = 0
-_saved: dict[str, Any] = {}
 
 
 def _trigger(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -67,24 +64,8 @@ _TRIGGERS = {f.__name__: _trigger(f) for f in (*CAPTURED, *UNCAPTURED)}
 _ORIGINALS: dict[Any, Any] = {_TRIGGERS[f.__name__]: f for f in (*CAPTURED, *UNCAPTURED)}
 
 
-@contextmanager
-def _triggers_installed() -> Iterator[None]:
-    """``torch.nn.functional``'s losses are triggers while any step runs under a capture (reference-counted)."""
-    global _patch_users
-    with _patch_lock:
-        if _patch_users == 0:
-            for name, trigger in _TRIGGERS.items():
-                _saved[name] = getattr(F, name)
-                setattr(F, name, trigger)
-        _patch_users += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                for name, original in _saved.items():
-                    setattr(F, name, original)
+#: ``torch.nn.functional``'s losses are triggers while any step runs under a capture
+_TRIGGERS_INSTALLED = SharedPatch({(F, name): trigger for name, trigger in _TRIGGERS.items()})
 
 _CAPTURED_KIND, _UNCAPTURED_KIND = "captured", "uncaptured"
 #: what ``__torch_function__`` does first with a loss it is handed (the originals and their triggers alike)
@@ -339,7 +320,7 @@ class TermCapture(TorchFunctionMode):
         the pending capture of their thread. A loss imported by name before (``from
         torch.nn.functional import cross_entropy``) is captured once the mode is entered.
         """
-        with _triggers_installed():
+        with _TRIGGERS_INSTALLED.held():
             _local.pending = self
             try:
                 return fn()
