@@ -18,12 +18,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 
+from lightning_sparse_dp._patch import SharedPatch
 from lightning_sparse_dp.terms import library_dirs
 
 #: ``torch.distributed``'s collectives that user code reduces a count or a loss with
@@ -33,15 +35,23 @@ COLLECTIVES = (
 )
 
 
-def _watched(name: str, fn: Callable[..., Any], found: list[str]) -> Callable[..., Any]:
+_local = threading.local()  # .found: the list the calling thread's step notes its collectives in, while it watches
+
+
+def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def watched(*args: Any, **kwargs: Any) -> Any:
+        found = getattr(_local, "found", None)
         caller = sys._getframe(1)
-        if not caller.f_code.co_filename.startswith(library_dirs()):
+        if found is not None and not caller.f_code.co_filename.startswith(library_dirs()):
             found.append(f"dist.{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
         return fn(*args, **kwargs)
 
     return watched
+
+
+#: ``torch.distributed``'s collectives noted while any step watches
+_WATCHING = SharedPatch({(dist, name): _watched(name, getattr(dist, name)) for name in COLLECTIVES if hasattr(dist, name)})
 
 
 @contextmanager
@@ -50,16 +60,15 @@ def watching(found: list[str]) -> Iterator[list[str]]:
     ``"dist.all_reduce at file.py:line"`` to ``found`` (calls by torch, Lightning, torchmetrics and this package
     are not noted). Only attribute lookups on the module are seen (``dist.all_reduce(...)``, as user code and
     mmdetection's ``reduce_mean`` write it), not a name imported before (``from torch.distributed import
-    all_reduce``). Not thread-safe across concurrent steps of one process (``sparse_ddp`` runs one at a time).
+    all_reduce``). Each thread notes its own calls (the list is the calling thread's).
     """
-    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    for name, fn in saved.items():
-        setattr(dist, name, _watched(name, fn, found))
-    try:
-        yield found
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    with _WATCHING.held():
+        previous = getattr(_local, "found", None)
+        _local.found = found
+        try:
+            yield found
+        finally:
+            _local.found = previous
 
 
 __all__ = ["COLLECTIVES", "watching"]

@@ -14,11 +14,13 @@ from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_sparse_dp.split import SparseSpec
+from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp.split import SparseSpec, split_batch
 
 
 def check_devices(devices: Sequence[torch.device]) -> None:
@@ -119,8 +121,6 @@ def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
         batch: a batch :func:`~lightning_sparse_dp.split.split_batch` can read (``layout`` as there).
         device: the target device.
     """
-    from lightning_sparse_dp.split import split_batch
-
     chunks, _ = split_batch(batch, 1, layout=layout)
     return place_chunk(chunks[0], device)
 
@@ -129,13 +129,9 @@ def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
     """The whole batch on ``device`` as plain Lightning's ``batch_to_device`` leaves it (tensors moved with Lightning's
     ``move_data_to_device``), for a step on one device; ``None`` when an ``ME.SparseTensor`` / ``ME.TensorField`` of
     the batch is elsewhere (it has no ``.to()``: the split-and-place path rebuilds it on the device)."""
-    import torch.utils._pytree as pytree
-
-    from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
-
     me = [x for x in pytree.tree_leaves(batch, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
           if is_sparse_tensor(x) or is_tensor_field(x)]
-    if any(x.device != device and torch.device(x.device) != device for x in me):
+    if any(torch.device(x.device) != device for x in me):
         return None
     return move_data_to_device(batch, device)
 
