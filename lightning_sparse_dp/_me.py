@@ -72,7 +72,7 @@ def unpatched_message(strategy: str, device_type: str, missing: dict[str, str]) 
     what = "stock MinkowskiEngine (no lightning-sparse-dp build marker)" if build_info() is None else (
         f"a MinkowskiEngine built without patch(es) {', '.join(sorted(missing))}"
     )
-    build = f"bash scripts/build_minkowski.sh {sys.executable}" + (" --cuda" if device_type == "cuda" else "")
+    build = "bash scripts/build_minkowski.sh " + ("--cuda " if device_type == "cuda" else "") + sys.executable
     if device_type == "cpu":
         return (
             f"{strategy}: this is {what}, whose CPU backend makes each replica's result depend on which samples share "
