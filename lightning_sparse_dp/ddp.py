@@ -64,7 +64,8 @@ from lightning_sparse_dp.terms import TermCapture
 from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
-from lightning_sparse_dp.split import SplitPlan, split_batch
+from lightning_sparse_dp.place import check_me_devices, place_batch
+from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
 
 
 @contextmanager
@@ -454,6 +455,29 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     def on_predict_end(self) -> None:
         self._predict_samplers = []
         super().on_predict_end()
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's transfer, then, on a GPU, the batch's ``ME.SparseTensor`` / ``ME.TensorField`` rebuilt on
+        this rank's device (:func:`~lightning_sparse_dp.place.place_batch`): they have no ``.to()``, so DDP leaves
+        them on the CPU, where ME's CUDA layers crash the process on them.
+
+        Raises:
+            RuntimeError: an ME tensor elsewhere in a batch the split cannot read
+                (:func:`~lightning_sparse_dp.place.check_me_devices`).
+        """
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        device = torch.device(device or self.root_device)
+        if device.type != "cuda":
+            return batch
+        try:
+            check_me_devices(batch, device)
+        except RuntimeError as misplaced:
+            try:
+                return place_batch(batch, device, layout=self.layout)
+            except BatchLayoutError:
+                raise misplaced from None
+        return batch
 
     # --- point-balanced batches ------------------------------------------------------------------
     @override

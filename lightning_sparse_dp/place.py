@@ -21,6 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
 from lightning_sparse_dp.split import SparseSpec, split_batch
+from lightning_sparse_dp.split.leaves import path_name
 
 
 def check_devices(devices: Sequence[torch.device]) -> None:
@@ -92,8 +93,42 @@ def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
         return spec.cls(features=features, coordinates=coordinates, device=device, **spec.kwargs)
 
 
+def _is_me(x: Any) -> bool:
+    return is_sparse_tensor(x) or is_tensor_field(x)
+
+
+def check_me_devices(batch: Any, device: torch.device) -> None:
+    """Check that every ``ME.SparseTensor`` / ``ME.TensorField`` already built in ``batch`` is on ``device``.
+
+    ME tensors have no ``.to()``, so one that reaches a replica from elsewhere stays where it was built, and ME's
+    CUDA build was seen to crash the process (a segmentation fault while formatting its assertion message) when
+    a CPU SparseTensor meets a layer on a GPU (issue 33). Pending tensors (:class:`SparseSpec`) are not checked:
+    :func:`build_sparse` builds them on ``device``.
+
+    Raises:
+        RuntimeError: naming the first such entry (``batch['x']``), its device and ``device``.
+    """
+    leaves, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_me)
+    for path, x in leaves:
+        if _is_me(x) and torch.device(x.device) != device:
+            kind = "ME.TensorField" if is_tensor_field(x) else "ME.SparseTensor"
+            raise RuntimeError(
+                f"{path_name(path)} is an {kind} on {torch.device(x.device)}, but the replica it goes to runs on "
+                f"{device}: an ME tensor cannot be moved (0.5.x has no .to()), and ME's CUDA layers crash the process "
+                "on a tensor from another device. Return its features and coordinates (or the ME tensor itself, in a "
+                "dict, list or tuple the split can read) from the dataloader and let the strategy build it on each "
+                "device, or build it in the step on self.device."
+            )
+
+
 def place_chunk(chunk: Any, device: torch.device) -> Any:
-    """Move every tensor of ``chunk`` to ``device`` and build its pending sparse tensors there."""
+    """Move every tensor of ``chunk`` to ``device`` and build its pending sparse tensors there.
+
+    Raises:
+        RuntimeError: on a CUDA ``device``, an ME tensor of ``chunk`` built elsewhere (:func:`check_me_devices`).
+    """
+    if device.type == "cuda":
+        check_me_devices(chunk, device)
     chunk = apply_to_collection(chunk, SparseSpec, build_sparse, device=device)
     with device_context(device):
         return move_data_to_device(chunk, device)
@@ -108,8 +143,6 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
     if len(chunks) > len(devices):
         raise ValueError(f"{len(chunks)} chunks for {len(devices)} devices: split into at most one chunk per device.")
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
-
-
 
 
 def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
@@ -137,6 +170,6 @@ def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
 
 
 __all__ = [
-    "build_sparse", "check_devices", "current_stream", "device_context", "place_batch", "place_chunk", "place_chunks",
+    "build_sparse", "check_devices", "check_me_devices", "current_stream", "device_context", "place_batch", "place_chunk", "place_chunks",
     "whole_batch_on",
 ]

@@ -231,6 +231,7 @@ PYEOF
     #     key) used the field's maps: out-of-bounds reads and writes. The maps now follow the input.
     #  13 Building a coordinate map (SparseTensor, TensorField.sparse()) hashed the coordinates with
     #     the GIL held: replica threads built their maps in turn. The hashing releases it now.
+    #  14 CUDA global max pooling of a one-sample batch: patch 10's defect in global_pooling_gpu.cu.
     # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do

@@ -215,3 +215,40 @@ def test_bench_on_gpu_without_a_gpu_says_so():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--accelerator", "gpu"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "no GPU visible" in done.stderr
+
+
+# --- ME tensors on the wrong device: a clear error, never ME's crash ----------------------------
+
+def _cpu_field_batch():
+    coordinates = torch.IntTensor([[0, 0, 0], [0, 1, 0], [1, 0, 1]])
+    return {"x": ME.TensorField(torch.ones(3, 2), coordinates), "labels": torch.zeros(3)}
+
+
+def test_an_me_tensor_built_elsewhere_is_refused_before_cuda_is_touched():
+    """A chunk that still holds a CPU TensorField, bound for a GPU replica, is refused naming the entry and both
+    devices (ME's CUDA build crashed the process on such a tensor: issue 33); no CUDA call is made first."""
+    from lightning_sparse_dp.place import check_me_devices, place_chunk
+
+    gpu = torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match=r"batch\['x'\] is an ME.TensorField on cpu.*runs on cuda:1"):
+        place_chunk(_cpu_field_batch(), gpu)
+    check_me_devices(_cpu_field_batch(), torch.device("cpu"))  # where it is: nothing to say
+    check_me_devices({"features": torch.ones(2)}, gpu)  # plain tensors are moved by place_chunk, not refused
+
+
+def test_sparse_ddp_rebuilds_me_tensors_on_the_ranks_gpu(monkeypatch):
+    """sparse_ddp's ``batch_to_device`` rebuilds a batch's ME tensors on the rank's GPU (DDP leaves them on the CPU)
+    and leaves a CPU rank's batch as Lightning transfers it."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_sparse_dp.ddp as ddp
+
+    placed = []
+    monkeypatch.setattr(DDPStrategy, "batch_to_device", lambda self, batch, device=None, dataloader_idx=0: batch)
+    monkeypatch.setattr(ddp, "place_batch", lambda batch, device, layout=None: placed.append(device) or "rebuilt")
+    strategy = ddp.SparseDDPStrategy()
+    assert strategy.batch_to_device(_cpu_field_batch(), torch.device("cuda", 0)) == "rebuilt"
+    assert placed == [torch.device("cuda", 0)]
+    batch = _cpu_field_batch()
+    assert strategy.batch_to_device(batch, torch.device("cpu")) is batch
+    assert placed == [torch.device("cuda", 0)]

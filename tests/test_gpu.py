@@ -113,3 +113,61 @@ def test_replicas_run_on_distinct_devices():
     expected = [torch.device(ACCELERATOR if ACCELERATOR == "cpu" else "cuda", None if ON_CPU else i)
                 for i in range(NUM_DEVICES)]
     assert sorted(seen, key=str) == sorted(zip(expected, expected), key=str)
+
+
+@pytest.mark.parametrize("mode", [ME.PoolingMode.GLOBAL_MAX_POOLING_DEFAULT, ME.PoolingMode.GLOBAL_MAX_POOLING_KERNEL,
+                                  ME.PoolingMode.GLOBAL_MAX_POOLING_PYTORCH_INDEX])
+def test_cuda_one_sample_global_max_pooling_gradient(mode):
+    """ME's global max pooling of a one-sample batch on the GPU sends each channel's gradient to that channel's
+    maximum, as torch's max over the same features does (scripts/minkowski_patches/14; a chunk of one sample).
+    Without the patch the gradient lands on element ``row_j`` of the flattened features instead."""
+    device = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(3)
+    coordinates = torch.cat([torch.zeros(9, 1, dtype=torch.int32), torch.randperm(60, generator=g)[:9, None].int(),
+                             torch.randint(0, 4, (9, 2), generator=g, dtype=torch.int32)], 1)
+    features = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    weights = torch.randn(1, 5, generator=g, dtype=torch.float64).to(device)
+    ours = features.clone().to(device).requires_grad_()
+    x = ME.SparseTensor(ours, coordinates.to(device), device=device)
+    pooled = ME.MinkowskiGlobalMaxPooling(mode=mode)(x).F
+    (pooled * weights).sum().backward()
+    dense = features.clone().to(device).requires_grad_()
+    expected = dense.max(0, keepdim=True).values
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(pooled, expected, rtol=0, atol=0)
+    torch.testing.assert_close(ours.grad, dense.grad, rtol=0, atol=0, msg=lambda m: f"{mode}: input gradient {m}")
+
+
+_ASSERTION_PROBE = """
+import sys, torch, MinkowskiEngine as ME
+device = torch.device(sys.argv[1])
+conv = ME.MinkowskiConvolution(3, 4, kernel_size=3, dimension=2).double().to(device)
+coordinates = torch.IntTensor([[0, 0, 0], [0, 0, 1], [0, 1, 0]])
+cases = {"float32 features into a float64 layer": (torch.ones(3, 3), device),
+         "CPU features into a layer on " + str(device): (torch.ones(3, 3, dtype=torch.float64), torch.device("cpu"))}
+for name, (features, where) in cases.items():
+    if where == device and name.startswith("CPU"):
+        continue
+    x = ME.SparseTensor(features.to(where), coordinates.to(where), device=where)
+    try:
+        conv(x)
+    except RuntimeError as err:
+        print("raised:", name, "|", str(err).splitlines()[0][:120], flush=True)
+    else:
+        print("no error:", name, flush=True)
+"""
+
+
+def test_me_assertions_raise_instead_of_crashing():
+    """An ME C++ assertion (dtype mismatch; CPU features into a CUDA layer) raises ``RuntimeError`` in a child process
+    rather than killing it: ME's CUDA build was seen to segfault while formatting its assertion message (issue 33)."""
+    import subprocess
+    import sys
+
+    device = "cpu" if ON_CPU else "cuda:0"
+    done = subprocess.run([sys.executable, "-c", _ASSERTION_PROBE, device], capture_output=True, text=True, timeout=300)
+    said = done.stdout + done.stderr[-2000:]
+    assert done.returncode == 0, (
+        f"the child process died (exit {done.returncode}; a negative number is the signal) on an ME assertion: {said}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("raised:", "no error:"))]
+    assert lines and all(line.startswith("raised:") for line in lines), said
