@@ -743,9 +743,13 @@ def run_all(models: list[tuple[str, int]], steps: int, warmup: int, repeats: int
     every ratio run close together in each repetition and a slow spell of a shared machine lands on both.
 
     Returns:
-        ``raw[(model, mode)][case]``: the case's results, one per repetition.
+        ``(raw, failed)``: ``raw[(model, mode)][case]``, the case's results, one per repetition (none for a case
+        that failed in any repetition); ``failed["<model> <mode> <case>"]``, what a failed case said. A failed
+        case (the DDP child seen to end with "terminate called without an active exception") is reported and the
+        run goes on.
     """
     raw: dict = {(m, mode): {c: [] for c in case_names(mode, m)} for m, _ in models for mode in MODES}
+    failed: dict[str, str] = {}
     total, done, started = sum(len(v) for v in raw.values()) * repeats, 0, time.perf_counter()
     runners = {mode: CaseRunner(mode) for mode in MODES}
     try:
@@ -754,15 +758,28 @@ def run_all(models: list[tuple[str, int]], steps: int, warmup: int, repeats: int
                 for mode in MODES:
                     names = case_names(mode, model_name)
                     for case in names if rep % 2 == 0 else names[::-1]:
-                        result = runners[mode].run(model_name, case, global_batch, steps, warmup)
-                        raw[(model_name, mode)][case].append(result)
                         done += 1
-                        print(f"  [{done}/{total} {time.perf_counter() - started:.0f} s] repetition {rep + 1}: {model_name}, "
-                              f"{mode}, {case}: {result['step_s'] * 1e3:.1f} ms/iter", flush=True)
+                        where = f"  [{done}/{total} {time.perf_counter() - started:.0f} s] repetition {rep + 1}: " \
+                                f"{model_name}, {mode}, {case}"
+                        if f"{model_name} {mode} {case}" in failed:
+                            continue
+                        try:
+                            result = runners[mode].run(model_name, case, global_batch, steps, warmup)
+                        except Exception as err:  # noqa: BLE001 - reported in the tables and the JSON line
+                            lines = str(err).strip().splitlines()
+                            failed[f"{model_name} {mode} {case}"] = f"{type(err).__name__}: {lines[-1][:300] if lines else ''}"
+                            print(f"{where}: FAILED ({failed[f'{model_name} {mode} {case}']})", flush=True)
+                            continue
+                        raw[(model_name, mode)][case].append(result)
+                        print(f"{where}: {result['step_s'] * 1e3:.1f} ms/iter", flush=True)
     finally:
         for runner in runners.values():
             runner.close()
-    return raw
+    for key in failed:
+        model_name, rest = key.split(" ", 1)
+        mode = next(m for m in MODES if rest.startswith(m + " "))
+        raw[(model_name, mode)][rest[len(mode) + 1:]] = []
+    return raw, failed
 
 
 def _devices(case: str) -> int:
@@ -774,12 +791,15 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     out: dict = {}
 
     def put(key: str, values: list[float], digits: int = 4) -> None:
+        if not values:  # a case it needs failed (see "failed")
+            out[key], out[f"{key}_spread"] = None, None
+            return
         out[key] = round(statistics.median(values), digits)
         out[f"{key}_spread"] = [round(min(values), digits), round(max(values), digits)]
 
     def ratio(model: str, mode: str, numerator: str, denominator: str) -> list[float]:
         a, b = raw[(model, mode)][numerator], raw[(model, mode)][denominator]
-        return [x["step_s"] / y["step_s"] for x, y in zip(a, b)]  # within each repetition
+        return [x["step_s"] / y["step_s"] for x, y in zip(a, b)] if a and b else []  # within each repetition
 
     def stage_sum(model: str, mode: str, case: str, names: tuple[str, ...]) -> list[float]:
         return [sum(r["stages"].get(n, 0.0) for n in names) for r in raw[(model, mode)][case]]
@@ -814,45 +834,71 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     out["imbalance_contiguous"] = round(imbalance("contiguous"), 4)
     ours, fresh = dispatch_us()
     out["dispatch_us"] = {"sparse_dp": round(ours, 1), "parallel_apply_threads": round(fresh, 1)}
-    peaks = {case: max(r["peak_rss_mb"] for r in reps) for case, reps in raw[(seg, d)].items()}
+    peaks = {case: max(r["peak_rss_mb"] for r in reps) for case, reps in raw[(seg, d)].items() if reps}
     out["peak_rss_mb"] = {case: round(v, 1) for case, v in peaks.items()}
-    out["rss_ratio_sparse_dp_3"] = round(peaks["sparse_dp-3"] / peaks["auto-1"], 3)
+    out["rss_ratio_sparse_dp_3"] = round(peaks["sparse_dp-3"] / peaks["auto-1"], 3) \
+        if "sparse_dp-3" in peaks and "auto-1" in peaks else None
     return out
 
 
 def main_gpu(args) -> None:
-    """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (and with sync BN on N), DDP with
-    2 processes (NCCL); tables, stage medians and a JSON line of ``speedup_sparse_dp_<d>_gpu`` / ``overhead_ratio_gpu``."""
+    """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (with sync BN on N), DDP with 2
+    processes (NCCL) where there are 2 GPUs, and, where fewer GPUs than 3 are visible, 2 and 3 replicas sharing one
+    GPU (``replicas_per_device``, labelled ``shared``; sync BN on the 3). Tables, stage medians and one JSON line:
+    ``overhead_ratio_gpu`` (segmentation; ``digits_overhead_ratio_gpu``), ``speedup_sparse_dp_<d>_gpu``, each case's
+    ms per step and sparse_dp-1's stage medians per model, and ``failed``: a case that raised is reported there and
+    in the output, and the run goes on (``null`` for a ratio it leaves without a side)."""
     if torch.cuda.device_count() == 0:
         sys.exit("bench: --accelerator gpu but torch.cuda.device_count() == 0 (no GPU visible): nothing run")
-    max_devices = args.devices or torch.cuda.device_count()
+    gpus = args.devices or torch.cuda.device_count()
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
-    print(f"torch {torch.__version__}; GPUs: {[torch.cuda.get_device_name(i) for i in range(max_devices)]}; "
-          f"{steps} timed steps after {warmup} warm-up steps per case")
-    headline = {}
-    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", GLOBAL_BATCH["digits"])):
-        def sdp(**kwargs):
-            return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    print(f"torch {torch.__version__}; GPUs: {names}; {steps} timed steps after {warmup} warm-up steps per case")
+    headline: dict = {"gpus": gpus, "gpu": names[0], "failed": {}}
 
+    def sdp(**kwargs):
+        return SparseDataParallelStrategy(record_stage_times=True, **kwargs)
+
+    for model_name, global_batch in (("segmentation", args.global_batch), ("digits", GLOBAL_BATCH["digits"])):
         kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
-        results = {"auto-1": {**run_case(model_name, "auto", 1, global_batch, steps, warmup, "gpu"), "devices": 1}}
-        for d in range(1, max_devices + 1):
-            results[f"sparse_dp-{d}"] = {**run_case(model_name, sdp(**kwargs), d, global_batch, steps, warmup, "gpu"),
-                                         "devices": d}
-        if max_devices >= 2:
-            results[f"sparse_dp-{max_devices} syncBN"] = {
-                **run_case(model_name, sdp(sync_batchnorm=True, **kwargs), max_devices, global_batch, steps, warmup, "gpu"),
-                "devices": max_devices,
-            }
-            results["ddp-2 (nccl)"] = {**run_ddp_child(model_name, global_batch, steps, warmup, "ddp", "gpu"), "devices": 2}
-        table(model_name, results, global_batch)
+        cases = {"auto-1": (1, lambda: run_case(model_name, "auto", 1, global_batch, steps, warmup, "gpu"))}
+        for d in range(1, gpus + 1):
+            cases[f"sparse_dp-{d}"] = (d, partial(run_case, model_name, sdp(**kwargs), d, global_batch, steps, warmup,
+                                                  "gpu"))
+        for k in (2, 3):
+            if k > gpus:
+                cases[f"sparse_dp-{k} shared"] = (k, partial(run_case, model_name, sdp(replicas_per_device=k, **kwargs),
+                                                             1, global_batch, steps, warmup, "gpu"))
+        if gpus >= 2:
+            cases[f"sparse_dp-{gpus} syncBN"] = (gpus, partial(run_case, model_name, sdp(sync_batchnorm=True, **kwargs),
+                                                               gpus, global_batch, steps, warmup, "gpu"))
+            cases["ddp-2 (nccl)"] = (2, partial(run_ddp_child, model_name, global_batch, steps, warmup, "ddp", "gpu"))
+        else:
+            cases["sparse_dp-3 shared syncBN"] = (3, partial(
+                run_case, model_name, sdp(replicas_per_device=3, sync_batchnorm=True, **kwargs), 1, global_batch,
+                steps, warmup, "gpu"))
+        results = {}
+        for label, (devices, run) in cases.items():
+            try:
+                results[label] = {**run(), "devices": devices}
+            except Exception as err:  # reported in the table's place and the JSON line; the other cases still run
+                said = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+                headline["failed"][f"{model_name} {label}"] = said
+                print(f"bench: the case {label!r} ({model_name}) failed: {said}", file=sys.stderr, flush=True)
+        if "auto-1" in results:
+            table(model_name, results, global_batch)
         stage_table(results)
+        prefix = "" if model_name == "segmentation" else f"{model_name}_"
+        plain, one = results.get("auto-1"), results.get("sparse_dp-1")
+        headline[f"{prefix}overhead_ratio_gpu"] = round(one["step_s"] / plain["step_s"], 4) if plain and one else None
         if model_name == "segmentation":
-            for d in range(2, max_devices + 1):
-                headline[f"speedup_sparse_dp_{d}_gpu"] = round(
-                    results["auto-1"]["step_s"] / results[f"sparse_dp-{d}"]["step_s"], 3
-                )
-            headline["overhead_ratio_gpu"] = round(results["sparse_dp-1"]["step_s"] / results["auto-1"]["step_s"], 4)
+            for d in range(2, gpus + 1):
+                ours = results.get(f"sparse_dp-{d}")
+                headline[f"speedup_sparse_dp_{d}_gpu"] = round(plain["step_s"] / ours["step_s"], 3) \
+                    if plain and ours else None
+        headline[f"{model_name}_step_ms"] = {label: round(r["step_s"] * 1e3, 3) for label, r in results.items()}
+        headline[f"{model_name}_stages_ms_sparse_dp_1"] = (
+            {k: round(v, 3) for k, v in stage_breakdown(one).items()} if one else None)
     print(json.dumps(headline))
 
 
@@ -897,14 +943,21 @@ def main() -> None:
           f"interleaved repetitions, {steps} timed steps after {warmup} warm-up steps each; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     models = [("segmentation", args.global_batch), ("digits", GLOBAL_BATCH["digits"])]
-    raw = run_all(models, steps, warmup, args.repeats)
-    runs = {key: {case: aggregate(reps, _devices(case)) for case, reps in cases.items()} for key, cases in raw.items()}
+    raw, failed = run_all(models, steps, warmup, args.repeats)
+    runs = {key: {case: aggregate(reps, _devices(case)) for case, reps in cases.items() if reps}
+            for key, cases in raw.items()}
     for (model_name, mode), results in runs.items():
         label = "" if mode == "default" else ", one intra-op thread per replica / process"
-        table(model_name, results, dict(models)[model_name], label=label)
+        if "auto-1" in results:
+            table(model_name, results, dict(models)[model_name], label=label)
         stage_table(results)
-    figures = plot(runs, Path(args.figures))
-    line = headline(raw, args.global_batch, steps, warmup)
+    for key, said in failed.items():
+        print(f"FAILED {key}: {said}")
+    try:
+        figures = plot(runs, Path(args.figures))
+    except (KeyError, ValueError) as err:  # a case the plots need failed
+        figures = [f"(no plots: {err!r})"]
+    line = {**headline(raw, args.global_batch, steps, warmup), "failed": failed}
     load = os.getloadavg()
     print(f"\nplots: {', '.join(str(f) for f in figures)}; {time.perf_counter() - started:.0f} s in all; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -12,6 +12,12 @@
 #   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
 #   OpenBLAS: found by scripts/find_blas.sh (LSDP_BLAS_INCLUDE / LSDP_BLAS_LIB, the active conda
 #   environment, pkg-config, the system); PYTHON may be any interpreter (a venv's, conda's, a module's).
+#   Offline (a machine that reaches no package registry, e.g. a lent GPU machine; scripts/gpu_check.sh --bundle
+#   sets these from scripts/gpu_bundle.sh's bundle): LSDP_ME_SDIST=FILE uses that ME 0.5.4 source distribution
+#   instead of downloading one; LSDP_OFFLINE=1 also builds with PYTHON's own setuptools, wheel and ninja instead
+#   of a pinned build environment (with --blas given ME's setup.py needs no numpy.distutils) and lets pip reach
+#   no index. A BLAS library folder named by LSDP_BLAS_LIB is written into the extension's search path.
+#   usage: scripts/build_minkowski.sh --fetch-sdist DIR PYTHON   only puts the ME sdist into DIR (for a bundle).
 #   Environment: LSDP_CACHE (cache folder), MAX_JOBS (compile jobs), LSDP_KEEP_BUILD=1 (keep the
 #   scratch folder with the patched sources and torch's build.ninja, e.g. to compile one file:
 #   ninja -C <folder>/MinkowskiEngine-0.5.4/build/temp.linux-x86_64-cpython-311 <object>).
@@ -37,11 +43,16 @@
 set -euo pipefail
 
 WANT_CUDA=${LSDP_CUDA:-auto}
+FETCH_TO=
 case "${1:-}" in
     --cuda) WANT_CUDA=1; shift ;;
     --cpu) WANT_CUDA=0; shift ;;
+    --fetch-sdist) FETCH_TO=${2:?usage: build_minkowski.sh --fetch-sdist DIR PYTHON}; WANT_CUDA=0; shift 2 ;;
 esac
 PY=${1:?usage: build_minkowski.sh [--cuda | --cpu] PYTHON}
+OFFLINE=${LSDP_OFFLINE:-0}
+SDIST=${LSDP_ME_SDIST:-}
+[ "$OFFLINE" != 1 ] || export PIP_NO_INDEX=1
 HERE=$(cd "$(dirname "$0")" && pwd)
 # Bump when the CUDA part of the recipe (scripts/me_cuda_patch.py, CUDA flags) changes.
 CUDA_RECIPE=1
@@ -128,6 +139,69 @@ with open(os.path.join(os.path.dirname(MinkowskiEngine.__file__), "lsdp_build.js
     json.dump(marker, f, indent=1)
 PYEOF
 }
+# The pinned build environment: ME's setup.py imports numpy.distutils unless --blas is given, and pip runs
+# setup.py without build options to read the sdist's metadata, so numpy 1.26.4 and setuptools 69.5.1; it sees
+# the target's torch (the extension must match that torch's ABI) after its own pins.
+build_env() {
+    BUILD_ENV="$CACHE/build-env-$PYTAG"
+    # A CUDA build's environment sees a CUDA torch: kept apart, so that a CPU build running at the
+    # same time does not see it (the .pth below names one target).
+    [ "$VARIANT" = cpu ] || BUILD_ENV="$CACHE/build-env-$PYTAG-cuda"
+    if [ ! -x "$BUILD_ENV/bin/python" ]; then
+        log "creating build environment $BUILD_ENV"
+        BASE_PY=$("$PY" -c "import sys, os; print(os.path.join(sys.base_prefix, 'bin', 'python3'))")
+        "$BASE_PY" -m venv "$BUILD_ENV"
+        "$BUILD_ENV/bin/python" -m pip install -q --disable-pip-version-check \
+            "numpy==1.26.4" "setuptools==69.5.1" "wheel<0.46" ninja \
+            || die "could not install the build environment's tools (numpy 1.26.4, setuptools 69.5.1, wheel, ninja)"
+    fi
+    BSITE=$("$BUILD_ENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$SITE" > "$BSITE/zz_lsdp_target_site.pth"
+    "$BUILD_ENV/bin/python" -c "import torch, numpy; assert numpy.__version__ == '1.26.4'" \
+        || die "the build environment cannot import the target's torch with numpy 1.26.4"
+}
+# The sdist through pip's configured index, into folder $1 (run with the build environment first on PATH).
+fetch_sdist() {
+    log "fetching the MinkowskiEngine $ME_VERSION source distribution"
+    "$BUILD_ENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+        --no-binary :all: --no-build-isolation "MinkowskiEngine==$ME_VERSION" -d "$1" \
+        || die "could not download the MinkowskiEngine $ME_VERSION sdist"
+}
+# LSDP_OFFLINE=1: PYTHON's own build tools, `python` and `pip` on PATH meaning PYTHON (ME's setup.py calls them),
+# and no index for pip.
+offline_tools() {
+    [ -n "$SDIST" ] || die "LSDP_OFFLINE=1 needs LSDP_ME_SDIST=<path of MinkowskiEngine-$ME_VERSION.tar.gz> \
+(bash scripts/gpu_bundle.sh DIR puts one in DIR/sdist where a registry is reachable)"
+    local missing
+    missing=$("$PY" -c "
+import importlib.util as u
+if u.find_spec('setuptools') is None:
+    print('setuptools wheel')
+elif u.find_spec('wheel') is None and u.find_spec('setuptools.command.bdist_wheel') is None:
+    print('wheel')  # setuptools >= 70.1 has bdist_wheel itself
+")
+    [ -z "$missing" ] || die "LSDP_OFFLINE=1 builds with $PY's own build tools, and it lacks: $missing. Carry their \
+wheels (bash scripts/gpu_bundle.sh DIR puts them in DIR/wheels) and install them: $PY -m pip install --no-index \
+--find-links DIR/wheels $missing"
+    "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('ninja') is None)" \
+        || log "no ninja in $PY: the compile runs one file at a time (carry a ninja wheel for MAX_JOBS)"
+    mkdir -p "$WORK/bin"
+    # a wrapper, not a link: a venv's interpreter found through a link elsewhere loses its environment
+    printf '#!/bin/sh\nexec "%s" "$@"\n' "$(command -v "$PY")" > "$WORK/bin/python"
+    chmod +x "$WORK/bin/python"
+    # setup.py's `pip uninstall MinkowskiEngine -y` is skipped: the install below replaces it, and a failed build
+    # leaves the environment's ME as it was
+    printf '#!/bin/sh\n[ "$1" = uninstall ] && exit 0\nexec "%s" -m pip "$@"\n' "$(command -v "$PY")" > "$WORK/bin/pip"
+    chmod +x "$WORK/bin/pip"
+    export PATH="$WORK/bin:$("$PY" -c "import sys, os; print(os.path.dirname(sys.executable))"):$PATH" PIP_NO_INDEX=1
+    log "offline build: $PY's own setuptools and wheel, the sdist $SDIST, no package index"
+}
+if [ -n "$FETCH_TO" ]; then
+    mkdir -p "$FETCH_TO"
+    build_env
+    fetch_sdist "$FETCH_TO"
+    exit 0
+fi
 if [ "$installed" = "$ME_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" ] \
         && "$PY" -c "import MinkowskiEngine" >/dev/null 2>&1; then
     write_marker
@@ -145,36 +219,25 @@ if [ -z "$wheel" ]; then
     # the system): no sudo or apt needed when it is there
     blas=$(bash "$(dirname "$0")/find_blas.sh") || die "no OpenBLAS for the build (see the lines above)"
     read -r BLAS_INCLUDE BLAS_LIB <<< "$blas"
-    BUILD_ENV="$CACHE/build-env-$PYTAG"
-    # A CUDA build's environment sees a CUDA torch: kept apart, so that a CPU build running at the
-    # same time does not see it (the .pth below names one target).
-    [ "$VARIANT" = cpu ] || BUILD_ENV="$CACHE/build-env-$PYTAG-cuda"
-    if [ ! -x "$BUILD_ENV/bin/python" ]; then
-        log "creating build environment $BUILD_ENV"
-        "$PY" -c "import sys; print(sys.base_prefix)" >/dev/null
-        BASE_PY=$("$PY" -c "import sys, os; print(os.path.join(sys.base_prefix, 'bin', 'python3'))")
-        "$BASE_PY" -m venv "$BUILD_ENV"
-        "$BUILD_ENV/bin/python" -m pip install -q --disable-pip-version-check \
-            "numpy==1.26.4" "setuptools==69.5.1" "wheel<0.46" ninja \
-            || die "could not install the build environment's tools (numpy 1.26.4, setuptools 69.5.1, wheel, ninja)"
-    fi
-    # The build environment sees the target's torch (and its dependencies) after its own pins.
-    BSITE=$("$BUILD_ENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    echo "$SITE" > "$BSITE/zz_lsdp_target_site.pth"
-    "$BUILD_ENV/bin/python" -c "import torch, numpy; assert numpy.__version__ == '1.26.4'" \
-        || die "the build environment cannot import the target's torch with numpy 1.26.4"
-
     WORK=$(mktemp -d "${TMPDIR:-/tmp}/lsdp-me-build.XXXXXX")
     if [ "${LSDP_KEEP_BUILD:-0}" = 1 ]; then  # the patched sources and build.ninja (every compile command), for a look or one file
         trap 'log "build folder kept (LSDP_KEEP_BUILD=1): $WORK"' EXIT
     else
         trap 'rm -rf "$WORK"' EXIT
     fi
-    export PATH="$BUILD_ENV/bin:$PATH"
-    log "fetching the MinkowskiEngine $ME_VERSION source distribution"
-    (cd "$WORK" && python -m pip download -q --disable-pip-version-check --no-deps \
-        --no-binary :all: --no-build-isolation "MinkowskiEngine==$ME_VERSION" -d "$WORK/sdist") \
-        || die "could not download the MinkowskiEngine $ME_VERSION sdist"
+    if [ "$OFFLINE" = 1 ]; then
+        offline_tools
+    else
+        build_env
+        export PATH="$BUILD_ENV/bin:$PATH"
+    fi
+    mkdir -p "$WORK/sdist"
+    if [ -n "$SDIST" ]; then
+        log "using the MinkowskiEngine $ME_VERSION source distribution $SDIST"
+        cp "$SDIST" "$WORK/sdist/MinkowskiEngine-$ME_VERSION.tar.gz"
+    else
+        fetch_sdist "$WORK/sdist"
+    fi
     tar -xzf "$WORK"/sdist/MinkowskiEngine-"$ME_VERSION".tar.gz -C "$WORK"
     SRC="$WORK/MinkowskiEngine-$ME_VERSION"
 
@@ -245,7 +308,12 @@ PYEOF
 
     args=(--blas=openblas)
     [ -z "${BLAS_INCLUDE:-}" ] || args+=("--blas_include_dirs=$BLAS_INCLUDE")
-    [ -z "${BLAS_LIB:-}" ] || args+=("--blas_library_dirs=$BLAS_LIB")
+    if [ -n "${BLAS_LIB:-}" ]; then
+        args+=("--blas_library_dirs=$BLAS_LIB")
+        # found at run time without LD_LIBRARY_PATH; DT_RPATH (not RUNPATH) also serves libopenblas's own
+        # libraries (libgfortran) when they sit in the same folder, as in the GPU bundle
+        export LDFLAGS="${LDFLAGS:-} -Wl,-rpath,$BLAS_LIB -Wl,--disable-new-dtags"
+    fi
     if [ "$VARIANT" = cpu ]; then
         args+=(--cpu_only)
     else

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -252,3 +253,68 @@ def test_sparse_ddp_rebuilds_me_tensors_on_the_ranks_gpu(monkeypatch):
     batch = _cpu_field_batch()
     assert strategy.batch_to_device(batch, torch.device("cpu")) is batch
     assert placed == [torch.device("cuda", 0)]
+
+
+def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
+    """bench.py --accelerator gpu on one GPU (stood in: the cases' runs are replaced): every case is tried, 2 and 3
+    replicas share the GPU, a case that raises is named in the JSON line's ``failed`` and the others still run, and
+    the ratios are always in the line (``null`` where a side is missing)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = load_file("benchmarks/bench.py")
+    asked = []
+
+    def run_case(model_name, strategy, devices, *args, **kwargs):
+        per = getattr(strategy, "replicas_per_device", 1)
+        label = f"{strategy if isinstance(strategy, str) else 'sparse_dp'}-{devices}x{per}"
+        asked.append((model_name, label))
+        if model_name == "digits" and label == "auto-1x1":
+            raise RuntimeError("boom\nsegmentation fault")
+        step = {"auto-1x1": 0.010, "sparse_dp-1x1": 0.011}.get(label, 0.02)
+        return {"step_s": step, "times": [step], "stages": {}, "points_per_sample": 10.0, "rank": 0, "cpu_s": step}
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda i: "stand-in GPU")
+    bench.main_gpu(bench._parser().parse_args(["--accelerator", "gpu", "--quick"]))
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    labels = {label for _, label in asked}
+    assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3"}
+    assert len(asked) == 2 * 5  # per model: plain, one replica, 2 and 3 shared, 3 shared with sync BN
+    assert line["overhead_ratio_gpu"] == 1.1 and line["digits_overhead_ratio_gpu"] is None
+    assert list(line["failed"]) == ["digits auto-1"] and "segmentation fault" in line["failed"]["digits auto-1"]
+    assert set(line["segmentation_step_ms"]) == {"auto-1", "sparse_dp-1", "sparse_dp-2 shared", "sparse_dp-3 shared",
+                                                 "sparse_dp-3 shared syncBN"}
+    assert "auto-1" not in line["digits_step_ms"] and "sparse_dp-3 shared" in line["digits_step_ms"]
+
+
+def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch):
+    """bench.py on CPU: a case that fails (plain Lightning's DDP child was seen to die on a GPU machine) is named in
+    ``failed``, dropped from every repetition, the other cases still run, and the ratios that need it are ``null``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = load_file("benchmarks/bench.py")
+    ran = []
+
+    class Runner:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def run(self, model_name, case, *args):
+            ran.append((model_name, self.mode, case))
+            if case == "ddp-2 (gloo)" and self.mode == "default" and model_name == "segmentation":
+                raise RuntimeError("the case failed:\nterminate called without an active exception")
+            step = 0.01 if case == "auto-1" else 0.011
+            return {"step_s": step, "stages": {}, "ceiling": 1.5, "peak_rss_mb": 100.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "CaseRunner", Runner)
+    raw, failed = bench.run_all([("segmentation", 6), ("digits", 6)], 2, 1, repeats=2)
+    assert failed == {"segmentation default ddp-2 (gloo)": "RuntimeError: terminate called without an active exception"}
+    assert raw[("segmentation", "default")]["ddp-2 (gloo)"] == []
+    assert ran.count(("segmentation", "default", "ddp-2 (gloo)")) == 1  # not tried again in the next repetition
+    assert len(raw[("segmentation", "1 thread")]["ddp-2 (gloo)"]) == 2 and len(raw[("digits", "default")]["auto-1"]) == 2
+    monkeypatch.setattr(bench, "dispatch_us", lambda: (1.0, 1.0))
+    line = bench.headline(raw, 6, 2, 1)
+    assert line["ddp_throughput_ratio"] is None and line["ddp_throughput_ratio_spread"] is None
+    assert line["ddp_throughput_ratio_1t"] == 1.0 and line["overhead_ratio"] == 1.1
