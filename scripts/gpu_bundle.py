@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import importlib.metadata
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -116,12 +116,23 @@ def test_offline_build_without_an_sdist_is_refused(tmp_path):
     assert fake.pip_calls() == [], "an offline build asked pip for something"
 
 
-def test_offline_build_takes_the_given_sdist_and_asks_no_index(tmp_path):
+@pytest.fixture(scope="module")
+def me_sdist(tmp_path_factory) -> Path:
+    """ME's sdist: the repository's bundle's, else fetched with ``build_minkowski.sh --fetch-sdist`` (the registry)."""
+    kept = ROOT / "gpu_bundle" / "sdist" / gpu_bundle.ME_SDIST
+    if kept.is_file():
+        return kept
+    folder = tmp_path_factory.mktemp("sdist")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build_minkowski.sh"), "--fetch-sdist", str(folder),
+                           sys.executable], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return folder / gpu_bundle.ME_SDIST
+
+
+def test_offline_build_takes_the_given_sdist_and_asks_no_index(tmp_path, me_sdist):
     """With the registry switched off (PIP_NO_INDEX, and the stand-in's pip recording every call), the offline path
     unpacks and patches the given sdist and reaches the compile, which the stand-in's fake torch then fails."""
-    sdist = next(Path(p) for p in _sdists() if p.is_file()) if _sdists() else None
-    if sdist is None:
-        pytest.skip("no ME sdist here (scripts/gpu_bundle.sh gpu_bundle makes one)")
+    sdist = me_sdist
     fake = StandIn(tmp_path, "2.13.0+cpu", None)
     done = fake.run(str(ROOT / "scripts" / "build_minkowski.sh"), "--cpu", str(fake.python), LSDP_OFFLINE="1",
                     LSDP_ME_SDIST=str(sdist), PIP_NO_INDEX="1")
@@ -129,11 +140,6 @@ def test_offline_build_takes_the_given_sdist_and_asks_no_index(tmp_path):
     assert "offline build" in out and f"source distribution {sdist}" in out, out
     assert "applying 14-cuda-global-max-pooling-one-sample.patch" in out and "compiling" in out, out
     assert "fetching" not in out and not [c for c in fake.pip_calls() if "download" in c["args"]], out
-
-
-def _sdists() -> list[Path]:
-    return [p for p in (ROOT / "gpu_bundle" / "sdist" / gpu_bundle.ME_SDIST,
-                        Path(os.environ.get("LSDP_ME_SDIST", "/nonexistent"))) if p.is_file()]
 
 
 @pytest.mark.skipif(shutil.which("apt-get") is None, reason="gathering the bundle's OpenBLAS needs apt-get download")
