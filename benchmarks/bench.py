@@ -527,9 +527,9 @@ def terms_cost(steps: int, warmup: int, pairs: int = 3, reps: int = 60) -> dict:
     import MinkowskiEngine as ME
     from lightning.pytorch.utilities.rank_zero import WarningCache
 
-    from lightning_sparse_dp.backward import loss_of
-    from lightning_sparse_dp.term_weights import StepTerms
-    from lightning_sparse_dp.weighting import chunk_weights
+    from lightning_sparse_dp.loss.values import loss_of
+    from lightning_sparse_dp.loss.step import StepTerms
+    from lightning_sparse_dp.loss.weights import chunk_weights
 
     batch = GLOBAL_BATCH["digits"]
 

@@ -38,7 +38,7 @@ def median_us(fn, n: int = 2000, skip: int = 100) -> float:
 
 def _gather(rank: int, port: int) -> None:
     from lightning_sparse_dp.ddp import gather_objects
-    from lightning_sparse_dp.term_weights import SiteTerms, Summary
+    from lightning_sparse_dp.loss.decide import SiteTerms, Summary
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -64,7 +64,8 @@ def _gather(rank: int, port: int) -> None:
 
 def main() -> None:
     from lightning_sparse_dp.state import StepState
-    from lightning_sparse_dp.terms import TermCapture, call_site, reduces_rows
+    from lightning_sparse_dp.loss.capture import TermCapture
+    from lightning_sparse_dp.loss.sites import call_site, reduces_rows
     from tests.helpers import SparseNet
 
     x = torch.randn(100, 10, requires_grad=True)

@@ -16,10 +16,10 @@ for ``sparse_ddp`` too):
 - :mod:`~lightning_sparse_dp.replicate`: module -> one replica per device, ME ``__slots__`` carried;
 - :mod:`~lightning_sparse_dp.apply`: every replica's step at once, one thread per replica;
 - :mod:`~lightning_sparse_dp.backward`: every replica's backward in its own thread, gradients reduced;
-- :mod:`~lightning_sparse_dp.terms` / :mod:`~lightning_sparse_dp.term_weights`: torch's mean-reduced
-  losses captured in each replica's step (:mod:`~lightning_sparse_dp.losses`: their denominators),
+- :mod:`~lightning_sparse_dp.loss.capture` / :mod:`~lightning_sparse_dp.loss.decide`: torch's mean-reduced
+  losses captured in each replica's step (:mod:`~lightning_sparse_dp.loss.denominators`: their denominators),
   each weighted by its share of the batch;
-- :mod:`~lightning_sparse_dp.weighting`: the weights that make the replicas' losses the whole-batch mean;
+- :mod:`~lightning_sparse_dp.loss.weights`: the weights that make the replicas' losses the whole-batch mean;
 - :mod:`~lightning_sparse_dp.outputs`: the gather: outputs -> root device, in batch order (per-sample lists too);
 - :mod:`~lightning_sparse_dp.log`: replicas' ``self.log`` calls -> reduced, logged once;
 - :mod:`~lightning_sparse_dp.metrics`: torchmetrics state per replica -> merged into the root's.
@@ -44,7 +44,7 @@ _RANK_ZERO_LOG = _rank_zero.log  # where Lightning's rank-zero lines went before
 from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
-from lightning_sparse_dp.weighting import chunk_counts, chunk_weights
+from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks

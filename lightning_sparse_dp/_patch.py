@@ -1,8 +1,8 @@
 """Patch: attributes of torch replaced while any step needs them, shared by the threads that run steps.
 
-The term capture (:mod:`~lightning_sparse_dp.terms`: torch's losses as triggers), the mean counts
+The term capture (:mod:`~lightning_sparse_dp.loss.capture`: torch's losses as triggers), the mean counts
 (:mod:`~lightning_sparse_dp.means`: ``torch.mean`` / ``Tensor.mean`` wrapped) and ``sparse_ddp``'s watch on the
-step's own collectives (:mod:`~lightning_sparse_dp.collectives`) replace module or class attributes for as long as at least one replica thread (or ``sparse_ddp`` rank) runs a step that needs them, and
+step's own collectives (:mod:`~lightning_sparse_dp.loss.collectives`) replace module or class attributes for as long as at least one replica thread (or ``sparse_ddp`` rank) runs a step that needs them, and
 put torch's own back when the last one ends: :class:`SharedPatch` counts its users under a lock.
 """
 

@@ -24,7 +24,7 @@ replicas' passes, whose graphs are freed) and not with ``create_graph=True``; bo
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.timing import StepTimer
@@ -117,24 +118,6 @@ class _ParallelBackward(torch.autograd.Function):
         return (None, None, *([None] * ctx.count), *ctx.stage.run(grads))
 
 
-def loss_of(output: Any) -> Tensor | None:
-    """The loss Lightning takes from a ``training_step`` output: the tensor itself, or ``output["loss"]``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        return loss if isinstance(loss, Tensor) else None
-    return None
-
-
-def is_loss_value(value: Any, loss: Any) -> bool:
-    """Whether a logged or stored ``value`` is ``loss`` itself or its ``.item()`` / ``float()`` (a Python float equal to
-    the one-element loss tensor's value)."""
-    if value is loss:
-        return True
-    return isinstance(value, float) and isinstance(loss, Tensor) and loss.numel() == 1 and value == float(loss.detach())
-
-
 def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: Any) -> list[Any]:
     """The replicas' ``training_step`` outputs, their losses replaced by ones whose backward runs per replica.
 
@@ -163,4 +146,4 @@ def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: 
     return result
 
 
-__all__ = ["ReplicaBackward", "is_loss_value", "loss_of", "parallel_backward"]
+__all__ = ["ReplicaBackward", "parallel_backward"]

@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from lightning_sparse_dp._me import CPU_PATCHES, GPU_PATCHES, missing_patches, unpatched_message
-from lightning_sparse_dp.term_weights import SiteMemory
-from lightning_sparse_dp.weighting import check_loss_weighting
+from lightning_sparse_dp.loss.decide import SiteMemory
+from lightning_sparse_dp.loss.weights import check_loss_weighting
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
 

@@ -6,10 +6,10 @@ cluster environments, process groups and gradient all-reduce are used as they ar
 
 - **exact loss**: DDP averages gradients equally over ranks: the global batch's gradient only for equal
   shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
-  captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.terms`) and its gradient scaled
+  captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.loss.capture`) and its gradient scaled
   by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk``, from every rank's summary of its terms, gathered
   in one fixed-size all-gather after the step (:func:`gather_objects`; at each ``manual_backward``
-  under manual optimization) and read alike by every rank (:mod:`~lightning_sparse_dp.term_weights`):
+  under manual optimization) and read alike by every rank (:mod:`~lightning_sparse_dp.loss.decide`):
   exact for any linear combination of such losses, per-sample losses included.
   Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
   gather) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
@@ -52,15 +52,16 @@ from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.backward import loss_of
-from lightning_sparse_dp.collectives import watching
+from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.loss.collectives import watching
 from lightning_sparse_dp.means import count_of, counting, plain_mean
 from lightning_sparse_dp.log import MEAN_NAMES
-from lightning_sparse_dp.weighting import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
+from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
-from lightning_sparse_dp.term_weights import ChunkShape, Summary, decide, rank_scale, summarize
-from lightning_sparse_dp.terms import TermCapture
+from lightning_sparse_dp.loss.decide import ChunkShape, Summary, decide, summarize
+from lightning_sparse_dp.loss.step import rank_scale
+from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
@@ -117,10 +118,10 @@ def local_count(
 ) -> float:
     """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
 
-    :func:`~lightning_sparse_dp.weighting.chunk_counts` of the batch read as one chunk by
+    :func:`~lightning_sparse_dp.loss.weights.chunk_counts` of the batch read as one chunk by
     :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
     ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.weighting.resolve_auto`; said once through ``warning_cache`` when given) or
+    (see :func:`~lightning_sparse_dp.loss.weights.resolve_auto`; said once through ``warning_cache`` when given) or
     a callable ``fn(batch) -> number``.
 
     Raises:
@@ -204,9 +205,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     Args:
         loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
-            share, :mod:`~lightning_sparse_dp.term_weights`; ``"auto"`` where the loss is not a linear
+            share, :mod:`~lightning_sparse_dp.loss.decide`; ``"auto"`` where the loss is not a linear
             combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
-            points when it has a per-point target; :func:`~lightning_sparse_dp.weighting.resolve_auto`), ``"samples"
+            points when it has a per-point target; :func:`~lightning_sparse_dp.loss.weights.resolve_auto`), ``"samples"
             (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
             ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
             the points whose label is not ``ignore_index``), as in ``sparse_dp``.

@@ -13,7 +13,7 @@ Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
 - under ``loss_weighting="terms"``, a value that is a combination of the step's captured losses
   (a term, the loss, a sum of terms) in every replica: its whole-batch value
-  (:mod:`lightning_sparse_dp.term_weights`), before any of the rules below;
+  (:mod:`lightning_sparse_dp.loss.decide`), before any of the rules below;
 
 - the step's loss itself (the tensor the step returns, ``self.log("loss", loss)``): the weighted
   mean the loss is gathered by, whatever ``reduce_fx`` says (``reduce_fx`` is Lightning's reduction
@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_sparse_dp.backward import is_loss_value
+from lightning_sparse_dp.loss.values import is_loss_value
 from lightning_sparse_dp.means import count_of
 
 _warning_cache = WarningCache()
@@ -205,7 +205,7 @@ def reduce_log_calls(
 
     Args:
         recorders: one per replica, in replica order.
-        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.weighting.chunk_weights`).
+        weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.loss.weights.chunk_weights`).
         num_samples: samples in the whole batch, the default ``batch_size``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.

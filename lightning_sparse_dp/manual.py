@@ -9,7 +9,7 @@ does the work once, the others wait):
 
 - ``manual_backward(loss)``: the whole batch's weights of the replicas' losses are decided once, from every
   replica's loss (``loss_weighting="terms"``: each captured loss's own share, as after an automatic step,
-  :mod:`~lightning_sparse_dp.term_weights`; else the chunks' weights); then each replica runs its own backward in
+  :mod:`~lightning_sparse_dp.loss.decide`; else the chunks' weights); then each replica runs its own backward in
   its own thread with its weight, and once all are done their gradients are added in replica order into the
   module's ``.grad`` (:meth:`~lightning_sparse_dp.replicate.Replicas.reduce_gradients`), then
   ``on_after_backward`` runs once;
@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.term_weights import StepTerms
-from lightning_sparse_dp.weighting import zeroed
+from lightning_sparse_dp.loss.step import StepTerms
+from lightning_sparse_dp.loss.weights import zeroed
 
 
 class ManualStep:

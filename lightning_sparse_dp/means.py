@@ -5,7 +5,7 @@ selection's elements, not over the chunk's samples or points: the whole batch's 
 ``sum_i c_i v_i / sum_i c_i`` with ``c_i`` the element count of replica ``i``'s mean. While a step runs
 under :func:`counting` (in its own thread: each replica's, or a ``sparse_ddp`` rank's step), every
 ``torch.mean(x)`` / ``x.mean()`` that gives one value records ``x.numel()`` (``torch.mean`` and
-``Tensor.mean`` are wrapped while any step counts, reference-counted, as :mod:`~lightning_sparse_dp.terms`
+``Tensor.mean`` are wrapped while any step counts, reference-counted, as :mod:`~lightning_sparse_dp.loss.capture`
 wraps the losses); :func:`count_of` then gives the count of a logged value, a tensor or its ``.item()``.
 A mean computed with other ops after it (``100 * acc``) is not followed. Lightning's own ``self.log`` must
 run with torch's ``mean`` (:func:`plain_mean`); in ``sparse_dp`` replicas it never runs inside a step.

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
-from lightning_sparse_dp.terms import outside_capture
+from lightning_sparse_dp.loss.capture import outside_capture
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Outputs: the replicas' step outputs combined into the output one device returns.
 
 Leaf by leaf (:func:`gather_outputs`): a loss or metric (0-dim) is the weighted mean
-(:func:`lightning_sparse_dp.weighting.weighted_sum`), per-sample and per-point rows are merged back into
+(:func:`lightning_sparse_dp.loss.weights.weighted_sum`), per-sample and per-point rows are merged back into
 the batch's order, other tensors concatenated; ``output_layout`` names a role where lengths cannot
 tell. Per-sample sequences (a list or tuple with one entry per sample of the replica's chunk, as
 ``SparseTensor.decomposed_features`` returns, or a list of ``(coordinates, features)`` pairs) are
@@ -21,7 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
-from lightning_sparse_dp.weighting import weighted_sum
+from lightning_sparse_dp.loss.weights import weighted_sum
 from lightning_sparse_dp.split import (
     SplitPlan, key_of, layout_entry, leaf_predicate, merge_chunks, merge_rows, path_name
 )

@@ -24,13 +24,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_sparse_dp.apply import ReplicaExecutor
-from lightning_sparse_dp.backward import loss_of, parallel_backward
+from lightning_sparse_dp.backward import parallel_backward
+from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.weighting import step_weights
+from lightning_sparse_dp.loss.weights import step_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.manual import ManualStep, installed
 from lightning_sparse_dp.means import run_counting
-from lightning_sparse_dp.term_weights import StepTerms
+from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
 from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
@@ -63,9 +64,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     Args:
         loss_weighting: what each replica's loss is weighted by: ``"terms"`` (default; every call of
             torch's mean-reduced losses by its own share ``D_ik / sum_j D_jk``, exact for any linear
-            combination of them, :mod:`~lightning_sparse_dp.term_weights`), ``"auto"``, ``"samples"``,
+            combination of them, :mod:`~lightning_sparse_dp.loss.decide`), ``"auto"``, ``"samples"``,
             ``"points"``, ``"equal"`` or a callable ``fn(chunk) -> number`` (e.g. ``lambda c: (c["labels"]
-            != 255).sum()`` for ``ignore_index=255``): :func:`~lightning_sparse_dp.weighting.chunk_counts`.
+            != 255).sum()`` for ``ignore_index=255``): :func:`~lightning_sparse_dp.loss.weights.chunk_counts`.
         layout: roles for batch entries that cannot be told apart, passed to
             :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
             matches nothing in a batch is an error.
@@ -412,7 +413,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             args, kwargs: the step's other arguments (``batch_idx``, ``dataloader_idx``).
             group: the step's batch-norm group: each replica's step is its rank's part of it.
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
-            terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.terms`).
+            terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.loss.capture`).
 
         Returns:
             the replicas' outputs, replica order.
@@ -441,7 +442,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.weighting.step_weights`:
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`:
         the whole batch's mean for the loss weighting); other outputs are merged back into the batch's
         order by ``output_layout`` or their lengths.
         """

@@ -312,7 +312,7 @@ def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
     import torch.nn.functional as F
 
     from lightning_sparse_dp import SparseDDPStrategy
-    from lightning_sparse_dp.terms import TermCapture
+    from lightning_sparse_dp.loss.capture import TermCapture
     from tests.ddp_helpers import Scenes, collate
 
     t = L.Trainer(strategy=SparseDDPStrategy(), accelerator="cpu", devices=1, logger=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
-from lightning_sparse_dp.weighting import chunk_weights
+from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from tests.helpers import NUM_CLASSES, SparseNet, collate_dict, fit_float64, loader, random_samples, trainer
 

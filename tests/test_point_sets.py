@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.weighting import chunk_weights
+from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse_dp.losses import CAPTURED, bind, denominator
-from lightning_sparse_dp.terms import TermCapture, outside_capture
+from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator
+from lightning_sparse_dp.loss.capture import TermCapture, outside_capture
 
 _DEFAULT_DTYPE = torch.get_default_dtype()
 torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
@@ -188,7 +188,7 @@ def test_a_loss_imported_by_name_before_any_other_is_not_captured_and_said():
 
 @pytest.mark.parametrize("keep", [True, False, torch.tensor(True), torch.tensor(False)])  # tensors: the CUDA path
 def test_scaled_value_and_gradient(keep):
-    from lightning_sparse_dp.terms import _scaled
+    from lightning_sparse_dp.loss.capture import _scaled
 
     a = torch.tensor(float("nan") if not bool(keep) else 2.0, dtype=torch.float64, requires_grad=True)
     factor = torch.ones((), dtype=torch.float64)
@@ -242,7 +242,7 @@ def test_outside_capture_leaves_the_mode_when_the_step_entered_another_after_it(
 
 
 def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
-    from lightning_sparse_dp.terms import reduces_rows
+    from lightning_sparse_dp.loss.sites import reduces_rows
 
     a = x.clone().requires_grad_()
     for statistic in (a.mean(0), a.sum(0, keepdim=True) * 2, a.max(0).values, a.amax(0).unsqueeze(0), a.mean(), a.std(0)):

@@ -82,7 +82,7 @@ class SplitPlan:
         point_targets: names of per-point tensors that are not a coordinate source's features
             (integer labels, or a floating-point tensor after the features), e.g. ``("batch['labels']",)``.
         sample_tensors: names of per-sample tensors (not per-sample lists of names or paths).
-            These two settle ``loss_weighting="auto"`` (:func:`lightning_sparse_dp.weighting.resolve_auto`).
+            These two settle ``loss_weighting="auto"`` (:func:`lightning_sparse_dp.loss.weights.resolve_auto`).
         index_rows: per flattened leaf of role ``"indices"`` (by its position), per chunk, int64
             ``[k_j]`` rows of the index tensor that went to the chunk.
         index_columns: per such leaf, the coordinate source of each column (-1: the batch column).

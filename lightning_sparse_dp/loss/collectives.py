@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_sparse_dp._patch import SharedPatch
-from lightning_sparse_dp.terms import library_dirs
+from lightning_sparse_dp.loss.sites import library_dirs
 
 #: ``torch.distributed``'s collectives that user code reduces a count or a loss with
 COLLECTIVES = (

@@ -1,9 +1,9 @@
-"""Term weights: each captured loss of each replica (rank) weighted by its own share of the batch.
+"""Decide: each captured loss of each replica (rank) weighted by its own share of the batch.
 
 Replica ``i``'s step calls torch's mean-reduced losses ``L_ik`` with denominators ``D_ik``
-(:mod:`lightning_sparse_dp.terms`) and returns ``loss_i = sum_k c_ik L_ik + r``. Which of its terms
+(:mod:`lightning_sparse_dp.loss.capture`) and returns ``loss_i = sum_k c_ik L_ik + r``. Which of its terms
 are one criterion of the whole batch is read from where the user's code called them (the call site,
-:func:`lightning_sparse_dp.terms.call_site`):
+:func:`lightning_sparse_dp.loss.sites.call_site`):
 
 - **Matched terms** (a loss called once per step, the levels of a decoder, heads): the ``j``-th call of
   a site in every replica is one criterion; its whole-batch value is ``T = sum_i D_ij L_ij / D_j`` with
@@ -21,7 +21,7 @@ are one criterion of the whole batch is read from where the user's code called t
 The remainder ``r`` (a constant, a penalty on the parameters) must be one value in every replica, to
 rounding. A loss that is not such a combination, whose replicas called different sequences of losses,
 or one of whose terms is a statistic of the chunk (its input a reduction over the chunk's rows, as autograd
-recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.terms.reduces_rows`) is weighted per replica as
+recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.loss.sites.reduces_rows`) is weighted per replica as
 ``"auto"`` does, and the reason is said once. Readings of ambiguous steps (chunks of equal sizes) are
 said once too, and the reading of a site seen once without ambiguity is kept for later steps
 (:class:`SiteMemory`).
@@ -33,19 +33,15 @@ ranks' summaries (``all_gather_object``) and every rank decides alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import WarningCache
-from torch import Tensor
 
-from lightning_sparse_dp.backward import is_loss_value, loss_of
+from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.split import SplitPlan
-from lightning_sparse_dp.terms import TermCapture
-from lightning_sparse_dp.weighting import resolve_auto
+
 
 _SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
 
@@ -121,7 +117,7 @@ def summarize(
     """The :class:`Summary` of one replica's ``value`` (its loss, or a logged value) on a chunk of ``shape``.
 
     ``n`` rides along: the replica's ``"auto"`` count (summed by :func:`decide` for the fallback), and
-    ``collectives``: where the step's own code called ``torch.distributed`` (:mod:`lightning_sparse_dp.collectives`).
+    ``collectives``: where the step's own code called ``torch.distributed`` (:mod:`lightning_sparse_dp.loss.collectives`).
     """
     comb = capture.combination(value) if capture is not None else "nothing was captured"
     if isinstance(comb, str):
@@ -344,218 +340,4 @@ def _matched_part(
     return part, per_replica
 
 
-def set_scales(capture: TermCapture, scales: Sequence[float], factor: float) -> None:
-    """Scale the gradient of this replica's term ``t`` by ``factor * scales[t]``.
-
-    ``factor`` undoes the weight the replica's loss gets as a whole: ``1 / w_i`` in ``sparse_dp`` (the
-    gathered loss is ``sum_i w_i loss_i``), the world size in ``sparse_ddp`` (DDP averages gradients).
-    """
-    for term, scale in zip(capture.terms, scales):
-        term.scale = factor * scale
-
-
-def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: float) -> list[Tensor]:
-    """The replicas' losses shifted by one constant so that ``sum_i weights[i] * loss_i`` is ``value``.
-
-    The shift is detached: each replica's loss keeps its gradient ``w_i``, which :func:`set_scales`
-    (``factor = 1 / w_i``) turns into the terms' own weights, and its remainder's gradient
-    ``w_i`` adds up to the remainder's own. The gather (the strategy's, or an override) then
-    combines them as any loss.
-    """
-    base = sum(w * float(loss.detach()) for w, loss in zip(weights, losses))
-    return [loss + (value - base) for loss in losses]
-
-
-def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
-    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative.
-
-    ``sparse_dp`` weights each replica's loss as ``"auto"`` does; ``sparse_ddp`` weights ranks equally, as DDP
-    averages gradients, so that it is never further from one device than the DDP a user moved from.
-    """
-    if strategy == "sparse_ddp":
-        return (
-            f"sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Its ranks are "
-            "weighted equally, as DDP averages gradients (exact for a loss the step normalizes across ranks itself, "
-            f"or for equal shares). If the loss is one mean over each rank's {choice} ({why}), pass "
-            "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), pass "
-            "a callable counting it, e.g. SparseDDPStrategy(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
-        )
-    who, cls = "replica", "SparseDataParallelStrategy"
-    return (
-        f"{strategy}: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Each {who}'s loss is "
-        f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
-        f"is one mean over those. For an exact loss pass a callable counting what the loss is a mean over, e.g. "
-        f"{cls}(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
-    )
-
-
-def empty_message(strategy: str, names: Sequence[str]) -> str:
-    """The one warning of a term with nothing to average over in the whole batch."""
-    return (
-        f"{strategy}: {', '.join(sorted(set(names)))} has nothing to average over in the whole batch (denominator 0, "
-        "e.g. every label is ignore_index): the step's loss is NaN, as on one device."
-    )
-
-
-def collective_message(calls: Sequence[str]) -> str:
-    """The one info line of a ``sparse_ddp`` step that reduces across ranks itself."""
-    return (
-        f"sparse_ddp: the training step calls {', '.join(calls)} itself (e.g. a loss normalized by a count "
-        "all-reduced across ranks, as DETR-style criteria do): its ranks are weighted equally, as DDP averages "
-        "gradients, which is exact for a loss written for DDP, and its losses are not re-weighted term by term. "
-        "To weight ranks by their share of the batch instead, pass SparseDDPStrategy(loss_weighting='auto') or a "
-        "callable counting what each rank's loss is a mean over; loss_weighting='equal' keeps this and says nothing."
-    )
-
-
-def say(decision: Decision, strategy: str, warning_cache: WarningCache) -> None:
-    """Say a decision's notes (info) and its empty terms (warning), each once."""
-    for note in decision.notes:
-        warning_cache.info(note.replace("sparse_dp:", f"{strategy}:", 1))
-    if decision.value is not None and decision.empty:
-        warning_cache.warn(empty_message(strategy, decision.empty))
-
-
-def rank_scale(
-    summaries: Sequence[Summary],
-    rank: int,
-    capture: TermCapture,
-    world_size: int,
-    memory: SiteMemory,
-    warning_cache: WarningCache,
-    auto: Callable[[], tuple[str, str]],
-) -> float:
-    """``sparse_ddp`` after a rank's training step (or at its ``manual_backward``): its loss scale, and each
-    term's gradient scale, from every rank's :class:`Summary` of the loss (``summaries``, gathered in rank order).
-
-    When the loss is a combination of terms the loss scale is 1 (the terms are scaled, ``world_size`` times
-    their share, DDP averaging gradients; ``auto()`` gives ``"auto"``'s choice and
-    reason for the line said once). Where the loss is not such a combination, or the step's own code called a
-    collective (a loss the user normalized across ranks, :mod:`lightning_sparse_dp.collectives`), ranks are
-    weighted as DDP does (loss scale 1, terms unscaled), said once: never further from one device than DDP.
-    """
-    calls = sorted({c for s in summaries for c in s.collectives})
-    if calls:
-        warning_cache.info(collective_message(calls))
-        return 1.0
-    decision = decide(summaries, memory, who="rank")
-    say(decision, "sparse_ddp", warning_cache)
-    if decision.value is None:
-        if decision.reason is not None and summaries[rank].reason != "nothing was captured":
-            warning_cache.info(fallback_message("sparse_ddp", decision.reason, *auto()))
-        return 1.0
-    set_scales(capture, decision.scales[rank], world_size)
-    return 1.0
-
-
-class StepTerms:
-    """The terms of one ``sparse_dp`` step: a :class:`TermCapture` per replica, the loss's decision, exact values.
-
-    Args:
-        count: replicas in the step.
-        warning_cache: where the fallback info line, the notes and the empty-term warning go (each said once).
-        memory: the strategy's readings of call sites, kept across steps.
-    """
-
-    def __init__(self, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None) -> None:
-        self.captures = [TermCapture() for _ in range(count)]
-        self.warning_cache = warning_cache
-        self.memory = SiteMemory() if memory is None else memory
-        self.decision: Decision | None = None
-        self.plan: SplitPlan | None = None
-        self.shapes: list[ChunkShape] = []
-        self._losses: list[Any] = []
-
-    @classmethod
-    def for_step(
-        cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None
-    ) -> StepTerms | None:
-        """The capture of a step's replicas: for ``loss_weighting="terms"``, several replicas, not predict."""
-        if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
-            return None
-        return cls(count, warning_cache, memory)
-
-    def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
-        """Each replica's step run under its own capture (entered in the replica's thread)."""
-        return [partial(c.run, step) for c, step in zip(self.captures, steps)]
-
-    def set_plan(self, plan: SplitPlan) -> None:
-        """The step's split: the chunks' shapes, before the step (manual optimization decides inside it)."""
-        self.plan = plan
-        self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
-
-    def say_fallback(self, decision: Decision) -> None:
-        """Say once why the loss is weighted per replica (as ``"auto"`` does for the step's batch) instead."""
-        assert self.plan is not None
-        self.warning_cache.info(fallback_message("sparse_dp", decision.reason or "", *resolve_auto(self.plan)))
-
-    def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
-        """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
-        replicas = range(len(self.captures)) if replicas is None else replicas
-        return decide([summarize(self.captures[i], v, self.shapes[i]) for i, v in zip(replicas, values)], self.memory)
-
-    def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
-        """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.
-
-        ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
-        point, so none is 0).
-        """
-        self.set_plan(plan)
-        if any(loss is None for loss in losses):
-            return
-        self.decision = self.scale_terms(losses, weights)
-        self._losses = list(losses)
-
-    def scale_terms(self, losses: Sequence[Tensor], weights: Sequence[float]) -> Decision:
-        """The decision on the replicas' ``losses`` (its notes said); when exact, every term's gradient scaled by
-        its share over its replica's weight in ``weights`` (0 for a weight of 0); else why not, said once. After the
-        step (:meth:`weigh`), or at a ``manual_backward`` in it (:mod:`~lightning_sparse_dp.manual`)."""
-        decision = self.decide(losses)
-        say(decision, "sparse_dp", self.warning_cache)
-        if decision.value is None:
-            self.say_fallback(decision)
-            return decision
-        for capture, scales, w in zip(self.captures, decision.scales, weights):
-            set_scales(capture, scales, 1.0 / w if w else 0.0)
-        return decision
-
-    def exact_outputs(self, outputs: Sequence[Any], weights: Sequence[float]) -> list[Any]:
-        """The replicas' outputs, their losses shifted so that their weighted sum is the whole batch's loss."""
-        losses = [loss_of(o) for o in outputs]
-        if self.decision is None or self.decision.value is None or any(loss is None for loss in losses):
-            return list(outputs)
-        shifted = exact_losses(losses, weights, self.decision.value)  # type: ignore[arg-type]
-        return [loss if isinstance(o, Tensor) else {**o, "loss": loss} for o, loss in zip(outputs, shifted)]
-
-    def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
-        """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
-        if len(replicas) != len(self.captures) or not self.shapes:
-            return None
-        dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
-        if self.decision is not None and all(is_loss_value(v, loss) for v, loss in zip(values, self._losses)):
-            value = self.decision.value  # the logged loss itself, or its .item(): decided already
-        else:
-            tensors = [v if isinstance(v, Tensor) else self.captures[i].tensor_of(v) for i, v in zip(replicas, values)]
-            if any(t is None or not t.is_floating_point() for t in tensors):
-                return None
-            value = self.decide(tensors, replicas).value
-        return None if value is None else torch.tensor(value, dtype=dtype)
-
-
-__all__ = [
-    "ChunkShape",
-    "Decision",
-    "SiteMemory",
-    "SiteTerms",
-    "StepTerms",
-    "Summary",
-    "collective_message",
-    "decide",
-    "empty_message",
-    "exact_losses",
-    "fallback_message",
-    "rank_scale",
-    "say",
-    "set_scales",
-    "summarize",
-]
+__all__ = ["ChunkShape", "Decision", "SiteMemory", "SiteTerms", "Summary", "decide", "summarize"]

@@ -9,7 +9,7 @@ nothing to count (``n_i = 0``, e.g. every label ignored) has weight 0: its loss,
 over nothing), is replaced by 0 and adds nothing, so it never turns the gathered loss into NaN.
 
 The default, ``"terms"``, weights each of torch's mean-reduced losses the step calls by its own
-share instead (:mod:`lightning_sparse_dp.term_weights`); the per-replica weights here are then those of
+share instead (:mod:`lightning_sparse_dp.loss.decide`); the per-replica weights here are then those of
 ``"auto"``, used for the other outputs and logged values, and for the loss when the step's loss is not
 a combination of such terms.
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.split import SparseSpec, SplitPlan
 
-#: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.term_weights`).
+#: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.loss.decide`).
 LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
 
 _warning_cache = WarningCache()

@@ -1,0 +1,26 @@
+"""The exact loss: what makes the replicas' (ranks') losses the one-device loss over the whole batch.
+
+One module per idea, in the order a step meets them:
+
+- :mod:`~lightning_sparse_dp.loss.values`: the loss of a step's output (Lightning's rule), and whether a logged
+  value is it;
+- :mod:`~lightning_sparse_dp.loss.denominators`: torch's mean-reduced losses and their denominators as torch defines
+  them (which calls are captured);
+- :mod:`~lightning_sparse_dp.loss.capture`: each captured call of a replica's step becomes a term (value,
+  denominator, call site), its gradient scalable after the step; :mod:`~lightning_sparse_dp.loss.forms`: how the
+  step's arithmetic combines terms; :mod:`~lightning_sparse_dp.loss.sites`: where the user's code called a loss and
+  what its input is;
+- :mod:`~lightning_sparse_dp.loss.decide`: the replicas' summaries read as matched terms or per-sample losses, and
+  each term's weight; :mod:`~lightning_sparse_dp.loss.step`: that decision applied to a step and said once where it
+  falls back;
+- :mod:`~lightning_sparse_dp.loss.weights`: the per-chunk weights (``"auto"``, ``"samples"``, ``"points"``, a
+  callable) where the loss is weighted as a whole;
+- :mod:`~lightning_sparse_dp.loss.collectives`: ``sparse_ddp`` steps that reduce across ranks themselves.
+
+A new kind of loss goes to :mod:`~lightning_sparse_dp.loss.denominators` (its denominator) and, if the step's
+arithmetic on it needs a new rule, :mod:`~lightning_sparse_dp.loss.forms`.
+"""
+
+from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights
+
+__all__ = ["chunk_counts", "chunk_weights"]

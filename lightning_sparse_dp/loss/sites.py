@@ -1,0 +1,141 @@
+"""Sites: where the user's code called a captured loss, and what the loss's input is.
+
+:func:`call_site` names the place (code object and instruction of the innermost user frame, stable across
+processes) and whether a loop of the user's frames encloses it; :func:`input_rows` counts the input's rows;
+:func:`reduces_rows` tells a statistic of the chunk (``out.F.mean(0)``) from rows of it, on autograd's graph.
+:mod:`~lightning_sparse_dp.loss.decide` reads per-sample losses and matched terms from these.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import importlib.util
+import os
+import sys
+import zlib
+from typing import Any, NamedTuple
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sparse_dp.loss.denominators import Arguments
+
+
+@functools.cache
+def library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are the library's, not a call site of the user's: torch (its losses and modules),
+    Lightning (both names), torchmetrics and this package; the user's frames lie between a loss and the first of
+    these above."""
+    dirs = []
+    for name in ("torch", "lightning", "pytorch_lightning", "torchmetrics", __name__.split(".")[0]):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(spec.origin) + os.sep)
+    return tuple(dirs)
+
+
+_SITES: dict[tuple[Any, int], CallSite] = {}  # (code, offset) -> that instruction's site
+
+
+_JUMPS = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+
+
+_COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>"})
+
+
+class CallSite(NamedTuple):
+    """A place in the user's code that calls a loss: ``key`` (stable across processes), ``where`` (``file.py:line``),
+    ``in_loop`` (inside a ``for`` / ``while`` body or a comprehension of the user's frames up to the step)."""
+
+    key: int
+    where: str
+    in_loop: bool
+
+
+def _frame_site(code: Any, offset: int, line: int | None) -> CallSite:
+    """The site of one instruction: its key, and whether a backward jump of its code spans it (a loop body)."""
+    found = _SITES.get((code, offset))
+    if found is None:
+        key = zlib.crc32(f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}:{offset}".encode())
+        in_loop = code.co_name in _COMPREHENSIONS or any(
+            ins.opname in _JUMPS and isinstance(ins.argval, int) and ins.argval <= offset < ins.offset
+            for ins in dis.get_instructions(code)
+        )
+        found = _SITES[(code, offset)] = CallSite(key, f"{os.path.basename(code.co_filename)}:{line}", in_loop)
+    return found
+
+
+def call_site(depth: int = 1) -> CallSite:
+    """Where the user's code called the loss being captured (``depth``: frames between the caller and this call).
+
+    The site is the innermost frame outside torch, Lightning and this package (its code and
+    instruction, so two loss calls on one line are two sites); ``in_loop`` is whether any of the user's
+    frames up to the step (the first library frame above) is inside a loop: a loss called once per
+    sample from a helper function is in a loop too. Costs a walk of the stack (a few microseconds).
+    """
+    library = library_dirs()
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        frame = frame.f_back
+    if frame is None:
+        return CallSite(0, "?", False)
+    site = _frame_site(frame.f_code, frame.f_lasti, frame.f_lineno)
+    outer, in_loop = frame.f_back, site.in_loop
+    while not in_loop and outer is not None and not outer.f_code.co_filename.startswith(library):
+        in_loop = _frame_site(outer.f_code, outer.f_lasti, outer.f_lineno).in_loop
+        outer = outer.f_back
+    return site if in_loop == site.in_loop else site._replace(in_loop=in_loop)
+
+
+def input_rows(func: Any, a: Arguments) -> int:
+    """The rows of a loss call's input: ``input.shape[0]``, 1 for a 0-dim input or an unbatched class score."""
+    x = a.get("input")
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        return 1
+    if x.dim() == 1 and func in (F.cross_entropy, F.nll_loss):
+        return 1  # one sample's class scores [C]
+    return int(x.shape[0])
+
+
+_REDUCTIONS = (
+    "MeanBackward", "SumBackward", "NanmeanBackward", "NansumBackward", "MaxBackward", "MinBackward", "AmaxBackward",
+    "AminBackward", "StdBackward", "VarBackward", "LogsumexpBackward", "ProdBackward", "MedianBackward",
+)
+
+
+#: autograd nodes a statistic may pass through on its way to a loss (elementwise ops, views, conversions)
+_THROUGH = (
+    "View", "Unsqueeze", "Squeeze", "Expand", "Reshape", "Alias", "Permute", "Transpose", "TBackward", "ToCopy",
+    "Clone", "Mul", "Div", "Add", "Sub", "Neg", "Pow", "Exp", "Log", "Sqrt", "Rsqrt", "Sigmoid", "Tanh", "Relu",
+    "Abs", "Clamp",
+)
+
+
+def reduces_rows(x: Any, limit: int = 16) -> bool:
+    """Whether ``x`` comes from a reduction over the rows (dim 0, or every dim) of a tensor, through elementwise
+    ops only, as autograd recorded it: ``out.F.mean(0)``, ``feats.max(0).values``, ``x.mean()`` (a statistic of the
+    chunk: no split of the batch computes it as one device does). A per-row reduction (``x.sum(1)``), ME's
+    global pooling (one row per sample) and a stack of per-sample statistics are not. Looks at most ``limit``
+    autograd nodes; ``False`` for a tensor that needs no gradient."""
+    stack, seen = [getattr(x, "grad_fn", None)], 0
+    while stack and seen < limit:
+        node = stack.pop()
+        seen += 1
+        if node is None:
+            continue
+        name = node.name()
+        if name.startswith(_REDUCTIONS):
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            ndim = len(sizes) if sizes is not None else getattr(getattr(node, "_saved_self", None), "ndim", 0)
+            dim = getattr(node, "_saved_dim", None)
+            dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+            if ndim and (not dims or any(d % ndim == 0 for d in dims)):
+                return True
+            continue  # a reduction along the rows' other dims: per-row values
+        if name.startswith(_THROUGH):
+            stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+__all__ = ["CallSite", "call_site", "input_rows", "library_dirs", "reduces_rows"]
