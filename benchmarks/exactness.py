@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/exactness.py --float32  # float32 smoke run (rounding reaches ~1e-4)
 
 Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient
-sums, reaches 1e-4 relative and can hide a real difference or fake one. For each case, over every floating-point tensor of the state dict (parameters, running mean / var)
+sums, reaches 1e-4 relative and can hide a real difference or fake one. For each case, over every floating-point tensor
+of the state dict (parameters, running mean / var)
 after the same steps, sparse_dp (devices=3) vs strategy="auto": the largest absolute difference, and
 the largest relative one, taken per tensor as max |difference| / max |reference value|.
 """

@@ -10,7 +10,8 @@ case once in a fresh process per setting (OpenBLAS's default, then each ``--time
 settings reversed every other repetition), with ``OMP_WAIT_POLICY=PASSIVE`` and the benchmark's allocator
 settings in all: the measurement behind ``harness.OPENBLAS_THREAD_TIMEOUT``. Prints per process the median step
 time (ms), the CPU time per step (ms, all threads), and the busiest thread other than the main one (its CPU
-seconds and its voluntary context switches: a thread that spins never sleeps, so it has almost none). Then, per case and setting, the median step time with its [min-max].
+seconds and its voluntary context switches: a thread that spins never sleeps, so it has almost none). Then, per case
+and setting, the median step time with its [min-max].
 """
 
 from __future__ import annotations

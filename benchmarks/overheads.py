@@ -6,7 +6,7 @@
   input's rows, whether it is a statistic of the chunk, its denominator);
 - ``terms.call_site`` and ``terms.reduces_rows`` alone;
 - ``state.StepState`` around a step of 3 replicas (snapshot and merge of what the step set on ``self``);
-- ``sparse_ddp``'s exchange of the ranks' term summaries (``ddp.gather_objects``: one fixed-size all-gather) against
+- ``sparse_ddp``'s exchange of the ranks' term summaries (``exchange.gather_objects``: one fixed-size all-gather) against
   the 138-float all-reduce it replaced and ``torch.distributed.all_gather_object``, 2 gloo ranks on this machine.
 """
 
@@ -37,7 +37,7 @@ def median_us(fn, n: int = 2000, skip: int = 100) -> float:
 
 
 def _gather(rank: int, port: int) -> None:
-    from lightning_sparse_dp.ddp import gather_objects
+    from lightning_sparse_dp.exchange import gather_objects
     from lightning_sparse_dp.loss.decide import SiteTerms, Summary
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -63,9 +63,9 @@ def _gather(rank: int, port: int) -> None:
 
 
 def main() -> None:
-    from lightning_sparse_dp.state import StepState
     from lightning_sparse_dp.loss.capture import TermCapture
     from lightning_sparse_dp.loss.sites import call_site, reduces_rows
+    from lightning_sparse_dp.state import StepState
     from tests.helpers import SparseNet
 
     x = torch.randn(100, 10, requires_grad=True)

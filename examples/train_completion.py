@@ -43,7 +43,6 @@ from torchmetrics import MeanMetric
 
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp" and "sparse_ddp")
 
-
 # --- shapes --------------------------------------------------------------------------------------
 
 def shape(seed: int, grid: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,7 +153,10 @@ def main() -> None:
         accelerator=accelerator,
         devices=args.devices,
         max_epochs=args.max_epochs,
-        logger=[CSVLogger(Path(args.out) / "csv", name="digits"), TensorBoardLogger(Path(args.out) / "tensorboard", name="digits")],
+        logger=[
+            CSVLogger(Path(args.out) / "csv", name="digits"),
+            TensorBoardLogger(Path(args.out) / "tensorboard", name="digits"),
+        ],
         enable_checkpointing=False,
         log_every_n_steps=10,
     )
@@ -162,8 +165,10 @@ def main() -> None:
     wall = time.perf_counter() - start
     val_acc = float(trainer.callback_metrics["val_acc"])  # the whole validation split's, on every rank
     if trainer.is_global_zero:
-        print(f"trained {args.max_epochs} epochs with strategy={args.strategy} on {args.devices} {accelerator} "
-              f"device(s) in {wall:.1f} s; logs in {trainer.loggers[0].log_dir}")
+        print(
+            f"trained {args.max_epochs} epochs with strategy={args.strategy} on {args.devices} {accelerator} "
+            f"device(s) in {wall:.1f} s; logs in {trainer.loggers[0].log_dir}"
+        )
         print(f"val_acc={val_acc:.4f}")
 
 

@@ -186,15 +186,20 @@ class Segmenter(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=1e-4)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, self.trainer.max_epochs)}
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, self.trainer.max_epochs)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--strategy", default="sparse_dp", choices=["sparse_dp", "sparse_ddp"],
-                        help="sparse_dp (replicas in one process) or sparse_ddp (one process per device; also under torchrun)")
+    parser.add_argument(
+        "--strategy",
+        default="sparse_dp",
+        choices=["sparse_dp", "sparse_ddp"],
+        help="sparse_dp (replicas in one process) or sparse_ddp (one process per device; also under torchrun)",
+    )
     parser.add_argument("--max-epochs", type=int, default=10)
     parser.add_argument("--train-scenes", type=int, default=120)
     parser.add_argument("--val-scenes", type=int, default=24)
@@ -214,14 +219,18 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         max_epochs=args.max_epochs,
-        logger=[CSVLogger(Path(args.out) / "csv", name="segmentation"),
-                TensorBoardLogger(Path(args.out) / "tensorboard", name="segmentation")],
+        logger=[
+            CSVLogger(Path(args.out) / "csv", name="segmentation"),
+            TensorBoardLogger(Path(args.out) / "tensorboard", name="segmentation"),
+        ],
         enable_checkpointing=False,
         log_every_n_steps=5,
     )
     if trainer.is_global_zero:
-        print(f"{len(train)} training scenes, {np.mean(points):.0f} points on average (min {min(points)}, "
-              f"max {max(points)})")
+        print(
+            f"{len(train)} training scenes, {np.mean(points):.0f} points on average (min {min(points)}, "
+            f"max {max(points)})"
+        )
     start = time.perf_counter()
     trainer.fit(
         Segmenter(),
@@ -230,8 +239,10 @@ def main() -> None:
     )
     miou = float(trainer.callback_metrics["val_miou"])  # the whole validation set's, on every rank
     if trainer.is_global_zero:
-        print(f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
-              f"in {time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}")
+        print(
+            f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
+            f"in {time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}"
+        )
         print(f"val_miou={miou:.4f}")
 
 

@@ -42,11 +42,9 @@ import lightning_utilities.core.rank_zero as _rank_zero
 _RANK_ZERO_LOG = _rank_zero.log  # where Lightning's rank-zero lines went before this import (see the end)
 
 from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
-from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.ddp import SparseDDPStrategy
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
 from lightning_sparse_dp.replicate import Replicas, make_replicas
@@ -62,6 +60,8 @@ from lightning_sparse_dp.split import (
     split_batch,
 )
 from lightning_sparse_dp.strategy import SparseDataParallelStrategy
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
 from lightning_sparse_dp.timing import StageTimes
 
 __version__ = "0.1.0"

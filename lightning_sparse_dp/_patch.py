@@ -2,7 +2,8 @@
 
 The term capture (:mod:`~lightning_sparse_dp.loss.capture`: torch's losses as triggers), the mean counts
 (:mod:`~lightning_sparse_dp.means`: ``torch.mean`` / ``Tensor.mean`` wrapped) and ``sparse_ddp``'s watch on the
-step's own collectives (:mod:`~lightning_sparse_dp.loss.collectives`) replace module or class attributes for as long as at least one replica thread (or ``sparse_ddp`` rank) runs a step that needs them, and
+step's own collectives (:mod:`~lightning_sparse_dp.loss.collectives`) replace module or class attributes for as long as
+at least one replica thread (or ``sparse_ddp`` rank) runs a step that needs them, and
 put torch's own back when the last one ends: :class:`SharedPatch` counts its users under a lock.
 """
 

@@ -16,17 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sparse_dp.syncbn.collective import ReplicaAborted
+from lightning_sparse_dp.means import run_counting
 from lightning_sparse_dp.place import current_stream, device_context
+from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 
 T = TypeVar("T")
 
@@ -191,4 +193,24 @@ def run_on_replicas(
         temporary.shutdown()
 
 
-__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "run_on_replicas"]
+def replica_steps(
+    replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
+) -> list[Callable[[], Any]]:
+    """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
+    under, innermost first: the capture of its losses (``terms``: a
+    :class:`~lightning_sparse_dp.loss.step.StepTerms`), the counts of the means it takes
+    (:func:`~lightning_sparse_dp.means.run_counting`), its rank of the batch-norm group (``group``), its clock
+    (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``)."""
+    steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
+    if terms is not None:
+        steps = terms.wrap(steps)
+    steps = [partial(run_counting, step) for step in steps]
+    if group is not None:
+        steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
+    if timer is not None:
+        steps = [timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]
+    return steps
+
+
+__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "replica_steps", "run_on_replicas"]

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.timing import StepTimer
 
 
@@ -87,7 +87,7 @@ class ReplicaBackward:
             fns.append(self.times.timed(f"backward{rank}", fn))
         self.executor.run(fns, devices)
         if self.group is not None:
-            self.times.record(self.group.timings())  # each synchronized layer's share of the step
+            self.times.record(self.group.times.timings())  # each synchronized layer's share of the step
         with self.times.stage("reduce"):
             return self.replicas.reduce_gradients(count)
 

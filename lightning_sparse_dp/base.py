@@ -21,9 +21,8 @@ from typing_extensions import override
 from lightning_sparse_dp._me import CPU_PATCHES, GPU_PATCHES, missing_patches, unpatched_message
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.weights import check_loss_weighting
-from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from lightning_sparse_dp.split import resolve_assignment
-
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 
 STEP_NAMES = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -34,8 +33,10 @@ def dataloader_iter_steps(module: Any) -> list[str]:
     if module is None:
         return []
     return [
-        name for name in STEP_NAMES
-        if callable(getattr(module, name, None)) and is_param_in_hook_signature(getattr(module, name), "dataloader_iter", explicit=True)
+        name
+        for name in STEP_NAMES
+        if callable(getattr(module, name, None))
+        and is_param_in_hook_signature(getattr(module, name), "dataloader_iter", explicit=True)
     ]
 
 
@@ -51,7 +52,10 @@ class SparseStrategyMixin:
     sync_batchnorm: bool = False
 
     def _set_options(
-        self, loss_weighting: str | Callable[[Any], Any], split: str, layout: Mapping[Any, str] | None,
+        self,
+        loss_weighting: str | Callable[[Any], Any],
+        split: str,
+        layout: Mapping[Any, str] | None,
         allow_unpatched_me: bool = False,
     ) -> None:
         """Check and keep the shared options.
@@ -83,6 +87,7 @@ class SparseStrategyMixin:
         if device_type == "cpu" and not self.allow_unpatched_me:
             raise MisconfigurationException(message)
         rank_zero_warn(message)
+
     def _resolve_layer_sync(self) -> None:
         """At setup, before the plugin is applied: ``self._layer_sync`` becomes :attr:`own_layer_sync` in place of
         Lightning's ``TorchSyncBatchNorm``, or in place of ``None`` when the strategy was built with

@@ -33,167 +33,39 @@ cluster environments, process groups and gradient all-reduce are used as they ar
 from __future__ import annotations
 
 import atexit
-import copy
-import pickle
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper, UnrepeatedDistributedSamplerWrapper
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.loss.collectives import watching
-from lightning_sparse_dp.means import count_of, counting, plain_mean
-from lightning_sparse_dp.log import MEAN_NAMES
-from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights, resolve_auto, say_auto_choice, zeroed
-from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
+from lightning_sparse_dp.exchange import (
+    count_and_plan,
+    destroy_process_group_at_exit,
+    gather_objects,
+    gather_step_outputs,
+    local_count,
+)
+from lightning_sparse_dp.log import MEAN_NAMES
+from lightning_sparse_dp.loss.capture import TermCapture
+from lightning_sparse_dp.loss.collectives import watching
 from lightning_sparse_dp.loss.decide import ChunkShape, Summary, decide, summarize
 from lightning_sparse_dp.loss.step import rank_scale
-from lightning_sparse_dp.loss.capture import TermCapture
-from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
-from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
-from lightning_sparse_dp.sampler import PointBalancedBatchSampler, declared_point_counts, measure_point_counts
+from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.loss.weights import resolve_auto, zeroed
+from lightning_sparse_dp.means import count_of, counting, plain_mean_in_log
 from lightning_sparse_dp.place import check_me_devices, place_batch
+from lightning_sparse_dp.rank_loaders import dataset_point_counts, point_balanced_loader
+from lightning_sparse_dp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
-
-
-@contextmanager
-def _plain_mean_in_log(module: Any) -> Iterator[None]:
-    """``module.log`` runs with torch's own ``torch.mean`` while the step counts means (:func:`plain_mean`)."""
-    if module is None:
-        yield
-        return
-    log = module.log
-
-    def plain_log(*args: Any, **kwargs: Any) -> Any:
-        with plain_mean():
-            return log(*args, **kwargs)
-
-    module.log = plain_log
-    try:
-        yield
-    finally:
-        module.__dict__.pop("log", None)
-
-
-#: bytes of a pickled summary that travel in the one fixed-size all-gather of :func:`gather_objects`
-GATHER_BYTES = 4096
-
-
-def gather_objects(obj: Any, device: torch.device, size: int = GATHER_BYTES) -> list[Any]:
-    """Every rank's ``obj`` in rank order, in one ``all_gather`` of ``size + 8`` bytes per rank where every
-    pickle fits (``all_gather_object`` costs two collectives: a length, then the data), else a second round
-    through ``all_gather_object`` (every rank sees every length, so all take the same path)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    buffer = torch.zeros(size + 8, dtype=torch.uint8)
-    buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-    if len(data) <= size:
-        buffer[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buffer = buffer.to(device)
-    out = [torch.empty_like(buffer) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, buffer)
-    rows = [o.cpu().numpy().tobytes() for o in out]
-    lengths = [int.from_bytes(r[:8], "little") for r in rows]
-    if max(lengths) > size:
-        gathered: list[Any] = [None] * len(rows)
-        dist.all_gather_object(gathered, obj)
-        return gathered
-    return [pickle.loads(r[8 : 8 + n]) for r, n in zip(rows, lengths)]
-
-
-def local_count(
-    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, warning_cache: WarningCache | None = None
-) -> float:
-    """``n_r``: what this rank's step loss is a mean over, in ``batch`` (this rank's share).
-
-    :func:`~lightning_sparse_dp.loss.weights.chunk_counts` of the batch read as one chunk by
-    :func:`~lightning_sparse_dp.split.split_batch`, so ranks count exactly as ``sparse_dp`` replicas do:
-    ``"samples"``, ``"points"`` (points of the first coordinate source), ``"equal"`` (1), ``"auto"``
-    (see :func:`~lightning_sparse_dp.loss.weights.resolve_auto`; said once through ``warning_cache`` when given) or
-    a callable ``fn(batch) -> number``.
-
-    Raises:
-        ValueError: an unknown ``loss_weighting``.
-        BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
-    """
-    return count_and_plan(batch, loss_weighting, layout, warning_cache)[0]
-
-
-def count_and_plan(
-    batch: Any, loss_weighting: Any, layout: Mapping[Any, str] | None = None, warning_cache: WarningCache | None = None
-) -> tuple[float, SplitPlan | None]:
-    """:func:`local_count` and the batch's split as one chunk (``None`` for ``"equal"``, which reads nothing), so that
-    a step splits its batch once for both the count and the terms (about 125 us for 12 scenes here)."""
-    if loss_weighting == "equal":
-        return 1.0, None
-    chunks, plan = split_batch(batch, 1, layout=layout)
-    count = float(chunk_counts(plan, chunks, loss_weighting)[0])
-    if warning_cache is not None:
-        say_auto_choice(plan, loss_weighting, warning_cache, strategy="sparse_ddp")
-    return count, plan
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group, if one is still up, while the interpreter is alive.
-
-    A process that exits with a gloo process group alive can abort during interpreter shutdown
-    ("terminate called without an active exception", exit code -6: gloo's worker threads are
-    destroyed unjoined; pytorch/pytorch issue #190489). Lightning's ``DDPStrategy`` leaves the group
-    up after ``fit`` (a later ``validate`` / ``test`` reuses it), so :class:`SparseDDPStrategy` registers
-    this with ``atexit`` when it sets the group up.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
-    """A copy of ``dataloader`` (same class, dataset, collate_fn, workers...) drawing batches from ``batch_sampler``.
-
-    Uses Lightning's own DataLoader re-instantiation (``lightning.pytorch.utilities.data``), as its
-    sampler injection does.
-    """
-    if isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
-        # Lightning's predict wrapper cannot be re-instantiated: read the loader's arguments from a copy that
-        # holds the BatchSampler it wraps (DataLoader forbids setting batch_sampler, hence __dict__)
-        dataloader = copy.copy(dataloader)
-        dataloader.__dict__["batch_sampler"] = dataloader.batch_sampler._batch_sampler
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
-    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
-
-
-def gather_step_outputs(output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device) -> Any:
-    """Every rank's output of global batch ``batch_idx`` as one output, in the global batch's sample order.
-
-    ``all_gather_object`` of each rank's output (tensors on the CPU), merged by
-    :func:`~lightning_sparse_dp.outputs.gather_outputs` with the shares ``sampler`` dealt: per-sample lists
-    and per-sample rows in the global batch's order. Every rank must call it, for the same batch.
-    """
-    batch = sampler.global_batches()[batch_idx]
-    position = {sample: p for p, sample in enumerate(batch)}
-    shares = [torch.tensor([position[i] for i in share], dtype=torch.long) for share in sampler.shares(batch)]
-    plan = SplitPlan(num_samples=len(batch), chunk_samples=tuple(shares))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, apply_to_collection(output, Tensor, lambda t: t.detach().cpu()))
-    return gather_outputs(gathered, plan, chunk_weights(plan, "samples"), device)
-
-
-def _in_dataset_order(sampler: Any) -> bool:
-    """Lightning's predict sampler over the dataset in order (a DataLoader without ``shuffle``)."""
-    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)
-    return type(sampler) is UnrepeatedDistributedSamplerWrapper and not sampler.shuffle and isinstance(wrapped, SequentialSampler)
+from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
+from lightning_sparse_dp.threads import ThreadSplit, follow_omp_num_threads
 
 
 class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
@@ -323,7 +195,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._batch, self._plan, self._collectives = batch, plan, []
         step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
-            with watching(self._collectives), counting(), _plain_mean_in_log(self.lightning_module):
+            with watching(self._collectives), counting(), plain_mean_in_log(self.lightning_module):
                 output = step() if self._capture is None else self._capture.run(step)
             module = self.lightning_module
             if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
@@ -480,89 +352,23 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
                 raise misplaced from None
         return batch
 
-    # --- point-balanced batches ------------------------------------------------------------------
+    # --- point-balanced batches (rank_loaders.py) ---------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Replace the ``DistributedSampler`` Lightning injected with a :class:`PointBalancedBatchSampler`.
-
-        Only for map-style loaders whose sampler is a plain ``DistributedSampler`` batched by a plain
-        ``BatchSampler`` (Lightning's injection for training / validation / test), or, when predicting,
-        Lightning's predict sampler over the dataset in order (predictions then come back merged:
-        :meth:`predict_step`); other loaders (custom samplers, a shuffled predict loader,
-        ``use_distributed_sampler=False``) are left as they are. The global batch is the DataLoader's
-        ``batch_size`` times the world size, as with ``"ddp"``.
-        """
+        """Lightning's, then its ``DistributedSampler`` replaced by a :class:`PointBalancedBatchSampler` where it
+        is Lightning's own injection (:func:`~lightning_sparse_dp.rank_loaders.point_balanced_loader`)."""
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if not isinstance(dataloader, DataLoader):
-            return dataloader
-        inner = dataloader.batch_sampler  # for predict, Lightning wraps it to record each batch's indices
-        predicting = isinstance(inner, _IndexBatchSamplerWrapper)
-        inner = inner._batch_sampler if predicting else inner  # type: ignore[union-attr]
-        sampler = getattr(inner, "sampler", None)
-        if (
-            type(inner) is not BatchSampler
-            or not (_in_dataset_order(sampler) if predicting else type(sampler) is DistributedSampler)
-            or (trainer is not None and not trainer._accelerator_connector.use_distributed_sampler)
-        ):
-            return dataloader
-        assert isinstance(sampler, DistributedSampler)
-        size = len(dataloader.dataset)  # type: ignore[arg-type]
-        if size < self.world_size:  # empty, or fewer samples than ranks: DDP's sampler pads, and Lightning warns / skips
-            self._warning_cache.info(
-                f"sparse_ddp: a DataLoader of {size} samples, fewer than the {self.world_size} ranks, keeps Lightning's "
-                "DistributedSampler (which repeats samples to give every rank one)."
-            )
-            return dataloader
-        try:
-            counts = self.dataset_point_counts(dataloader.dataset) if self.split == "balanced" else None
-        except TypeError as err:  # items with no tensor to count points of (e.g. a range of ints)
-            self._warning_cache.info(
-                f"sparse_ddp: {err} Until then this DataLoader keeps Lightning's DistributedSampler (samples dealt "
-                "round-robin, the epoch padded with repeated samples)."
-            )
-            return dataloader
-        batch_sampler = PointBalancedBatchSampler(
-            counts,
-            inner.batch_size * self.world_size,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            num_samples=len(dataloader.dataset),  # type: ignore[arg-type]
-            shuffle=sampler.shuffle,
-            seed=sampler.seed,
-            drop_last=inner.drop_last,
-            split=self.split,
+        return point_balanced_loader(
+            dataloader, world_size=self.world_size, rank=self.global_rank, split=self.split,
+            counts_of=self.dataset_point_counts, say=self._warning_cache.info, predict_samplers=self._predict_samplers,
+            use_distributed_sampler=trainer is None or trainer._accelerator_connector.use_distributed_sampler,
         )
-        if predicting:
-            self._predict_samplers.append(batch_sampler)
-            return replace_batch_sampler(dataloader, _IndexBatchSamplerWrapper(batch_sampler))
-        return replace_batch_sampler(dataloader, batch_sampler)
 
     def dataset_point_counts(self, dataset: Any) -> list[int]:
-        """Points per sample of ``dataset``: its ``point_counts`` attribute, else measured once (shared by ranks)."""
-        cached = self._point_counts.get(id(dataset))
-        if cached is not None and cached[0] is dataset:
-            return cached[1]
-        counts = declared_point_counts(dataset)
-        if counts is None:
-            size = len(dataset)
-            rank_zero_info(
-                f"sparse_ddp: measuring the points of {size} samples once (each rank reads 1/{self.world_size} of them); "
-                "give the dataset a `point_counts` attribute to skip this."
-            )
-            if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-                mine = measure_point_counts(dataset, range(self.global_rank, size, self.world_size), self.count_points)
-                shares: list[Any] = [None] * self.world_size
-                dist.all_gather_object(shares, mine)
-                counts = [0] * size
-                for r, share in enumerate(shares):
-                    counts[r :: self.world_size] = share
-            else:
-                counts = measure_point_counts(dataset, range(size), self.count_points)
-        if len(counts) != len(dataset):
-            raise ValueError(f"the dataset declares {len(counts)} point_counts but has {len(dataset)} samples.")
-        self._point_counts[id(dataset)] = (dataset, counts)
-        return counts
+        """Points per sample of ``dataset``: its ``point_counts`` attribute, else measured once (shared by ranks;
+        :func:`~lightning_sparse_dp.rank_loaders.dataset_point_counts`)."""
+        return dataset_point_counts(dataset, self._point_counts, self.world_size, self.global_rank, self.count_points)
 
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
@@ -572,5 +378,4 @@ __all__ = [
     "destroy_process_group_at_exit",
     "gather_step_outputs",
     "local_count",
-    "replace_batch_sampler",
 ]

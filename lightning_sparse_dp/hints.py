@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import re
 
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_sparse_dp.base import dataloader_iter_steps
 from lightning_sparse_dp.split import SplitPlan
 
 #: torch's message for batch norm in training mode over a single value per channel
@@ -84,4 +87,32 @@ def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
     return 2 if any(isinstance(m, _BatchNorm) for m in module.modules()) else 1
 
 
-__all__ = ["SKIPPED_STEP_HELP", "explain_replica_error", "min_points_per_chunk"]
+def refuse_dataloader_iter(module: nn.Module) -> None:
+    """``sparse_dp`` at setup: a step written as ``step(self, dataloader_iter)`` cannot be split before it runs.
+
+    Raises:
+        MisconfigurationException: naming the steps, how to write them, and ``sparse_ddp``, which runs them.
+    """
+    iterating = dataloader_iter_steps(module)
+    if iterating:
+        raise MisconfigurationException(
+            f"sparse_dp does not support {', '.join(iterating)}(self, dataloader_iter): it splits each batch before the "
+            "step runs, and such a step fetches its batches itself. Write the step as step(self, batch, batch_idx), or "
+            "use strategy='sparse_ddp', which runs such steps as DDP does."
+        )
+
+
+def warn_unsynchronized_batchnorm(module: nn.Module) -> None:
+    """``sparse_dp`` at setup without ``sync_batchnorm``: say once that the model's SyncBatchNorm layers run per chunk."""
+    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        rank_zero_warn(
+            "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
+            "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
+            "synchronize them across sparse_dp replicas."
+        )
+
+
+__all__ = [
+    "SKIPPED_STEP_HELP", "explain_replica_error", "min_points_per_chunk", "refuse_dataloader_iter",
+    "warn_unsynchronized_batchnorm",
+]

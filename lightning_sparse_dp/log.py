@@ -3,7 +3,8 @@
 Lightning's result collection takes no locks and moves a logged value to the device of whoever
 logs, so replicas must never log into it from their threads (PL 1.x "dp" logged on-step values from
 whichever GPU wrote last, Lightning issue #9839). While the replicas run the step, :func:`recording`
-gives each a :class:`LogRecorder` in place of its ``log`` method (``log_dict`` goes through ``log``); after the step, :func:`reduce_log_calls`
+gives each a :class:`LogRecorder` in place of its ``log`` method (``log_dict`` goes through ``log``); after the step,
+:func:`reduce_log_calls`
 merges the replicas' calls name by name and :func:`emit` logs them through the root module.
 
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sparse_dp.replicate import Replicas
-from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
 
 class ManualStep:
@@ -173,4 +173,19 @@ def _clip(manual: ManualStep, rank: int, module: Any) -> Callable[..., None]:
     return clip_gradients
 
 
-__all__ = ["ManualStep", "installed"]
+@contextmanager
+def manual_step(
+    module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
+    weights: Sequence[float], terms: StepTerms | None, plan: Any,
+) -> Iterator[ThreadGroup]:
+    """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
+    (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
+    ``weights``, needed inside the step, so computed before it; yields the group."""
+    group = group if group is not None else ThreadGroup(len(step_replicas))
+    if terms is not None:
+        terms.set_plan(plan)
+    with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
+        yield group
+
+
+__all__ = ["ManualStep", "installed", "manual_step"]

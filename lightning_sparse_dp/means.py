@@ -88,4 +88,24 @@ def count_of(value: Any) -> int | None:
     return None
 
 
-__all__ = ["count_of", "counting", "plain_mean", "run_counting"]
+@contextmanager
+def plain_mean_in_log(module: Any) -> Iterator[None]:
+    """``module.log`` runs with torch's own ``torch.mean`` while the step counts means (:func:`plain_mean`): Lightning
+    stores ``getattr(torch, "mean")`` and later checks its identity (``sparse_ddp``'s steps run ``self.log`` so)."""
+    if module is None:
+        yield
+        return
+    log = module.log
+
+    def plain_log(*args: Any, **kwargs: Any) -> Any:
+        with plain_mean():
+            return log(*args, **kwargs)
+
+    module.log = plain_log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+
+
+__all__ = ["count_of", "counting", "plain_mean", "plain_mean_in_log", "run_counting"]

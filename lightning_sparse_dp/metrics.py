@@ -4,7 +4,8 @@ A replica is a shallow copy of the module, so a ``torchmetrics.Metric`` in it wo
 on) the root metric's state, or lose its update (PL 1.x "dp": Lightning issue #4353); its ``update``
 and ``compute`` are even instance attributes bound to the root metric. Before the step every replica
 therefore gets its own empty copy of each metric (``Metric.clone`` of an empty template, so the
-root's accumulated state is never copied) for the step (:meth:`ReplicaMetrics.installed`); after it, :func:`merge_into_root` merges the replicas' states into the root metric with
+root's accumulated state is never copied) for the step (:meth:`ReplicaMetrics.installed`); after it,
+:func:`merge_into_root` merges the replicas' states into the root metric with
 ``Metric.merge_state`` (torchmetrics >= 1.1), in replica order, so the root ends the step in the state
 one update with the whole batch gives. When replicas called ``forward`` (which returns the batch
 value), the root's ``_forward_cache`` is set to the whole batch's value, which is what Lightning

@@ -23,7 +23,13 @@ from torch import Tensor
 from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.loss.weights import weighted_sum
 from lightning_sparse_dp.split import (
-    SplitPlan, key_of, layout_entry, leaf_predicate, merge_chunks, merge_rows, path_name
+    SplitPlan,
+    key_of,
+    layout_entry,
+    leaf_predicate,
+    merge_chunks,
+    merge_rows,
+    path_name,
 )
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /

@@ -158,18 +158,13 @@ def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
     return place_chunk(chunks[0], device)
 
 
-def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
-    """The whole batch on ``device`` as plain Lightning's ``batch_to_device`` leaves it (tensors moved with Lightning's
-    ``move_data_to_device``), for a step on one device; ``None`` when an ``ME.SparseTensor`` / ``ME.TensorField`` of
-    the batch is elsewhere (it has no ``.to()``: the split-and-place path rebuilds it on the device)."""
-    me = [x for x in pytree.tree_leaves(batch, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
-          if is_sparse_tensor(x) or is_tensor_field(x)]
-    if any(torch.device(x.device) != device for x in me):
-        return None
-    return move_data_to_device(batch, device)
-
-
 __all__ = [
-    "build_sparse", "check_devices", "check_me_devices", "current_stream", "device_context", "place_batch", "place_chunk", "place_chunks",
-    "whole_batch_on",
+    "build_sparse",
+    "check_devices",
+    "check_me_devices",
+    "current_stream",
+    "device_context",
+    "place_batch",
+    "place_chunk",
+    "place_chunks",
 ]

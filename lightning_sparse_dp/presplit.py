@@ -114,4 +114,28 @@ def _specs(chunk: Any) -> list[SparseSpec]:
     return [x for x in leaves if isinstance(x, SparseSpec)]
 
 
-__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader"]
+def step_chunks(
+    batch: Any, num_devices: int, split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
+    **split_kwargs: Any,
+) -> tuple[list[Any], SplitPlan]:
+    """A ``sparse_dp`` step's chunks and plan: the DataLoader workers' (a :class:`PreSplitBatch`), ``split_fn``'s, or
+    :func:`~lightning_sparse_dp.split.split_batch`'s with ``split_kwargs`` (``layout``, ``assignment``,
+    ``min_points``).
+
+    Raises:
+        ValueError: a PreSplitBatch with more chunks than ``num_devices``.
+        BatchLayoutError: a batch the split cannot read.
+    """
+    if isinstance(batch, PreSplitBatch):
+        if batch.plan.num_chunks > num_devices:
+            raise ValueError(
+                f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
+                f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
+            )
+        return batch.chunks, batch.plan
+    if split_fn is not None:
+        return split_fn(batch, num_devices)
+    return split_batch(batch, num_devices, **split_kwargs)
+
+
+__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader", "step_chunks"]

@@ -177,7 +177,8 @@ def _first_length(item: Any) -> int:
             return int(leaf.shape[0])
     raise TypeError(
         f"cannot count the points of a dataset item of type {type(item).__name__}: it holds no tensor or array. Give "
-        "the dataset a `point_counts` attribute (points per sample) or pass SparseDDPStrategy(count_points=fn), fn(item) -> its points."
+        "the dataset a `point_counts` attribute (points per sample) or pass SparseDDPStrategy(count_points=fn), "
+        "fn(item) -> its points."
     )
 
 
@@ -191,7 +192,9 @@ def declared_point_counts(dataset: Any) -> list[int] | None:
     return [int(c) for c in counts]
 
 
-def measure_point_counts(dataset: Any, indices: Sequence[int], count_fn: Callable[[Any], int] | None = None) -> list[int]:
+def measure_point_counts(
+    dataset: Any, indices: Sequence[int], count_fn: Callable[[Any], int] | None = None
+) -> list[int]:
     """Points of ``dataset[i]`` for ``i`` in ``indices``: ``count_fn(item)``, else the rows of the item's
     coordinate tensors when it is a dict with keys naming coordinates, else of its first tensor
     (``coordinates [n, D]`` of a ``(coordinates, features, label)`` sample, as ME's examples return).

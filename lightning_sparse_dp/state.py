@@ -21,13 +21,23 @@ Lightning's and torch's own, not dicts changed in place).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
+
+from lightning_sparse_dp.log import LogRecorder, recording
+from lightning_sparse_dp.loss.step import StepTerms
+from lightning_sparse_dp.metrics import ReplicaMetrics
+from lightning_sparse_dp.outputs import gather_outputs
+from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.split import SplitPlan
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+from lightning_sparse_dp.syncbn.replicas import synchronized
 
 _MISSING = object()
 
@@ -169,4 +179,49 @@ class StepState:
         before.extend(merged)
 
 
-__all__ = ["StepState"]
+def combine_values(
+    plan: SplitPlan, weights: Sequence[float], terms: StepTerms | None, root: torch.device,
+    output_layout: Mapping[str, str] | None, warning_cache: WarningCache, values: list[Any],
+) -> tuple[Any, bool]:
+    """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
+    a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
+    step outputs are (``False``; :func:`~lightning_sparse_dp.outputs.gather_outputs`)."""
+    if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
+        value = terms.log_value(list(range(len(values))), values)
+        if value is not None:
+            return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
+    return gather_outputs(values, plan, weights, root, output_layout, warning_cache), False
+
+
+@contextmanager
+def replica_state(
+    module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
+    persistent: Replicas | None, sync_layers: Sequence[Any],
+) -> Iterator[tuple[list[LogRecorder], ThreadGroup | None]]:
+    """The replicas' per-step state, installed for the apply stage and undone after it.
+
+    In this order, each undone by its own context manager: empty copies of the module's metrics,
+    merged into the root's after the step (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.installed`;
+    first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
+    ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
+    calls are logged through the root module, which may itself be replica 0); the batch-norm group
+    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`).
+
+    Args:
+        persistent: the strategy's :class:`~lightning_sparse_dp.replicate.Replicas` (the step's ``replicas`` are
+            theirs, unless the one replica is the module itself); ``sync_layers``: each replica's synchronized
+            batch-norm layers.
+
+    Yields:
+        ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
+    """
+    with ExitStack() as stack:
+        own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
+        installed = stack.enter_context(metrics.installed(module, replicas, list(devices), persistent if own else None))
+        paths = [{id(m.replicas[i]): m.name for m in installed} for i in range(len(replicas))] if own else None
+        recorders = stack.enter_context(recording(replicas, paths))
+        group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
+        yield recorders, group
+
+
+__all__ = ["StepState", "combine_values", "replica_state"]

@@ -2,48 +2,52 @@
 
 A thin orchestrator over the stages of one step (``docs/architecture.md`` draws them), each an
 overridable method as ``torch.nn.DataParallel``'s are: ``scatter`` (:mod:`.split`, :mod:`.place`)
--> ``replicate`` (:mod:`.replicate`) -> per-step replica state (:mod:`.metrics`, :mod:`.log`,
-:mod:`.syncbn.replicas`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.weighting`,
-:mod:`.term_weights`) and per-replica backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`)
--> log (:mod:`.log`). Lightning's plumbing for one process is the base class,
+-> ``replicate`` (:mod:`.replicate`) -> per-step replica state (:mod:`.state`: :mod:`.metrics`, :mod:`.log`,
+:mod:`.syncbn.replicas`) -> ``parallel_apply`` (:mod:`.apply`) -> loss weights (:mod:`.loss`) and per-replica
+backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`) -> log (:mod:`.log`). One device skips them all
+(:mod:`.one_device`). Lightning's plumbing for one process is the base class,
 :class:`~lightning_sparse_dp.single_process.SingleProcessParallelStrategy`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_sparse_dp.apply import ReplicaExecutor
+from lightning_sparse_dp.apply import ReplicaExecutor, replica_steps
 from lightning_sparse_dp.backward import parallel_backward
-from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.loss.weights import step_weights
-from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.manual import ManualStep, installed
-from lightning_sparse_dp.means import run_counting
+from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.hints import (
+    explain_replica_error,
+    min_points_per_chunk,
+    refuse_dataloader_iter,
+    warn_unsynchronized_batchnorm,
+)
+from lightning_sparse_dp.log import emit, reduce_log_calls
 from lightning_sparse_dp.loss.step import StepTerms
-from lightning_sparse_dp.hints import explain_replica_error, min_points_per_chunk
-from lightning_sparse_dp.base import SparseStrategyMixin, dataloader_iter_steps
-from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
-from lightning_sparse_dp.log import LogRecorder, emit, recording, reduce_log_calls
+from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.loss.weights import step_weights
+from lightning_sparse_dp.manual import manual_step
 from lightning_sparse_dp.metrics import ReplicaMetrics
-from lightning_sparse_dp.place import place_chunks, whole_batch_on
-from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
-from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader
+from lightning_sparse_dp.one_device import one_device_batch
+from lightning_sparse_dp.outputs import gather_outputs
+from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.presplit import presplit_loader, step_chunks
 from lightning_sparse_dp.replicate import Replicas
-from lightning_sparse_dp.split import SplitPlan, balanced_assignment, split_batch
-from lightning_sparse_dp.state import StepState
-from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
+from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
+from lightning_sparse_dp.split import SplitPlan, balanced_assignment
+from lightning_sparse_dp.state import StepState, combine_values, replica_state
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.syncbn.replicas import sync_layers
 from lightning_sparse_dp.threads import ThreadSplit, check_pin, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
@@ -167,20 +171,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         module = self.lightning_module
         assert module is not None and self.parallel_devices is not None
         self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
-        iterating = dataloader_iter_steps(module)
-        if iterating:
-            raise MisconfigurationException(
-                f"sparse_dp does not support {', '.join(iterating)}(self, dataloader_iter): it splits each batch before the "
-                "step runs, and such a step fetches its batches itself. Write the step as step(self, batch, batch_idx), or "
-                "use strategy='sparse_ddp', which runs such steps as DDP does."
-            )
+        refuse_dataloader_iter(module)
         self._resolve_layer_sync()
-        if self._layer_sync is None and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
-            rank_zero_warn(
-                "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
-                "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
-                "synchronize them across sparse_dp replicas."
-            )
+        if self._layer_sync is None:
+            warn_unsynchronized_batchnorm(module)
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
@@ -242,25 +236,27 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         calls backward on the gathered loss (:func:`~lightning_sparse_dp.backward.parallel_backward`).
         """
         module = self.lightning_module
-        assert module is not None
-        if not args:
-            raise TypeError(f"sparse_dp expects the batch as the first argument of {step_name}.")
-        if self.parallel_devices is not None and len(self.parallel_devices) == 1 and self.split_fn is None:
-            batch = None if isinstance(args[0], PreSplitBatch) else whole_batch_on(args[0], self.root_device)
-            if batch is not None:  # one device: plain Lightning's step on the module itself, nothing split or weighed
-                return getattr(module, step_name)(batch, *args[1:], **kwargs)
+        if module is None or not args:
+            raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {step_name}.")
+        batch = one_device_batch(args[0], self.parallel_devices, self.split_fn)
+        if batch is not None:  # one device: plain Lightning's step on the module itself (one_device.py)
+            return getattr(module, step_name)(batch, *args[1:], **kwargs)
         self._timer.new_step()
         inputs, plan = self.scatter(args[0])
-        devices = self.parallel_devices[: len(inputs)]
-        replicas = self.replicate(module, devices)
+        replicas = self.replicate(module, devices := self.parallel_devices[: len(inputs)])
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
-                recorders, group = state.enter_context(self._replica_state(module, replicas, devices))
+                layers = self._replica_sync_layers
+                installing = replica_state(module, replicas, devices, self._replica_metrics, self._replicas, layers)
+                recorders, group = state.enter_context(installing)
             terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
             left = StepState(module, replicas)  # what the step sets on self, merged back below
             weights: list[float] | None = None
             if step_name == "training_step" and not module.automatic_optimization and len(replicas) > 1:
-                group, weights = self._manual_step(state, module, replicas, inputs, plan, group, terms)
+                # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
+                weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
+                assert self._replicas is not None
+                group = state.enter_context(manual_step(module, self._replicas, replicas, group, weights, terms, plan))
             outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
@@ -270,7 +266,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
             terms.weigh(losses, plan, weights)
         with self._timer.stage("state"):
-            left.merge(partial(self._combine, plan, weights, terms), self._warning_cache)
+            combine = partial(combine_values, plan, weights, terms, self.root_device, self.output_layout, self._warning_cache)
+            left.merge(combine, self._warning_cache)
         if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
@@ -288,34 +285,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
             emit(module, calls)
         return output
-
-    def _manual_step(
-        self, state: ExitStack, module: nn.Module, replicas: list[nn.Module], inputs: Sequence[Any], plan: SplitPlan,
-        group: ThreadGroup | None, terms: StepTerms | None,
-    ) -> tuple[ThreadGroup, list[float]]:
-        """Manual optimization: the replicas' ``manual_backward`` and optimizer calls met once per step
-        (:mod:`~lightning_sparse_dp.manual`); the step's thread group (a new one when no batch norm is synchronized)
-        and the chunks' weights (needed inside the step, so computed before it)."""
-        group = group if group is not None else ThreadGroup(len(replicas))
-        weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
-        if terms is not None:
-            terms.set_plan(plan)
-        assert self._replicas is not None
-        manual = ManualStep(module, self._replicas, len(replicas), group, weights, terms)
-        state.enter_context(installed(manual, replicas))
-        return group, weights
-
-    def _combine(
-        self, plan: SplitPlan, weights: Sequence[float], terms: StepTerms | None, values: list[Any]
-    ) -> tuple[Any, bool]:
-        """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
-        a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
-        step outputs are (``False``)."""
-        if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
-            value = terms.log_value(list(range(len(values))), values)
-            if value is not None:
-                return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
-        return gather_outputs(values, plan, weights, self.root_device, self.output_layout, self._warning_cache), False
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.
@@ -335,19 +304,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         assert self.parallel_devices is not None
         num_devices = len(self.parallel_devices)
         with self._timer.stage("split"):
-            if isinstance(batch, PreSplitBatch):
-                if batch.plan.num_chunks > num_devices:
-                    raise ValueError(
-                        f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
-                        f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
-                    )
-                chunks, plan = batch.chunks, batch.plan
-            elif self.split_fn is not None:
-                chunks, plan = self.split_fn(batch, num_devices)
-            else:
-                chunks, plan = split_batch(
-                    batch, num_devices, layout=self.layout, assignment=self._assignment(), min_points=self._min_points()
-                )
+            chunks, plan = step_chunks(
+                batch, num_devices, self.split_fn, layout=self.layout, assignment=self._assignment(),
+                min_points=self._min_points(),
+            )
         with self._timer.stage("place"):
             return place_chunks(chunks, self.parallel_devices), plan
 
@@ -366,32 +326,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 self._replicas = Replicas(module, self.parallel_devices)
                 self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
             return self._replicas.refresh(len(devices))
-
-    @contextmanager
-    def _replica_state(
-        self, module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device]
-    ) -> Iterator[tuple[list[LogRecorder], ThreadGroup | None]]:
-        """The replicas' per-step state, installed for the apply stage and undone after it.
-
-        In this order, each undone by its own context manager: empty copies of the module's metrics,
-        merged into the root's after the step (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.installed`;
-        first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
-        ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
-        calls are logged through the root module, which may itself be replica 0); the batch-norm group
-        (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`).
-
-        Yields:
-            ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
-        """
-        with ExitStack() as stack:
-            own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
-            metrics = stack.enter_context(
-                self._replica_metrics.installed(module, replicas, list(devices), self._replicas if own else None)
-            )
-            paths = [{id(m.replicas[i]): m.name for m in metrics} for i in range(len(replicas))] if own else None
-            recorders = stack.enter_context(recording(replicas, paths))
-            group = stack.enter_context(synchronized(self._replica_sync_layers[: len(replicas)]))  # None for one
-            yield recorders, group
 
     def parallel_apply(
         self,
@@ -423,16 +357,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             Exception: the first failing replica's error, with a note naming the replica and device.
         """
         if self._executor is None:
-            raise RuntimeError("sparse_dp: a step ran before Strategy.setup; run it through a Trainer (fit/validate/test/predict).")
+            raise RuntimeError(
+                "sparse_dp: a step ran before Strategy.setup; run it through a Trainer (fit/validate/test/predict)."
+            )
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
-        steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
-        if terms is not None:
-            steps = terms.wrap(steps)
-        steps = [partial(run_counting, step) for step in steps]  # the element counts of the means the step logs
-        if group is not None:
-            steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
-        steps = [self._timer.timed(f"replica{i}", step) for i, step in enumerate(steps)]
+        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer)
         with self._timer.stage("apply"):
             try:
                 return self._executor.run(steps, devices)
@@ -451,19 +381,19 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._timer.stage("backward"):
+        with self._timer.stage("backward"):  # timed: each replica's backward runs in it (backward.py)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _assignment(self) -> Any:
         """``split``, with the points evened per core first when replicas are pinned (``"balanced"`` only)."""
-        if self._core_groups is not None and self.split == "balanced":
-            return partial(balanced_assignment, groups=self._core_groups)
-        return self.split
+        pinned = self._core_groups is not None and self.split == "balanced"
+        return partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
 
     def _min_points(self) -> int:
         """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
         module = self.lightning_module
         return 1 if module is None else min_points_per_chunk(module, self._layer_sync is not None)
+
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 

@@ -57,11 +57,14 @@ def gpu_inventory() -> dict:
 def no_gpu_line(inv: dict) -> str:
     """The summary line for a machine where torch sees no GPU (says why, and what was not run)."""
     if inv["cuda"] is None:
-        why = f"torch {inv['torch']} in {sys.executable} is a CPU build; install a CUDA build of torch there (bash scripts/setup.sh --cuda makes .venv-cuda)"
+        why = (f"torch {inv['torch']} in {sys.executable} is a CPU build; install a CUDA build of torch there "
+               "(bash scripts/setup.sh --cuda makes .venv-cuda)")
     else:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = f"torch {inv['torch']} (CUDA {inv['cuda']}) finds no GPU" + (
-            f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "; is the NVIDIA driver loaded? (nvidia-smi lists the GPUs it sees)"
+            f"; CUDA_VISIBLE_DEVICES={visible!r}"
+            if visible is not None
+            else "; is the NVIDIA driver loaded? (nvidia-smi lists the GPUs it sees)"
         )
     return f"gpu_check: NO GPU (torch.cuda.device_count() == 0): {why}. Nothing was run."
 
@@ -109,8 +112,10 @@ def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | No
         out = late.stdout.decode(errors="replace") if isinstance(late.stdout, bytes) else (late.stdout or "")
         err = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else (late.stderr or "")
     log.write_text(f"$ {' '.join(cmd)}\n# exit {code} after {time.monotonic() - start:.0f} s\n{out}{err}")
-    print(f"[gpu_check] {' '.join(cmd[1:3])[:60]}: exit {code} after {time.monotonic() - start:.0f} s, log {log}",
-          file=sys.stderr)
+    print(
+        f"[gpu_check] {' '.join(cmd[1:3])[:60]}: exit {code} after {time.monotonic() - start:.0f} s, log {log}",
+        file=sys.stderr,
+    )
     return code, out
 
 
@@ -140,8 +145,12 @@ def bundle_env(bundle: Path, python: str, inv: dict, scratch: Path) -> tuple[dic
         return {}, [f"{python} lacks {', '.join(still)} and the bundle has no wheel of it for this Python"]
     env = dict(os.environ)
     env.update(
-        LSDP_OFFLINE="1", LSDP_ME_SDIST=str(bundle / "sdist" / gpu_bundle.ME_SDIST), LSDP_CACHE=str(bundle / "cache"),
-        LSDP_BLAS_INCLUDE=str(include), LSDP_BLAS_LIB=str(lib), PIP_NO_INDEX="1",
+        LSDP_OFFLINE="1",
+        LSDP_ME_SDIST=str(bundle / "sdist" / gpu_bundle.ME_SDIST),
+        LSDP_CACHE=str(bundle / "cache"),
+        LSDP_BLAS_INCLUDE=str(include),
+        LSDP_BLAS_LIB=str(lib),
+        PIP_NO_INDEX="1",
         MAX_JOBS=env.get("MAX_JOBS", str(os.cpu_count() or 1)),
         TORCH_CUDA_ARCH_LIST=env.get("TORCH_CUDA_ARCH_LIST", ";".join(sorted({cap for _, cap in inv["gpus"]}))),
         LD_LIBRARY_PATH=os.pathsep.join(p for p in (str(lib), env.get("LD_LIBRARY_PATH", "")) if p),
@@ -177,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short benchmark run")
     parser.add_argument("--logs", type=Path, default=ROOT / "gpu_check_logs")
     parser.add_argument("--bundle", type=Path, help="a folder made by scripts/gpu_bundle.sh: build and test offline")
-    parser.add_argument("--budget", type=float, default=450.0,
-                        help="seconds for all steps together (default 450: the check ends within 8 minutes)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds for all steps together (default 450: the check ends within 8 minutes)",
+    )
     args = parser.parse_args(argv)
     python = sys.executable
     deadline = time.monotonic() + args.budget
@@ -191,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         print(no_gpu_line(inv))
         return NO_GPU
     names = sorted({n for n, _ in inv["gpus"]})
-    print(f"[gpu_check] torch {inv['torch']} (CUDA {inv['cuda']}), {len(inv['gpus'])} GPU(s): {inv['gpus']}", file=sys.stderr)
+    print(
+        f"[gpu_check] torch {inv['torch']} (CUDA {inv['cuda']}), {len(inv['gpus'])} GPU(s): {inv['gpus']}",
+        file=sys.stderr,
+    )
     args.logs.mkdir(parents=True, exist_ok=True)
     parts = [f"{len(inv['gpus'])}x {'/'.join(names)}", f"torch {inv['torch']}"]
     ok = True
@@ -206,12 +222,22 @@ def main(argv: list[str] | None = None) -> int:
 
     me = me_cuda_state(python, env)
     if me != "cuda":
-        print(f"[gpu_check] MinkowskiEngine is {me} here: building the CUDA one (scripts/build_minkowski.sh --cuda)",
-              file=sys.stderr)
+        print(
+            f"[gpu_check] MinkowskiEngine is {me} here: building the CUDA one (scripts/build_minkowski.sh --cuda)",
+            file=sys.stderr,
+        )
         started = time.monotonic()
-        code, out = _run(["bash", str(ROOT / "scripts" / "build_minkowski.sh"), "--cuda", python],
-                         args.logs / "build.log", env, timeout=left(360))
-        me = me_cuda_state(python, env) if code == 0 else f"build failed{', ' + ended(code, out) if ended(code, out) else ''}"
+        code, out = _run(
+            ["bash", str(ROOT / "scripts" / "build_minkowski.sh"), "--cuda", python],
+            args.logs / "build.log",
+            env,
+            timeout=left(360),
+        )
+        me = (
+            me_cuda_state(python, env)
+            if code == 0
+            else f"build failed{', ' + ended(code, out) if ended(code, out) else ''}"
+        )
         parts.append(f"ME built in {time.monotonic() - started:.0f} s")
     parts.append(f"ME {'CUDA' if me == 'cuda' else me}")
     if me != "cuda":
@@ -224,22 +250,41 @@ def main(argv: list[str] | None = None) -> int:
     env = {**env, "LSDP_GPU_REPORT": str(report)}
     # with pytest-xdist, a test that kills its worker (ME's segmentation fault) is one failure, not the whole run
     xdist = ["-n", "1"] if subprocess.run([python, "-c", "import xdist"], capture_output=True).returncode == 0 else []
-    code, out = _run([python, "-m", "pytest", "-v", "-p", "no:cacheprovider", *xdist, "tests/test_gpu.py",
-                      "tests/test_cuda_paths.py"], args.logs / "tests.log", env, timeout=left(240))
+    code, out = _run(
+        [
+            python,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            *xdist,
+            "tests/test_gpu.py",
+            "tests/test_cuda_paths.py",
+        ],
+        args.logs / "tests.log",
+        env,
+        timeout=left(240),
+    )
     counts = pytest_counts(out)
     if ended(code, out):
         parts.append(f"tests {ended(code, out)}")
     diffs = [json.loads(line)["max_rel_diff"] for line in report.read_text().splitlines()] if report.exists() else []
     worst = f", max rel diff {max(diffs):.1e} over {len(diffs)} comparisons" if diffs else ""
-    parts.append(f"tests {counts.get('passed', 0)} passed, {counts.get('failed', 0) + counts.get('errors', 0)} failed, "
-                 f"{counts.get('skipped', 0)} skipped{worst}")
+    parts.append(
+        f"tests {counts.get('passed', 0)} passed, {counts.get('failed', 0) + counts.get('errors', 0)} failed, "
+        f"{counts.get('skipped', 0)} skipped{worst}"
+    )
     ok &= code == 0 and counts.get("passed", 0) > 0
 
     bench = [python, "benchmarks/bench.py", "--accelerator", "gpu"] + (["--quick"] if args.quick else [])
     code, out = _run(bench, args.logs / "bench.log", env, timeout=left(300))
     headline = bench_headline(out)
-    parts.append(f"bench {json.dumps(headline)}" if code == 0 and headline else
-                 f"bench failed{', ' + ended(code, out) if ended(code, out) else ''}")
+    parts.append(
+        f"bench {json.dumps(headline)}"
+        if code == 0 and headline
+        else f"bench failed{', ' + ended(code, out) if ended(code, out) else ''}"
+    )
     ok &= code == 0 and bool(headline)
 
     line = f"gpu_check: {'PASS' if ok else 'FAIL'} | " + " | ".join(parts) + f" | logs {args.logs}"

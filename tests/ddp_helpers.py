@@ -20,13 +20,21 @@ from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp")
-
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
 from tests.pairs import PairNet, PairScans, collate_pairs, pairs_in
-from tests.term_models import (
-    LevelCompletion, ScenesDetr, ScenesHeads, ScenesIgnoreSeg, ScenesManual, ScenesMasked, ScenesPerSample,
-    ScenesLogged, ScenesRemainder, ScenesStatistic, ScenesSum, ScenesWeights,
+from tests.scene_models import (
+    ScenesDetr,
+    ScenesHeads,
+    ScenesLogged,
+    ScenesManual,
+    ScenesMasked,
+    ScenesPerSample,
+    ScenesRemainder,
+    ScenesStatistic,
+    ScenesSum,
+    ScenesWeights,
 )
+from tests.term_models import LevelCompletion, ScenesIgnoreSeg
 
 SEED = 7  # initial weights
 
@@ -279,8 +287,16 @@ def loaders(per_rank: int, world_size: int | None, model: str = "class") -> tupl
             DataLoader(val, batch_size=per_rank, collate_fn=collate_fn),
         )
     return (
-        DataLoader(train, batch_sampler=ReferenceBatches(len(train), per_rank * world_size, world_size, True), collate_fn=collate_fn),
-        DataLoader(val, batch_sampler=ReferenceBatches(len(val), per_rank * world_size, world_size, False), collate_fn=collate_fn),
+        DataLoader(
+            train,
+            batch_sampler=ReferenceBatches(len(train), per_rank * world_size, world_size, True),
+            collate_fn=collate_fn,
+        ),
+        DataLoader(
+            val,
+            batch_sampler=ReferenceBatches(len(val), per_rank * world_size, world_size, False),
+            collate_fn=collate_fn,
+        ),
     )
 
 

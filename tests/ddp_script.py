@@ -22,7 +22,16 @@ import torch  # noqa: E402
 
 from lightning_sparse_dp import SparseDDPStrategy  # noqa: E402
 from tests.ddp_helpers import (  # noqa: E402
-    MESSAGES, SAID_SCENARIOS, SCENARIOS, TERM_SCENARIOS, Capture, evaluate, listen, loaders, result, trainer_kwargs,
+    MESSAGES,
+    SAID_SCENARIOS,
+    SCENARIOS,
+    TERM_SCENARIOS,
+    Capture,
+    evaluate,
+    listen,
+    loaders,
+    result,
+    trainer_kwargs,
 )
 
 
@@ -41,7 +50,9 @@ def main() -> None:
         logger = Capture()
         strategy = SparseDDPStrategy(loss_weighting=weighting or s.loss_weighting, timeout=timedelta(seconds=120))
         trainer = L.Trainer(
-            **trainer_kwargs(strategy=strategy, devices=devices, num_nodes=num_nodes, max_epochs=s.epochs, logger=logger, **s.trainer)
+            **trainer_kwargs(
+                strategy=strategy, devices=devices, num_nodes=num_nodes, max_epochs=s.epochs, logger=logger, **s.trainer
+            )
         )
         trainer.fit(model, train, val, ckpt_path=out / "sparse_dp.ckpt" if s.resume else None)
         saved = result(trainer, model, logger)

@@ -71,6 +71,11 @@ def loader(*batches) -> DataLoader:
     return DataLoader(OneBatch(*batches), batch_size=None, shuffle=False)
 
 
+def sample_loader(samples, **kwargs) -> DataLoader:
+    """A DataLoader of ``samples`` in batches of 7, collated by :func:`collate_dict`."""
+    return DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
+
+
 class SparseNet(L.LightningModule):
     """Convolution, ReLU, strided convolution, (batch norm), global pooling, linear; SGD."""
 
@@ -83,7 +88,11 @@ class SparseNet(L.LightningModule):
         ]
         if batch_norm:
             layers.append(ME.MinkowskiBatchNorm(16))
-        layers += [ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(mode=ME.PoolingMode.GLOBAL_AVG_POOLING_KERNEL), ME.MinkowskiLinear(16, NUM_CLASSES)]
+        layers += [
+            ME.MinkowskiReLU(),
+            ME.MinkowskiGlobalAvgPooling(mode=ME.PoolingMode.GLOBAL_AVG_POOLING_KERNEL),
+            ME.MinkowskiLinear(16, NUM_CLASSES),
+        ]
         self.net = torch.nn.Sequential(*layers)
         self.lr = lr
         self.fail_on_replica_with = fail_on_replica_with
@@ -245,8 +254,9 @@ def run_isolated(code: str, tmp_path: Path, timeout: float = 300, env: dict[str,
     script.write_text(textwrap.dedent(code))
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"still running after {timeout:g} s (a hang?): {str(err.stderr)[-2000:]}") from None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -9,6 +9,7 @@ and compares outputs and gradients (float64, :data:`TOL` relative).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any  # a tests.test_me_invariance.Case
 
 import MinkowskiEngine as ME
 import numpy as np
@@ -138,7 +139,7 @@ class Result:
     param_grads: list
 
 
-def run(case: "Case", module, samples: list[Sample], order: list[int], target: int) -> Result:
+def run(case: Any, module, samples: list[Sample], order: list[int], target: int) -> Result:
     """Collate ``samples`` in ``order``, run the op, take sample ``target``'s output, back-propagate
     a fixed weighting of it; gradients of the other samples' inputs must be zero."""
     batch = Batch([samples[i] for i in order])
@@ -160,7 +161,7 @@ def run(case: "Case", module, samples: list[Sample], order: list[int], target: i
     return Result(keys, values.detach(), input_grad, param_grads)
 
 
-def check_invariance(case: "Case", seeds: list[int], sizes: list[int], target: int, middle: int):
+def check_invariance(case: Any, seeds: list[int], sizes: list[int], target: int, middle: int):
     torch.manual_seed(seeds[0])
     module = case.make().double().eval() if case.eval_mode else case.make().double()
     samples = [make_sample(s, n) for s, n in zip(seeds, sizes)]

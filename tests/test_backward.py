@@ -11,8 +11,15 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.helpers import (
-    SparseNet, assert_same_states, collate_dict, loader, random_samples, relative_difference, run_isolated,
-    same_start, trainer
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    loader,
+    random_samples,
+    relative_difference,
+    run_isolated,
+    same_start,
+    trainer,
 )
 
 F64 = dict(precision="64-true")
@@ -101,13 +108,19 @@ def test_a_backward_override_runs_in_the_main_thread_and_its_changes_reach_every
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"accumulate_grad_batches": 3}, {"gradient_clip_val": 0.05}, {"gradient_clip_algorithm": "value", "gradient_clip_val": 0.01}],
+    [
+        {"accumulate_grad_batches": 3},
+        {"gradient_clip_val": 0.05},
+        {"gradient_clip_algorithm": "value", "gradient_clip_val": 0.01},
+    ],
     ids=["accumulate", "clip-norm", "clip-value"],
 )
 def test_accumulation_and_clipping_in_float64(kwargs):
     ours, reference = same_start(batch_norm=True)
     batches = _batches(6)
-    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=2, **kwargs, **F64).fit(ours, loader(*batches))
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=2, **kwargs, **F64).fit(
+        ours, loader(*batches)
+    )
     trainer(devices=1, max_steps=2, **kwargs, **F64).fit(reference, loader(*batches))
     assert_same_states(ours, reference)
 
@@ -134,7 +147,11 @@ def test_loss_scaling_of_a_precision_plugin_reaches_the_replicas():
 
     for model, strategy, devices, scaler in [(ours, "sparse_dp", 3, scalers[0]), (reference, "auto", 1, scalers[1])]:
         trainer(
-            strategy=strategy, devices=devices, sync_batchnorm=devices > 1, max_steps=3, callbacks=[Scale()],
+            strategy=strategy,
+            devices=devices,
+            sync_batchnorm=devices > 1,
+            max_steps=3,
+            callbacks=[Scale()],
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         ).fit(model, loader(*batches))
     assert scalers[0].get_scale() == scalers[1].get_scale()

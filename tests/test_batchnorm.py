@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sparse_dp.syncbn import _functions, _gathered
-from lightning_sparse_dp.syncbn._functions import accumulation_dtype, combine_statistics, compute_dtype
+from lightning_sparse_dp.syncbn._functions import combine_statistics, compute_dtype
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted, ThreadGroup
-from tests.test_collective import run_ranks
 from tests.helpers import relative_difference
+from tests.test_collective import run_ranks
 
 
 @pytest.fixture(params=["gathered", "per-rank"])
@@ -149,7 +149,6 @@ def test_float32_statistics_accumulate_in_float64_on_cpu(monkeypatch):
     monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)
     assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(torch.float16) == torch.float32
     assert compute_dtype(torch.float64) == torch.float64
-    assert accumulation_dtype(torch.float32, torch.device("cpu")) == torch.float64
     # a large offset: single-pass float32 sums lose the variance, the float64 accumulation does not
     x = torch.full((4000, 1), 1000.0) + torch.linspace(-1, 1, 4000).unsqueeze(1)
     group = ThreadGroup(2)
@@ -292,7 +291,7 @@ def test_a_synchronized_step_leaves_no_reference_cycle(path):
     try:
         outs = run_ranks(group, lambda rank, member: layers[rank](xs[rank]))
         refs = [weakref.ref(o) for o in outs]
-        run_ranks(group, lambda rank, member: outs[rank].sum().backward())
+        run_ranks(group, lambda rank, member, outs=outs: outs[rank].sum().backward())
         del outs
         assert all(ref() is None for ref in refs)
     finally:

@@ -17,7 +17,14 @@ from torch import nn
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from tests.helpers import (
-    SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start, state_differences
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    loader,
+    random_samples,
+    run_isolated,
+    same_start,
+    state_differences,
 )
 from tests.helpers import trainer as _trainer
 

@@ -184,7 +184,25 @@ def test_waits_and_layer_times_are_recorded_per_rank():
         member.record(0.02, index)  # ... and its backward
 
     run_ranks(group, layer)
-    times = group.timings()
+    times = group.times.timings()
     assert times["syncbn0"] == pytest.approx(0.03) and times["syncbn"] == pytest.approx(0.03)
     assert 0.3 / 2 * 0.8 <= times["syncbn_wait"] < 0.3  # mean over the two ranks of rank 0's wait
-    assert ThreadGroup(2).timings() == {}  # nothing recorded: no stage
+    assert ThreadGroup(2).times.timings() == {}  # nothing recorded: no stage
+
+
+def test_what_a_collective_can_do_is_its_protocol_not_a_probe():
+    """A thread group's member is a FusedCollective (computed once, timed); a collective with ``all_gather`` alone is
+    a plain Collective, and gather_reduce reduces on each rank over it."""
+    from lightning_sparse_dp.syncbn.collective import Collective, FusedCollective, gather_reduce
+
+    class Plain:
+        rank, world_size = 0, 1
+
+        def all_gather(self, tensor):
+            return [tensor]
+
+    member = ThreadGroup(1).member(0)
+    assert isinstance(member, FusedCollective) and isinstance(Plain(), Collective)
+    assert not isinstance(Plain(), FusedCollective)
+    assert gather_reduce(Plain(), torch.ones(2), lambda ts: ts[0] * 3).tolist() == [3.0, 3.0]
+    assert gather_reduce(member, torch.ones(2), lambda ts: ts[0] * 3).tolist() == [3.0, 3.0]

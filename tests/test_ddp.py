@@ -21,7 +21,16 @@ import pytest
 import torch
 
 from tests.ddp_helpers import (
-    SAID_SCENARIOS, SCENARIOS, SIDE_BY_SIDE, TERM_SCENARIOS, VAL_SAMPLES, Capture, evaluate, loaders, result, trainer_kwargs,
+    SAID_SCENARIOS,
+    SCENARIOS,
+    SIDE_BY_SIDE,
+    TERM_SCENARIOS,
+    VAL_SAMPLES,
+    Capture,
+    evaluate,
+    loaders,
+    result,
+    trainer_kwargs,
 )
 from tests.helpers import relative_difference
 
@@ -39,7 +48,9 @@ def _env() -> dict[str, str]:
 def _run(commands: list[list[str]], timeout: float) -> None:
     """Run the commands at once, each in its own session; on timeout kill every process they started."""
     procs = [
-        subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         for c in commands
     ]
     outputs = []
@@ -139,7 +150,10 @@ def test_two_processes_equal_one_device(ddp_runs, name):
 @pytest.fixture(scope="module")
 def ddp_term_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sparse_ddp_terms")
-    _run([[sys.executable, "-m", "tests.ddp_script", str(out), ",".join([*TERM_SCENARIOS, *SAID_SCENARIOS])]], timeout=400)
+    _run(
+        [[sys.executable, "-m", "tests.ddp_script", str(out), ",".join([*TERM_SCENARIOS, *SAID_SCENARIOS])]],
+        timeout=400,
+    )
     return out
 
 
@@ -158,15 +172,22 @@ def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name
     assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=RTOL)  # each step's whole-batch value
 
 
-@pytest.mark.parametrize("name, words", [
-    ("said_remainder", "differs from rank to rank"), ("said_statistic", "a statistic of the chunk"),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("said_remainder", "differs from rank to rank"),
+        ("said_statistic", "a statistic of the chunk"),
+    ],
+)
 def test_what_no_split_computes_exactly_is_said_on_ranks(ddp_term_runs, name, words):
     ranks = [_load(ddp_term_runs, name, r) for r in range(2)]
     said = [m for m in ranks[0]["messages"] if "loss_weighting='terms' cannot" in m]
     assert len(said) == 1 and words in said[0], ranks[0]["messages"]
     ref = _reference(name)
-    assert max(relative_difference(v, ref["state"][k]) for k, v in ranks[0]["state"].items() if v.is_floating_point()) > 1e-12
+    assert (
+        max(relative_difference(v, ref["state"][k]) for k, v in ranks[0]["state"].items() if v.is_floating_point())
+        > 1e-12
+    )
 
 
 @pytest.mark.parametrize("name", ["terms_ignore", "terms_per_sample", "terms_manual"])
@@ -176,7 +197,9 @@ def test_one_weight_per_rank_is_not_exact_here(ddp_term_runs, name):  # the comp
     out.mkdir()
     _run([[sys.executable, "-m", "tests.ddp_script", str(out), name, "1", "points"]], timeout=120)
     ours = _load(out, name, 0)
-    assert max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point()) > 1e-4
+    assert (
+        max(relative_difference(v, ref["state"][k]) for k, v in ours["state"].items() if v.is_floating_point()) > 1e-4
+    )
 
 
 def test_plain_ddp_is_not_exact_here(ddp_runs):  # the comparisons above can fail: uneven shares, equal weights
@@ -201,8 +224,19 @@ def test_two_nodes_on_localhost_equal_one_device(tmp_path):
     names = ["points", "syncbn"]
     commands = [
         [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-            "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "tests.ddp_script", str(tmp_path), ",".join(names), "2",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "-m",
+            "tests.ddp_script",
+            str(tmp_path),
+            ",".join(names),
+            "2",
         ]
         for node in range(2)
     ]
@@ -214,152 +248,6 @@ def test_two_nodes_on_localhost_equal_one_device(tmp_path):
         _assert_same_as_reference(nodes[0], _reference(name))
 
 
-# --- without processes -----------------------------------------------------------------------------
-
-def test_registered_without_touching_ddp():
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-
-    from lightning_sparse_dp import SparseDDPStrategy
-
-    assert StrategyRegistry["sparse_ddp"]["strategy"] is SparseDDPStrategy
-    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy  # DDPStrategy.register_strategies was not re-run
-    with pytest.raises(ValueError, match="loss_weighting"):
-        SparseDDPStrategy(loss_weighting="voxels")
-    with pytest.raises(ValueError, match="split"):
-        SparseDDPStrategy(split="random")
-
-
-def test_sync_batchnorm_flag_gives_the_process_group_plugin():
-    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
-
-    from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
-
-    def resolved(**kwargs):  # the plugin setup applies (SparseDDPStrategy.setup resolves it first)
-        t = L.Trainer(strategy="sparse_ddp", accelerator="cpu", devices=2, logger=False, **kwargs)
-        t.strategy._resolve_layer_sync()
-        return t.strategy._layer_sync
-
-    assert type(resolved(sync_batchnorm=True)) is ProcessGroupSyncBatchNorm
-    assert resolved() is None
-
-    class Mine(TorchSyncBatchNorm):  # a plugin of the user's own is kept
-        pass
-
-    assert type(resolved(plugins=[Mine()])) is Mine
-
-
-def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
-    import MinkowskiEngine as ME
-    from torch import nn
-
-    from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
-    from lightning_sparse_dp.syncbn.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
-
-    model = nn.Sequential(ME.MinkowskiBatchNorm(4), nn.BatchNorm1d(4), ME.MinkowskiSyncBatchNorm(4))
-    keys = {k: v for k, v in model.state_dict().items()}
-    plugin = ProcessGroupSyncBatchNorm()
-    plugin.apply(model)
-    layers = [model[0].bn, model[1], model[2].bn]
-    assert all(type(m) is SyncBatchNorm and isinstance(m.collective, ProcessGroupCollective) for m in layers)
-    assert all(m.update_running_stats for m in layers)
-    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in keys.items()}
-    plugin.revert(model)
-    assert [type(model[0].bn), type(model[1]), type(model[2].bn)] == [nn.BatchNorm1d, nn.BatchNorm1d, nn.SyncBatchNorm]
-
-
-def test_local_count_reads_the_batch_as_sparse_dp_chunks_do():
-    from lightning_sparse_dp.ddp import local_count
-    from tests.ddp_helpers import Scenes, collate
-
-    scenes = Scenes(3, seed=5)
-    batch = collate([scenes[i] for i in range(3)])
-    points = batch["coordinates"].shape[0]
-    assert local_count(batch, "samples") == 3
-    assert local_count(batch, "points") == points
-    assert local_count(batch, "equal") == 1
-    assert local_count(batch, "auto") == 3  # a per-sample tensor ("labels") is there: samples
-    per_point = {k: v for k, v in batch.items() if k != "labels"}
-    assert local_count(per_point, "auto") == points  # per-point targets only: points
-    ignored = lambda chunk: float((chunk["point_labels"] != 0).sum())  # noqa: E731  (ignore_index=0)
-    assert local_count(batch, ignored) == float((batch["point_labels"] != 0).sum())
-    with pytest.raises(ValueError, match="loss_weighting"):
-        local_count(batch, "voxels")
-
-
-def test_the_process_group_is_destroyed_at_exit(tmp_path):
-    """sparse_ddp leaves no gloo process group up when the interpreter exits (gloo can abort at shutdown otherwise)."""
-    from tests.helpers import run_isolated
-
-    run_isolated(
-        """
-        import atexit
-        import torch.distributed as dist
-        import lightning_sparse_dp
-        from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
-        trainer(strategy="sparse_ddp", devices=1, max_steps=1).fit(SparseNet(), loader(collate_dict(random_samples(4))))
-        assert dist.is_initialized()  # DDPStrategy leaves the group up after fit
-        atexit._run_exitfuncs()  # what the interpreter runs at exit
-        assert not dist.is_initialized()
-        """,
-        tmp_path,
-        timeout=240,
-    )
-
-
-def test_a_hand_written_masked_mean_falls_back_on_a_rank_and_says_so(caplog):
-    import logging
-
-    import torch.nn.functional as F
-
-    from lightning_sparse_dp import SparseDDPStrategy
-    from lightning_sparse_dp.loss.capture import TermCapture
-    from tests.ddp_helpers import Scenes, collate
-
-    t = L.Trainer(strategy=SparseDDPStrategy(), accelerator="cpu", devices=1, logger=False)
-    strategy, batch = t.strategy, collate([Scenes(3, seed=1)[i] for i in range(3)])
-    logits = torch.randn(batch["point_labels"].shape[0], 4, requires_grad=True)
-    mask = batch["point_labels"] != 0
-
-    strategy._capture, strategy._batch, strategy._count = TermCapture(), batch, 3.0  # as _weighted sets them around the step
-    loss = strategy._capture.run(lambda: (F.cross_entropy(logits, batch["point_labels"], reduction="none") * mask).sum() / mask.sum())
-    with caplog.at_level(logging.INFO):
-        assert strategy._term_scale(loss) == 1.0  # "auto"'s world_size * n_r / N, with one rank
-    assert "sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term" in caplog.text
-    assert "hand-written masked mean" in caplog.text and "SparseDDPStrategy(loss_weighting=lambda chunk" in caplog.text
-
-    strategy._capture = TermCapture()
-    loss = strategy._capture.run(lambda: F.cross_entropy(logits, batch["point_labels"], ignore_index=0))
-    assert strategy._term_scale(loss) == 1.0 and strategy._capture.terms[0].scale == 1.0
-
-
-def _gather_worker(rank: int, port: int, out: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    from lightning_sparse_dp.ddp import gather_objects
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    small = gather_objects({"rank": rank, "samples": [3, 4][rank]}, torch.device("cpu"))
-    large = gather_objects("x" * (10 if rank == 0 else 5000), torch.device("cpu"), size=4096)  # one rank too large
-    torch.save({"small": small, "large": large}, f"{out}/gather-{rank}.pt")
-    dist.destroy_process_group()
-
-
-def test_gather_objects_gives_every_rank_every_object_in_rank_order(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_gather_worker, args=(port, str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"gather-{rank}.pt")
-        assert got["small"] == [{"rank": 0, "samples": 3}, {"rank": 1, "samples": 4}]
-        assert got["large"] == ["x" * 10, "x" * 5000]  # the second round, taken by both ranks
 
 
 def _distance(state: dict, ref: dict) -> float:
@@ -369,7 +257,7 @@ def _distance(state: dict, ref: dict) -> float:
 def test_a_loss_normalized_across_ranks_by_the_user_is_weighted_as_ddp_does_and_said(ddp_term_runs):
     """DETR-style: dist.all_reduce of a count in the step; exact by default (test above), and said once."""
     said = [m for m in _load(ddp_term_runs, "terms_detr", 0)["messages"] if "calls dist.all_reduce at" in m]
-    assert len(said) == 1 and "term_models.py" in said[0] and "weighted equally, as DDP" in said[0], said
+    assert len(said) == 1 and "scene_models.py" in said[0] and "weighted equally, as DDP" in said[0], said
 
 
 @pytest.fixture(scope="module")
@@ -400,5 +288,11 @@ def test_sparse_ddp_is_never_further_from_one_device_than_plain_ddp(ddp_term_run
 def test_logged_values_as_users_write_them_are_one_devices_on_ranks(ddp_term_runs):
     """sync_dist=True: loss.item() with batch_size=, float(loss), masked accuracies, a mean over all points."""
     mine, theirs = _logged(_load(ddp_term_runs, "logged", 0)["history"]), _logged(_reference("logged")["history"])
-    for name, rel in (("loss_item", 1e-10), ("loss_float", 1e-10), ("acc", 1e-6), ("acc_fn", 1e-10), ("labeled", 1e-10)):
+    for name, rel in (
+        ("loss_item", 1e-10),
+        ("loss_float", 1e-10),
+        ("acc", 1e-6),
+        ("acc_fn", 1e-10),
+        ("labeled", 1e-10),
+    ):
         assert len(mine[name]) >= 2 and mine[name] == pytest.approx(theirs[name], rel=rel), name

@@ -17,8 +17,16 @@ from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.helpers import (
-    NUM_CLASSES, SegNet, SparseNet, assert_same_states, collate_dict, field_batch, loader, random_samples,
-    same_start, state_differences
+    NUM_CLASSES,
+    SegNet,
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    field_batch,
+    loader,
+    random_samples,
+    same_start,
+    state_differences,
 )
 from tests.helpers import trainer as _trainer
 

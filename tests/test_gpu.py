@@ -23,8 +23,15 @@ import torch
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.place import place_batch
 from tests.helpers import (
-    SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, same_start, state_differences,
-    trainer
+    SegNet,
+    SparseNet,
+    collate_dict,
+    field_batch,
+    loader,
+    random_samples,
+    same_start,
+    state_differences,
+    trainer,
 )
 
 ON_CPU = os.environ.get("LSDP_GPU_TESTS_ON_CPU") == "1"

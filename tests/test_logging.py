@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from tests.helpers import (
-    SparseNet, collate_dict, fit_float64, loader, random_samples, relative_difference, same_start, trainer
+    SparseNet,
+    collate_dict,
+    fit_float64,
+    loader,
+    random_samples,
+    relative_difference,
+    same_start,
+    trainer,
 )
 
 # --- logged values that are not means ----------------------------------------------------------------
@@ -70,7 +77,8 @@ def test_logged_values_as_users_write_them_are_one_devices(caplog):
 
     from lightning_sparse_dp import SparseDataParallelStrategy
     from tests.clients import fresh_loader
-    from tests.term_models import LoggedAsUsersDo, seg_batch
+    from tests.scene_models import LoggedAsUsersDo
+    from tests.term_models import seg_batch
 
     batches = []
     for s in (41, 42):

@@ -18,8 +18,21 @@ from tests.clients import fresh_loader
 from tests.helpers import relative_difference, state_differences
 from tests.helpers import trainer as _trainer
 from tests.term_models import (
-    MODE_DEPTHS, ChunkStatistic, LevelCompletion, LoggedOnly, MaskedMean, MultiHead, PerSampleBeside, PerSampleLoop,
-    ScanNetSeg, SmallRemainder, SometimesL1, SumReduction, WithMetrics, WithPenalty, seg_batch,
+    MODE_DEPTHS,
+    ChunkStatistic,
+    LevelCompletion,
+    LoggedOnly,
+    MaskedMean,
+    MultiHead,
+    PerSampleBeside,
+    PerSampleLoop,
+    ScanNetSeg,
+    SmallRemainder,
+    SometimesL1,
+    SumReduction,
+    WithMetrics,
+    WithPenalty,
+    seg_batch,
 )
 
 trainer = partial(_trainer, precision="64-true")

@@ -65,7 +65,12 @@ def test_manual_optimization_on_replicas_is_the_one_device_step(model):
     torch.manual_seed(0)
     ours, reference = model(), model()
     reference.load_state_dict(ours.state_dict())
-    t = trainer(strategy="sparse_dp", devices=3, max_steps=2 * len(ours.configure_optimizers()[0] if model is ManualSeg else [0, 1]), sync_batchnorm=True)
+    t = trainer(
+        strategy="sparse_dp",
+        devices=3,
+        max_steps=2 * len(ours.configure_optimizers()[0] if model is ManualSeg else [0, 1]),
+        sync_batchnorm=True,
+    )
     t.fit(ours, fresh_loader(batches))
     r = trainer(max_steps=t.max_steps)
     r.fit(reference, fresh_loader(batches))
@@ -86,9 +91,9 @@ def test_the_comparison_above_can_fail():
     ours, reference = ManualSeg(), ManualSeg()
     reference.load_state_dict(ours.state_dict())
     start = {k: v.clone() for k, v in ours.state_dict().items()}
-    trainer(strategy=SparseDataParallelStrategy(loss_weighting="equal"), devices=3, max_steps=2, sync_batchnorm=True).fit(
-        ours, fresh_loader(batches)
-    )
+    trainer(
+        strategy=SparseDataParallelStrategy(loss_weighting="equal"), devices=3, max_steps=2, sync_batchnorm=True
+    ).fit(ours, fresh_loader(batches))
     trainer(max_steps=2).fit(reference, fresh_loader(batches))
     assert max(state_differences(ours, reference).values()) > 1e-4
     assert any(not torch.equal(v, start[k]) for k, v in ours.state_dict().items() if v.is_floating_point())

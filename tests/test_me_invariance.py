@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.invariance import CHANNELS, D, Batch, assert_close, check_invariance, make_sample
+from tests.invariance import CHANNELS, Batch, D, assert_close, check_invariance, make_sample
 
 # ME_INVARIANCE_NO_SHRINK=1: report failures without shrinking them (to count the failures of an
 # unpatched ME quickly)
@@ -185,54 +185,151 @@ CASES = [
     Case("conv strided k2", lambda: conv(2, 2), on_sparse, "sparse"),
     Case("conv strided k3", lambda: conv(3, 2), on_sparse, "sparse"),
     Case("conv expand_coordinates", lambda: conv(3, expand_coordinates=True), on_sparse, "sparse"),
-    Case("conv transposed", lambda: strided_then(ME.MinkowskiConvolutionTranspose(CHANNELS, 4, 2, 2, dimension=D)), on_sparse, "sparse"),
-    Case("conv transposed k3", lambda: strided_then(ME.MinkowskiConvolutionTranspose(CHANNELS, 4, 3, 2, dimension=D)), on_sparse, "sparse"),
+    Case(
+        "conv transposed",
+        lambda: strided_then(ME.MinkowskiConvolutionTranspose(CHANNELS, 4, 2, 2, dimension=D)),
+        on_sparse,
+        "sparse",
+    ),
+    Case(
+        "conv transposed k3",
+        lambda: strided_then(ME.MinkowskiConvolutionTranspose(CHANNELS, 4, 3, 2, dimension=D)),
+        on_sparse,
+        "sparse",
+    ),
     Case("conv generative transposed", generative, on_sparse, "sparse"),
     Case("channelwise conv", lambda: ME.MinkowskiChannelwiseConvolution(CHANNELS, 3, dimension=D), on_sparse, "sparse"),
-    Case("channelwise conv strided", lambda: ME.MinkowskiChannelwiseConvolution(CHANNELS, 3, stride=2, dimension=D), on_sparse, "sparse"),
+    Case(
+        "channelwise conv strided",
+        lambda: ME.MinkowskiChannelwiseConvolution(CHANNELS, 3, stride=2, dimension=D),
+        on_sparse,
+        "sparse",
+    ),
     *[Case(f"{n} pooling", (lambda P=P: P(3, 1, dimension=D)), on_sparse, "sparse") for n, P in POOL.items()],
     *[Case(f"{n} pooling strided", (lambda P=P: P(2, 2, dimension=D)), on_sparse, "sparse") for n, P in POOL.items()],
-    *[Case(f"{n} pooling strided k3", (lambda P=P: P(3, 2, dimension=D)), on_sparse, "sparse") for n, P in POOL.items()],
-    Case("pooling transposed", lambda: strided_then(ME.MinkowskiPoolingTranspose(2, 2, dimension=D)), on_sparse, "sparse"),
-    *[Case(f"global pooling {m.name}", (lambda m=m: ME.MinkowskiGlobalPooling(m)), on_sparse, "global") for m in GLOBAL_MODES],
     *[
-        Case(f"{cls.__name__}()", cls, on_sparse, "global")
-        for cls in (ME.MinkowskiGlobalPooling, ME.MinkowskiGlobalAvgPooling, ME.MinkowskiGlobalMaxPooling, ME.MinkowskiGlobalSumPooling)
+        Case(f"{n} pooling strided k3", (lambda P=P: P(3, 2, dimension=D)), on_sparse, "sparse")
+        for n, P in POOL.items()
     ],
+    Case(
+        "pooling transposed", lambda: strided_then(ME.MinkowskiPoolingTranspose(2, 2, dimension=D)), on_sparse, "sparse"
+    ),
     *[
-        Case(f"global pooling {m.name} after strided conv", (lambda m=m: seq(conv(2, 2), ME.MinkowskiGlobalPooling(m))), on_sparse, "global")
+        Case(f"global pooling {m.name}", (lambda m=m: ME.MinkowskiGlobalPooling(m)), on_sparse, "global")
         for m in GLOBAL_MODES
     ],
-    Case("broadcast addition", lambda: Pair(ME.MinkowskiBroadcastAddition(), conv(3), seq(conv(2, 2), ME.MinkowskiGlobalMaxPooling())), on_sparse, "sparse"),
-    Case("broadcast multiplication", lambda: Pair(ME.MinkowskiBroadcastMultiplication(), conv(3), seq(conv(3), ME.MinkowskiGlobalPooling())), on_sparse, "sparse"),
-    Case("broadcast concatenation", lambda: Pair(ME.MinkowskiBroadcastConcatenation(), conv(3), ME.MinkowskiGlobalPooling()), on_sparse, "sparse"),
+    *[
+        Case(f"{cls.__name__}()", cls, on_sparse, "global")
+        for cls in (
+            ME.MinkowskiGlobalPooling,
+            ME.MinkowskiGlobalAvgPooling,
+            ME.MinkowskiGlobalMaxPooling,
+            ME.MinkowskiGlobalSumPooling,
+        )
+    ],
+    *[
+        Case(
+            f"global pooling {m.name} after strided conv",
+            (lambda m=m: seq(conv(2, 2), ME.MinkowskiGlobalPooling(m))),
+            on_sparse,
+            "global",
+        )
+        for m in GLOBAL_MODES
+    ],
+    Case(
+        "broadcast addition",
+        lambda: Pair(ME.MinkowskiBroadcastAddition(), conv(3), seq(conv(2, 2), ME.MinkowskiGlobalMaxPooling())),
+        on_sparse,
+        "sparse",
+    ),
+    Case(
+        "broadcast multiplication",
+        lambda: Pair(ME.MinkowskiBroadcastMultiplication(), conv(3), seq(conv(3), ME.MinkowskiGlobalPooling())),
+        on_sparse,
+        "sparse",
+    ),
+    Case(
+        "broadcast concatenation",
+        lambda: Pair(ME.MinkowskiBroadcastConcatenation(), conv(3), ME.MinkowskiGlobalPooling()),
+        on_sparse,
+        "sparse",
+    ),
     Case("instance norm", lambda: seq(conv(3), ME.MinkowskiInstanceNorm(4)), on_sparse, "sparse"),
-    Case("linear / relu / dropout / batch norm (eval)",
-         lambda: seq(ME.MinkowskiLinear(CHANNELS, 4), ME.MinkowskiReLU(), ME.MinkowskiDropout(0.5), ME.MinkowskiBatchNorm(4)),
-         on_sparse, "sparse", eval_mode=True),
+    Case(
+        "linear / relu / dropout / batch norm (eval)",
+        lambda: seq(
+            ME.MinkowskiLinear(CHANNELS, 4), ME.MinkowskiReLU(), ME.MinkowskiDropout(0.5), ME.MinkowskiBatchNorm(4)
+        ),
+        on_sparse,
+        "sparse",
+        eval_mode=True,
+    ),
     Case("ME.cat", lambda: Pair(ME.cat, conv(3), ME.MinkowskiLinear(CHANNELS, 2)), on_sparse, "sparse"),
-    Case("ME.cat strided", lambda: Pair(ME.cat, conv(2, 2), ME.MinkowskiMaxPooling(2, 2, dimension=D)), on_sparse, "sparse"),
+    Case(
+        "ME.cat strided",
+        lambda: Pair(ME.cat, conv(2, 2), ME.MinkowskiMaxPooling(2, 2, dimension=D)),
+        on_sparse,
+        "sparse",
+    ),
     Case("union", Union, on_sparse, "sparse"),
     Case("pruning", Prune, on_sparse, "sparse"),
-    *[Case(f"TensorField.sparse() {q.name}", lambda: ME.MinkowskiLinear(CHANNELS, 4), field_forward(q), "sparse", field_input=True) for q in QUANT],
     *[
-        Case(f"SparseTensor with duplicates {q.name}", lambda: ME.MinkowskiLinear(CHANNELS, 4),
-             (lambda q=q: lambda module, batch: module(batch.sparse_with_duplicates(q)))(), "sparse", field_input=True)
+        Case(
+            f"TensorField.sparse() {q.name}",
+            lambda: ME.MinkowskiLinear(CHANNELS, 4),
+            field_forward(q),
+            "sparse",
+            field_input=True,
+        )
+        for q in QUANT
+    ],
+    *[
+        Case(
+            f"SparseTensor with duplicates {q.name}",
+            lambda: ME.MinkowskiLinear(CHANNELS, 4),
+            (lambda q=q: lambda module, batch: module(batch.sparse_with_duplicates(q)))(),
+            "sparse",
+            field_input=True,
+        )
         for q in QUANT
     ],
     Case("TensorField.splat()", Splat, lambda m, b: m(b), "sparse", field_input=True),
-    Case("TensorField.sparse(tensor_stride=2)", lambda: ME.MinkowskiLinear(CHANNELS, 4),
-         lambda m, b: m(b.field().sparse(tensor_stride=2)), "sparse", field_input=True),
+    Case(
+        "TensorField.sparse(tensor_stride=2)",
+        lambda: ME.MinkowskiLinear(CHANNELS, 4),
+        lambda m, b: m(b.field().sparse(tensor_stride=2)),
+        "sparse",
+        field_input=True,
+    ),
     *[  # of the global pooling classes, only MinkowskiGlobalMaxPooling takes a TensorField
-        Case(f"global max pooling {m.name} of a TensorField", (lambda m=m: ME.MinkowskiGlobalMaxPooling(m)),
-             lambda module, batch: module(batch.field()), "global", field_input=True)
-        for m in GLOBAL_MODES if "MAX" in m.name
+        Case(
+            f"global max pooling {m.name} of a TensorField",
+            (lambda m=m: ME.MinkowskiGlobalMaxPooling(m)),
+            lambda module, batch: module(batch.field()),
+            "global",
+            field_input=True,
+        )
+        for m in GLOBAL_MODES
+        if "MAX" in m.name
     ],
-    Case("TensorField.sparse() then global max pooling", ME.MinkowskiGlobalMaxPooling,
-         field_forward(ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE), "global", field_input=True),
-    *[Case(f"slice at stride {s}", (lambda s=s: Slice(s)), lambda m, b: m(b), "field", field_input=True) for s in (1, 2, 4, 8)],
-    Case("slice at stride 4 (RANDOM_SUBSAMPLE)", lambda: Slice(4, ME.SparseTensorQuantizationMode.RANDOM_SUBSAMPLE),
-         lambda m, b: m(b), "field", field_input=True),
+    Case(
+        "TensorField.sparse() then global max pooling",
+        ME.MinkowskiGlobalMaxPooling,
+        field_forward(ME.SparseTensorQuantizationMode.UNWEIGHTED_AVERAGE),
+        "global",
+        field_input=True,
+    ),
+    *[
+        Case(f"slice at stride {s}", (lambda s=s: Slice(s)), lambda m, b: m(b), "field", field_input=True)
+        for s in (1, 2, 4, 8)
+    ],
+    Case(
+        "slice at stride 4 (RANDOM_SUBSAMPLE)",
+        lambda: Slice(4, ME.SparseTensorQuantizationMode.RANDOM_SUBSAMPLE),
+        lambda m, b: m(b),
+        "field",
+        field_input=True,
+    ),
     Case("interpolation", Interp, lambda m, b: m(b), "queries"),
     Case("features_at_coordinates", AtCoordinates, lambda m, b: m(b), "queries"),
 ]

@@ -56,7 +56,9 @@ LAYERS = {
     "convolution": lambda: ME.MinkowskiConvolution(3, 4, 3, dimension=D, bias=True),
     "strided convolution": lambda: ME.MinkowskiConvolution(3, 4, 2, 2, dimension=D),
     "transposed convolution": lambda: down_up(ME.MinkowskiConvolutionTranspose(3, 4, 2, 2, dimension=D)),
-    "generative transposed convolution": lambda: down_up(ME.MinkowskiGenerativeConvolutionTranspose(3, 4, 2, 2, dimension=D)),
+    "generative transposed convolution": lambda: down_up(
+        ME.MinkowskiGenerativeConvolutionTranspose(3, 4, 2, 2, dimension=D)
+    ),
     "channel-wise convolution": lambda: ME.MinkowskiChannelwiseConvolution(3, 3, dimension=D),
     "max pooling": lambda: ME.MinkowskiMaxPooling(2, 2, dimension=D),
     "avg pooling": lambda: ME.MinkowskiAvgPooling(3, 1, dimension=D),
@@ -64,10 +66,18 @@ LAYERS = {
     "pooling transpose": lambda: down_up(ME.MinkowskiPoolingTranspose(2, 2, dimension=D)),
     "global pooling": ME.MinkowskiGlobalPooling,
     "global max pooling": ME.MinkowskiGlobalMaxPooling,
-    "union": lambda: Pair(ME.MinkowskiUnion(), ME.MinkowskiLinear(3, 4), down_up(ME.MinkowskiGenerativeConvolutionTranspose(3, 4, 2, 2, dimension=D))),
+    "union": lambda: Pair(
+        ME.MinkowskiUnion(),
+        ME.MinkowskiLinear(3, 4),
+        down_up(ME.MinkowskiGenerativeConvolutionTranspose(3, 4, 2, 2, dimension=D)),
+    ),
     "pruning": Pruned,
     "interpolation": Interpolated,
-    "broadcast": lambda: Pair(ME.MinkowskiBroadcastAddition(), ME.MinkowskiLinear(3, 4), torch.nn.Sequential(ME.MinkowskiLinear(3, 4), ME.MinkowskiGlobalPooling())),
+    "broadcast": lambda: Pair(
+        ME.MinkowskiBroadcastAddition(),
+        ME.MinkowskiLinear(3, 4),
+        torch.nn.Sequential(ME.MinkowskiLinear(3, 4), ME.MinkowskiGlobalPooling()),
+    ),
     "instance norm": lambda: ME.MinkowskiInstanceNorm(3),
     "batch norm, linear, relu, dropout": lambda: torch.nn.Sequential(
         ME.MinkowskiBatchNorm(3), ME.MinkowskiLinear(3, 4), ME.MinkowskiReLU(), ME.MinkowskiDropout()

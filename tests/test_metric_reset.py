@@ -28,7 +28,13 @@ def _state(metric: Metric) -> dict:
     for name, value in metric.__dict__.items():
         if name in ("update", "compute", "_update_signature") or isinstance(value, torch.nn.Module):
             continue
-        out[name] = [v.clone() for v in value] if isinstance(value, list) else value.clone() if isinstance(value, torch.Tensor) else value
+        out[name] = (
+            [v.clone() for v in value]
+            if isinstance(value, list)
+            else value.clone()
+            if isinstance(value, torch.Tensor)
+            else value
+        )
     return out
 
 
@@ -44,8 +50,11 @@ def _same(a: dict, b: dict) -> None:
             assert x == y, name
 
 
-@pytest.mark.parametrize("make", [lambda: MulticlassAccuracy(num_classes=4, average="micro"), MeanMetric, MaxMetric,
-                                  CatMetric], ids=["accuracy", "mean", "max", "cat"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: MulticlassAccuracy(num_classes=4, average="micro"), MeanMetric, MaxMetric, CatMetric],
+    ids=["accuracy", "mean", "max", "cat"],
+)
 def test_reset_metric_equals_torchmetrics_reset(make):
     ours, theirs = _updated(make), _updated(make)
     before = [id(ours.__dict__[n]) for n in ours._defaults]
@@ -55,8 +64,13 @@ def test_reset_metric_equals_torchmetrics_reset(make):
     assert [id(ours.__dict__[n]) for n in ours._defaults] == before  # in place: the fast path ran
     # and the metric works on: the same results after one more update each
     for metric in (ours, theirs):
-        metric.update(*( (torch.eye(4)[:3], torch.tensor([0, 1, 3])) if isinstance(metric, MulticlassAccuracy)
-                         else (torch.tensor([0.5, 2.0]),) ))
+        metric.update(
+            *(
+                (torch.eye(4)[:3], torch.tensor([0, 1, 3]))
+                if isinstance(metric, MulticlassAccuracy)
+                else (torch.tensor([0.5, 2.0]),)
+            )
+        )
     assert torch.equal(torch.as_tensor(ours.compute()), torch.as_tensor(theirs.compute()))
 
 
@@ -118,13 +132,16 @@ class _FullState(MeanMetric):
     full_state_update = True
 
 
-@pytest.mark.parametrize("make", [
-    lambda: MulticlassAccuracy(num_classes=4, average="micro"),  # int64 sums: fused
-    lambda: MulticlassAccuracy(num_classes=4, average="none"),  # per-class [4] sums: fused
-    lambda: MeanMetric(),  # float32 sums (value and weight): fused
-    lambda: MeanMetric().double(),  # float64 sums: fused
-    CatMetric,  # cat: merge_state
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MulticlassAccuracy(num_classes=4, average="micro"),  # int64 sums: fused
+        lambda: MulticlassAccuracy(num_classes=4, average="none"),  # per-class [4] sums: fused
+        lambda: MeanMetric(),  # float32 sums (value and weight): fused
+        lambda: MeanMetric().double(),  # float64 sums: fused
+        CatMetric,  # cat: merge_state
+    ],
+)
 def test_merge_states_equals_torchmetrics_merge_state(make):
     g = torch.Generator().manual_seed(3)
 

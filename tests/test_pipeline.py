@@ -14,10 +14,10 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.ddp import local_count
-from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
+from lightning_sparse_dp.exchange import local_count
 from lightning_sparse_dp.log import LogRecorder
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
 STAGES = ("split", "place", "replicate", "apply", "gather", "log", "backward")  # once per step each

@@ -32,7 +32,7 @@ def test_the_wheel_holds_the_package_alone_typed_and_versioned(dist):
     names = zipfile.ZipFile(wheels[0]).namelist()
     info = f"lightning_sparse_dp-{lightning_sparse_dp.__version__}.dist-info/"
     assert all(n.startswith(("lightning_sparse_dp/", info)) for n in names), [n for n in names if "/" not in n]
-    assert "lightning_sparse_dp/py.typed" in names and "lightning_sparse_dp/term_weights.py" in names
+    assert "lightning_sparse_dp/py.typed" in names and "lightning_sparse_dp/loss/decide.py" in names
     metadata = zipfile.ZipFile(wheels[0]).read(info + "METADATA").decode()
     assert f"Version: {lightning_sparse_dp.__version__}" in metadata and "License-Expression: MIT" in metadata
 

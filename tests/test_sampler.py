@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp import PointBalancedBatchSampler, split_batch
-from lightning_sparse_dp.ddp import local_count, replace_batch_sampler
+from lightning_sparse_dp.exchange import local_count
+from lightning_sparse_dp.rank_loaders import replace_batch_sampler
 from lightning_sparse_dp.sampler import global_batches, measure_point_counts
 from tests.helpers import collate_dict, random_samples
 

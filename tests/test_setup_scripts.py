@@ -43,13 +43,14 @@ class cuda:
 
 # `python -m pip ...` of the stand-in: record the call; a torch install "installs" the CUDA build
 # unless the test made pip fail or offer the CPU build only.
-FAKE_PIP = '''
+FAKE_PIP = """
 import json, os, sys
 state_file = os.environ["LSDP_FAKE_STATE"]
 state = json.load(open(state_file))
 args = sys.argv[1:]
 with open(os.path.join(os.path.dirname(state_file), "pip.log"), "a") as log:
-    log.write(json.dumps({"args": args, "constraints": [open(a).read() for i, a in enumerate(args) if i and args[i - 1] == "-c"]}) + "\\n")
+    constraints = [open(a).read() for i, a in enumerate(args) if i and args[i - 1] == "-c"]
+    log.write(json.dumps({"args": args, "constraints": constraints}) + "\\n")
 if any(a.startswith("torch==") for a in args):
     if state["pip"] == "fails":
         sys.exit("ERROR: No matching distribution found for torch")
@@ -59,7 +60,7 @@ if any(a.startswith("torch==") for a in args):
         json.dump(state, open(state_file, "w"))
         with open(state["metadata"], "w") as metadata:
             metadata.write(state["metadata_text"].replace("Version: " + state["dist_version"], "Version: " + base))
-'''
+"""
 
 
 class StandIn:
@@ -75,19 +76,33 @@ class StandIn:
         # the distribution's version, which pip compares: 2.13.0+cpu for the CPU build, 2.13.0 for
         # the registry's CUDA build; torch 2.13.0+cu130 pins the toolkit like this
         dist_version = version if version.endswith("+cpu") else version.split("+")[0]
-        metadata = (f"Metadata-Version: 2.1\nName: torch\nVersion: {dist_version}\n"
-                    "Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == \"Linux\"\n")
+        metadata = (
+            f"Metadata-Version: 2.1\nName: torch\nVersion: {dist_version}\n"
+            'Requires-Dist: cuda-toolkit[cublas,cudart]==13.0.3; platform_system == "Linux"\n'
+        )
         (dist / "METADATA").write_text(metadata)
         self.state = root / "state.json"
-        self.state.write_text(json.dumps({"version": version, "cuda": cuda, "pip": pip, "metadata": str(dist / "METADATA"),
-                                          "metadata_text": metadata, "dist_version": dist_version}))
+        self.state.write_text(
+            json.dumps(
+                {
+                    "version": version,
+                    "cuda": cuda,
+                    "pip": pip,
+                    "metadata": str(dist / "METADATA"),
+                    "metadata_text": metadata,
+                    "dist_version": dist_version,
+                }
+            )
+        )
         (root / "fake_pip.py").write_text(FAKE_PIP)
         self.python = root / "venv" / "bin" / "python"
         self.python.parent.mkdir(parents=True)
         self.python.write_text(
             "#!/usr/bin/env bash\n"
-            f'if [ "${{1:-}}" = -m ] && [ "${{2:-}}" = pip ]; then shift 2; exec "{sys.executable}" "{root / "fake_pip.py"}" "$@"; fi\n'
-            f'PYTHONPATH="{self.site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+            f'if [ "${{1:-}}" = -m ] && [ "${{2:-}}" = pip ]; then shift 2; '
+            f'exec "{sys.executable}" "{root / "fake_pip.py"}" "$@"; fi\n'
+            f'PYTHONPATH="{self.site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n'
+        )
         self.python.chmod(0o755)
         self.bin = root / "bin"  # first on PATH: no GPU
         self.bin.mkdir()
@@ -111,10 +126,20 @@ class StandIn:
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
     def run(self, *command: str, **env: str) -> subprocess.CompletedProcess:
-        full = {k: v for k, v in os.environ.items()
-                if k not in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "LSDP_CUDA", "PYTHONPATH")}
-        full.update({"PATH": f"{self.bin}:{os.environ['PATH']}", "LSDP_FAKE_STATE": str(self.state),
-                     "LSDP_CACHE": str(self.cache), "LSDP_CUDA_VENV": str(self.python.parents[1]), **env})
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "LSDP_CUDA", "PYTHONPATH")
+        }
+        full.update(
+            {
+                "PATH": f"{self.bin}:{os.environ['PATH']}",
+                "LSDP_FAKE_STATE": str(self.state),
+                "LSDP_CACHE": str(self.cache),
+                "LSDP_CUDA_VENV": str(self.python.parents[1]),
+                **env,
+            }
+        )
         return subprocess.run(["bash", *command], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
 
 
@@ -132,14 +157,19 @@ def assert_refused_before_compiling(done: subprocess.CompletedProcess, *fix: str
 def stand_in(tmp_path):
     def make(version="2.13.0+cu130", cuda="13.0", pip="installs the CUDA build"):
         return StandIn(tmp_path, version, cuda, pip)
+
     return make
 
 
 def test_cuda_build_with_a_cpu_only_torch_is_refused(stand_in):
     fake = stand_in(version="2.13.0+cpu", cuda=None)
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
-    assert_refused_before_compiling(done, "torch 2.13.0+cpu, CPU only", "bash scripts/setup.sh --cuda",
-                                    f"{fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'")
+    assert_refused_before_compiling(
+        done,
+        "torch 2.13.0+cpu, CPU only",
+        "bash scripts/setup.sh --cuda",
+        f"{fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'",
+    )
     assert not fake.cache.exists()
     done = fake.run("scripts/cuda_toolkit.sh", str(fake.python))
     assert_refused_before_compiling(done, "CPU build", "bash scripts/setup.sh --cuda")
@@ -147,10 +177,18 @@ def test_cuda_build_with_a_cpu_only_torch_is_refused(stand_in):
 
 def test_a_cuda_home_whose_nvcc_differs_from_torchs_cuda_is_refused(stand_in):
     fake = stand_in(version="2.13.0+cu128", cuda="12.8")
-    done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python),
-                    TORCH_CUDA_ARCH_LIST="9.0", CUDA_HOME=str(fake.nvcc("13.0")))
-    assert_refused_before_compiling(done, "has nvcc 13.0 but torch was built with CUDA 12.8",
-                                    "env -u CUDA_HOME -u CUDA_PATH bash scripts/setup.sh --cuda")
+    done = fake.run(
+        "scripts/build_minkowski.sh",
+        "--cuda",
+        str(fake.python),
+        TORCH_CUDA_ARCH_LIST="9.0",
+        CUDA_HOME=str(fake.nvcc("13.0")),
+    )
+    assert_refused_before_compiling(
+        done,
+        "has nvcc 13.0 but torch was built with CUDA 12.8",
+        "env -u CUDA_HOME -u CUDA_PATH bash scripts/setup.sh --cuda",
+    )
     assert not (fake.cache / "wheels").exists()
     # the same toolkit is taken when the versions agree (LSDP_CUDA_ANY=1 overrides the refusal)
     done = fake.run("scripts/cuda_toolkit.sh", str(fake.python), CUDA_HOME=str(fake.nvcc("12.8")))
@@ -163,8 +201,9 @@ def test_cuda_12_without_a_cuda_home_is_refused(stand_in):
     """NVIDIA's CUDA 12 wheels hold no nvcc (ptxas only): a CUDA 12 torch needs a CUDA_HOME."""
     fake = stand_in(version="2.10.0+cu128", cuda="12.8")
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
-    assert_refused_before_compiling(done, "CUDA 12 wheels have no nvcc",
-                                    "CUDA_HOME=/path/to/cuda-12.8 bash scripts/setup.sh --cuda")
+    assert_refused_before_compiling(
+        done, "CUDA 12 wheels have no nvcc", "CUDA_HOME=/path/to/cuda-12.8 bash scripts/setup.sh --cuda"
+    )
     assert fake.pip_calls() == [] and not fake.cache.exists()
 
 
@@ -176,15 +215,20 @@ def test_a_cached_toolkit_whose_nvcc_differs_is_refused(stand_in):
     fake._script(home / "bin" / "nvcc", "echo 'Cuda compilation tools, release 12.9, V12.9.86'")
     (toolkit / ".complete").touch()
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), TORCH_CUDA_ARCH_LIST="9.0")
-    assert_refused_before_compiling(done, "reports 12.9, torch was built with CUDA 13.0",
-                                    f"rm -rf {toolkit} && bash scripts/setup.sh --cuda")
+    assert_refused_before_compiling(
+        done, "reports 12.9, torch was built with CUDA 13.0", f"rm -rf {toolkit} && bash scripts/setup.sh --cuda"
+    )
 
 
 def test_no_arch_list_and_no_gpu_is_refused(stand_in):
     fake = stand_in(version="2.13.0+cu130", cuda="13.0")
     done = fake.run("scripts/build_minkowski.sh", "--cuda", str(fake.python), CUDA_HOME=str(fake.nvcc("13.0")))
-    assert_refused_before_compiling(done, "no GPU is visible", "TORCH_CUDA_ARCH_LIST is not set",
-                                    f"TORCH_CUDA_ARCH_LIST=9.0 bash scripts/build_minkowski.sh --cuda {fake.python}")
+    assert_refused_before_compiling(
+        done,
+        "no GPU is visible",
+        "TORCH_CUDA_ARCH_LIST is not set",
+        f"TORCH_CUDA_ARCH_LIST=9.0 bash scripts/build_minkowski.sh --cuda {fake.python}",
+    )
     # setup.sh refuses before anything is created or downloaded
     venv = fake.root / "new-venv"
     done = fake.run("scripts/setup.sh", "--cuda", LSDP_CUDA_VENV=str(venv))
@@ -209,8 +253,11 @@ def test_setup_replaces_a_cpu_only_torch_with_the_cuda_build_of_the_same_version
 def test_setup_stops_with_the_command_when_the_cuda_build_cannot_be_had(stand_in, pip):
     fake = stand_in(version="2.13.0+cpu", cuda=None, pip=pip)
     done = fake.run("scripts/setup.sh", "--cuda", TORCH_CUDA_ARCH_LIST="9.0")
-    assert_refused_before_compiling(done, "index that has torch's CUDA builds",
-                                    f"then run: {fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'")
+    assert_refused_before_compiling(
+        done,
+        "index that has torch's CUDA builds",
+        f"then run: {fake.python} -m pip install 'torch==2.13.0,!=2.13.0+cpu'",
+    )
     assert len(fake.pip_calls()) == 1  # nothing else installed
 
 
@@ -222,15 +269,35 @@ def _tiny_wheel(folder: Path, version: str) -> None:
         whl.writestr(f"{name}/RECORD", "")
 
 
-@pytest.mark.parametrize(("spec", "chosen"), [("torch==2.13.0", "2.13.0+cpu"), ("torch==2.13.0,!=2.13.0+cpu", "2.13.0")])
+@pytest.mark.parametrize(
+    ("spec", "chosen"), [("torch==2.13.0", "2.13.0+cpu"), ("torch==2.13.0,!=2.13.0+cpu", "2.13.0")]
+)
 def test_pip_takes_the_cuda_build_with_the_cpu_build_excluded(tmp_path, spec, chosen):
     """Real pip, offline: a folder holding both builds, as a machine whose find-links has the CPU one."""
     _tiny_wheel(tmp_path, "2.13.0+cpu")
     _tiny_wheel(tmp_path, "2.13.0")
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
-                           "--no-index", "--find-links", str(tmp_path), "--report", str(report), "-q", spec],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--isolated",
+            "--dry-run",
+            "--ignore-installed",
+            "--no-index",
+            "--find-links",
+            str(tmp_path),
+            "--report",
+            str(report),
+            "-q",
+            spec,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert [i["metadata"]["version"] for i in json.loads(report.read_text())["install"]] == [chosen]
 
@@ -261,13 +328,16 @@ def test_find_blas_finds_openblas_where_the_environment_has_it(tmp_path):
     (conda / "include" / "cblas.h").write_text("")
     named = _find_blas(tmp_path, {"LSDP_BLAS_INCLUDE": str(conda / "include"), "LSDP_BLAS_LIB": "/opt/lib"})
     assert named.returncode == 0 and named.stdout.split() == [str(conda / "include"), "/opt/lib"]
-    assert _find_blas(tmp_path, {"CONDA_PREFIX": str(conda)}).stdout.split() == [str(conda / "include"), str(conda / "lib")]
+    assert _find_blas(tmp_path, {"CONDA_PREFIX": str(conda)}).stdout.split() == [
+        str(conda / "include"),
+        str(conda / "lib"),
+    ]
     spack = tmp_path / "spack"
     (spack / "include" / "openblas").mkdir(parents=True)
     (spack / "include" / "openblas" / "cblas.h").write_text("")
     fake = (
         'case "$*" in *--exists*openblas*) exit 0;; *--exists*) exit 1;; '
-        f'*includedir*) echo {spack}/include;; *libdir*) echo {spack}/lib;; *) echo;; esac\n'
+        f"*includedir*) echo {spack}/include;; *libdir*) echo {spack}/lib;; *) echo;; esac\n"
     )
     found = _find_blas(tmp_path, pkg_config=fake)
     assert found.returncode == 0 and found.stdout.split() == [str(spack / "include" / "openblas"), str(spack / "lib")]
@@ -276,8 +346,12 @@ def test_find_blas_finds_openblas_where_the_environment_has_it(tmp_path):
 def test_find_blas_says_what_to_install_or_pass_when_there_is_none(tmp_path):
     missing = _find_blas(tmp_path)
     assert missing.returncode == 1
-    for advice in ("conda install -c conda-forge openblas", "apt-get install libopenblas-dev", "dnf install openblas-devel",
-                   "LSDP_BLAS_INCLUDE="):
+    for advice in (
+        "conda install -c conda-forge openblas",
+        "apt-get install libopenblas-dev",
+        "dnf install openblas-devel",
+        "LSDP_BLAS_INCLUDE=",
+    ):
         assert advice in missing.stderr
     wrong = _find_blas(tmp_path, {"LSDP_BLAS_INCLUDE": str(tmp_path)})
     assert wrong.returncode == 1 and "has no cblas.h" in wrong.stderr

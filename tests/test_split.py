@@ -11,8 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, balanced_assignment, merge_batch, merge_chunks, split_batch
+from lightning_sparse_dp.split import (
+    BatchLayoutError,
+    SparseSpec,
+    balanced_assignment,
+    merge_batch,
+    merge_chunks,
+    split_batch,
+)
 from tests.helpers import collate_dict, random_samples
+
 
 def _layout(batch):
     """Roles only where they cannot be told apart (N == B, e.g. one sample of one point)."""
@@ -274,7 +282,8 @@ def test_batch_column_of_float_coordinates_must_be_whole_numbers():
     b = _batch()
     coords = b["coordinates"].float()
     coords[3, 0] = 0.5
-    with pytest.raises(BatchLayoutError, match=r"dtype torch.float32 and a batch index \(column 0\) that is not a whole number \(0.5 in row 3\)"):
+    said = r"dtype torch.float32 and a batch index \(column 0\) that is not a whole number \(0.5 in row 3\)"
+    with pytest.raises(BatchLayoutError, match=said):
         split_batch({**b, "coordinates": coords}, 2)
 
 
@@ -323,7 +332,9 @@ def test_an_assignment_that_does_not_cover_every_sample_once_is_refused(chunks, 
 def test_assignment_gives_each_sample_its_chunk_and_position():
     from lightning_sparse_dp.split.assign import assign
 
-    chunks, chunk_of, position = assign(torch.tensor([5, 1, 1, 4, 2]), 2, lambda sizes, k: [torch.tensor([1, 3]), torch.tensor([0, 2, 4])])
+    chunks, chunk_of, position = assign(
+        torch.tensor([5, 1, 1, 4, 2]), 2, lambda sizes, k: [torch.tensor([1, 3]), torch.tensor([0, 2, 4])]
+    )
     assert [c.tolist() for c in chunks] == [[1, 3], [0, 2, 4]]
     assert chunk_of.tolist() == [1, 0, 1, 0, 1] and position.tolist() == [0, 0, 1, 1, 2]
 
@@ -358,7 +369,10 @@ def test_flattened_leaves_are_pytrees_key_paths_for_every_batch_form(form):
     elif form == "dict with a TensorField":
         batch = {"x": ME.TensorField(batch["features"], batch["coordinates"].float()), "labels": batch["labels"]}
     elif form == "nested":
-        batch = {"inputs": {"coordinates": batch["coordinates"], "features": batch["features"]}, "labels": batch["labels"]}
+        batch = {
+            "inputs": {"coordinates": batch["coordinates"], "features": batch["features"]},
+            "labels": batch["labels"],
+        }
     leaves, spec = flatten(batch, None)
     walked, walked_spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(None))
     assert spec == walked_spec

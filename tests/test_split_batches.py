@@ -17,7 +17,16 @@ import torch.nn.functional as F
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.split import merge_batch
 from tests.helpers import (
-    IN_CHANNELS, SparseNet, assert_same_states, collate_dict, fit_float64, loader, random_samples, relative_difference, same_start, trainer
+    IN_CHANNELS,
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    fit_float64,
+    loader,
+    random_samples,
+    relative_difference,
+    same_start,
+    trainer,
 )
 
 # --- float coordinates in the split ------------------------------------------------------------------

@@ -27,7 +27,15 @@ def _build(form, sizes, float_coords, extras, seed):
     g = torch.Generator().manual_seed(seed)
     b = len(sizes)
     rows = [
-        torch.stack([torch.full((n,), i), torch.arange(n), torch.randint(0, 4, (n,), generator=g) * 0 + i, torch.zeros(n, dtype=torch.long)], 1)
+        torch.stack(
+            [
+                torch.full((n,), i),
+                torch.arange(n),
+                torch.randint(0, 4, (n,), generator=g) * 0 + i,
+                torch.zeros(n, dtype=torch.long),
+            ],
+            1,
+        )
         for i, n in enumerate(sizes)
     ]
     coords = torch.cat(rows).int() if rows else torch.zeros(0, 4, dtype=torch.int32)
@@ -71,7 +79,15 @@ def layouts(draw):
     if form in ("sparse", "field") and sum(sizes) == 0:
         sizes[0] = 1  # ME cannot build a tensor of no points
     extras = draw(st.sets(st.sampled_from(EXTRAS)))
-    return form, sizes, draw(st.booleans()), extras, draw(st.integers(0, 2**31)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    return (
+        form,
+        sizes,
+        draw(st.booleans()),
+        extras,
+        draw(st.integers(0, 2**31)),
+        draw(st.integers(1, 4)),
+        draw(st.integers(1, 3)),
+    )
 
 
 def _equal(merged, original) -> bool:
@@ -83,12 +99,16 @@ def _equal(merged, original) -> bool:
     if isinstance(original, np.ndarray):
         return isinstance(merged, np.ndarray) and np.array_equal(merged, original)
     if isinstance(original, dict):
-        return isinstance(merged, dict) and merged.keys() == original.keys() and all(
-            _equal(merged[k], original[k]) for k in original
+        return (
+            isinstance(merged, dict)
+            and merged.keys() == original.keys()
+            and all(_equal(merged[k], original[k]) for k in original)
         )
     if isinstance(original, (list, tuple)):
-        return type(merged) is type(original) and len(merged) == len(original) and all(
-            _equal(m, o) for m, o in zip(merged, original)
+        return (
+            type(merged) is type(original)
+            and len(merged) == len(original)
+            and all(_equal(m, o) for m, o in zip(merged, original))
         )
     return merged == original
 
@@ -142,7 +162,7 @@ def test_split_of_any_layout_is_an_identity_or_a_named_error(case):
         meta = chunk["meta"] if form == "nested" else chunk
         if isinstance(meta, dict) and "names" in meta and len(batch_names := _names(batch, form)) == num_samples:
             assert meta["names"] == [batch_names[i] for i in ids.tolist()]
-        for leaf in (chunk.values() if isinstance(chunk, dict) else []):
+        for leaf in chunk.values() if isinstance(chunk, dict) else []:
             if isinstance(leaf, SparseSpec):
                 assert sorted(leaf.coordinates[:, 0].long().unique().tolist()) == list(range(len(ids)))
 

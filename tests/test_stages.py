@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
+from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.place import place_chunks
 from lightning_sparse_dp.replicate import Replicas, make_replicas
 from lightning_sparse_dp.split import split_batch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import lightning as L
 import pytest
@@ -234,131 +233,6 @@ def test_values_show_in_tensorboard_and_the_progress_bar(tmp_path):
     assert events.Scalars("bar_loss")[0].value == pytest.approx(expected, rel=1e-5)
 
 
-def test_before_transfer_hook_runs_and_skipped_hooks_warn():
-    class Hooks(SparseNet):
-        def on_before_batch_transfer(self, batch, dataloader_idx):
-            batch["labels"] = torch.zeros_like(batch["labels"])
-            return batch
-
-        def on_after_batch_transfer(self, batch, dataloader_idx):
-            return batch
-
-        def training_step(self, batch, batch_idx):
-            assert int(batch["labels"].sum()) == 0
-            return super().training_step(batch, batch_idx)
-
-    with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
-        _fit_one_step(Hooks(), collate_dict(random_samples(5)), strategy="sparse_dp", devices=3)
-
-
-def test_before_transfer_hook_runs_once_per_batch_as_under_plain_lightning():
-    """A normalization in on_before_batch_transfer (features * 2) reaches the step once, in training and
-    validation: the same calls and the same parameters as plain Lightning (float64, 2 steps)."""
-
-    class Doubles(SparseNet):
-        def __init__(self):
-            super().__init__(lr=0.1)
-            self.calls = []
-
-        def on_before_batch_transfer(self, batch, dataloader_idx):
-            self.calls.append(self.trainer.state.stage)
-            return {**batch, "features": batch["features"] * 2}
-
-        def validation_step(self, batch, batch_idx):
-            self.log("val_loss", self.loss(batch), batch_size=int(batch["labels"].shape[0]))
-
-    batches = [collate_dict(random_samples(6, seed=s)) for s in (31, 32)]
-    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    models = same_start(Doubles)
-    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
-        model.double()
-        t = L.Trainer(accelerator="cpu", precision="64-true", max_steps=2, limit_val_batches=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, val_check_interval=2, **kwargs)
-        t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None), torch.utils.data.DataLoader(batches, batch_size=None))
-    ours, reference = models
-    assert [str(c) for c in ours.calls] == [str(c) for c in reference.calls]
-    assert len(reference.calls) == 3  # 2 training batches, 1 validation batch
-    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
-
-
-def _sample_loader(samples, **kwargs):
-    return torch.utils.data.DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
-
-
-class _SeesBatches(SparseDataParallelStrategy):
-    """Records the type of every batch the step gets, before the split."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.batch_types = []
-
-    def scatter(self, batch):
-        self.batch_types.append(type(batch))
-        return super().scatter(batch)
-
-
-def test_presplit_in_worker_processes_equals_one_device():
-    samples = random_samples(14, seed=13)
-    ours, reference = same_start()
-    strategy = _SeesBatches(record_stage_times=True)
-    t = trainer(strategy=strategy, devices=3, max_steps=2)
-    train = _sample_loader(samples, num_workers=2)
-    t.fit(ours, train)
-    assert train.collate_fn is collate_dict  # the user's DataLoader is as it was: the strategy used a copy
-    assert isinstance(next(iter(train)), dict)
-    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2  # the split ran in the workers
-    trainer(devices=1, max_steps=2).fit(reference, _sample_loader(samples))
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    steps = list(strategy.stage_times.steps)
-    assert len(steps) == 2
-    assert {"split", "place", "replicate", "apply", "replica0", "replica2", "gather", "log", "backward"} <= set(steps[0])
-
-
-def test_presplit_batches_go_through_lightnings_precision_conversion():
-    # "64-true" converts each batch with apply_to_collection before the step; a PreSplitBatch's frozen plan
-    # made that raise (FrozenInstanceError) until the plan became a field it passes on untouched
-    samples = random_samples(14, seed=15)
-    ours, reference = same_start()
-    strategy = _SeesBatches()
-    trainer(strategy=strategy, devices=3, max_steps=2, precision="64-true").fit(ours, _sample_loader(samples, num_workers=1))
-    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2
-    trainer(devices=1, max_steps=2, precision="64-true").fit(reference, _sample_loader(samples))
-    assert_same_states(ours, reference)  # float64: 1e-10 relative, as the other exactness tests
-
-
-DELAY = 1.0  # seconds; far above what any stage of this tiny step takes, even on a loaded machine
-
-
-class _SlowReplica(SparseNet):
-    """Replica 1's training step waits ``DELAY`` seconds; the others do not."""
-
-    def training_step(self, batch, batch_idx):
-        if threading.current_thread().name.startswith("sparse_dp-replica1"):
-            time.sleep(DELAY)
-        return super().training_step(batch, batch_idx)
-
-
-def test_stage_times_measure_what_they_name():
-    strategy = SparseDataParallelStrategy(record_stage_times=True)
-    trainer(strategy=strategy, devices=3).fit(_SlowReplica(), loader(collate_dict(random_samples(7, seed=14))))
-    (step,) = strategy.stage_times.steps
-    assert step["replica1"] >= DELAY  # replica 1's own timer holds its wait
-    assert step["apply"] >= DELAY  # the apply stage waits for every replica
-    assert step["replica0"] < DELAY and step["replica2"] < DELAY  # the others run beside it, not after it
-    for stage in ("split", "place", "replicate", "gather", "log", "backward", "backward0", "backward1", "reduce"):
-        assert step[stage] < DELAY, stage
-
-
-def test_presplit_batch_with_more_chunks_than_devices_is_refused():
-    collate = lightning_sparse_dp.PreSplitCollate(collate_dict, num_chunks=3)
-    batch = collate(random_samples(6))
-    with pytest.raises(ValueError, match="split into 3 chunks in the DataLoader but the strategy has 2"):
-        _fit_one_step(SparseNet(), batch, strategy="sparse_dp", devices=2)
-
-
 def test_bad_split_option():
     with pytest.raises(ValueError, match="split='random'"):
         SparseDataParallelStrategy(split="random")
@@ -418,113 +292,6 @@ def test_state_a_step_leaves_on_the_module_is_one_devices():
     assert float(ours.last) == pytest.approx(float(reference.last), rel=1e-10)
 
 
-@pytest.fixture
-def in_process_ddp():
-    """A sparse_ddp / ddp fit of one rank in this process leaves its process group up and MASTER_PORT (a port its
-    store still listens on) in os.environ: taken down after the test, so that later launches pick their own."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-class _IterSteps(SparseNet):
-    """training_step(self, dataloader_iter), as Lightning's fetcher tests write it."""
-
-    def training_step(self, dataloader_iter):
-        batch, _, _ = next(dataloader_iter)  # Lightning 2: (batch, batch_idx, dataloader_idx)
-        return self.loss(batch)
-
-
-def test_a_dataloader_iter_step_is_refused_by_sparse_dp_and_runs_on_sparse_ddp(in_process_ddp):
-    batches = [collate_dict(random_samples(6, seed=s)) for s in (61, 62)]
-    with pytest.raises(MisconfigurationException, match=r"training_step\(self, dataloader_iter\).*step\(self, batch, batch_idx\)"):
-        trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(_IterSteps(), loader(*batches))
-    ours, reference = same_start(_IterSteps)
-    trainer(strategy="sparse_ddp", devices=1, max_steps=2).fit(ours, loader(*batches))
-    trainer(max_steps=2).fit(reference, loader(*batches))
-    assert_same_states(ours, reference, rel=1e-5)
-
-
-class _IntBatches(L.LightningModule):
-    """Batches that are lists of ints (a collate_fn of list): no tensor in the batch."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = torch.nn.Linear(1, 1).double()
-
-    def training_step(self, batch, batch_idx):
-        x = torch.tensor(batch, dtype=torch.float64)[:, None] / 10
-        return torch.nn.functional.mse_loss(self.layer(x), 2 * x)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def test_batches_without_a_tensor_are_split_as_lists_of_samples(in_process_ddp):
-    """A list of 7 ints on 3 replicas is split into lists of whole entries (3, 2, 2): one device's parameters; on
-    sparse_ddp a dataset of ints keeps Lightning's DistributedSampler instead of raising."""
-    data = lambda: torch.utils.data.DataLoader(list(range(14)), batch_size=7, collate_fn=list)  # noqa: E731
-    ours, reference = _IntBatches(), _IntBatches()
-    trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(ours, data())
-    trainer(max_steps=2).fit(reference, data())
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=0)
-    assert not torch.equal(ours.layer.weight, _IntBatches().layer.weight)
-    ddp, plain = _IntBatches(), _IntBatches()
-    trainer(strategy="sparse_ddp", devices=1, max_steps=2).fit(ddp, data())
-    trainer(strategy="ddp", devices=1, max_steps=2).fit(plain, data())  # the same DistributedSampler, shuffled
-    for p, q in zip(ddp.parameters(), plain.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=0)
-
-
-def test_an_empty_validation_loader_is_skipped_by_sparse_ddp_as_by_ddp(in_process_ddp):
-    class WithVal(SparseNet):
-        def validation_step(self, batch, batch_idx):
-            self.log("val_loss", self.loss(batch))
-
-    samples = random_samples(6, seed=71)
-    empty = torch.utils.data.DataLoader([], batch_size=2, collate_fn=collate_dict)
-    t = trainer(strategy="sparse_ddp", devices=1, max_steps=2, limit_val_batches=None)
-    t.fit(WithVal(), _sample_loader(samples), empty)
-    assert t.global_step == 2
-
-
-def test_num_nodes_is_refused_with_the_pointer_to_sparse_ddp():
-    with pytest.raises(MisconfigurationException, match=r"num_nodes=2.*strategy='sparse_ddp'"):
-        trainer(strategy="sparse_dp", devices=3, num_nodes=2)
-    assert trainer(strategy="sparse_dp", devices=3, num_nodes=1).strategy.num_nodes == 1
-
-
-def test_an_unpatched_minkowski_engine_is_refused_for_cpu_replicas_and_said_on_gpus(monkeypatch):
-    """Without this project's build marker (a stock ME), CPU replicas are refused before the first step with the
-    defects and the build command; allow_unpatched_me=True goes on with a warning; GPUs get a warning naming what
-    the missing patches cost. With the marker (this environment's ME) nothing is said."""
-    from lightning_sparse_dp import _me
-
-    assert _me.build_info() is not None and not _me.missing_patches(_me.CPU_PATCHES)  # the project's build
-    monkeypatch.setattr(_me, "build_info", lambda: None)
-    batch = collate_dict(random_samples(6, seed=81))
-    with pytest.raises(MisconfigurationException, match=r"stock MinkowskiEngine.*global pooling rows.*build_minkowski\.sh"):
-        trainer(strategy="sparse_dp", devices=3).fit(SparseNet(), loader(batch))
-    with pytest.warns(UserWarning, match=r"stock MinkowskiEngine.*allow_unpatched_me=True"):
-        trainer(strategy=SparseDataParallelStrategy(allow_unpatched_me=True), devices=3).fit(SparseNet(), loader(batch))
-    trainer(strategy="sparse_dp", devices=1).fit(SparseNet(), loader(batch))  # one replica: nothing to differ
-    gpu = _me.unpatched_message("sparse_dp", "cuda", _me.missing_patches(_me.GPU_PATCHES))
-    assert "on GPUs the replicas still train exactly" in gpu and "13:" in gpu
-    assert "build_minkowski.sh --cuda " in gpu  # the flag before the interpreter: after it, the script ignores it
-
-
 def test_one_device_is_plain_lightning():
     """devices=1: the module's own step on the batch, nothing split, replicated or weighed (no stage ran), and the
     same parameters and logged values as plain Lightning (float64; the strategy's thread settings may change the
@@ -551,24 +318,11 @@ def test_several_replicas_share_one_device():
     t = trainer(strategy=strategy, devices=1, max_steps=2, precision="64-true", sync_batchnorm=True)
     t.fit(ours.double(), loader(*batches))
     trainer(max_steps=2, precision="64-true").fit(reference.double(), loader(*batches))
-    assert len(t.strategy.parallel_devices) == 3 and {"replica0", "replica2"} <= set(list(strategy.stage_times.steps)[0])
+    assert len(t.strategy.parallel_devices) == 3 and {"replica0", "replica2"} <= set(
+        list(strategy.stage_times.steps)[0]
+    )
     assert_same_states(ours, reference)
     with pytest.raises(ValueError, match="replicas_per_device"):
         SparseDataParallelStrategy(replicas_per_device=0)
 
 
-def test_a_datamodules_before_transfer_hook_sees_the_batch_as_under_plain_lightning():
-    """With DataLoader workers (where presplit would split), a LightningDataModule's on_before_batch_transfer gets the
-    collated dict batch, once per batch, as under plain Lightning: presplit stays off for it."""
-    seen = []
-
-    class Data(L.LightningDataModule):
-        def train_dataloader(self):
-            return _sample_loader(random_samples(14, seed=151), num_workers=2)
-
-        def on_before_batch_transfer(self, batch, dataloader_idx):
-            seen.append(type(batch).__name__)
-            return batch
-
-    trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(SparseNet(), datamodule=Data())
-    assert seen == ["dict", "dict"]

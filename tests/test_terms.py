@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator
 from lightning_sparse_dp.loss.capture import TermCapture, outside_capture
+from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator
 
 _DEFAULT_DTYPE = torch.get_default_dtype()
 torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
@@ -35,14 +35,34 @@ CASES = {
     "ce_ignore-100": (F.cross_entropy, (logits, _ignored(-100, 0.3)), {}),
     "ce_weight_ignore": (F.cross_entropy, (logits, _ignored(255, 0.3)), {"ignore_index": 255, "weight": class_weight}),
     "ce_smoothing": (F.cross_entropy, (logits, _ignored(-100, 0.2)), {"label_smoothing": 0.1}),
-    "ce_smoothing_weight": (F.cross_entropy, (logits, _ignored(-100, 0.2)), {"label_smoothing": 0.2, "weight": class_weight}),
+    "ce_smoothing_weight": (
+        F.cross_entropy,
+        (logits, _ignored(-100, 0.2)),
+        {"label_smoothing": 0.2, "weight": class_weight},
+    ),
     "ce_probabilities": (F.cross_entropy, (logits, probs), {}),
-    "ce_probabilities_weight_smoothing": (F.cross_entropy, (logits, probs), {"weight": class_weight, "label_smoothing": 0.1}),
-    "ce_spatial": (F.cross_entropy, (torch.randn(4, C, 3, 2, generator=g), torch.randint(0, C, (4, 3, 2), generator=g)), {}),
-    "nll_weight_ignore": (F.nll_loss, (torch.log_softmax(logits, 1), _ignored(7, 0.4)), {"ignore_index": 7, "weight": class_weight}),
+    "ce_probabilities_weight_smoothing": (
+        F.cross_entropy,
+        (logits, probs),
+        {"weight": class_weight, "label_smoothing": 0.1},
+    ),
+    "ce_spatial": (
+        F.cross_entropy,
+        (torch.randn(4, C, 3, 2, generator=g), torch.randint(0, C, (4, 3, 2), generator=g)),
+        {},
+    ),
+    "nll_weight_ignore": (
+        F.nll_loss,
+        (torch.log_softmax(logits, 1), _ignored(7, 0.4)),
+        {"ignore_index": 7, "weight": class_weight},
+    ),
     "bce": (F.binary_cross_entropy, (p01, (y > 0).double()), {}),
     "bce_weight": (F.binary_cross_entropy, (p01, (y > 0).double()), {"weight": torch.rand(N, 3, generator=g)}),
-    "bce_logits_pos_weight": (F.binary_cross_entropy_with_logits, (x, (y > 0).double()), {"pos_weight": torch.rand(3, generator=g)}),
+    "bce_logits_pos_weight": (
+        F.binary_cross_entropy_with_logits,
+        (x, (y > 0).double()),
+        {"pos_weight": torch.rand(3, generator=g)},
+    ),
     "mse": (F.mse_loss, (x, y), {}),
     "mse_weight": (F.mse_loss, (x, y), {"weight": torch.rand(N, 3, generator=g)}),
     "mse_broadcast": (F.mse_loss, (x, y[:1]), {}),
@@ -98,20 +118,27 @@ def test_linear_combinations_are_read_off():
         total = sum(levels) / 3 + 0.5 * ce - w * F.l1_loss(x, y)
         total = (2 - total.double()).detach() * 1.0
         return -total + 2
+
     capture, loss = _capture(step)
     coeffs, r, _ = capture.combination(loss)
-    assert [t.name for t in capture.terms] == ["F.binary_cross_entropy_with_logits"] * 3 + ["F.cross_entropy", "F.l1_loss"]
+    assert [t.name for t in capture.terms] == ["F.binary_cross_entropy_with_logits"] * 3 + [
+        "F.cross_entropy",
+        "F.l1_loss",
+    ]
     assert coeffs == pytest.approx([1 / 3] * 3 + [0.5, -0.25]) and r == 0.0
 
 
-@pytest.mark.parametrize("expr, why", [
-    (lambda a, b: a.sqrt(), "sqrt"),
-    (lambda a, b: a * b, "multiplies two losses"),
-    (lambda a, b: torch.stack([a, b]).max(), "stack of losses other than by its mean or sum"),
-    (lambda a, b: torch.cat([a.view(1), b.view(1)]).mean(), "list holding a loss"),
-    (lambda a, b: a * nn.Parameter(torch.tensor(2.0)), "requires grad"),
-    (lambda a, b: F.poisson_nll_loss(x, y.abs()) + a, "poisson_nll_loss"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        (lambda a, b: a.sqrt(), "sqrt"),
+        (lambda a, b: a * b, "multiplies two losses"),
+        (lambda a, b: torch.stack([a, b]).max(), "stack of losses other than by its mean or sum"),
+        (lambda a, b: torch.cat([a.view(1), b.view(1)]).mean(), "list holding a loss"),
+        (lambda a, b: a * nn.Parameter(torch.tensor(2.0)), "requires grad"),
+        (lambda a, b: F.poisson_nll_loss(x, y.abs()) + a, "poisson_nll_loss"),
+    ],
+)
 def test_non_linear_uses_are_named(expr, why):
     capture, loss = _capture(lambda: expr(F.mse_loss(x, y), F.l1_loss(x, y)))
     assert why in capture.combination(loss)
@@ -121,6 +148,7 @@ def test_a_stack_of_losses_reduced_by_its_mean_or_sum_is_a_combination():
     def step():
         losses = [F.mse_loss(x[i], y[i]) for i in range(3)]
         return torch.stack(losses).mean() + 0.5 * (2 * torch.stack(losses[:2])).sum()
+
     capture, loss = _capture(step)
     coeffs, r, _ = capture.combination(loss)
     assert coeffs == pytest.approx([1 / 3 + 1.0, 1 / 3 + 1.0, 1 / 3]) and r == 0.0
@@ -133,6 +161,7 @@ def test_terms_know_their_call_site_and_whether_it_is_in_a_loop():
     def step():
         first = F.l1_loss(x, y)
         return first + sum(per_sample()) + F.cross_entropy(logits, labels, reduction="sum")
+
     capture, loss = _capture(step)
     sites = [(t.site, t.in_loop, t.is_sum) for t in capture.terms]
     assert [s[1:] for s in sites] == [(False, False), (True, False), (True, False), (False, True)]
@@ -245,8 +274,22 @@ def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
     from lightning_sparse_dp.loss.sites import reduces_rows
 
     a = x.clone().requires_grad_()
-    for statistic in (a.mean(0), a.sum(0, keepdim=True) * 2, a.max(0).values, a.amax(0).unsqueeze(0), a.mean(), a.std(0)):
+    for statistic in (
+        a.mean(0),
+        a.sum(0, keepdim=True) * 2,
+        a.max(0).values,
+        a.amax(0).unsqueeze(0),
+        a.mean(),
+        a.std(0),
+    ):
         assert reduces_rows(statistic)
     index = labels % 2
-    rows = (a, a[labels > 1], a.sum(1), a * 2 + 1, torch.stack([a[index == s].mean(0) for s in range(2)]), a.mean(0).detach())
+    rows = (
+        a,
+        a[labels > 1],
+        a.sum(1),
+        a * 2 + 1,
+        torch.stack([a[index == s].mean(0) for s in range(2)]),
+        a.mean(0).detach(),
+    )
     assert not any(reduces_rows(r) for r in rows)

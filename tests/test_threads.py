@@ -10,12 +10,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
-import torch
-
 from lightning_sparse_dp import threads
-from lightning_sparse_dp.threads import available_cores, chosen_torch_threads, me_coordinate_manager_module, threads_per_replica
+from lightning_sparse_dp.threads import (
+    available_cores,
+    chosen_torch_threads,
+    me_coordinate_manager_module,
+    threads_per_replica,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

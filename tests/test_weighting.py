@@ -16,7 +16,15 @@ from torch import nn
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights, resolve_auto
 from tests.helpers import (
-    IN_CHANNELS, NUM_CLASSES, SparseNet, assert_same_states, collate_dict, fit_float64, random_samples, relative_difference, same_start
+    IN_CHANNELS,
+    NUM_CLASSES,
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    fit_float64,
+    random_samples,
+    relative_difference,
+    same_start,
 )
 
 IGNORE = -100  # torch's default ignore_index

@@ -37,7 +37,6 @@ from lightning_sparse_dp.loss.denominators import CAPTURED, UNCAPTURED, bind, de
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
 
-
 T = TypeVar("T")
 
 
@@ -181,7 +180,9 @@ class TermCapture(TorchFunctionMode):
     def _activate(self) -> None:
         _local.pending = None
         if torch._C._len_torch_function_stack() > 0:  # the step's own mode (e.g. ``with torch.device(...)``)
-            self.blocked = "the step had a torch function mode of its own active (e.g. `with torch.device(...)`) at its first loss"
+            self.blocked = (
+                "the step had a torch function mode of its own active (e.g. `with torch.device(...)`) at its first loss"
+            )
             return
         self.__enter__()
         _local.active = self
@@ -232,7 +233,11 @@ class TermCapture(TorchFunctionMode):
         else:
             return out  # "none": what the step does with it is its own arithmetic
         term = Term(
-            loss_name(func), d, torch.ones((), dtype=out.dtype, device=out.device), call_site(2), input_rows(func, bound),
+            loss_name(func),
+            d,
+            torch.ones((), dtype=out.dtype, device=out.device),
+            call_site(2),
+            input_rows(func, bound),
             reduces_rows(bound.get("input")),
         )
         value = _scaled(out, keep, term._factor)

@@ -21,7 +21,8 @@ are one criterion of the whole batch is read from where the user's code called t
 The remainder ``r`` (a constant, a penalty on the parameters) must be one value in every replica, to
 rounding. A loss that is not such a combination, whose replicas called different sequences of losses,
 or one of whose terms is a statistic of the chunk (its input a reduction over the chunk's rows, as autograd
-recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.loss.sites.reduces_rows`) is weighted per replica as
+recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.loss.sites.reduces_rows`) is weighted
+per replica as
 ``"auto"`` does, and the reason is said once. Readings of ambiguous steps (chunks of equal sizes) are
 said once too, and the reading of a site seen once without ambiguity is kept for later steps
 (:class:`SiteMemory`).
@@ -41,7 +42,6 @@ import torch
 
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.split import SplitPlan
-
 
 _SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from torch import Tensor
 
-
 _SAME = frozenset({
     "detach", "clone", "float", "double", "half", "bfloat16", "to", "type", "reshape", "view", "squeeze",
     "unsqueeze", "flatten", "contiguous", "positive", "cpu", "cuda", "requires_grad_",

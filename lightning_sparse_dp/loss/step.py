@@ -221,4 +221,7 @@ class StepTerms:
         return None if value is None else torch.tensor(value, dtype=dtype)
 
 
-__all__ = ["StepTerms", "collective_message", "empty_message", "exact_losses", "fallback_message", "rank_scale", "say", "set_scales"]
+__all__ = [
+    "StepTerms", "collective_message", "empty_message", "exact_losses", "fallback_message", "rank_scale", "say",
+    "set_scales",
+]

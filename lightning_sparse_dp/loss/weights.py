@@ -94,7 +94,8 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | C
             tensor). Only a callable looks at them.
         loss_weighting: ``"samples"`` (samples per chunk), ``"points"`` (points of the first
             coordinate source), ``"equal"`` (1 each), ``"auto"`` and ``"terms"`` (one of these by the
-            rule of :func:`resolve_auto`; ``"terms"`` weights captured losses term by term on top), or a callable ``fn(chunk) -> number`` (a Python number or a
+            rule of :func:`resolve_auto`; ``"terms"`` weights captured losses term by term on top), or a callable
+            ``fn(chunk) -> number`` (a Python number or a
             one-element tensor), e.g. ``lambda c: (c["labels"] != 255).sum()`` for a
             cross-entropy with ``ignore_index=255``.
 
@@ -119,7 +120,9 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | C
     return [1.0] * plan.num_chunks
 
 
-def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], chunks: Sequence[Any] | None = None) -> list[float]:
+def chunk_weights(
+    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], chunks: Sequence[Any] | None = None
+) -> list[float]:
     """Weights ``w_i = n_i / sum_j n_j`` of the chunks of ``plan`` (``n_i`` from :func:`chunk_counts`).
 
     ``"auto"`` is ``"samples"`` when the batch has a per-sample tensor, else ``"points"`` when it has
@@ -141,7 +144,10 @@ def chunk_weights(plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], c
 
 
 def step_weights(
-    plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache | None = None
+    plan: SplitPlan,
+    chunks: Sequence[Any],
+    loss_weighting: str | Callable[[Any], Any],
+    warning_cache: WarningCache | None = None,
 ) -> list[float]:
     """:func:`chunk_weights` for a step, saying once what ``"auto"`` chose (:func:`say_auto_choice`),
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
@@ -158,7 +164,10 @@ def step_weights(
 
 
 def say_auto_choice(
-    plan: SplitPlan, loss_weighting: str | Callable[[Any], Any], warning_cache: WarningCache, strategy: str = "sparse_dp"
+    plan: SplitPlan,
+    loss_weighting: str | Callable[[Any], Any],
+    warning_cache: WarningCache,
+    strategy: str = "sparse_dp",
 ) -> None:
     """For ``loss_weighting="auto"``, say once (rank-zero info through ``warning_cache``) what it chose and why."""
     if loss_weighting != "auto":

@@ -53,9 +53,9 @@ from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     ROLES,
     BatchLayoutError,
+    Source,
     SparseSpec,
     SplitPlan,
-    Source,
     names_coordinates,
     names_indices,
     replace,
@@ -92,7 +92,8 @@ def split_batch(
             ``B`` per-sample; integer tensors ``[K, c]`` under a key naming indices
             (:func:`names_indices`: ``correspondences``, ``matches``, ``pairs``) or given the role
             ``"indices"`` are row indices into the sources, cut with their samples and re-based to each
-            chunk's rows (:mod:`.indices`); a list / tuple of tensors under such a key is per-sample; a list / tuple of non-tensors under a dict key
+            chunk's rows (:mod:`.indices`); a list / tuple of tensors under such a key is per-sample; a list / tuple of
+            non-tensors under a dict key
             (scene names, file paths) or a numpy array of length ``B`` is per-sample; 0-dim tensors
             and other non-tensors are given to every chunk unchanged. With no coordinates at all,
             every tensor is ``[B, ...]``.

@@ -72,7 +72,8 @@ def _restore(coordinates: Tensor, samples: Tensor) -> Tensor:
 
 
 def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
-    """Undo :func:`~lightning_sparse_dp.split.split_batch`: the whole batch from its chunks (the inverse the property tests check).
+    """Undo :func:`~lightning_sparse_dp.split.split_batch`: the whole batch from its chunks (the inverse the property
+    tests check).
 
     ``SparseSpec`` leaves come back as ``(features, coordinates)`` with the original batch indices.
     """

@@ -117,7 +117,13 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"belongs to cannot be told. Name it: SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
-    if num_chunks > 1 and role is None and not x.dtype.is_floating_point and x.dtype != torch.bool and _NAMES_INDICES_TOO.search(str(key_of(leaf.path))):
+    if (
+        num_chunks > 1
+        and role is None
+        and not x.dtype.is_floating_point
+        and x.dtype != torch.bool
+        and _NAMES_INDICES_TOO.search(str(key_of(leaf.path)))
+    ):
         _warning_cache.warn(
             f"{leaf.name} is an integer tensor under a key that names indices, split as per-point values of "
             f"{sources[matches[0]].name} (its length is that set's number of points), so its values are not re-based "
@@ -156,7 +162,9 @@ def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
         )
     indices = (
         f"If it holds row indices into point sets (e.g. correspondences), give it the role 'indices': "
-        f"layout={{{key!r}: 'indices'}}. " if integer and x.dim() <= 2 else ""
+        f"layout={{{key!r}: 'indices'}}. "
+        if integer and x.dim() <= 2
+        else ""
     )
     return (
         "Per-point tensors must have one row per point of a coordinate source, per-sample tensors one row per "
@@ -206,7 +214,8 @@ def _empty_sample_hint(sources: tuple[Source, ...], length: int, num_samples: in
 
 
 def targets(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Names of the per-point targets and of the per-sample tensors of the batch (see :class:`~lightning_sparse_dp.split.records.SplitPlan`).
+    """Names of the per-point targets and of the per-sample tensors of the batch (see
+    :class:`~lightning_sparse_dp.split.records.SplitPlan`).
 
     A coordinate source's first floating-point per-point tensor is its features, not a target (an ME
     tensor carries its own features).

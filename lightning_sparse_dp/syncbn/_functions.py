@@ -1,7 +1,8 @@
 """The math of batch norm synchronized across ranks through a :class:`~lightning_sparse_dp.syncbn.collective.Collective`.
 
 As torch keeps ``SyncBatchNorm``'s autograd function in ``torch/nn/modules/_functions.py`` apart from the
-module (:mod:`lightning_sparse_dp.syncbn.batchnorm`). The math only; the transport is the collective (replica threads in ``sparse_dp``, a process group in
+module (:mod:`lightning_sparse_dp.syncbn.batchnorm`). The math only; the transport is the collective (replica threads
+in ``sparse_dp``, a process group in
 ``sparse_ddp``). Training-mode batch norm of ``input [N, C]`` or ``[N, C, *]`` over the union of every
 rank's input, as ``torch.nn.SyncBatchNorm`` computes it (torch/nn/modules/_functions.py):
 
@@ -72,21 +73,12 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.syncbn import _gathered
-from lightning_sparse_dp.syncbn.collective import Collective, gather_reduce
+from lightning_sparse_dp.syncbn.collective import Collective, FusedCollective, gather_reduce
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype batch norm of an input of ``dtype`` is computed in: float64 stays, anything else is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float64 on CPU or for float64 input, else the compute dtype: how per-channel sums accumulated before the native kernels.
-
-    Kept for code written against earlier versions; the layer now takes each rank's sums from torch's
-    native kernels on centered values and combines the ranks in float64 (see the module docstring).
-    """
-    return torch.float64 if device.type == "cpu" else compute_dtype(dtype)
 
 
 def _channel_shape(dim: int) -> list[int]:
@@ -248,13 +240,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x = input if input.dtype == cdt else input.to(cdt)
         ctx.collective, ctx.gathered = collective, None
         ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        apply = getattr(collective, "all_gather_apply", None)
         local = combined = None
-        if apply is not None and x.device.type in HOST_DEVICE_TYPES:
+        if isinstance(collective, FusedCollective) and x.device.type in HOST_DEVICE_TYPES:
             if x.numel() * x.element_size() * collective.world_size > _gathered.GATHER_MAX_BYTES:
                 local = _local_statistics(x)  # expected too large to gather: the statistics come along
             offer = _gathered.Offer(x, weight, bias, running, eps, None if local is None else local[2])
-            done = apply(offer, ("syncbn forward", tuple(x.shape[1:]), cdt), partial(_meet, dtype=input.dtype))
+            kind = ("syncbn forward", tuple(x.shape[1:]), cdt)
+            done = collective.all_gather_apply(offer, kind, partial(_meet, dtype=input.dtype))
             if done is not None and isinstance(done[1], _gathered.Gathered):
                 outputs, ctx.gathered = done
                 ctx.layer = _record(collective, None, time.perf_counter() - start)
@@ -268,7 +260,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         # normalization centered * (w * invstd) + (b - mean * w * invstd) cancels nothing
         frame_mean = mean64 if shift is None else mean64 - shift
         frame_c, var_c = _tensor(frame_mean, cdt), _tensor(var64, cdt)
-        output = torch.native_batch_norm(centered, _cast(weight, cdt), _cast(bias, cdt), frame_c, var_c, False, 0.0, eps)[0]
+        weight_c, bias_c = _gathered.cast(weight, cdt), _gathered.cast(bias, cdt)
+        output = torch.native_batch_norm(centered, weight_c, bias_c, frame_c, var_c, False, 0.0, eps)[0]
         invstd = (var64 + eps) ** -0.5
         scale = invstd if weight is None else invstd * _values(weight)
         ctx.save_for_backward(centered, frame_c, var_c)
@@ -286,7 +279,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if ctx.gathered is not None:
             collective = ctx.collective
             kind = ("syncbn backward", tuple(grad_output.shape[1:]))
-            grads = collective.all_gather_apply(grad_output, kind, partial(_gathered.backward_all, ctx.gathered, dtypes=ctx.dtypes))
+            backward = partial(_gathered.backward_all, ctx.gathered, dtypes=ctx.dtypes)
+            grads = collective.all_gather_apply(grad_output, kind, backward)
             grad_input, grad_weight, grad_bias = grads[collective.rank]
             _record(collective, ctx.layer, time.perf_counter() - start)
             return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None, None
@@ -316,9 +310,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             if grad_input.dtype != input_dtype:
                 grad_input = grad_input.to(input_dtype)
         if ctx.has_weight and ctx.needs_input_grad[1]:
-            grad_weight = _cast(dot_invstd, weight_dtype)
+            grad_weight = _gathered.cast(dot_invstd, weight_dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = _cast(sum_dy, bias_dtype)
+            grad_bias = _gathered.cast(sum_dy, bias_dtype)
         _record(ctx.collective, ctx.layer, time.perf_counter() - start)
         return grad_input, grad_weight, grad_bias, None, None, None
 
@@ -333,16 +327,16 @@ def _update_running(running: tuple[Tensor | None, Tensor | None, float], mean: V
             buffer.mul_(1 - factor).add_(_tensor(value, torch.float64).to(buffer), alpha=factor)
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
-    """``t`` in ``dtype`` (itself when it already is: no op, no hand-over of the GIL)."""
-    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
-
-
 def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:
     """Add ``seconds`` to ``layer``'s time (``None``: a new layer) where the collective keeps one
     (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.record`); the layer's index, or ``None``."""
-    record = getattr(collective, "record", None)
-    return None if record is None else record(seconds, layer)
+    return collective.record(seconds, layer) if isinstance(collective, FusedCollective) else None
 
 
-__all__ = ["HOST_DEVICE_TYPES", "SHIFT_ROWS", "SyncBatchNormFunction", "accumulation_dtype", "combine_statistics", "compute_dtype"]
+__all__ = [
+    "HOST_DEVICE_TYPES",
+    "SHIFT_ROWS",
+    "SyncBatchNormFunction",
+    "combine_statistics",
+    "compute_dtype",
+]

@@ -30,7 +30,8 @@ float32 the precision is then torch's own: input whose mean is thousands of time
 here as on one device (the per-rank path centers each rank's input first). At the cost
 of a copy of the layer's input and output gradient (at most :data:`GATHER_MAX_BYTES` bytes each) and of
 running the layer's arithmetic in one thread while the other replicas wait, which on a small layer is less
-than the Python it saves. Larger layers, replicas on accelerators and process groups take the per-rank path; on CPU replica threads a
+than the Python it saves. Larger layers, replicas on accelerators and process groups take the per-rank path; on CPU
+replica threads a
 layer's ranks bring their statistics to the same rendezvous when each expects the layer to be too large (its
 own input times the ranks), so the per-rank path takes one rendezvous in forward there too, and a second only
 when a rank's guess was wrong.
@@ -110,7 +111,7 @@ def forward_all(offers: Sequence[Offer], dtype: torch.dtype) -> tuple[list[Tenso
         raise ValueError(
             f"expected more than 1 value per channel when training, got {count} across {len(inputs)} replica(s)"
         )
-    weight, bias = _cast(first.weight, cdt), _cast(first.bias, cdt)
+    weight, bias = cast(first.weight, cdt), cast(first.bias, cdt)
     output, save_mean, save_invstd = torch.native_batch_norm(x, weight, bias, mean, var, True, factor, first.eps)
     if output.dtype != dtype:
         output = output.to(dtype)
@@ -146,8 +147,8 @@ def backward_all(
     if grad_input.dtype != input_dtype:
         grad_input = grad_input.to(input_dtype)
     inputs = torch.split_with_sizes_copy(grad_input, gathered.sizes) if len(dys) > 1 else [grad_input]
-    grad_weight = _cast(grad_weight, weight_dtype) if affine else None
-    grad_bias = _cast(grad_bias, bias_dtype) if gathered.has_bias else None
+    grad_weight = cast(grad_weight, weight_dtype) if affine else None
+    grad_bias = cast(grad_bias, bias_dtype) if gathered.has_bias else None
     out = [(inputs[0], grad_weight, grad_bias)]
     for rank_input in inputs[1:]:
         out.append((
@@ -158,9 +159,9 @@ def backward_all(
     return out
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
-    """``t`` in ``dtype`` (itself when it already is, or when either is ``None``)."""
+def cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` in ``dtype`` (itself when it already is, or when either is ``None``: no op, no hand-over of the GIL)."""
     return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-__all__ = ["GATHER_MAX_BYTES", "Gathered", "Offer", "backward_all", "forward_all"]
+__all__ = ["GATHER_MAX_BYTES", "Gathered", "Offer", "backward_all", "cast", "forward_all"]

@@ -9,7 +9,6 @@ those of every rank's input together, exchanged through whatever
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 

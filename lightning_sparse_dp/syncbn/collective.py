@@ -15,9 +15,10 @@ completes the rendezvous computes the reduction once and hands every rank the re
 (:meth:`ThreadGroup.all_gather_reduce`); over any other collective each rank reduces the gathered list.
 A waiting rank is woken once, when its call completes (or the group stops), not at every arrival.
 
-Timing (threads). The group adds up, per rank, the seconds spent waiting at rendezvous for the other
-ranks, and the seconds each synchronized layer reports (:meth:`ThreadGroup.record`);
-:meth:`ThreadGroup.timings` gives their means over ranks, which ``sparse_dp`` records as stage times.
+Timing (threads). The group's :class:`LayerTimes` add up, per rank, the seconds spent waiting at rendezvous for
+the other ranks, and the seconds each synchronized layer reports (:meth:`LayerTimes.record`);
+:meth:`LayerTimes.timings` gives their means over ranks, which ``sparse_dp`` records as stage times. What a
+collective can do beyond :class:`Collective` is :class:`FusedCollective`, asked with ``isinstance``.
 
 Failure (threads). A replica that raises aborts the group (:meth:`ThreadGroup.abort`, done by
 :meth:`ThreadGroup.run`): every replica waiting in ``all_gather``, and every later call, raises
@@ -48,8 +49,9 @@ def gather_reduce(collective: Collective, tensor: Tensor, fn: Callable[[list[Ten
     A :class:`ThreadMember` computes ``fn`` once for all ranks (:meth:`ThreadGroup.all_gather_reduce`); any other
     collective gathers and each rank computes it. ``fn`` must not depend on which rank calls it.
     """
-    reduce = getattr(collective, "all_gather_reduce", None)
-    return fn(collective.all_gather(tensor)) if reduce is None else reduce(tensor, fn)
+    if isinstance(collective, FusedCollective):
+        return collective.all_gather_reduce(tensor, fn)
+    return fn(collective.all_gather(tensor))
 
 
 class ReplicaAborted(RuntimeError):
@@ -81,6 +83,61 @@ class Collective(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedCollective(Collective, Protocol):
+    """A :class:`Collective` that can also compute on the gathered items once for every rank (a :class:`ThreadMember`;
+    a process group cannot: each rank computes its part), and keeps each synchronized layer's time.
+
+    Callers ask ``isinstance(collective, FusedCollective)`` for the fused path; every other collective gets the
+    plain one (:func:`gather_reduce`, per-rank statistics).
+    """
+
+    def all_gather_reduce(self, tensor: Tensor, fn: Callable[[list[Tensor]], R]) -> R:
+        """``fn`` of every rank's ``tensor``, computed once and handed to every rank (:meth:`ThreadGroup.all_gather_reduce`)."""
+        ...
+
+    def all_gather_apply(self, item: Any, kind: Hashable, fn: Callable[[list[Any]], R]) -> R:
+        """``fn`` of every rank's ``item`` of any shape, computed once (:meth:`ThreadGroup.all_gather_apply`)."""
+        ...
+
+    def record(self, seconds: float, layer: int | None = None) -> int:
+        """Add ``seconds`` to this rank's time in a synchronized layer (:meth:`LayerTimes.record`); its index."""
+        ...
+
+
+class LayerTimes:
+    """Per rank, the seconds spent in each synchronized layer and waiting for the other ranks at rendezvous; each rank
+    writes only its own entries, from its own thread. ``sparse_dp`` records :meth:`timings` as stage times."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.waited = [0.0] * world_size  # seconds each rank spent waiting for the others in a call
+        self.layers: list[list[float]] = [[] for _ in range(world_size)]  # per rank, per recorded layer
+
+    def record(self, rank: int, seconds: float, layer: int | None = None) -> int:
+        """Add ``seconds`` to ``rank``'s time in layer ``layer`` (``None``: the rank's next layer); its index.
+
+        Called by each rank from its own thread, forward and backward."""
+        times = self.layers[rank]
+        if layer is None:
+            times.append(seconds)
+            return len(times) - 1
+        times[layer] += seconds
+        return layer
+
+    def timings(self) -> dict[str, float]:
+        """Mean over ranks of the seconds spent in the synchronized layers so far: ``syncbn<j>`` per layer (its
+        work and its wait, forward and backward), ``syncbn`` all layers, ``syncbn_wait`` waiting for the other
+        ranks at the rendezvous (the floor a slower replica sets); empty when no layer was recorded."""
+        layers = min(len(t) for t in self.layers)
+        if layers == 0:
+            return {}
+        out = {f"syncbn{j}": sum(t[j] for t in self.layers) / self.world_size for j in range(layers)}
+        out["syncbn"] = sum(out.values())
+        out["syncbn_wait"] = sum(self.waited) / self.world_size
+        return out
+
+
 class ThreadGroup:
     """A :class:`Collective` group for the replica threads of one process (ranks ``0..world_size-1``).
 
@@ -106,8 +163,7 @@ class ThreadGroup:
         self._finished: dict[int, int] = {}  # rank -> calls made when it finished its current phase
         self._error: str | None = None
         self._mismatched: set[int] = set()  # calls whose ranks gave tensors of different shapes / dtypes
-        self._waited = [0.0] * world_size  # seconds each rank spent waiting for the others in all_gather
-        self._layer_seconds: list[list[float]] = [[] for _ in range(world_size)]  # per rank, per recorded layer
+        self.times = LayerTimes(world_size)  # each rank's time in the synchronized layers and at rendezvous
 
     def member(self, rank: int) -> ThreadMember:
         """The :class:`Collective` of ``rank``.
@@ -194,37 +250,13 @@ class ThreadGroup:
                 start = time.perf_counter()
                 while self._error is None and any(s is None for s in slot[: self.world_size]):
                     self._cond.wait()
-                self._waited[rank] += time.perf_counter() - start
+                self.times.waited[rank] += time.perf_counter() - start
             if any(s is None for s in slot[: self.world_size]) or call in self._mismatched:
                 self._raise_if_aborted()  # a complete call is handed out even if the group stopped since
             self._reads[call] = self._reads.get(call, 0) + 1
             if self._reads[call] == self.world_size:  # everyone has its result: forget the call
                 del self._slots[call], self._reads[call]
         return slot
-
-    def record(self, rank: int, seconds: float, layer: int | None = None) -> int:
-        """Add ``seconds`` to ``rank``'s time in synchronized layer ``layer`` (``None``: the rank's next layer); its index.
-
-        Called by each rank from its own thread (it writes only its own entries), forward and backward.
-        """
-        times = self._layer_seconds[rank]
-        if layer is None:
-            times.append(seconds)
-            return len(times) - 1
-        times[layer] += seconds
-        return layer
-
-    def timings(self) -> dict[str, float]:
-        """Mean over ranks of the seconds spent in the synchronized layers so far: ``syncbn<j>`` per layer (its
-        work and its wait, forward and backward), ``syncbn`` all layers, ``syncbn_wait`` waiting for the other
-        ranks at the rendezvous (the floor a slower replica sets); empty when no layer was recorded."""
-        layers = min(len(t) for t in self._layer_seconds)
-        if layers == 0:
-            return {}
-        out = {f"syncbn{j}": sum(t[j] for t in self._layer_seconds) / self.world_size for j in range(layers)}
-        out["syncbn"] = sum(out.values())
-        out["syncbn_wait"] = sum(self._waited) / self.world_size
-        return out
 
     def abort(self, rank: int, error: BaseException | str) -> None:
         """Stop every waiting and future call with :class:`ReplicaAborted`: rank ``rank`` failed with ``error``."""
@@ -317,11 +349,11 @@ class ThreadMember:
         return self.group.all_gather_apply(self.rank, item, kind, fn)
 
     def record(self, seconds: float, layer: int | None = None) -> int:
-        """See :meth:`ThreadGroup.record`."""
-        return self.group.record(self.rank, seconds, layer)
+        """See :meth:`LayerTimes.record`."""
+        return self.group.times.record(self.rank, seconds, layer)
 
     def __repr__(self) -> str:
         return f"ThreadMember(rank={self.rank}, world_size={self.world_size})"
 
 
-__all__ = ["Collective", "ReplicaAborted", "ThreadGroup", "ThreadMember", "gather_reduce"]
+__all__ = ["Collective", "FusedCollective", "LayerTimes", "ReplicaAborted", "ThreadGroup", "ThreadMember", "gather_reduce"]

@@ -31,7 +31,8 @@ class SyncBatchNormSwap(LayerSync):
 
     The swapped layers synchronize through whatever collective they are given:
     ``sparse_dp`` joins the replicas' layers into each step's thread group
-    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`); :class:`~lightning_sparse_dp.syncbn.process_group.ProcessGroupSyncBatchNorm`
+    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`);
+    :class:`~lightning_sparse_dp.syncbn.process_group.ProcessGroupSyncBatchNorm`
     gives them a process group.
     """
 
@@ -39,7 +40,8 @@ class SyncBatchNormSwap(LayerSync):
         self._swaps: list[Swap] = []
 
     def apply(self, model: Module) -> Module:
-        """Swap ``model``'s batch-norm layers, in place (see :func:`~lightning_sparse_dp.syncbn.batchnorm.convert_sync_batchnorm`); returns ``model``."""
+        """Swap ``model``'s batch-norm layers, in place (see
+        :func:`~lightning_sparse_dp.syncbn.batchnorm.convert_sync_batchnorm`); returns ``model``."""
         self._swaps += convert_sync_batchnorm(model)
         return model
 

@@ -1,0 +1,163 @@
+"""sparse_dp's batch hooks and presplit batches, against plain Lightning: ``on_before_batch_transfer`` once per
+batch (a module's or a datamodule's), the hooks a split batch skips said, batches split in DataLoader workers, the
+stage clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_sparse_dp
+from lightning_sparse_dp import SparseDataParallelStrategy
+from tests.helpers import (
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    loader,
+    random_samples,
+    same_start,
+    sample_loader,
+    trainer,
+)
+
+
+def test_before_transfer_hook_runs_and_skipped_hooks_warn():
+    class Hooks(SparseNet):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            batch["labels"] = torch.zeros_like(batch["labels"])
+            return batch
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+        def training_step(self, batch, batch_idx):
+            assert int(batch["labels"].sum()) == 0
+            return super().training_step(batch, batch_idx)
+
+    with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
+        trainer(strategy="sparse_dp", devices=3).fit(Hooks(), loader(collate_dict(random_samples(5))))
+
+
+def test_before_transfer_hook_runs_once_per_batch_as_under_plain_lightning():
+    """A normalization in on_before_batch_transfer (features * 2) reaches the step once, in training and
+    validation: the same calls and the same parameters as plain Lightning (float64, 2 steps)."""
+
+    class Doubles(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.calls = []
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            self.calls.append(self.trainer.state.stage)
+            return {**batch, "features": batch["features"] * 2}
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.loss(batch), batch_size=int(batch["labels"].shape[0]))
+
+    batches = [collate_dict(random_samples(6, seed=s)) for s in (31, 32)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(Doubles)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_steps=2, limit_val_batches=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, val_check_interval=2, **kwargs)
+        t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None), torch.utils.data.DataLoader(batches, batch_size=None))
+    ours, reference = models
+    assert [str(c) for c in ours.calls] == [str(c) for c in reference.calls]
+    assert len(reference.calls) == 3  # 2 training batches, 1 validation batch
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+
+
+class _SeesBatches(SparseDataParallelStrategy):
+    """Records the type of every batch the step gets, before the split."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.batch_types = []
+
+    def scatter(self, batch):
+        self.batch_types.append(type(batch))
+        return super().scatter(batch)
+
+
+def test_presplit_in_worker_processes_equals_one_device():
+    samples = random_samples(14, seed=13)
+    ours, reference = same_start()
+    strategy = _SeesBatches(record_stage_times=True)
+    t = trainer(strategy=strategy, devices=3, max_steps=2)
+    train = sample_loader(samples, num_workers=2)
+    t.fit(ours, train)
+    assert train.collate_fn is collate_dict  # the user's DataLoader is as it was: the strategy used a copy
+    assert isinstance(next(iter(train)), dict)
+    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2  # the split ran in the workers
+    trainer(devices=1, max_steps=2).fit(reference, sample_loader(samples))
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    steps = list(strategy.stage_times.steps)
+    assert len(steps) == 2
+    assert {"split", "place", "replicate", "apply", "replica0", "replica2", "gather", "log", "backward"} <= set(steps[0])
+
+
+def test_presplit_batches_go_through_lightnings_precision_conversion():
+    # "64-true" converts each batch with apply_to_collection before the step; a PreSplitBatch's frozen plan
+    # made that raise (FrozenInstanceError) until the plan became a field it passes on untouched
+    samples = random_samples(14, seed=15)
+    ours, reference = same_start()
+    strategy = _SeesBatches()
+    trainer(strategy=strategy, devices=3, max_steps=2, precision="64-true").fit(ours, sample_loader(samples, num_workers=1))
+    assert strategy.batch_types == [lightning_sparse_dp.PreSplitBatch] * 2
+    trainer(devices=1, max_steps=2, precision="64-true").fit(reference, sample_loader(samples))
+    assert_same_states(ours, reference)  # float64: 1e-10 relative, as the other exactness tests
+
+
+DELAY = 1.0  # seconds; far above what any stage of this tiny step takes, even on a loaded machine
+
+
+class _SlowReplica(SparseNet):
+    """Replica 1's training step waits ``DELAY`` seconds; the others do not."""
+
+    def training_step(self, batch, batch_idx):
+        if threading.current_thread().name.startswith("sparse_dp-replica1"):
+            time.sleep(DELAY)
+        return super().training_step(batch, batch_idx)
+
+
+def test_stage_times_measure_what_they_name():
+    strategy = SparseDataParallelStrategy(record_stage_times=True)
+    trainer(strategy=strategy, devices=3).fit(_SlowReplica(), loader(collate_dict(random_samples(7, seed=14))))
+    (step,) = strategy.stage_times.steps
+    assert step["replica1"] >= DELAY  # replica 1's own timer holds its wait
+    assert step["apply"] >= DELAY  # the apply stage waits for every replica
+    assert step["replica0"] < DELAY and step["replica2"] < DELAY  # the others run beside it, not after it
+    for stage in ("split", "place", "replicate", "gather", "log", "backward", "backward0", "backward1", "reduce"):
+        assert step[stage] < DELAY, stage
+
+
+def test_presplit_batch_with_more_chunks_than_devices_is_refused():
+    collate = lightning_sparse_dp.PreSplitCollate(collate_dict, num_chunks=3)
+    batch = collate(random_samples(6))
+    with pytest.raises(ValueError, match="split into 3 chunks in the DataLoader but the strategy has 2"):
+        trainer(strategy="sparse_dp", devices=2).fit(SparseNet(), loader(batch))
+
+
+def test_a_datamodules_before_transfer_hook_sees_the_batch_as_under_plain_lightning():
+    """With DataLoader workers (where presplit would split), a LightningDataModule's on_before_batch_transfer gets the
+    collated dict batch, once per batch, as under plain Lightning: presplit stays off for it."""
+    seen = []
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            return sample_loader(random_samples(14, seed=151), num_workers=2)
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            seen.append(type(batch).__name__)
+            return batch
+
+    trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(SparseNet(), datamodule=Data())
+    assert seen == ["dict", "dict"]
