@@ -41,27 +41,16 @@ import lightning_utilities.core.rank_zero as _rank_zero
 
 _RANK_ZERO_LOG = _rank_zero.log  # where Lightning's rank-zero lines went before this import (see the end)
 
-from lightning_sparse_dp.apply import ReplicaExecutor, run_on_replicas
+from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.ddp import SparseDDPStrategy
-from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights
-from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.place import place_chunks
+from lightning_sparse_dp.loss.weights import chunk_counts
 from lightning_sparse_dp.presplit import PreSplitBatch, PreSplitCollate
-from lightning_sparse_dp.replicate import Replicas, make_replicas
+from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler
-from lightning_sparse_dp.split import (
-    BatchLayoutError,
-    SparseSpec,
-    SplitPlan,
-    balanced_assignment,
-    contiguous_assignment,
-    merge_batch,
-    merge_chunks,
-    split_batch,
-)
+from lightning_sparse_dp.split import BatchLayoutError, SparseSpec, SplitPlan, split_batch
 from lightning_sparse_dp.strategy import SparseDataParallelStrategy
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
-from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup
+from lightning_sparse_dp.syncbn.collective import Collective, ThreadGroup
 from lightning_sparse_dp.timing import StageTimes
 
 __version__ = "0.1.0"
@@ -72,7 +61,6 @@ __all__ = [
     "PointBalancedBatchSampler",
     "PreSplitBatch",
     "PreSplitCollate",
-    "ReplicaAborted",
     "ReplicaExecutor",
     "Replicas",
     "SparseDDPStrategy",
@@ -82,16 +70,7 @@ __all__ = [
     "StageTimes",
     "SyncBatchNorm",
     "ThreadGroup",
-    "balanced_assignment",
     "chunk_counts",
-    "chunk_weights",
-    "contiguous_assignment",
-    "gather_outputs",
-    "make_replicas",
-    "merge_batch",
-    "merge_chunks",
-    "place_chunks",
-    "run_on_replicas",
     "split_batch",
 ]
 

@@ -47,7 +47,7 @@ from lightning_sparse_dp.split.assign import (
 )
 from lightning_sparse_dp.split.cut import cut
 from lightning_sparse_dp.split.indices import index_rows
-from lightning_sparse_dp.split.leaves import flatten, is_sequence_leaf, key_of, layout_entry, leaf_predicate, path_name
+from lightning_sparse_dp.split.leaves import flatten
 from lightning_sparse_dp.split.merge import merge_batch, merge_chunks, merge_rows
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
@@ -215,16 +215,11 @@ __all__ = [
     "balanced_assignment",
     "check_num_chunks",
     "contiguous_assignment",
-    "is_sequence_leaf",
-    "key_of",
-    "layout_entry",
-    "leaf_predicate",
     "merge_batch",
     "merge_chunks",
     "merge_rows",
     "names_coordinates",
     "names_indices",
-    "path_name",
     "resolve_assignment",
     "split_batch",
 ]
