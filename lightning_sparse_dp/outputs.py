@@ -22,15 +22,8 @@ from torch import Tensor
 
 from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.loss.weights import weighted_sum
-from lightning_sparse_dp.split import (
-    SplitPlan,
-    key_of,
-    layout_entry,
-    leaf_predicate,
-    merge_chunks,
-    merge_rows,
-    path_name,
-)
+from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
+from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
 #: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
