@@ -379,3 +379,13 @@ def test_flattened_leaves_are_pytrees_key_paths_for_every_batch_form(form):
     assert [leaf.path for leaf in leaves] == [tuple(p) for p, _ in walked]
     assert all(leaf.value is x for leaf, (_, x) in zip(leaves, walked))
     assert [leaf.name for leaf in leaves] == [str("batch" + "".join(str(k) for k in p)) for p, _ in walked]
+
+
+def test_every_role_has_one_cut_and_one_merge_handler():
+    """A role is one member of ``Role`` plus its handlers: a role without a cut or merge handler fails here."""
+    from lightning_sparse_dp.split.cut import CUTS
+    from lightning_sparse_dp.split.merge import MERGES
+    from lightning_sparse_dp.split.records import ROLES, Role
+
+    assert set(CUTS) == set(Role) == set(MERGES)
+    assert ROLES == tuple(r.value for r in Role) and Role("points") is Role.POINTS == "points"

@@ -53,6 +53,7 @@ from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     ROLES,
     BatchLayoutError,
+    Role,
     Source,
     SparseSpec,
     SplitPlan,
@@ -145,7 +146,7 @@ def split_batch(
         for j in range(k)
     ]
     point_targets, sample_tensors = targets(leaves, sources)
-    indexed = [i for i, leaf in enumerate(leaves) if leaf.role == "indices"]
+    indexed = [i for i, leaf in enumerate(leaves) if leaf.role == Role.INDICES]
     plan = SplitPlan(
         num_samples=num_samples,
         chunk_samples=tuple(chunk_samples),
@@ -175,7 +176,7 @@ def _split_sample_list(batch: list | tuple, num_chunks: int, assignment: str | A
     sizes = torch.ones(len(batch), dtype=torch.long)
     chunk_samples, _, _ = assign(sizes, min(num_chunks, len(batch)), assignment)
     chunks = [type(batch)(batch[i] for i in ids.tolist()) for ids in chunk_samples]
-    return chunks, SplitPlan(num_samples=len(batch), chunk_samples=tuple(chunk_samples), roles=("samples",))
+    return chunks, SplitPlan(num_samples=len(batch), chunk_samples=tuple(chunk_samples), roles=(Role.SAMPLES,))
 
 
 def _assign_points(
@@ -210,6 +211,7 @@ __all__ = [
     "BatchLayoutError",
     "COORDINATE_KEYS",
     "ROLES",
+    "Role",
     "SparseSpec",
     "SplitPlan",
     "balanced_assignment",

@@ -7,7 +7,8 @@ which :mod:`lightning_sparse_dp.place` builds on its device.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 from lightning_sparse_dp._me import is_tensor_field
 from lightning_sparse_dp.split.indices import cut_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor
-from lightning_sparse_dp.split.records import Leaf, Source, SparseSpec
+from lightning_sparse_dp.split.records import Leaf, Role, Source, SparseSpec
 
 
 def take_rows(value: Any, ids: Tensor) -> Any:
@@ -60,8 +61,43 @@ def _sparse_kwargs(x: Any) -> dict[str, Any]:
     return kwargs
 
 
+class Piece(NamedTuple):
+    """What a role's cut handler gets for one leaf and chunk ``j``: the batch's coordinate sources (with their rows
+    per chunk), int64 ``[b_j]`` ids of the chunk's samples, and int64 ``[B]`` each sample's position inside its
+    chunk (its batch index there)."""
+
+    sources: tuple[Source, ...]
+    j: int
+    samples: Tensor
+    index_in_chunk: Tensor
+
+
+def _cut_points(leaf: Leaf, p: Piece) -> Any:
+    x = leaf.value
+    return x.index_select(0, p.sources[leaf.source].rows[p.j].to(x.device))
+
+
+def _cut_coordinates(leaf: Leaf, p: Piece) -> Any:
+    x, src = leaf.value, p.sources[leaf.source]
+    rows = src.rows[p.j]
+    if is_me_tensor(x):
+        coordinates = _renumber(x.C, rows, p.index_in_chunk, src.batch_index)
+        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, _sparse_kwargs(x))
+    return _renumber(x, rows, p.index_in_chunk, src.batch_index)
+
+
+#: One cut handler per role: ``handler(leaf, piece) -> leaf's piece for the chunk``.
+CUTS: dict[Role, Callable[[Leaf, Piece], Any]] = {
+    Role.COORDINATES: _cut_coordinates,
+    Role.POINTS: _cut_points,
+    Role.SAMPLES: lambda leaf, p: take_rows(leaf.value, p.samples),
+    Role.REPLICATE: lambda leaf, p: leaf.value,
+    Role.INDICES: lambda leaf, p: cut_indices(leaf, p.sources, p.j, p.samples, p.index_in_chunk),
+}
+
+
 def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, index_in_chunk: Tensor, whole: bool) -> Any:
-    """``leaf``'s piece for chunk ``j``.
+    """``leaf``'s piece for chunk ``j``, by its role's handler (:data:`CUTS`).
 
     Args:
         sources: the batch's coordinate sources, with their rows per chunk.
@@ -69,23 +105,12 @@ def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, index_
         index_in_chunk: int64 ``[B]``, each sample's position inside its chunk: its batch index there.
         whole: chunk ``j`` is the only chunk (the whole batch, nothing to cut or renumber).
     """
-    x, role = leaf.value, leaf.role
+    x = leaf.value
     if whole and is_me_tensor(x):  # batch indices are already 0..B-1 in order
         return SparseSpec(type(x), x.F, x.C, _sparse_kwargs(x), source=x)
-    if role == "replicate" or whole:
+    if whole:
         return x
-    if role == "samples":
-        return take_rows(x, samples)
-    if role == "indices":
-        return cut_indices(leaf, sources, j, samples, index_in_chunk)
-    src = sources[leaf.source]
-    rows = src.rows[j]
-    if role == "points":
-        return x.index_select(0, rows.to(x.device))
-    if is_me_tensor(x):
-        coordinates = _renumber(x.C, rows, index_in_chunk, src.batch_index)
-        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, _sparse_kwargs(x))
-    return _renumber(x, rows, index_in_chunk, src.batch_index)
+    return CUTS[leaf.role](leaf, Piece(sources, j, samples, index_in_chunk))
 
 
-__all__ = ["cut", "take_rows"]
+__all__ = ["CUTS", "Piece", "cut", "take_rows"]

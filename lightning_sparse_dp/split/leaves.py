@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
-from lightning_sparse_dp.split.records import ROLES, BatchLayoutError, Leaf, names_indices
+from lightning_sparse_dp.split.records import ROLES, ROLES_WITH_SOURCES, BatchLayoutError, Leaf, Role, names_indices
 
 
 def is_me_tensor(x: Any) -> bool:
@@ -83,7 +83,7 @@ def layout_entry(path: Sequence[Any], layout: Mapping[Any, Any] | None, root: st
     return None
 
 
-def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple[str | None, tuple[str, ...]]:
+def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple[Role | None, tuple[str, ...]]:
     """Role the user gave for this leaf in ``layout`` (:func:`layout_entry`), and the source names after its
     colon (``"indices:coords0,coords1"`` -> ``("indices", ("coords0", "coords1"))``)."""
     entry = layout_entry(path, layout)
@@ -91,13 +91,13 @@ def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple
         return None, ()
     candidate, value = entry
     role, _, refs = str(value).partition(":")
-    if role not in ROLES or (refs and role not in ("points", "indices")):
+    if role not in ROLES or (refs and role not in ROLES_WITH_SOURCES):
         raise BatchLayoutError(
             f"layout[{candidate!r}] = {value!r}; use one of {ROLES} ('points' and 'indices' may name their "
             "coordinate source(s) after a colon: 'points:target_coordinates', 'indices:coords0,coords1', "
             "'indices:batch,coords0,coords1')."
         )
-    return role, tuple(r.strip() for r in refs.split(",")) if refs else ()
+    return Role(role), tuple(r.strip() for r in refs.split(",")) if refs else ()
 
 
 def _tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.split.indices import merge_indices
 from lightning_sparse_dp.split.leaves import leaf_predicate
-from lightning_sparse_dp.split.records import SparseSpec, SplitPlan
+from lightning_sparse_dp.split.records import Role, SparseSpec, SplitPlan
 
 
 def _inverse_order(lengths: Sequence[int], order: Sequence[Tensor]) -> Tensor:
@@ -71,6 +71,26 @@ def _restore(coordinates: Tensor, samples: Tensor) -> Tensor:
     return out
 
 
+def _merge_coordinates(pieces: list[Any], i: int, plan: SplitPlan) -> Any:
+    rows = plan.point_rows[plan.leaf_sources[i]]
+    if isinstance(pieces[0], SparseSpec):
+        feats = merge_chunks([p.features for p in pieces], rows)
+        coords = merge_chunks([_restore(p.coordinates, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
+        return feats, coords
+    return merge_chunks([_restore(p, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
+
+
+#: One merge handler per role, the inverse of :data:`~lightning_sparse_dp.split.cut.CUTS`:
+#: ``handler(pieces, leaf position, plan) -> the leaf of the whole batch``.
+MERGES: dict[Role, Callable[[list[Any], int, SplitPlan], Any]] = {
+    Role.COORDINATES: _merge_coordinates,
+    Role.POINTS: lambda pieces, i, plan: merge_chunks(pieces, plan.point_rows[plan.leaf_sources[i]]),
+    Role.SAMPLES: lambda pieces, i, plan: merge_rows(pieces, plan.chunk_samples),
+    Role.REPLICATE: lambda pieces, i, plan: pieces[0],
+    Role.INDICES: lambda pieces, i, plan: merge_chunks(merge_indices(pieces, i, plan), plan.index_rows[i]),
+}
+
+
 def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
     """Undo :func:`~lightning_sparse_dp.split.split_batch`: the whole batch from its chunks (the inverse the property
     tests check).
@@ -79,26 +99,8 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
     """
     flat = [pytree.tree_flatten(c, is_leaf=leaf_predicate(lambda x: isinstance(x, SparseSpec))) for c in chunks]
     spec = flat[0][1]
-    merged = []
-    for i, role in enumerate(plan.roles):
-        pieces = [f[0][i] for f in flat]
-        if role == "replicate":
-            merged.append(pieces[0])
-        elif role == "samples":
-            merged.append(merge_rows(pieces, plan.chunk_samples))
-        elif role == "points":
-            merged.append(merge_chunks(pieces, plan.point_rows[plan.leaf_sources[i]]))
-        elif role == "indices":
-            merged.append(merge_chunks(merge_indices(pieces, i, plan), plan.index_rows[i]))
-        else:
-            rows = plan.point_rows[plan.leaf_sources[i]]
-            if isinstance(pieces[0], SparseSpec):
-                feats = merge_chunks([p.features for p in pieces], rows)
-                coords = merge_chunks([_restore(p.coordinates, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
-                merged.append((feats, coords))
-            else:
-                merged.append(merge_chunks([_restore(p, s) for p, s in zip(pieces, plan.chunk_samples)], rows))
+    merged = [MERGES[Role(role)]([f[0][i] for f in flat], i, plan) for i, role in enumerate(plan.roles)]
     return pytree.tree_unflatten(merged, spec)
 
 
-__all__ = ["merge_batch", "merge_chunks", "merge_rows"]
+__all__ = ["MERGES", "merge_batch", "merge_chunks", "merge_rows"]

@@ -8,14 +8,38 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from torch import Tensor
 
-#: Roles a leaf of a batch can have (also the roles ``layout=`` may give). ``"points"`` and ``"indices"``
-#: may name their coordinate source(s) after a colon: ``"points:target_coordinates"``,
-#: ``"indices:coords0,coords1"`` (``"indices:batch,coords0,coords1"`` when column 0 is a batch index).
-ROLES: tuple[str, ...] = ("coordinates", "points", "samples", "replicate", "indices")
+
+class Role(StrEnum):
+    """What a leaf of a batch is, which decides how it is cut into chunks and merged back (``split/cut.py`` and
+    ``split/merge.py`` hold one handler per role, :data:`~lightning_sparse_dp.split.cut.CUTS` and
+    :data:`~lightning_sparse_dp.split.merge.MERGES`; ``split/roles.py`` finds each leaf's). A ``str``: ``layout=``
+    gives roles by these names, and ``Role.POINTS == "points"``.
+
+    - ``COORDINATES``: collated coordinates ``[N, D+1]``, column 0 the batch index (a source of points);
+    - ``POINTS``: per point of a source ``[N, ...]``; ``SAMPLES``: per sample ``[B, ...]`` or a list of ``B``;
+    - ``REPLICATE``: the same in every chunk; ``INDICES``: row indices into the sources (correspondences).
+
+    ``"points"`` and ``"indices"`` may name their coordinate source(s) after a colon in ``layout``:
+    ``"points:target_coordinates"``, ``"indices:coords0,coords1"`` (``"indices:batch,coords0,coords1"`` when
+    column 0 is a batch index).
+    """
+
+    COORDINATES = "coordinates"
+    POINTS = "points"
+    SAMPLES = "samples"
+    REPLICATE = "replicate"
+    INDICES = "indices"
+
+
+#: The roles' names, for messages and ``layout`` checks.
+ROLES: tuple[str, ...] = tuple(r.value for r in Role)
+#: Roles that may name their coordinate source(s) after a colon in ``layout``.
+ROLES_WITH_SOURCES = frozenset({Role.POINTS, Role.INDICES})
 
 #: Dict keys whose value is always taken to be collated coordinates (as in ME's Lightning example):
 #: a tensor under one of them that is not ``[N, D+1]`` with a batch column is an error.
@@ -190,6 +214,8 @@ __all__ = [
     "COORDINATE_KEYS",
     "Leaf",
     "ROLES",
+    "ROLES_WITH_SOURCES",
+    "Role",
     "Source",
     "SparseSpec",
     "SplitPlan",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
-from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Source, names_indices, replace
+from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Role, Source, names_indices, replace
 from lightning_sparse_dp.split.sources import looks_like_collated_coordinates
 
 
@@ -42,26 +42,26 @@ def resolve_roles(
 
 def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int, num_chunks: int) -> Leaf:
     role, x = leaf.role, leaf.value
-    if role == "coordinates":
+    if role == Role.COORDINATES:
         return leaf
-    if role == "indices":
+    if role == Role.INDICES:
         return resolve_indices(leaf, leaves, sources)
-    if role == "samples" and not _has_length(x):
+    if role == Role.SAMPLES and not _has_length(x):
         raise BatchLayoutError(f"layout gives {leaf.name} the role 'samples' but it has no length.")
-    if role is not None and role != "points":
+    if role is not None and role != Role.POINTS:
         return leaf
     not_points = f"layout gives {leaf.name} the role 'points' but it is not a tensor [N, ...]."
     if isinstance(x, np.ndarray) or type(x) in (list, tuple):
-        if role == "points":
+        if role == Role.POINTS:
             raise BatchLayoutError(not_points)
         sequence_role = _sequence_role(leaf, sources, num_samples)
-        if sequence_role == "samples" and names_indices(key_of(leaf.path)) and any(isinstance(e, Tensor) for e in x):
+        if sequence_role == Role.SAMPLES and names_indices(key_of(leaf.path)) and any(isinstance(e, Tensor) for e in x):
             check_sample_lists(leaf, leaves, sources)
         return replace(leaf, role=sequence_role)
     if not isinstance(x, Tensor) or x.dim() == 0:
-        if role == "points":
+        if role == Role.POINTS:
             raise BatchLayoutError(not_points)
-        return replace(leaf, role="replicate")
+        return replace(leaf, role=Role.REPLICATE)
     length = x.shape[0]
     matches = [n for n, src in enumerate(sources) if src.num_points == length]
     if leaf.refs:  # layout={"normals": "points:target_coordinates"}: the source is named
@@ -77,8 +77,8 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
                 f"layout gives {leaf.name} the role 'points:{leaf.refs[0]}' but its length {length} is not the number "
                 f"of points of {leaf.refs[0]} ({sources[names.index(leaf.refs[0])].num_points})."
             )
-    whole = replace(leaf, role="replicate")  # one chunk holds everything: nothing to tell apart
-    if role == "points":
+    whole = replace(leaf, role=Role.REPLICATE)  # one chunk holds everything: nothing to tell apart
+    if role == Role.POINTS:
         if not matches:
             raise BatchLayoutError(
                 f"layout gives {leaf.name} the role 'points' but its length {length} is the number of points of "
@@ -94,7 +94,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             "'points'}) (or 'samples'), or with split_batch(..., layout=...)."
         )
     elif length == num_samples:
-        return replace(leaf, role="samples")
+        return replace(leaf, role=Role.SAMPLES)
     elif not matches:
         if num_chunks == 1:
             return whole
@@ -132,7 +132,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"'indices:{key_of(leaves[sources[matches[0]].leaf].path)}'}}; if it is per-point data, "
             f"layout={{{key_of(leaf.path)!r}: 'points'}} says so and silences this."
         )
-    return replace(leaf, role="points", source=matches[0])
+    return replace(leaf, role=Role.POINTS, source=matches[0])
 
 
 #: keys that name indices but are not taken for them without ``layout`` (``corr``, ``match``, ``pair`` are: records.py)
@@ -186,7 +186,7 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
     x = leaf.value
     length = len(x) if not isinstance(x, np.ndarray) or x.ndim > 0 else -1
     if length == num_samples:
-        return "samples"
+        return Role.SAMPLES
     if type(x) in (list, tuple) and any(isinstance(e, Tensor) for e in x):
         raise BatchLayoutError(
             f"{leaf.name} is a per-sample list of {length} tensors, but the batch has {num_samples} samples: give one "
@@ -198,7 +198,7 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
             f"{leaf.name} is a numpy array with one row per point ({length}); convert it with torch.as_tensor(...) in "
             "the collate function (ME.utils.sparse_collate does so): it is then split with its points."
         )
-    return "replicate"
+    return Role.REPLICATE
 
 
 def _empty_sample_hint(sources: tuple[Source, ...], length: int, num_samples: int) -> str:
@@ -225,9 +225,9 @@ def targets(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[tupl
     for leaf in leaves:
         if not isinstance(leaf.value, Tensor):
             continue
-        if leaf.role == "samples":
+        if leaf.role == Role.SAMPLES:
             sample_tensors.append(leaf.name)
-        elif leaf.role == "points":
+        elif leaf.role == Role.POINTS:
             is_features = (
                 leaf.value.dtype.is_floating_point
                 and not is_me_tensor(leaves[sources[leaf.source].leaf].value)

@@ -35,6 +35,7 @@ from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     BatchLayoutError,
     Leaf,
+    Role,
     Source,
     names_coordinates,
     names_indices,
@@ -122,7 +123,7 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
 
 
 def _as_source(leaves: list[Leaf], sources: list[Source], i: int, batch_index: Tensor) -> None:
-    leaves[i] = replace(leaves[i], role="coordinates", source=len(sources))
+    leaves[i] = replace(leaves[i], role=Role.COORDINATES, source=len(sources))
     sources.append(Source(leaves[i].name, i, batch_index.cpu()))
 
 
@@ -137,19 +138,19 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
     out, sources = list(leaves), []
     for i, leaf in enumerate(leaves):
         key = key_of(leaf.path)
-        named = leaf.role == "coordinates" or (leaf.role is None and isinstance(key, str) and key.lower() in COORDINATE_KEYS)
+        named = leaf.role == Role.COORDINATES or (leaf.role is None and isinstance(key, str) and key.lower() in COORDINATE_KEYS)
         if is_me_tensor(leaf.value):
             _as_source(out, sources, i, leaf.value.C[:, 0].long())
         elif isinstance(leaf.value, Tensor) and named:
             _as_source(out, sources, i, check_coordinates(leaf.value, leaf.name))
-        elif named and (isinstance(leaf.value, np.ndarray) or leaf.role == "coordinates"):
+        elif named and (isinstance(leaf.value, np.ndarray) or leaf.role == Role.COORDINATES):
             raise BatchLayoutError(
                 f"{leaf.name} holds coordinates but is a {_kind(leaf.value)}, not a torch tensor. Convert it with "
                 "torch.as_tensor(...) in the collate function, or collate samples with ME.utils.sparse_collate, "
                 "which returns tensors [N, D+1] with the batch index in column 0."
             )
         elif leaf.role is None and _integer_matrix(leaf.value) and names_indices(key):
-            out[i] = replace(leaf, role="indices")
+            out[i] = replace(leaf, role=Role.INDICES)
     for i, leaf in enumerate(out):  # more coordinate tensors under names that say so: target_coordinates, coords1
         x = leaf.value
         if leaf.role is None and isinstance(x, Tensor) and names_coordinates(key_of(leaf.path)):
@@ -238,7 +239,7 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
     lengths = {
         leaf.name: leaf.value.shape[0]
         for leaf in leaves
-        if isinstance(leaf.value, Tensor) and leaf.value.dim() > 0 and leaf.role != "replicate"
+        if isinstance(leaf.value, Tensor) and leaf.value.dim() > 0 and leaf.role != Role.REPLICATE
     }
     if not lengths:
         raise BatchLayoutError(
