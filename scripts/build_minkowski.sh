@@ -22,7 +22,7 @@
 #   scratch folder with the patched sources and torch's build.ninja, e.g. to compile one file:
 #   ninja -C <folder>/MinkowskiEngine-0.5.4/build/temp.linux-x86_64-cpython-311 <object>).
 #
-# What it does, and why (see shared research notes):
+# What it does, and why (docs/minkowskiengine.md has the account):
 #  * ME 0.5.4 is on the registry only as a source distribution. Its setup.py imports
 #    numpy.distutils unless --blas is given, and pip runs setup.py without build options to read
 #    metadata, so the sdist is fetched in a small build environment pinned to numpy 1.26.4 and

@@ -3,7 +3,7 @@
 A call of ``F.cross_entropy(..., reduction="mean")`` (or of ``nn.CrossEntropyLoss``, which calls it)
 returns ``S / D``: the ``reduction="sum"`` result ``S`` over the call's denominator ``D``. The
 whole batch's value of such a term, computed in parts ``i``, is ``sum_i D_i L_i / sum_i D_i``
-(research notes, "Losses as users write them"). :func:`denominator` gives ``D`` for a call as torch
+(docs/exactness.md). :func:`denominator` gives ``D`` for a call as torch
 defines it (``tests/test_terms.py`` checks every case against torch's own ``reduction="sum"``):
 
 - ``cross_entropy`` / ``nll_loss`` with class-index targets: the targets that are not
