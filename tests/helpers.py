@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" / "sparse_ddp", the names tests pass to trainer())
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,3 +262,23 @@ def run_isolated(code: str, tmp_path: Path, timeout: float = 300, env: dict[str,
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"still running after {timeout:g} s (a hang?): {str(err.stderr)[-2000:]}") from None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
+    """``fn(rank, member)`` on one plain thread per rank; returns results or the exceptions raised, in rank order."""
+    results: list = [None] * group.world_size
+
+    def target(rank: int) -> None:
+        member = group.member(rank)
+        try:
+            results[rank] = group.run(rank, lambda: fn(rank, member)) if phase else fn(rank, member)
+        except BaseException as err:  # noqa: BLE001 - handed back to the test
+            results[rank] = err
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(group.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results

@@ -185,3 +185,14 @@ def check_invariance(case: Any, seeds: list[int], sizes: list[int], target: int,
                 assert gp is None or float(gp.abs().max()) == 0.0
             else:
                 assert_close(gp, rp, f"{case.name} ({name}): gradient of parameter {i}")
+
+
+class Pair(torch.nn.Module):
+    """Two branches on the same coordinates, combined by ``combine`` (cat, union, broadcast)."""
+
+    def __init__(self, combine, left, right):
+        super().__init__()
+        self.combine, self.left, self.right = combine, left, right
+
+    def forward(self, x):
+        return self.combine(self.left(x), self.right(x))

@@ -9,26 +9,7 @@ import pytest
 import torch
 
 from lightning_sparse_dp.syncbn.collective import Collective, ReplicaAborted, ThreadGroup, gather_reduce
-
-
-def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
-    """``fn(rank, member)`` on one plain thread per rank; returns results or the exceptions raised, in rank order."""
-    results: list = [None] * group.world_size
-
-    def target(rank: int) -> None:
-        member = group.member(rank)
-        try:
-            results[rank] = group.run(rank, lambda: fn(rank, member)) if phase else fn(rank, member)
-        except BaseException as err:  # noqa: BLE001 - handed back to the test
-            results[rank] = err
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(group.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hangs"
-    return results
+from tests.helpers import run_ranks
 
 
 def test_all_gather_returns_every_rank_in_rank_order_call_after_call():

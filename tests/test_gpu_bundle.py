@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import load_file
-from tests.test_setup_scripts import StandIn
+from tests.stand_in import StandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 gpu_bundle = load_file("scripts/gpu_bundle.py")

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.invariance import CHANNELS, Batch, D, assert_close, check_invariance, make_sample
+from tests.invariance import CHANNELS, Batch, D, Pair, assert_close, check_invariance, make_sample
 
 # ME_INVARIANCE_NO_SHRINK=1: report failures without shrinking them (to count the failures of an
 # unpatched ME quickly)
@@ -95,17 +95,6 @@ class Slice(torch.nn.Module):
     def forward(self, batch):
         field = batch.field(self.mode)
         return self.lin(self.pools(field.sparse())).slice(field)
-
-
-class Pair(torch.nn.Module):
-    """Two branches on the same coordinates, combined by ``combine`` (cat, union, broadcast)."""
-
-    def __init__(self, combine, left, right):
-        super().__init__()
-        self.combine, self.left, self.right = combine, left, right
-
-    def forward(self, x):
-        return self.combine(self.left(x), self.right(x))
 
 
 def generative():

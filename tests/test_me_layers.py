@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from tests.test_me_invariance import Pair, assert_close
+from tests.invariance import Pair, assert_close
 
 D = 3
 

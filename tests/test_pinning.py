@@ -201,17 +201,23 @@ def test_a_refused_mask_runs_unpinned_and_says_so(monkeypatch):
 def test_pinned_split_with_ignore_labels_and_class_weights_equals_one_device(monkeypatch):
     # the per-core split gives the replicas uneven shares of the ignored points: the loss as users write it
     # (nn.CrossEntropyLoss with ignore_index and class weights) must still train and log as one device
+    from tests.clients import fresh_loader
+    from tests.helpers import same_start, state_differences, trainer
     from tests.term_models import ScanNetSeg, seg_batch
-    from tests.test_loss_terms import _fit, _same, _worst
+
+    def fit(model, strategy="auto", devices=1):
+        t = trainer(strategy=strategy, devices=devices, max_steps=2, sync_batchnorm=True, precision="64-true")
+        t.fit(model, fresh_loader(batches))
+        return t
 
     cores = sorted(_real_affinity(0))[:2]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
     weight = torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float64)
     batches = [seg_batch(8, seed=s, fractions=(0.0, 0.4, 1.0)) for s in (41, 42)]
-    ours, reference = _same(ScanNetSeg, weight=weight)
-    t = _fit(ours, batches, SparseDataParallelStrategy(pin_replicas=True), 3)
-    r = _fit(reference, batches)
-    assert _worst(ours, reference) <= 1e-10
+    ours, reference = same_start(ScanNetSeg, seed=0, weight=weight)
+    t = fit(ours, SparseDataParallelStrategy(pin_replicas=True), 3)
+    r = fit(reference)
+    assert max(state_differences(ours, reference).values()) <= 1e-10
     loss, expected = t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]
     assert abs(float(loss) - float(expected)) <= 1e-10 * abs(float(expected))
 
