@@ -138,4 +138,4 @@ def loss_name(func: Callable[..., Any]) -> str:
     return f"F.{getattr(func, '__name__', func)}"
 
 
-__all__ = ["CAPTURED", "UNCAPTURED", "bind", "denominator", "is_mean", "is_sum", "loss_name"]
+__all__ = ["CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "is_mean", "is_sum", "loss_name"]

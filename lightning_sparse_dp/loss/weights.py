@@ -206,6 +206,7 @@ __all__ = [
     "chunk_counts",
     "chunk_weights",
     "resolve_auto",
+    "say_auto_choice",
     "step_weights",
     "weighted_sum",
     "zeroed",

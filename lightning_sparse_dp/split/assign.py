@@ -228,6 +228,7 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
 
 __all__ = [
     "ASSIGNMENTS",
+    "Assignment",
     "assign",
     "balanced_assignment",
     "check_num_chunks",

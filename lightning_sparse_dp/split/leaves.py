@@ -162,4 +162,4 @@ def list_parent(leaf: Leaf) -> str | None:
     return None
 
 
-__all__ = ["flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "leaf_predicate", "list_parent", "path_name"]
+__all__ = ["flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "layout_entry", "leaf_predicate", "list_parent", "path_name"]

@@ -119,4 +119,4 @@ def revert_sync_batchnorm(swaps: list[Swap]) -> None:
         parent.add_module(name, original)
 
 
-__all__ = ["SWAPPED_TYPES", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = ["SWAPPED_TYPES", "Swap", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
