@@ -12,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY=$VENV/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$PY" -m pip install -q "torch==${MIN_TORCH:-2.13.0}"
+"$PY" -m pip install -q "torch==${MIN_TORCH:-2.13.0}" "setuptools>=77"  # setuptools: the build backend pyproject names
 "$PY" -m pip install -q -e ".[test,examples]" "lightning==${MIN_LIGHTNING:-2.4.0}" \
     "pytorch-lightning==${MIN_LIGHTNING:-2.4.0}" "torchmetrics==${MIN_TORCHMETRICS:-1.6.0}"
 bash scripts/build_minkowski.sh "$PY"

@@ -134,6 +134,8 @@ def test_offline_build_takes_the_given_sdist_and_asks_no_index(tmp_path, me_sdis
     unpacks and patches the given sdist and reaches the compile, which the stand-in's fake torch then fails."""
     sdist = me_sdist
     fake = StandIn(tmp_path, "2.13.0+cpu", None)
+    (fake.site / "wheel").mkdir()  # bdist_wheel whatever this Python's setuptools (the refusal has its own test)
+    (fake.site / "wheel" / "__init__.py").write_text("")
     done = fake.run(str(ROOT / "scripts" / "build_minkowski.sh"), "--cpu", str(fake.python), LSDP_OFFLINE="1",
                     LSDP_ME_SDIST=str(sdist), PIP_NO_INDEX="1")
     out = done.stdout + done.stderr

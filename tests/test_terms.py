@@ -3,6 +3,8 @@ and how a step's loss is read as a linear combination of its terms."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,8 @@ torch.set_default_dtype(_DEFAULT_DTYPE)
 @pytest.mark.parametrize("case", CASES)
 def test_denominator_is_torchs_sum_over_its_mean(case):
     func, args, kwargs = CASES[case]
+    if "weight" in kwargs and "weight" not in inspect.signature(func).parameters:
+        pytest.skip(f"this torch's {func.__name__} has no weight argument (added in a later torch)")
     mean = func(*args, **kwargs)
     legacy = {k: None for k in ("size_average", "reduce") if k in kwargs}
     total = func(*args, **{**kwargs, **legacy, "reduction": "sum"})
