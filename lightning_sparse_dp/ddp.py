@@ -158,7 +158,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         ):
             rank_zero_warn(
-                "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on GPUs only; on "
+                "sparse_ddp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on GPUs "
+                "only; on "
                 "CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over the process "
                 "group (gloo), on CPU too."
             )

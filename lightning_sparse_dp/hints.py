@@ -106,7 +106,8 @@ def warn_unsynchronized_batchnorm(module: nn.Module) -> None:
     """``sparse_dp`` at setup without ``sync_batchnorm``: say once that the model's SyncBatchNorm layers run per chunk."""
     if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         rank_zero_warn(
-            "The model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: in one "
+            "sparse_dp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: "
+            "in one "
             "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
             "synchronize them across sparse_dp replicas."
         )

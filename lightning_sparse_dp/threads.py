@@ -161,7 +161,7 @@ def configure_replica_threads(
     if device_type != "cpu":
         if pin:
             rank_zero_warn(
-                f"pin_replicas=True applies to CPU replicas only; the replicas run on {device_type} devices, so no "
+                f"sparse_dp: pin_replicas=True applies to CPU replicas only; the replicas run on {device_type} devices, so no "
                 "thread is pinned and the split stays per replica. Leave pin_replicas unset (None) for GPUs."
             )
         return None, None

@@ -125,7 +125,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
         and _NAMES_INDICES_TOO.search(str(key_of(leaf.path)))
     ):
         _warning_cache.warn(
-            f"{leaf.name} is an integer tensor under a key that names indices, split as per-point values of "
+            f"split_batch: {leaf.name} is an integer tensor under a key that names indices, split as per-point values of "
             f"{sources[matches[0]].name} (its length is that set's number of points), so its values are not re-based "
             "to each chunk's rows. If it holds row indices into a point set (FCGF's negatives, a neighbor list), give "
             f"it the role 'indices': layout={{{key_of(leaf.path)!r}: "
