@@ -110,9 +110,9 @@ class SingleProcessParallelStrategy(ParallelStrategy):
             skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
             if skipped:
                 rank_zero_warn(
-                    f"sparse_dp: this strategy does not call {' or '.join(skipped)}: it splits the batch and places each chunk on its "
-                    "replica's device itself. Move per-batch work to on_before_batch_transfer (runs on the whole batch "
-                    "before the split) or into the step (runs on each chunk, on its device)."
+                    f"sparse_dp: this strategy does not call {' or '.join(skipped)}: it splits the batch and places "
+                    "each chunk on its replica's device itself. Move per-batch work to on_before_batch_transfer (runs "
+                    "on the whole batch before the split) or into the step (runs on each chunk, on its device)."
                 )
         if LOOPS_CALL_BEFORE_TRANSFER:
             return batch
