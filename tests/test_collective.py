@@ -174,7 +174,7 @@ def test_waits_and_layer_times_are_recorded_per_rank():
 def test_what_a_collective_can_do_is_its_protocol_not_a_probe():
     """A thread group's member is a FusedCollective (computed once, timed); a collective with ``all_gather`` alone is
     a plain Collective, and gather_reduce reduces on each rank over it."""
-    from lightning_sparse_dp.syncbn.collective import Collective, FusedCollective, gather_reduce
+    from lightning_sparse_dp.syncbn.collective import Collective, FusedCollective, gather_reduce, is_fused
 
     class Plain:
         rank, world_size = 0, 1
@@ -185,5 +185,6 @@ def test_what_a_collective_can_do_is_its_protocol_not_a_probe():
     member = ThreadGroup(1).member(0)
     assert isinstance(member, FusedCollective) and isinstance(Plain(), Collective)
     assert not isinstance(Plain(), FusedCollective)
+    assert is_fused(member) and not is_fused(Plain()) and is_fused(ThreadGroup(2).member(1))  # remembered per type
     assert gather_reduce(Plain(), torch.ones(2), lambda ts: ts[0] * 3).tolist() == [3.0, 3.0]
     assert gather_reduce(member, torch.ones(2), lambda ts: ts[0] * 3).tolist() == [3.0, 3.0]

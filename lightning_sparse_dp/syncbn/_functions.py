@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.syncbn import _gathered
-from lightning_sparse_dp.syncbn.collective import Collective, FusedCollective, gather_reduce
+from lightning_sparse_dp.syncbn.collective import Collective, gather_reduce, is_fused
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -241,7 +241,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.collective, ctx.gathered = collective, None
         ctx.dtypes = (input.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         local = combined = None
-        if isinstance(collective, FusedCollective) and x.device.type in HOST_DEVICE_TYPES:
+        if is_fused(collective) and x.device.type in HOST_DEVICE_TYPES:
             if x.numel() * x.element_size() * collective.world_size > _gathered.GATHER_MAX_BYTES:
                 local = _local_statistics(x)  # expected too large to gather: the statistics come along
             offer = _gathered.Offer(x, weight, bias, running, eps, None if local is None else local[2])
@@ -330,7 +330,7 @@ def _update_running(running: tuple[Tensor | None, Tensor | None, float], mean: V
 def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:
     """Add ``seconds`` to ``layer``'s time (``None``: a new layer) where the collective keeps one
     (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.record`); the layer's index, or ``None``."""
-    return collective.record(seconds, layer) if isinstance(collective, FusedCollective) else None
+    return collective.record(seconds, layer) if is_fused(collective) else None
 
 
 __all__ = [
