@@ -137,6 +137,7 @@ from bench_cases import (  # noqa: E402
     aggregate,
     case_names,
     case_server,
+    failure_line,
     run_case,
     run_case_child,
     run_ddp_child,
@@ -178,24 +179,21 @@ def run_all(models: list[tuple[str, int]], steps: int, warmup: int, repeats: int
                         done += 1
                         where = f"  [{done}/{total} {time.perf_counter() - started:.0f} s] repetition {rep + 1}: " \
                                 f"{model_name}, {mode}, {case}"
-                        if f"{model_name} {mode} {case}" in failed:
+                        key = f"{model_name} {mode} {case}"
+                        if key in failed:
                             continue
                         try:
                             result = runners[mode].run(model_name, case, global_batch, steps, warmup)
                         except Exception as err:  # noqa: BLE001 - reported in the tables and the JSON line
-                            lines = str(err).strip().splitlines()
-                            failed[f"{model_name} {mode} {case}"] = f"{type(err).__name__}: {lines[-1][:300] if lines else ''}"
-                            print(f"{where}: FAILED ({failed[f'{model_name} {mode} {case}']})", flush=True)
+                            failed[key] = failure_line(err)
+                            raw[(model_name, mode)][case] = []  # its earlier repetitions too: no ratio of it
+                            print(f"{where}: FAILED ({failed[key]})", flush=True)
                             continue
                         raw[(model_name, mode)][case].append(result)
                         print(f"{where}: {result['step_s'] * 1e3:.1f} ms/iter", flush=True)
     finally:
         for runner in runners.values():
             runner.close()
-    for key in failed:
-        model_name, rest = key.split(" ", 1)
-        mode = next(m for m in MODES if rest.startswith(m + " "))
-        raw[(model_name, mode)][rest[len(mode) + 1:]] = []
     return raw, failed
 
 
@@ -295,7 +293,7 @@ def main_gpu(args) -> None:
             try:
                 results[label] = {**run(), "devices": devices}
             except Exception as err:  # reported in the table's place and the JSON line; the other cases still run
-                said = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+                said = failure_line(err)
                 headline["failed"][f"{model_name} {label}"] = said
                 print(f"bench: the case {label!r} ({model_name}) failed: {said}", file=sys.stderr, flush=True)
         if "auto-1" in results:

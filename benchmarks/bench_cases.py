@@ -338,6 +338,13 @@ def run_ddp_child(model_name: str, global_batch: int, steps: int, warmup: int, s
         return json.loads(out.read_text())
 
 
+def failure_line(err: BaseException) -> str:
+    """A failed case in one line for the tables and the JSON line: the error's type and its last line (a case
+    child's error ends with what the child printed last)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1][:300] if lines else ''}"
+
+
 def aggregate(reps: list[dict], devices: int) -> dict:
     """One case over its repetitions: medians of the per-repetition medians, their range, the highest peak RSS."""
     steps = [r["step_s"] for r in reps]

@@ -97,7 +97,12 @@ def is_tensor_field(x: Any) -> bool:
     return isinstance(x, ME.TensorField)
 
 
+def is_me_tensor(x: Any) -> bool:
+    """An ``ME.SparseTensor`` or ``ME.TensorField``."""
+    return isinstance(x, (ME.SparseTensor, ME.TensorField))
+
+
 __all__ = [
-    "CPU_PATCHES", "GPU_PATCHES", "ME", "build_info", "is_sparse_tensor", "is_tensor_field", "missing_patches",
+    "CPU_PATCHES", "GPU_PATCHES", "ME", "build_info", "is_me_tensor", "is_sparse_tensor", "is_tensor_field", "missing_patches",
     "unpatched_message",
 ]

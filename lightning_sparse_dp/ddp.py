@@ -8,7 +8,7 @@ cluster environments, process groups and gradient all-reduce are used as they ar
   shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
   captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.loss.capture`) and its gradient scaled
   by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk``, from every rank's summary of its terms, gathered
-  in one fixed-size all-gather after the step (:func:`gather_objects`; at each ``manual_backward``
+  in one fixed-size all-gather after the step (:func:`~lightning_sparse_dp.exchange.gather_objects`; at each ``manual_backward``
   under manual optimization) and read alike by every rank (:mod:`~lightning_sparse_dp.loss.decide`):
   exact for any linear combination of such losses, per-sample losses included.
   Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
@@ -50,7 +50,6 @@ from lightning_sparse_dp.exchange import (
     destroy_process_group_at_exit,
     gather_objects,
     gather_step_outputs,
-    local_count,
 )
 from lightning_sparse_dp.log import MEAN_NAMES
 from lightning_sparse_dp.loss.capture import TermCapture
@@ -158,10 +157,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         ):
             rank_zero_warn(
-                "sparse_ddp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on GPUs "
-                "only; on "
-                "CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over the process "
-                "group (gloo), on CPU too."
+                "sparse_ddp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on "
+                "GPUs only; on CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over "
+                "the process group (gloo), on CPU too."
             )
         super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
 
@@ -220,7 +218,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         return summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives)
 
     def _gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order (:func:`gather_objects`); ``[obj]`` without a process group of several."""
+        """Every rank's ``obj`` in rank order (:func:`~lightning_sparse_dp.exchange.gather_objects`); ``[obj]``
+        without a process group of several."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [obj]
         return gather_objects(obj, self.root_device)
@@ -317,7 +316,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``predict_step`` on this rank's share, then every rank's output merged in the global
-        batch's order (:func:`gather_step_outputs`), so each rank returns one device's predictions."""
+        batch's order (:func:`~lightning_sparse_dp.exchange.gather_step_outputs`), so each rank returns one device's
+        predictions."""
         output = super().predict_step(*args, **kwargs)
         index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
         if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
@@ -374,9 +374,4 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = [
-    "SparseDDPStrategy",
-    "destroy_process_group_at_exit",
-    "gather_step_outputs",
-    "local_count",
-]
+__all__ = ["SparseDDPStrategy"]

@@ -107,8 +107,7 @@ def warn_unsynchronized_batchnorm(module: nn.Module) -> None:
     if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         rank_zero_warn(
             "sparse_dp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: "
-            "in one "
-            "process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
+            "in one process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
             "synchronize them across sparse_dp replicas."
         )
 

@@ -14,10 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp.place import me_tensors_elsewhere
 from lightning_sparse_dp.presplit import PreSplitBatch
 
 
@@ -25,11 +24,7 @@ def whole_batch_on(batch: Any, device: torch.device) -> Any | None:
     """The whole batch on ``device`` as plain Lightning's ``batch_to_device`` leaves it (tensors moved with Lightning's
     ``move_data_to_device``), for a step on one device; ``None`` when an ``ME.SparseTensor`` / ``ME.TensorField`` of
     the batch is elsewhere (it has no ``.to()``: the split-and-place path rebuilds it on the device)."""
-    me = [x for x in pytree.tree_leaves(batch, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
-          if is_sparse_tensor(x) or is_tensor_field(x)]
-    if any(torch.device(x.device) != device for x in me):
-        return None
-    return move_data_to_device(batch, device)
+    return None if me_tensors_elsewhere(batch, device) else move_data_to_device(batch, device)
 
 
 def one_device_batch(

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp._me import is_me_tensor, is_tensor_field
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.leaves import path_name
 
@@ -93,12 +93,15 @@ def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
         return spec.cls(features=features, coordinates=coordinates, device=device, **spec.kwargs)
 
 
-def _is_me(x: Any) -> bool:
-    return is_sparse_tensor(x) or is_tensor_field(x)
+def me_tensors_elsewhere(batch: Any, device: torch.device) -> list[Any]:
+    """The ``ME.SparseTensor`` / ``ME.TensorField`` already built in ``batch`` that are not on ``device`` (they have
+    no ``.to()``: only building them again moves them)."""
+    return [x for x in pytree.tree_leaves(batch, is_leaf=is_me_tensor) if is_me_tensor(x) and torch.device(x.device) != device]
 
 
 def check_me_devices(batch: Any, device: torch.device) -> None:
-    """Check that every ``ME.SparseTensor`` / ``ME.TensorField`` already built in ``batch`` is on ``device``.
+    """Check that every ``ME.SparseTensor`` / ``ME.TensorField`` already built in ``batch`` is on ``device``
+    (:func:`me_tensors_elsewhere`).
 
     ME tensors have no ``.to()``, so one that reaches a replica from elsewhere stays where it was built, and ME's
     CUDA build was seen to crash the process (a segmentation fault while formatting its assertion message) when
@@ -108,17 +111,19 @@ def check_me_devices(batch: Any, device: torch.device) -> None:
     Raises:
         RuntimeError: naming the first such entry (``batch['x']``), its device and ``device``.
     """
-    leaves, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_me)
-    for path, x in leaves:
-        if _is_me(x) and torch.device(x.device) != device:
-            kind = "ME.TensorField" if is_tensor_field(x) else "ME.SparseTensor"
-            raise RuntimeError(
-                f"{path_name(path)} is an {kind} on {torch.device(x.device)}, but the replica it goes to runs on "
-                f"{device}: an ME tensor cannot be moved (0.5.x has no .to()), and ME's CUDA layers crash the process "
-                "on a tensor from another device. Return its features and coordinates (or the ME tensor itself, in a "
-                "dict, list or tuple the split can read) from the dataloader and let the strategy build it on each "
-                "device, or build it in the step on self.device."
-            )
+    elsewhere = me_tensors_elsewhere(batch, device)
+    if not elsewhere:
+        return
+    x = elsewhere[0]
+    path = next(p for p, leaf in pytree.tree_flatten_with_path(batch, is_leaf=is_me_tensor)[0] if leaf is x)
+    kind = "ME.TensorField" if is_tensor_field(x) else "ME.SparseTensor"
+    raise RuntimeError(
+        f"{path_name(path)} is an {kind} on {torch.device(x.device)}, but the replica it goes to runs on "
+        f"{device}: an ME tensor cannot be moved (0.5.x has no .to()), and ME's CUDA layers crash the process "
+        "on a tensor from another device. Return its features and coordinates (or the ME tensor itself, in a "
+        "dict, list or tuple the split can read) from the dataloader and let the strategy build it on each "
+        "device, or build it in the step on self.device."
+    )
 
 
 def place_chunk(chunk: Any, device: torch.device) -> Any:
@@ -164,6 +169,7 @@ __all__ = [
     "check_me_devices",
     "current_stream",
     "device_context",
+    "me_tensors_elsewhere",
     "place_batch",
     "place_chunk",
     "place_chunks",

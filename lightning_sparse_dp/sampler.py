@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.utils.data import DistributedSampler, Sampler
 
-from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp._me import is_me_tensor
 from lightning_sparse_dp.split import names_coordinates, resolve_assignment
 
 
@@ -167,9 +167,9 @@ def _first_length(item: Any) -> int:
         named = [v for k, v in item.items() if names_coordinates(k) and hasattr(v, "shape") and len(v.shape) >= 1]
         if named:
             return sum(int(v.shape[0]) for v in named)
-    leaves = pytree.tree_leaves(item, is_leaf=lambda x: is_sparse_tensor(x) or is_tensor_field(x))
+    leaves = pytree.tree_leaves(item, is_leaf=is_me_tensor)
     for leaf in leaves:
-        if is_sparse_tensor(leaf) or is_tensor_field(leaf):
+        if is_me_tensor(leaf):
             return int(leaf.C.shape[0])
         if isinstance(leaf, Tensor) and leaf.dim() >= 1:
             return int(leaf.shape[0])

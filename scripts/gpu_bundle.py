@@ -63,6 +63,12 @@ def _pins(python: str) -> dict[str, str]:
     return json.loads(done.stdout)
 
 
+def _debs_missing(bundle: Path) -> list[str]:
+    """Of :data:`DEBS`, those with no ``<name>_*.deb`` in the bundle's ``debs/``."""
+    have = {p.name.split("_")[0] for p in (bundle / "debs").glob("*.deb")}
+    return [d for d in DEBS if d not in have]
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -82,8 +88,7 @@ def make(bundle: Path, python: str, python_version: str = "3.12") -> dict:
                                str(bundle / "sdist"), python])
         if done.returncode or not (bundle / "sdist" / ME_SDIST).is_file():
             sys.exit(f"gpu_bundle: could not fetch {ME_SDIST} (see above)")
-    have = {p.name.split("_")[0] for p in (bundle / "debs").glob("*.deb")}
-    wanted = [d for d in DEBS if d not in have]
+    wanted = _debs_missing(bundle)
     if wanted:
         if shutil.which("apt-get") is None:
             sys.exit(f"gpu_bundle: no apt-get here to download {', '.join(wanted)}: run this on Debian or Ubuntu, or "
@@ -135,8 +140,7 @@ def check(bundle: Path) -> list[str]:
             problems.append(f"{entry['path']} differs from bundle.json")
     if not (bundle / "sdist" / ME_SDIST).is_file():
         problems.append(f"sdist/{ME_SDIST} is missing")
-    have = {p.name.split("_")[0] for p in (bundle / "debs").glob("*.deb")}
-    problems += [f"debs/{d}_*.deb is missing" for d in DEBS if d not in have]
+    problems += [f"debs/{d}_*.deb is missing" for d in _debs_missing(bundle)]
     return problems
 
 

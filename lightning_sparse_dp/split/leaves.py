@@ -14,13 +14,8 @@ import numpy as np
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lightning_sparse_dp._me import is_sparse_tensor, is_tensor_field
+from lightning_sparse_dp._me import is_me_tensor
 from lightning_sparse_dp.split.records import ROLES, ROLES_WITH_SOURCES, BatchLayoutError, Leaf, Role, names_indices
-
-
-def is_me_tensor(x: Any) -> bool:
-    """An ``ME.SparseTensor`` or ``ME.TensorField``."""
-    return is_sparse_tensor(x) or is_tensor_field(x)
 
 
 def _is_atom(x: Any) -> bool:
