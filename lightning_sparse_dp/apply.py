@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.means import run_counting
-from lightning_sparse_dp.place import current_stream, device_context
+from lightning_sparse_dp.place import PendingChunk, current_stream, device_context
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 
 T = TypeVar("T")
@@ -193,6 +193,14 @@ def run_on_replicas(
         temporary.shutdown()
 
 
+def _step_on(step: Callable[..., T], inputs: Any, i: int, args: tuple, kwargs: Mapping[str, Any]) -> T:
+    """``step(inputs[i], *args, **kwargs)``, a pending ``inputs[i]`` made (and stored) first."""
+    chunk = inputs[i]
+    if isinstance(chunk, PendingChunk):
+        chunk = inputs[i] = chunk()
+    return step(chunk, *args, **kwargs)
+
+
 def replica_steps(
     replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
     kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
@@ -201,8 +209,12 @@ def replica_steps(
     under, innermost first: the capture of its losses (``terms``: a
     :class:`~lightning_sparse_dp.loss.step.StepTerms`), the counts of the means it takes
     (:func:`~lightning_sparse_dp.means.run_counting`), its rank of the batch-norm group (``group``), its clock
-    (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``)."""
-    steps = [partial(getattr(r, step_name), chunk, *args, **(kwargs or {})) for r, chunk in zip(replicas, inputs)]
+    (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
+
+    ``inputs[i]`` may be a :class:`~lightning_sparse_dp.place.PendingChunk`: replica ``i``'s thread makes the chunk
+    first, inside all of the above (an error there aborts the batch-norm group as the step's would), and leaves it in
+    ``inputs[i]`` (a list) for the caller."""
+    steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if terms is not None:
         steps = terms.wrap(steps)
     steps = [partial(run_counting, step) for step in steps]

@@ -9,8 +9,9 @@ built on the host first and moved, only built once where it is used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -139,15 +140,58 @@ def place_chunk(chunk: Any, device: torch.device) -> Any:
         return move_data_to_device(chunk, device)
 
 
+class PendingChunk:
+    """A chunk that its replica's thread makes itself: ``make()`` returns the chunk placed on its device.
+
+    The strategy hands one per replica to :func:`~lightning_sparse_dp.apply.replica_steps` in place of a placed
+    chunk, so that cutting chunk ``i`` out of the batch (:func:`~lightning_sparse_dp.split.plan_split`'s cutters)
+    and placing it (:func:`place_chunk`: on CUDA the copies to the device and the SparseTensor / TensorField built
+    there) run in replica ``i``'s thread, beside the other replicas', instead of one after another on the main
+    thread before any replica starts.
+    """
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+    def __call__(self) -> Any:
+        return self.make()
+
+
+def cut_and_place(cut: Callable[[], Any], device: torch.device) -> Any:
+    """``cut()``'s chunk placed on ``device`` (:func:`place_chunk`)."""
+    return place_chunk(cut(), device)
+
+
+def pending_chunks(
+    cutters: Sequence[Callable[[], Any]], devices: Sequence[torch.device], timer: Any = None
+) -> list[PendingChunk]:
+    """One :class:`PendingChunk` per cutter: ``cutters[i]()``'s chunk placed on ``devices[i]``, timed as stage
+    ``scatter<i>`` by ``timer`` (a :class:`~lightning_sparse_dp.timing.StepTimer`) when given.
+
+    Raises:
+        ValueError: more cutters than devices (:func:`check_chunk_count`).
+    """
+    check_chunk_count(len(cutters), devices)
+    makes = [partial(cut_and_place, cut, device) for cut, device in zip(cutters, devices)]
+    return [PendingChunk(make if timer is None else timer.timed(f"scatter{i}", make)) for i, make in enumerate(makes)]
+
+
 def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list[Any]:
     """Place chunk ``i`` on ``devices[i]``; ``len(chunks) <= len(devices)``.
 
     Raises:
         ValueError: more chunks than devices.
     """
-    if len(chunks) > len(devices):
-        raise ValueError(f"{len(chunks)} chunks for {len(devices)} devices: split into at most one chunk per device.")
+    check_chunk_count(len(chunks), devices)
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
+
+
+def check_chunk_count(num_chunks: int, devices: Sequence[torch.device]) -> None:
+    """Raises ``ValueError`` when there are more chunks than devices (at most one chunk per device)."""
+    if num_chunks > len(devices):
+        raise ValueError(f"{num_chunks} chunks for {len(devices)} devices: split into at most one chunk per device.")
 
 
 def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
@@ -164,12 +208,16 @@ def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
 
 
 __all__ = [
+    "PendingChunk",
     "build_sparse",
+    "check_chunk_count",
     "check_devices",
     "check_me_devices",
     "current_stream",
+    "cut_and_place",
     "device_context",
     "me_tensors_elsewhere",
+    "pending_chunks",
     "place_batch",
     "place_chunk",
     "place_chunks",

@@ -12,13 +12,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from operator import getitem
 from typing import Any
 
 import torch.utils._pytree as pytree
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, default_collate
 
-from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
+from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, plan_split, split_batch
 from lightning_sparse_dp.split.assign import Assignment
 
 
@@ -114,17 +116,18 @@ def _specs(chunk: Any) -> list[SparseSpec]:
     return [x for x in leaves if isinstance(x, SparseSpec)]
 
 
-def step_chunks(
+def step_cutters(
     batch: Any, num_devices: int, split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
     **split_kwargs: Any,
-) -> tuple[list[Any], SplitPlan]:
-    """A ``sparse_dp`` step's chunks and plan: the DataLoader workers' (a :class:`PreSplitBatch`), ``split_fn``'s, or
-    :func:`~lightning_sparse_dp.split.split_batch`'s with ``split_kwargs`` (``layout``, ``assignment``,
-    ``min_points``).
+) -> tuple[list[Callable[[], Any]], SplitPlan]:
+    """A ``sparse_dp`` step's chunks, each left to a callable (``cutters[j]()`` returns chunk ``j``), and its plan:
+    the DataLoader workers' chunks (a :class:`PreSplitBatch`), ``split_fn``'s, or those of
+    :func:`~lightning_sparse_dp.split.plan_split` with ``split_kwargs`` (``layout``, ``assignment``, ``min_points``),
+    whose cuts then run where the caller calls them (in the replicas' threads).
 
     Raises:
         ValueError: a PreSplitBatch with more chunks than ``num_devices``.
-        BatchLayoutError: a batch the split cannot read.
+        BatchLayoutError: a batch the split cannot read (raised here, never by a cutter).
     """
     if isinstance(batch, PreSplitBatch):
         if batch.plan.num_chunks > num_devices:
@@ -132,10 +135,11 @@ def step_chunks(
                 f"the batch was split into {batch.plan.num_chunks} chunks in the DataLoader but the strategy has "
                 f"{num_devices} device(s); make PreSplitCollate(num_chunks=...) match devices."
             )
-        return batch.chunks, batch.plan
+        return [partial(getitem, batch.chunks, j) for j in range(len(batch.chunks))], batch.plan
     if split_fn is not None:
-        return split_fn(batch, num_devices)
-    return split_batch(batch, num_devices, **split_kwargs)
+        chunks, plan = split_fn(batch, num_devices)
+        return [partial(getitem, chunks, j) for j in range(len(chunks))], plan
+    return plan_split(batch, num_devices, **split_kwargs)
 
 
-__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader", "step_chunks"]
+__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader", "step_cutters"]

@@ -42,6 +42,9 @@ LOOPS_CALL_BEFORE_TRANSFER = _loops_call_before_transfer()
 class SingleProcessParallelStrategy(ParallelStrategy):
     """A ``ParallelStrategy`` whose devices all belong to this one process (base of ``sparse_dp``).
 
+    Lightning's four step hooks run the subclass's ``_parallel_step(step_name, args, kwargs, backward)`` in the
+    precision plugin's step context.
+
     Raises:
         MisconfigurationException: at ``setup_environment``, for unusable devices
             (:func:`~lightning_sparse_dp.place.check_devices`).
@@ -117,6 +120,30 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         if LOOPS_CALL_BEFORE_TRANSFER:
             return batch
         return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
+
+    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own are)
+    def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define _parallel_step, which runs every step hook.")
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._parallel_step("training_step", args, kwargs, backward=True)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._parallel_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._parallel_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._parallel_step("predict_step", args, kwargs)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:

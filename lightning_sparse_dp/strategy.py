@@ -39,8 +39,8 @@ from lightning_sparse_dp.manual import manual_step
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.one_device import one_device_batch
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.presplit import presplit_loader, step_chunks
+from lightning_sparse_dp.place import pending_chunks, place_chunks
+from lightning_sparse_dp.presplit import presplit_loader, step_cutters
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
@@ -208,27 +208,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                                self._min_points(), self.lightning_module)
 
     # --- the step ------------------------------------------------------------------------------
-    # Lightning's four step hooks, each in its precision plugin's step context (as Strategy's own are)
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._parallel_step("training_step", args, kwargs, backward=True)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._parallel_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._parallel_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._parallel_step("predict_step", args, kwargs)
-
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
         """One step: scatter -> replicate -> parallel_apply -> gather -> log.
 
@@ -242,7 +221,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if batch is not None:  # one device: plain Lightning's step on the module itself (one_device.py)
             return getattr(module, step_name)(batch, *args[1:], **kwargs)
         self._timer.new_step()
-        inputs, plan = self.scatter(args[0])
+        manual = step_name == "training_step" and not module.automatic_optimization  # its weights need the chunks first
+        inputs, plan = self.scatter(args[0]) if manual else self._scatter_pending(args[0])
         replicas = self.replicate(module, devices := self.parallel_devices[: len(inputs)])
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
@@ -252,7 +232,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
             left = StepState(module, replicas)  # what the step sets on self, merged back below
             weights: list[float] | None = None
-            if step_name == "training_step" and not module.automatic_optimization and len(replicas) > 1:
+            if manual and len(replicas) > 1:
                 # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
                 weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
                 assert self._replicas is not None
@@ -302,14 +282,27 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
         """
         assert self.parallel_devices is not None
-        num_devices = len(self.parallel_devices)
         with self._timer.stage("split"):
-            chunks, plan = step_chunks(
-                batch, num_devices, self.split_fn, layout=self.layout, assignment=self._assignment(),
-                min_points=self._min_points(),
-            )
+            cutters, plan = self._plan_split(batch)
+            chunks = [cut_chunk() for cut_chunk in cutters]
         with self._timer.stage("place"):
             return place_chunks(chunks, self.parallel_devices), plan
+
+    def _scatter_pending(self, batch: Any) -> tuple[list[Any], SplitPlan]:
+        """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread
+        (:func:`~lightning_sparse_dp.place.pending_chunks`): the main thread only plans the split (stage ``split``,
+        :func:`~lightning_sparse_dp.presplit.step_cutters`). A subclass's own :meth:`scatter` runs as it is."""
+        if type(self).scatter is not SparseDataParallelStrategy.scatter:
+            return self.scatter(batch)
+        assert self.parallel_devices is not None
+        with self._timer.stage("split"):
+            cutters, plan = self._plan_split(batch)
+        return pending_chunks(cutters, self.parallel_devices, self._timer), plan
+
+    def _plan_split(self, batch: Any) -> tuple[list[Callable[[], Any]], SplitPlan]:
+        assert self.parallel_devices is not None
+        return step_cutters(batch, len(self.parallel_devices), self.split_fn, layout=self.layout,
+                            assignment=self._assignment(), min_points=self._min_points())
 
     def replicate(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
         """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.

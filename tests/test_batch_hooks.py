@@ -135,8 +135,9 @@ def test_stage_times_measure_what_they_name():
     assert step["replica1"] >= DELAY  # replica 1's own timer holds its wait
     assert step["apply"] >= DELAY  # the apply stage waits for every replica
     assert step["replica0"] < DELAY and step["replica2"] < DELAY  # the others run beside it, not after it
-    for stage in ("split", "place", "replicate", "gather", "log", "backward", "backward0", "backward1", "reduce"):
-        assert step[stage] < DELAY, stage
+    for stage in ("split", "scatter0", "scatter1", "scatter2", "replicate", "gather", "log", "backward", "backward0",
+                  "backward1", "reduce"):
+        assert step[stage] < DELAY, stage  # scatter<i>: chunk i cut and placed in replica i's thread
 
 
 def test_presplit_batch_with_more_chunks_than_devices_is_refused():

@@ -20,7 +20,7 @@ from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
-STAGES = ("split", "place", "replicate", "apply", "gather", "log", "backward")  # once per step each
+STAGES = ("split", "replicate", "apply", "gather", "log", "backward")  # once per step each (chunks are placed in replica threads)
 
 
 def _batch(n=7, seed=3):

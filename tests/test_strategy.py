@@ -170,12 +170,13 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
 
     class FromSparse(SparseNet):
         def loss(self, batch):
-            built.append(batch["x"])
+            built.append((threading.current_thread().name, batch["x"]))
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
     _assert_same_step(*same_start(FromSparse), batch, devices=2, split="contiguous")
-    assert [x.C[:, 0].max().item() for x in built[:2]] == [2, 1]  # two replicas, batch indices renumbered
-    assert len({id(x.coordinate_manager) for x in built[:2]}) == 2
+    replicas = sorted(built[:2], key=lambda b: b[0])  # the replica threads' order ("sparse_dp-replica<i>")
+    assert [x.C[:, 0].max().item() for _, x in replicas] == [2, 1]  # two replicas, batch indices renumbered
+    assert len({id(x.coordinate_manager) for _, x in replicas}) == 2
 
 
 def test_dense_batches_split_like_data_parallel():

@@ -28,7 +28,9 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
+from operator import getitem
 from typing import Any
 
 import numpy as np
@@ -128,9 +130,33 @@ def split_batch(
             collated; a batch with no tensor to split; a ``layout`` key that matches nothing; an
             assignment that does not cover every sample once.
     """
+    cutters, plan = plan_split(batch, num_chunks, layout=layout, assignment=assignment, min_points=min_points)
+    return [cut_chunk() for cut_chunk in cutters], plan
+
+
+def plan_split(
+    batch: Any,
+    num_chunks: int,
+    *,
+    layout: Mapping[Any, str] | None = None,
+    assignment: str | Assignment = "balanced",
+    min_points: int = 1,
+) -> tuple[list[Callable[[], Any]], SplitPlan]:
+    """:func:`split_batch`'s decisions, its cuts left for later: ``cutters[j]()`` returns chunk ``j``.
+
+    Everything that reads the whole batch runs here (finding the coordinate sources, checking them, assigning
+    samples, resolving every leaf's role, the plan); a cutter only takes chunk ``j``'s rows of each leaf
+    (:mod:`.cut`), reads the batch and writes nothing shared, so the cutters can run in the replicas' own
+    threads, each at once with the others (the strategy's per-replica scatter). Arguments, plan and errors as
+    :func:`split_batch`'s: every error is raised here, none by a cutter.
+
+    Returns:
+        ``(cutters, plan)``: one callable per chunk, ``plan.num_chunks`` of them, and the :class:`SplitPlan`.
+    """
     check_num_chunks(num_chunks)
     if _is_sample_list(batch) and layout is None:
-        return _split_sample_list(batch, num_chunks, assignment)
+        chunks, plan = _split_sample_list(batch, num_chunks, assignment)
+        return [partial(getitem, chunks, j) for j in range(len(chunks))], plan
     leaves, spec = flatten(batch, layout)
     leaves, sources = find_sources(leaves)
     num_samples, sources = count_samples(leaves, sources)
@@ -141,10 +167,7 @@ def split_batch(
         chunk_samples, index_in_chunk, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
     k = len(chunk_samples)
     leaves = resolve_roles(leaves, sources, num_samples, k)
-    chunks = [
-        pytree.tree_unflatten([cut(leaf, sources, j, chunk_samples[j], index_in_chunk, k == 1) for leaf in leaves], spec)
-        for j in range(k)
-    ]
+    cutters = [partial(_cut_chunk, leaves, spec, sources, j, chunk_samples[j], index_in_chunk, k == 1) for j in range(k)]
     point_targets, sample_tensors = targets(leaves, sources)
     indexed = [i for i, leaf in enumerate(leaves) if leaf.role == Role.INDICES]
     plan = SplitPlan(
@@ -159,7 +182,15 @@ def split_batch(
         index_columns={i: leaves[i].columns for i in indexed},
         sample_points=tuple(s.counts for s in sources),
     )
-    return chunks, plan
+    return cutters, plan
+
+
+def _cut_chunk(
+    leaves: tuple, spec: pytree.TreeSpec, sources: tuple[Source, ...], j: int, samples: Tensor, index_in_chunk: Tensor,
+    whole: bool,
+) -> Any:
+    """Chunk ``j``: every leaf's piece (:func:`.cut.cut`) in the batch's structure."""
+    return pytree.tree_unflatten([cut(leaf, sources, j, samples, index_in_chunk, whole) for leaf in leaves], spec)
 
 
 def _is_sample_list(batch: Any) -> bool:
@@ -222,6 +253,7 @@ __all__ = [
     "merge_rows",
     "names_coordinates",
     "names_indices",
+    "plan_split",
     "resolve_assignment",
     "split_batch",
 ]
