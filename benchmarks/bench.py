@@ -40,7 +40,8 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``overhead_ratio``: sparse_dp devices=1 over plain Lightning, step time (``overhead_ratio_1t``: one intra-op
   thread each, which leaves out the 2-thread cases' run-to-run spread, OpenBLAS's spinning workers among it);
 - ``split_fraction``: (split + placement) over step time, sparse_dp devices=3, batches split in the
-  main process (``presplit`` moves it to DataLoader workers when there are any);
+  main process (``presplit`` moves it to DataLoader workers when there are any): the main thread's ``split`` and
+  ``place`` plus the slowest replica thread's cut and placing of its chunk (``scatter<i>``);
 - ``ddp_throughput_ratio`` / ``ddp_throughput_ratio_1t``: samples per second of sparse_dp devices=2 over
   DDP with 2 processes, default threads / 1-thread proxy;
 - ``speedup_sparse_dp_2`` / ``speedup_sparse_dp_3`` / ``speedup_sparse_dp_2_1t``: plain Lightning's step
@@ -57,8 +58,10 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
-- ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step:
-  ``split + place + replicate + state + gather + log`` (``log``: the replicas' logged values reduced; the
+- ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step on the main
+  thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: planning the split, whose cuts
+  and placing run in the replicas' threads, ``scatter<i>``; ``weigh``: the loss weights and the terms' decision,
+  counted since 2026-11-26, before which they ran unclocked; ``log``: the replicas' logged values reduced; the
   ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
   its step); ``step_overhead_ms_presplit``: the same with a DataLoader worker (``num_workers=1``), where sparse_dp's
   ``presplit`` collates and splits the batch, so ``split`` only takes the worker's chunks;
@@ -212,14 +215,18 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
         a, b = raw[(model, mode)][numerator], raw[(model, mode)][denominator]
         return [x["step_s"] / y["step_s"] for x, y in zip(a, b)] if a and b else []  # within each repetition
 
+    def _slowest(result: dict, prefix: str) -> float:
+        return max((v for k, v in result["stages"].items() if k[len(prefix):].isdigit() and k.startswith(prefix)),
+                   default=0.0)
+
     def stage_sum(model: str, mode: str, case: str, names: tuple[str, ...]) -> list[float]:
         return [sum(r["stages"].get(n, 0.0) for n in names) for r in raw[(model, mode)][case]]
 
     seg, dig, d, one = "segmentation", "digits", "default", "1 thread"
     put("overhead_ratio", ratio(seg, d, "sparse_dp-1", "auto-1"))
     put("overhead_ratio_1t", ratio(seg, one, "sparse_dp-1", "auto-1"))
-    put("split_fraction", [s / r["step_s"] for s, r in zip(stage_sum(seg, d, "sparse_dp-3", ("split", "place")),
-                                                          raw[(seg, d)]["sparse_dp-3"])])
+    put("split_fraction", [(s + _slowest(r, "scatter")) / r["step_s"]
+                           for s, r in zip(stage_sum(seg, d, "sparse_dp-3", ("split", "place")), raw[(seg, d)]["sparse_dp-3"])])
     put("ddp_throughput_ratio", ratio(seg, d, "ddp-2 (gloo)", "sparse_dp-2"))
     put("ddp_throughput_ratio_1t", ratio(seg, one, "ddp-2 (gloo)", "sparse_dp-2"))
     put("speedup_sparse_dp_2", ratio(seg, d, "auto-1", "sparse_dp-2"), 3)
@@ -234,7 +241,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
     put("digits_ceiling_2_1t", [r["ceiling"] for r in raw[(dig, one)][CEILING_CASES[one]]], 3)
     put("digits_ceiling_3", [r["ceiling"] for r in raw[(dig, d)][CEILING_CASES[d]]], 3)
-    fixed = ("split", "place", "replicate", "state", "gather", "log")
+    fixed = ("split", "place", "replicate", "state", "weigh", "gather", "log")
     put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
     put("step_overhead_ms_presplit", [v * 1e3 for v in stage_sum(dig, d, PRESPLIT_CASE, fixed)], 3)
     put("sparse_ddp_vs_ddp", ratio(seg, d, "ddp-2 (gloo)", "sparse_ddp-2 gloo"))

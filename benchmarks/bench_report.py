@@ -43,8 +43,10 @@ def table(model_name: str, results: dict, global_batch: int, label: str = "") ->
               f"own would reach {statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}] (benchmarks/ceiling.py)")
 
 
-#: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop).
-STAGES = ["split", "place", "replicate", "state", "apply", "gather", "log", "backward", "reduce", "other"]
+#: Stages of a sparse_dp step as drawn and tabulated (``other``: the optimizer step and Lightning's loop); the main
+#: thread's, so ``place`` only where a subclass's ``scatter`` places chunks there (else each replica's thread cuts and
+#: places its chunk, ``scatter<i>``, inside its step: ``replica scatter max``).
+STAGES = ["split", "place", "replicate", "state", "weigh", "apply", "gather", "log", "backward", "reduce", "other"]
 
 
 def stage_breakdown(result: dict) -> dict[str, float]:
@@ -57,11 +59,12 @@ def stage_breakdown(result: dict) -> dict[str, float]:
     out["other"] = max(0.0, result["step_s"] * 1e3 - sum(out.values()))
     out["replica forward max"] = max((v for k, v in st.items() if re.fullmatch(r"replica\d+", k)), default=0.0)
     out["replica backward max"] = max((v for k, v in st.items() if re.fullmatch(r"backward\d+", k)), default=0.0)
+    out["replica scatter max"] = max((v for k, v in st.items() if re.fullmatch(r"scatter\d+", k)), default=0.0)
     return out
 
 
 def stage_table(results: dict) -> None:
-    names = STAGES + ["replica forward max", "replica backward max"]
+    names = STAGES + ["replica forward max", "replica backward max", "replica scatter max"]
     print(f"\n{'stage medians (ms)':<30}" + "".join(f"{n.replace('replica ', 'r.'):>12}" for n in names))
     for case, r in results.items():
         st = stage_breakdown(r)

@@ -193,31 +193,39 @@ def run_on_replicas(
         temporary.shutdown()
 
 
-def _step_on(step: Callable[..., T], inputs: Any, i: int, args: tuple, kwargs: Mapping[str, Any]) -> T:
-    """``step(inputs[i], *args, **kwargs)``, a pending ``inputs[i]`` made (and stored) first."""
-    chunk = inputs[i]
-    if isinstance(chunk, PendingChunk):
-        chunk = inputs[i] = chunk()
-    return step(chunk, *args, **kwargs)
+def _step_on(step: Callable[..., T], inputs: Sequence[Any], i: int, args: tuple, kwargs: Mapping[str, Any]) -> T:
+    return step(inputs[i], *args, **kwargs)
+
+
+def _prepared(before: Callable[[], None] | None, inputs: Any, i: int, step: Callable[[], T]) -> T:
+    """``before()``, then a pending ``inputs[i]`` made (and stored), then ``step()``."""
+    if before is not None:
+        before()
+    if isinstance(inputs[i], PendingChunk):
+        inputs[i] = inputs[i]()
+    return step()
 
 
 def replica_steps(
     replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
     kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
+    before: Sequence[Callable[[], None]] | None = None,
 ) -> list[Callable[[], Any]]:
     """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
     under, innermost first: the capture of its losses (``terms``: a
     :class:`~lightning_sparse_dp.loss.step.StepTerms`), the counts of the means it takes
-    (:func:`~lightning_sparse_dp.means.run_counting`), its rank of the batch-norm group (``group``), its clock
-    (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
+    (:func:`~lightning_sparse_dp.means.run_counting`), its preparation (below), its rank of the batch-norm group
+    (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
 
-    ``inputs[i]`` may be a :class:`~lightning_sparse_dp.place.PendingChunk`: replica ``i``'s thread makes the chunk
-    first, inside all of the above (an error there aborts the batch-norm group as the step's would), and leaves it in
-    ``inputs[i]`` (a list) for the caller."""
+    The preparation runs in replica ``i``'s thread before the step: ``before[i]()`` (the replica's part of the step's
+    state, :func:`~lightning_sparse_dp.state.replica_prologue`), then, where ``inputs[i]`` is a
+    :class:`~lightning_sparse_dp.place.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
+    caller. Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if terms is not None:
         steps = terms.wrap(steps)
     steps = [partial(run_counting, step) for step in steps]
+    steps = [partial(_prepared, before[i] if before else None, inputs, i, step) for i, step in enumerate(steps)]
     if group is not None:
         steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]
     if timer is not None:

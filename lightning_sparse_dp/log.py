@@ -136,31 +136,37 @@ def recording(replicas: Sequence[Any], metric_paths: Sequence[dict[int, str]] | 
     ``metric_paths[i]``: ``id(metric) -> module path`` of replica ``i``'s metrics when the caller knows them
     (the metric copies it installed); else each replica's modules are searched.
 
-    Each replica's ``log`` is shadowed by an instance attribute, a new :class:`LogRecorder`, and the
-    replicas after the first get a no-op ``print``: ``LightningModule.print`` prints on global rank 0,
-    which every replica of one process is, and one device prints once per step. On exit both
-    attributes are removed, so the methods come back; this must happen before :func:`emit` logs
-    through the root module, which is replica 0 itself when one chunk runs on the root device.
+    Each replica's ``log`` is shadowed by an instance attribute, a new :class:`LogRecorder`
+    (:func:`install_recorder`), and the replicas after the first get a no-op ``print``: ``LightningModule.print``
+    prints on global rank 0, which every replica of one process is, and one device prints once per step. On exit both
+    attributes are removed (:func:`remove_recorders`), so the methods come back; this must happen before :func:`emit`
+    logs through the root module, which is replica 0 itself when one chunk runs on the root device.
 
     Yields:
         one recorder per replica, in replica order; they keep their calls after the body.
     """
-    recorders = []
-    for i, replica in enumerate(replicas):
-        if metric_paths is not None:
-            paths = metric_paths[i]
-        else:
-            paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
-        recorders.append(LogRecorder(paths))
-        replica.log = recorders[-1]
-        if i > 0:
-            replica.print = _no_print
     try:
-        yield recorders
+        yield [install_recorder(r, i, None if metric_paths is None else metric_paths[i]) for i, r in enumerate(replicas)]
     finally:
-        for replica in replicas:
-            replica.__dict__.pop("log", None)
-            replica.__dict__.pop("print", None)
+        remove_recorders(replicas)
+
+
+def install_recorder(replica: Any, index: int, metric_paths: dict[int, str] | None = None) -> LogRecorder:
+    """A new :class:`LogRecorder` as replica ``index``'s ``log`` (and, after the first, a no-op ``print``); touches that
+    replica only, so it may run in the replica's own thread. ``metric_paths``: as :func:`recording`'s entries."""
+    if metric_paths is None:
+        metric_paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
+    recorder = replica.log = LogRecorder(metric_paths)
+    if index > 0:
+        replica.print = _no_print
+    return recorder
+
+
+def remove_recorders(replicas: Sequence[Any]) -> None:
+    """The replicas' own ``log`` and ``print`` back (the instance attributes :func:`install_recorder` set removed)."""
+    for replica in replicas:
+        replica.__dict__.pop("log", None)
+        replica.__dict__.pop("print", None)
 
 
 def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
@@ -319,4 +325,7 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-__all__ = ["MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "recording", "reduce_log_calls"]
+__all__ = [
+    "MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "recording", "reduce_log_calls",
+    "remove_recorders",
+]

@@ -138,12 +138,7 @@ class ReplicaMetrics:
     ) -> Iterator[list[MetricReplicas]]:
         """For the ``with`` body, an empty copy of every metric of ``root`` in each replica (on its device).
 
-        When the body ends without an exception the copies' states are merged into the root's
-        metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
-        had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
-        replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
-        it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
-        ``named_modules`` walk or ``get_submodule`` per step).
+        :meth:`step_copies` with every replica's copies installed at once, on the calling thread.
 
         Yields:
             the metrics of the step, one entry per root metric.
@@ -151,8 +146,29 @@ class ReplicaMetrics:
         Raises:
             RuntimeError: from :func:`merge_into_root`.
         """
+        with self.step_copies(root, replicas, devices, structure) as step:
+            for index in range(len(replicas)):
+                step.install(index)
+            yield step.merged
+
+    @contextmanager
+    def step_copies(
+        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None
+    ) -> Iterator[StepMetrics]:
+        """One step's metric copies, each replica's installed by :meth:`StepMetrics.install` (in its own thread).
+
+        When the body ends without an exception the copies' states are merged into the root's
+        metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
+        had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
+        replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
+        it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
+        ``named_modules`` walk or ``get_submodule`` per step).
+
+        Raises:
+            RuntimeError: from :func:`merge_into_root`.
+        """
         if len(replicas) == 1 and replicas[0] is root:
-            yield []
+            yield StepMetrics(self, [], {}, replicas, devices)
             return
         if structure is not None and self._found is not None and self._found[0] is structure:
             _, found, slots_of = self._found
@@ -160,27 +176,63 @@ class ReplicaMetrics:
             found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
             slots_of = {}
             self._found = None if structure is None else (structure, found, slots_of)
-        merged = [MetricReplicas(name, m, [], partial(self._copy, m, -1, m.device)) for name, m in found]  # -1: the batch's
-        previous: list[tuple[nn.Module, str, nn.Module]] = []
-        # copies made and reset outside inference mode, also in a validation / predict step (Lightning runs them in
-        # torch.inference_mode): inference tensors could not be updated in place in a later training step
-        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext():
-            for index, (replica, device) in enumerate(zip(replicas, devices)):
-                slots = slots_of.get(id(replica))
-                if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
-                    paths = [name.rpartition(".") for name, _ in found]
-                    slots = slots_of[id(replica)] = [(replica.get_submodule(parent), attr) for parent, _, attr in paths]
-                for entry, (parent, attr) in zip(merged, slots):
-                    copy = self._copy(entry.root, index, device)
-                    previous.append((parent, attr, parent._modules[attr]))
-                    parent._modules[attr] = copy
-                    entry.replicas.append(copy)
+        step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
-            yield merged
-            merge_into_root(merged)
+            yield step
+            merge_into_root(step.merged)
         finally:
+            step.uninstall()
+
+
+class StepMetrics:
+    """One step's copies of the root's metrics (:meth:`ReplicaMetrics.step_copies`), installed replica by replica.
+
+    Attributes:
+        merged: one :class:`MetricReplicas` per root metric; ``replicas[i]`` is replica ``i``'s copy once
+            :meth:`install` ran for it (``None`` before).
+    """
+
+    def __init__(
+        self, owner: ReplicaMetrics, found: list[tuple[str, Metric]], slots_of: dict[int, list[tuple[nn.Module, str]]],
+        replicas: list[nn.Module], devices: list[torch.device],
+    ) -> None:
+        self._owner, self._slots_of, self._replicas, self._devices = owner, slots_of, replicas, devices
+        self._paths = [name.rpartition(".") for name, _ in found]
+        count = len(replicas)
+        # -1: the batch's scratch metric (the whole batch's forward value)
+        self.merged = [MetricReplicas(name, m, [None] * count, partial(owner._copy, m, -1, m.device)) for name, m in found]
+        self._previous: list[list[tuple[nn.Module, str, nn.Module]]] = [[] for _ in range(count)]
+
+    def install(self, index: int) -> None:
+        """Replica ``index``'s empty copies in place of its metrics; touches that replica only (any thread).
+
+        Copies are made and reset outside inference mode, also in a validation / predict step (Lightning runs them in
+        torch.inference_mode): inference tensors could not be updated in place in a later training step.
+        """
+        if not self.merged:
+            return
+        replica, device = self._replicas[index], self._devices[index]
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext():
+            slots = self._slots_of.get(id(replica))
+            if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
+                slots = self._slots_of[id(replica)] = [(replica.get_submodule(parent), attr) for parent, _, attr in self._paths]
+            previous = self._previous[index]
+            for entry, (parent, attr) in zip(self.merged, slots):
+                copy = self._owner._copy(entry.root, index, device)
+                previous.append((parent, attr, parent._modules[attr]))
+                parent._modules[attr] = copy
+                entry.replicas[index] = copy
+
+    def paths(self, index: int) -> dict[int, str]:
+        """``id(copy) -> module path`` of replica ``index``'s installed copies."""
+        return {id(m.replicas[index]): m.name for m in self.merged}
+
+    def uninstall(self) -> None:
+        """Every replica's own metric modules back (calling thread, after the step)."""
+        for previous in self._previous:
             for parent, attr, module in previous:
                 parent._modules[attr] = module
+            previous.clear()
 
 
 def merge_states(target: Metric, sources: list[Metric]) -> None:
@@ -236,7 +288,7 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
             updated in replicas: its state cannot be merged; says which metric and what to do.
     """
     for entry in metrics:
-        updated = [m for m in entry.replicas if m._update_count > 0]
+        updated = [m for m in entry.replicas if m is not None and m._update_count > 0]
         if not updated:
             continue
         update_count = sum(m._update_count for m in updated)
@@ -261,4 +313,4 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
         entry.root._computed = None
 
 
-__all__ = ["MetricReplicas", "ReplicaMetrics", "merge_into_root", "merge_states", "reset_metric"]
+__all__ = ["MetricReplicas", "ReplicaMetrics", "StepMetrics", "merge_into_root", "merge_states", "reset_metric"]

@@ -233,15 +233,26 @@ class Replicas:
         copies, refreshes the buffer copies and, on CUDA, the parameter copies (no autograd).
         """
         count = len(self.modules) if count is None else count
-        for d, source, own in self._dicts[: count * len(self._sources)]:  # (copy's __dict__, module's, copy's own)
+        self.refresh_tensors(count)
+        for r in range(count):
+            self.refresh_replica(r)
+        return self.modules[:count]
+
+    def refresh_tensors(self, count: int) -> None:
+        """The first ``count`` replicas' buffer copies and, on CUDA, parameter copies brought up to date: one fused
+        copy (broadcast) for all of them, so on the calling thread."""
+        self._buffer_mirror.refresh(count - 1)
+        self._copy_parameters(count)
+
+    def refresh_replica(self, r: int) -> None:
+        """Replica ``r``'s modules given their module's ``__dict__`` entries but their own parameters / buffers /
+        children: touches replica ``r`` only, so each replica's thread can run its own (the strategy's prologue)."""
+        per_replica = len(self._sources)
+        for d, source, own in self._dicts[r * per_replica : (r + 1) * per_replica]:  # (copy's __dict__, module's, own)
             d.update(source)
             d.update(own)
         if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
-            for replica, device in zip(self.modules[:count], self.devices):
-                replica.__dict__["_device"] = device
-        self._buffer_mirror.refresh(count - 1)
-        self._copy_parameters(count)
-        return self.modules[:count]
+            self.modules[r].__dict__["_device"] = self.devices[r]
 
     def _copy_parameters(self, count: int | None = None) -> None:
         """CUDA: copy the module's parameters into the replicas on other devices (no autograd)."""

@@ -30,9 +30,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
-from lightning_sparse_dp.log import LogRecorder, recording
+from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
-from lightning_sparse_dp.metrics import ReplicaMetrics
+from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.split import SplitPlan
@@ -77,22 +77,32 @@ class StepState:
     Args:
         module: the LightningModule.
         replicas: this step's replicas, in replica order.
+        deferred: each replica's part (:meth:`enter`) is left to the caller, to run in the replica's own thread.
     """
 
-    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module]) -> None:
+    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module], deferred: bool = False) -> None:
         self.module = module
         self.replicas = list(replicas)
         self.active = module not in self.replicas and len(self.replicas) > 1
         self.before: dict[str, Any] = {}
-        self.entered: list[dict[str, Any]] = []  # each replica's own attributes as the step found them
+        self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         if not self.active:
             return
         self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
-        for replica in self.replicas:
-            for key, value in self.before.items():
-                if type(value) is list:
-                    replica.__dict__[key] = list(value)  # each replica appends to its own
-            self.entered.append(dict(replica.__dict__))
+        if not deferred:
+            for i in range(len(self.replicas)):
+                self.enter(i)
+
+    def enter(self, i: int) -> None:
+        """Replica ``i`` given its own copies of the module's lists, and its attributes noted, before its step
+        (``deferred``: in replica ``i``'s thread, after its refresh; else all at construction)."""
+        if not self.active:
+            return
+        replica = self.replicas[i]
+        for key, value in self.before.items():
+            if type(value) is list:
+                replica.__dict__[key] = list(value)  # each replica appends to its own
+        self.entered[i] = dict(replica.__dict__)
 
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
         """After the step: set on the module what the replicas left (see the module docstring).
@@ -193,35 +203,65 @@ def combine_values(
     return gather_outputs(values, plan, weights, root, output_layout, warning_cache), False
 
 
+class ReplicaState:
+    """The replicas' per-step state (:func:`replica_state`): the log ``recorders`` (one per replica, ``None`` until
+    its :meth:`enter`), the batch-norm ``group`` (``None`` without synchronized layers) and ``left``, the
+    :class:`StepState` of what the step sets on the module."""
+
+    def __init__(
+        self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
+        group: ThreadGroup | None, left: StepState,
+    ) -> None:
+        self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
+        self.left = left
+        self.recorders: list[Any] = [None] * len(replicas)
+
+    def enter(self, i: int) -> None:
+        """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
+        step): its refresh from the module (``refresh(i)``: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`),
+        its empty metric copies (:meth:`~lightning_sparse_dp.metrics.StepMetrics.install`; first, so that logged
+        metrics resolve to the replica's copy), its ``self.log`` recorder and ``self.print``
+        (:func:`~lightning_sparse_dp.log.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
+        attributes as its step finds them)."""
+        if self.refresh is not None:
+            self.refresh(i)
+        self.metrics.install(i)
+        # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
+        self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.paths(i) if self.own else None)
+        self.left.enter(i)
+
+
 @contextmanager
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
-    persistent: Replicas | None, sync_layers: Sequence[Any],
-) -> Iterator[tuple[list[LogRecorder], ThreadGroup | None]]:
+    persistent: Replicas | None, sync_layers: Sequence[Any], deferred: bool = False,
+) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
-    In this order, each undone by its own context manager: empty copies of the module's metrics,
-    merged into the root's after the step (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.installed`;
-    first, so that logged metrics resolve to the replica's copy); ``self.log`` recorders and
-    ``self.print`` once (:func:`~lightning_sparse_dp.log.recording`; removed before the
-    calls are logged through the root module, which may itself be replica 0); the batch-norm group
-    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`).
+    Each replica's part (:meth:`ReplicaState.enter`) runs here for every replica, or, ``deferred``, in each
+    replica's own thread before its step (then with the replica's refresh from the module first, which the caller
+    leaves out: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors` only). Here: the batch-norm group
+    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`). Undone at exit, in this order: the group closed, the
+    recorders removed before the calls are logged through the root module, which may itself be replica 0
+    (:func:`~lightning_sparse_dp.log.remove_recorders`), the metric copies merged into the root's metrics (when the
+    body raised nothing) and the replicas' own metrics back (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.step_copies`).
 
     Args:
         persistent: the strategy's :class:`~lightning_sparse_dp.replicate.Replicas` (the step's ``replicas`` are
             theirs, unless the one replica is the module itself); ``sync_layers``: each replica's synchronized
             batch-norm layers.
-
-    Yields:
-        ``(recorders, group)``: one log recorder per replica, and the step's batch-norm group or ``None``.
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
-        installed = stack.enter_context(metrics.installed(module, replicas, list(devices), persistent if own else None))
-        paths = [{id(m.replicas[i]): m.name for m in installed} for i in range(len(replicas))] if own else None
-        recorders = stack.enter_context(recording(replicas, paths))
+        step_metrics = stack.enter_context(metrics.step_copies(module, replicas, list(devices), persistent if own else None))
+        stack.callback(remove_recorders, replicas)
         group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
-        yield recorders, group
+        refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True))
+        if not deferred:
+            for i in range(len(replicas)):
+                state.enter(i)
+        yield state
 
 
-__all__ = ["StepState", "combine_values", "replica_state"]
+__all__ = ["ReplicaState", "StepState", "combine_values", "replica_state"]

@@ -44,7 +44,7 @@ from lightning_sparse_dp.presplit import presplit_loader, step_cutters
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
-from lightning_sparse_dp.state import StepState, combine_values, replica_state
+from lightning_sparse_dp.state import combine_values, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.syncbn.replicas import sync_layers
@@ -204,8 +204,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         """Move the split into the loader's worker processes (``presplit``), when it has workers."""
         if not self.presplit or self.split_fn is not None or self.parallel_devices is None or len(self.parallel_devices) < 2:
             return dataloader  # one device: nothing to split
-        return presplit_loader(dataloader, len(self.parallel_devices), self.layout, self._assignment(),
-                               self._min_points(), self.lightning_module)
+        return presplit_loader(dataloader, len(self.parallel_devices), **self._split_options(), module=self.lightning_module)
 
     # --- the step ------------------------------------------------------------------------------
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
@@ -223,39 +222,48 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._timer.new_step()
         manual = step_name == "training_step" and not module.automatic_optimization  # its weights need the chunks first
         inputs, plan = self.scatter(args[0]) if manual else self._scatter_pending(args[0])
-        replicas = self.replicate(module, devices := self.parallel_devices[: len(inputs)])
+        devices = self.parallel_devices[: len(inputs)]
+        # each replica refreshes itself and installs its own per-step state in its thread, before its step (not for
+        # manual optimization, whose hooks are installed on the replicas before the step, nor an overridden replicate)
+        in_threads = not manual and type(self).replicate is SparseDataParallelStrategy.replicate
+        replicas = self.replicate(module, devices, refresh_modules=False) if in_threads else self.replicate(module, devices)
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
-                layers = self._replica_sync_layers
-                installing = replica_state(module, replicas, devices, self._replica_metrics, self._replicas, layers)
-                recorders, group = state.enter_context(installing)
-            terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
-            left = StepState(module, replicas)  # what the step sets on self, merged back below
+                installed = state.enter_context(replica_state(
+                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads
+                ))
+                recorders, group, left = installed.recorders, installed.group, installed.left  # left: merged back below
+                terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
+                if terms is not None:
+                    terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+                before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
             weights: list[float] | None = None
             if manual and len(replicas) > 1:
                 # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
                 weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
                 assert self._replicas is not None
                 group = state.enter_context(manual_step(module, self._replicas, replicas, group, weights, terms, plan))
-            outputs = self.parallel_apply(replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms)
+            outputs = self.parallel_apply(
+                replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms, before=before
+            )
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
-        losses = [loss_of(o) for o in outputs]  # the replicas' own losses: a logged value that is one is reduced as the loss
-        if weights is None:
-            weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
-        if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
-            terms.weigh(losses, plan, weights)
+        with self._timer.stage("weigh"):
+            losses = [loss_of(o) for o in outputs]  # the replicas' own: a logged value that is one is reduced as the loss
+            if weights is None:
+                weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
+            if terms is not None:  # each term weighted by its own share (gradient scales set), or "auto" said once
+                terms.weigh(losses, plan, weights)
         with self._timer.stage("state"):
             combine = partial(combine_values, plan, weights, terms, self.root_device, self.output_layout, self._warning_cache)
             left.merge(combine, self._warning_cache)
         if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
-            outputs = parallel_backward(
-                outputs, self._replicas, executor=self._executor, group=group, times=self._timer
-            )
-        if terms is not None:  # the losses shifted so that the gather's weighted sum is the whole batch's loss
-            outputs = terms.exact_outputs(outputs, weights)
+            outputs = parallel_backward(outputs, self._replicas, executor=self._executor, group=group, times=self._timer)
+        with self._timer.stage("weigh"):
+            if terms is not None:  # the losses shifted so that the gather's weighted sum is the whole batch's loss
+                outputs = terms.exact_outputs(outputs, weights)
         output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
@@ -281,12 +289,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             ValueError: a PreSplitBatch with more chunks than devices.
             BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
         """
-        assert self.parallel_devices is not None
         with self._timer.stage("split"):
-            cutters, plan = self._plan_split(batch)
+            cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
             chunks = [cut_chunk() for cut_chunk in cutters]
         with self._timer.stage("place"):
-            return place_chunks(chunks, self.parallel_devices), plan
+            return place_chunks(chunks, self.parallel_devices or ()), plan
 
     def _scatter_pending(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread
@@ -294,22 +301,17 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         :func:`~lightning_sparse_dp.presplit.step_cutters`). A subclass's own :meth:`scatter` runs as it is."""
         if type(self).scatter is not SparseDataParallelStrategy.scatter:
             return self.scatter(batch)
-        assert self.parallel_devices is not None
         with self._timer.stage("split"):
-            cutters, plan = self._plan_split(batch)
-        return pending_chunks(cutters, self.parallel_devices, self._timer), plan
+            cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
+        return pending_chunks(cutters, self.parallel_devices or (), self._timer), plan
 
-    def _plan_split(self, batch: Any) -> tuple[list[Callable[[], Any]], SplitPlan]:
-        assert self.parallel_devices is not None
-        return step_cutters(batch, len(self.parallel_devices), self.split_fn, layout=self.layout,
-                            assignment=self._assignment(), min_points=self._min_points())
-
-    def replicate(self, module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    def replicate(self, module: nn.Module, devices: Sequence[torch.device], refresh_modules: bool = True) -> list[nn.Module]:
         """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
 
         One chunk on the root device runs ``module`` itself. Otherwise the persistent
         :class:`~lightning_sparse_dp.replicate.Replicas` are refreshed, or rebuilt when the module's
-        structure, parameters or devices changed.
+        structure, parameters or devices changed. Without ``refresh_modules`` only their tensors are
+        (:meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors`): each replica's thread refreshes its modules.
         """
         with self._timer.stage("replicate"):
             if list(devices) == [self.root_device]:
@@ -318,7 +320,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 assert self.parallel_devices is not None
                 self._replicas = Replicas(module, self.parallel_devices)
                 self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
-            return self._replicas.refresh(len(devices))
+            if refresh_modules:
+                return self._replicas.refresh(len(devices))
+            self._replicas.refresh_tensors(len(devices))
+            return self._replicas.modules[: len(devices)]
 
     def parallel_apply(
         self,
@@ -330,6 +335,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         group: ThreadGroup | None = None,
         plan: SplitPlan | None = None,
         terms: StepTerms | None = None,
+        before: Sequence[Callable[[], None]] | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 
@@ -341,6 +347,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             group: the step's batch-norm group: each replica's step is its rank's part of it.
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
             terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.loss.capture`).
+            before: ``before[i]()`` runs in replica ``i``'s thread before its step
+                (:func:`~lightning_sparse_dp.apply.replica_steps`).
 
         Returns:
             the replicas' outputs, replica order.
@@ -355,7 +363,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             )
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
-        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer)
+        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before)
         with self._timer.stage("apply"):
             try:
                 return self._executor.run(steps, devices)
@@ -377,16 +385,14 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with self._timer.stage("backward"):  # timed: each replica's backward runs in it (backward.py)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _assignment(self) -> Any:
-        """``split``, with the points evened per core first when replicas are pinned (``"balanced"`` only)."""
+    def _split_options(self) -> dict[str, Any]:
+        """The split's ``layout``, ``assignment`` (``split``, with the points evened per core first when replicas are
+        pinned, ``"balanced"`` only) and ``min_points`` (2 when replicas run batch norm on their own chunks, else 1)."""
         pinned = self._core_groups is not None and self.split == "balanced"
-        return partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
-
-    def _min_points(self) -> int:
-        """2 when replicas run batch norm on their own chunks (no chunk of one point), else 1."""
-        module = self.lightning_module
-        return 1 if module is None else min_points_per_chunk(module, self._layer_sync is not None)
-
+        assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
+        module, synchronized = self.lightning_module, self._layer_sync is not None
+        return {"layout": self.layout, "assignment": assignment,
+                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized)}
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 

@@ -1,10 +1,13 @@
 """Timing: wall-clock seconds of each stage of each step, for benchmarks, tuning and Lightning's profilers.
 
-Stages: ``split``, ``place``, ``replicate``, ``state`` (installing and undoing the replicas'
-per-step state: metric copies and their merge into the root's, log recorders, the batch-norm group),
-``apply`` (all replicas' steps, wall clock),
-``replica<i>`` (replica ``i``'s step, inside its thread), ``gather``, ``log`` (the replicas' ``self.log``
-calls reduced and logged), ``backward`` (the whole backward pass: every replica's at once, then the reduction),
+Stages: ``split`` (planning the split), ``place`` (only where a subclass's ``scatter`` places chunks on the main
+thread), ``replicate``, ``state`` (installing and undoing the replicas' per-step state: metric copies and their
+merge into the root's, log recorders, the batch-norm group; each replica's own part runs in its thread, inside
+``replica<i>``), ``apply`` (all replicas' steps, wall clock),
+``replica<i>`` (replica ``i``'s step, inside its thread, its preparation included), ``scatter<i>`` (chunk ``i`` cut
+and placed in replica ``i``'s thread, part of ``replica<i>``), ``weigh`` (the loss weights and the terms' decision),
+``gather``, ``log`` (the replicas' ``self.log`` calls reduced and logged), ``backward`` (the whole backward pass:
+every replica's at once, then the reduction),
 ``backward<i>`` (replica ``i``'s backward pass, inside its thread), ``reduce`` (the replicas'
 gradients added into the module's) and, with synchronized batch norm, ``syncbn<j>`` (layer ``j``'s
 forward and backward, its work and its wait at the rendezvous, mean over replicas), ``syncbn`` (all

@@ -142,8 +142,9 @@ class StepTerms:
         self.memory = SiteMemory() if memory is None else memory
         self.decision: Decision | None = None
         self.plan: SplitPlan | None = None
-        self.shapes: list[ChunkShape] = []
+        self._shapes: list[ChunkShape | None] = []  # chunk i's, made where first needed (replica i's thread)
         self._losses: list[Any] = []
+        self._summaries: list[tuple[Any, Summary] | None] = [None] * count  # (loss, its summary), made in the replica
 
     @classmethod
     def for_step(
@@ -155,13 +156,32 @@ class StepTerms:
         return cls(count, warning_cache, memory)
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
-        """Each replica's step run under its own capture (entered in the replica's thread)."""
-        return [partial(c.run, step) for c, step in zip(self.captures, steps)]
+        """Each replica's step run under its own capture (entered in the replica's thread); once the plan is set
+        (:meth:`set_plan`), the summary of the step's loss is made there too, after the step, beside the other
+        replicas' steps instead of after all of them on the calling thread (:meth:`decide` takes it)."""
+        return [partial(self._run, i, step) for i, step in enumerate(steps)]
+
+    def _run(self, i: int, step: Callable[[], Any]) -> Any:
+        capture = self.captures[i]
+        out = capture.run(step)
+        loss = loss_of(out)
+        if self.plan is not None and isinstance(loss, Tensor):
+            self._summaries[i] = (loss, summarize(capture, loss, self.shape(i)))
+        return out
 
     def set_plan(self, plan: SplitPlan) -> None:
         """The step's split: the chunks' shapes, before the step (manual optimization decides inside it)."""
-        self.plan = plan
-        self.shapes = [ChunkShape.of(plan, i) for i in range(len(self.captures))]
+        if plan is not self.plan:
+            self.plan = plan
+            self._shapes = [None] * len(self.captures)
+
+    def shape(self, i: int) -> ChunkShape:
+        """Chunk ``i``'s :class:`ChunkShape` (after :meth:`set_plan`)."""
+        shape = self._shapes[i]
+        if shape is None:
+            assert self.plan is not None
+            shape = self._shapes[i] = ChunkShape.of(self.plan, i)
+        return shape
 
     def say_fallback(self, decision: Decision) -> None:
         """Say once why the loss is weighted per replica (as ``"auto"`` does for the step's batch) instead."""
@@ -171,7 +191,11 @@ class StepTerms:
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
         """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
         replicas = range(len(self.captures)) if replicas is None else replicas
-        return decide([summarize(self.captures[i], v, self.shapes[i]) for i, v in zip(replicas, values)], self.memory)
+        return decide([self._summary(i, v) for i, v in zip(replicas, values)], self.memory)
+
+    def _summary(self, i: int, value: Any) -> Summary:
+        made = self._summaries[i]  # the replica's loss, summarized in its thread after its step
+        return made[1] if made is not None and made[0] is value else summarize(self.captures[i], value, self.shape(i))
 
     def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
         """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.
@@ -208,7 +232,7 @@ class StepTerms:
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
-        if len(replicas) != len(self.captures) or not self.shapes:
+        if len(replicas) != len(self.captures) or self.plan is None:
             return None
         dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
         if self.decision is not None and all(is_loss_value(v, loss) for v, loss in zip(values, self._losses)):
