@@ -55,6 +55,17 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         self._warned_transfer_hooks = False
 
     @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The replicas' devices, one entry per replica: each device Lightning gives, ``replicas_per_device`` times
+        (the subclass's attribute; 1 without it)."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        k = getattr(self, "replicas_per_device", 1)
+        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
+
+    @property
     def num_nodes(self) -> int:
         """1: every device of this strategy belongs to this one process."""
         return 1

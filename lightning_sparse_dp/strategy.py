@@ -48,7 +48,7 @@ from lightning_sparse_dp.state import combine_values, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.syncbn.replicas import sync_layers
-from lightning_sparse_dp.threads import ThreadSplit, check_pin, configure_replica_threads
+from lightning_sparse_dp.threads import ThreadSplit, check_pin, check_prepare_in_threads, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
 
@@ -102,6 +102,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             replicas on one GPU, so that every multi-replica path (replica threads and streams, synchronized batch
             norm on CUDA tensors, the gather, the gradient reduction) runs on a one-GPU machine; exact as ever, no
             faster. ``parallel_devices`` may also repeat a device.
+        prepare_in_threads: where each replica's share of the step's own work runs (cutting its chunk out of the
+            batch and placing it, refreshing the replica, installing its metric copies and log recorder):
+            ``True``: in the replica's thread, beside the other replicas; ``False``: on the main thread before the
+            replicas start; ``None`` (default): in the threads on CUDA devices (copies to the device and
+            SparseTensor builds overlap), on the main thread on CPU (under the GIL, preparing in several threads at
+            once cost about 2-4 % more CPU a step, docs/benchmarks.md); anything else raises ``ValueError``.
         allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
             (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
             setup otherwise; :func:`~lightning_sparse_dp._me.missing_patches`).
@@ -133,6 +139,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         pin_replicas: bool | None = None,
         allow_unpatched_me: bool = False,
         replicas_per_device: int = 1,
+        prepare_in_threads: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self._set_options(loss_weighting, split, layout, allow_unpatched_me)
@@ -145,6 +152,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self.split_fn = split_fn
         self.presplit = presplit
         self.pin_replicas = check_pin(pin_replicas)
+        self.prepare_in_threads = check_prepare_in_threads(prepare_in_threads)
         self._core_groups: tuple[int, ...] | None = None  # replicas pinned to one core share a group (plan_cores)
         self.stage_times = StageTimes() if record_stage_times else None
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
@@ -154,16 +162,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
         self._thread_split: ThreadSplit | None = None
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The replicas' devices, one entry per replica: each device Lightning gives, ``replicas_per_device`` times."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        k = getattr(self, "replicas_per_device", 1)
-        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
 
     # --- set-up and teardown (the rest of Lightning's plumbing: single_process.py) -------------------
     @override
@@ -225,7 +223,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         devices = self.parallel_devices[: len(inputs)]
         # each replica refreshes itself and installs its own per-step state in its thread, before its step (not for
         # manual optimization, whose hooks are installed on the replicas before the step, nor an overridden replicate)
-        in_threads = not manual and type(self).replicate is SparseDataParallelStrategy.replicate
+        in_threads = self._in_threads() and not manual and type(self).replicate is SparseDataParallelStrategy.replicate
         replicas = self.replicate(module, devices, refresh_modules=False) if in_threads else self.replicate(module, devices)
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
@@ -299,7 +297,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread
         (:func:`~lightning_sparse_dp.place.pending_chunks`): the main thread only plans the split (stage ``split``,
         :func:`~lightning_sparse_dp.presplit.step_cutters`). A subclass's own :meth:`scatter` runs as it is."""
-        if type(self).scatter is not SparseDataParallelStrategy.scatter:
+        if not self._in_threads() or type(self).scatter is not SparseDataParallelStrategy.scatter:
             return self.scatter(batch)
         with self._timer.stage("split"):
             cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
@@ -384,6 +382,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._timer.stage("backward"):  # timed: each replica's backward runs in it (backward.py)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _in_threads(self) -> bool:
+        return self.prepare_in_threads if self.prepare_in_threads is not None else self.root_device.type == "cuda"
 
     def _split_options(self) -> dict[str, Any]:
         """The split's ``layout``, ``assignment`` (``split``, with the points evened per core first when replicas are

@@ -99,6 +99,18 @@ def check_pin(pin: object) -> bool | None:
     return pin
 
 
+def check_prepare_in_threads(prepare: object) -> bool | None:
+    """``prepare`` itself when it is ``None``, ``True`` or ``False`` (the strategy's ``prepare_in_threads``).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if prepare is not None and not isinstance(prepare, bool):
+        raise ValueError(f"prepare_in_threads={prepare!r}; use None (in the replicas' threads on CUDA, on the main "
+                         "thread on CPU), True or False.")
+    return prepare
+
+
 def plan_cores(
     num_replicas: int, pin: bool | None = None, cores: Sequence[int] | None = None, synchronized: bool = True
 ) -> CorePlan | None:
@@ -318,6 +330,7 @@ __all__ = [
     "ThreadSplit",
     "available_cores",
     "check_pin",
+    "check_prepare_in_threads",
     "chosen_torch_threads",
     "configure_replica_threads",
     "follow_omp_num_threads",

@@ -22,6 +22,8 @@ from tests.helpers import (
     trainer,
 )
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 F64 = dict(precision="64-true")
 
 

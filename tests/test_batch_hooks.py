@@ -24,6 +24,8 @@ from tests.helpers import (
     trainer,
 )
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 
 def test_before_transfer_hook_runs_and_skipped_hooks_warn():
     class Hooks(SparseNet):
@@ -128,16 +130,17 @@ class _SlowReplica(SparseNet):
         return super().training_step(batch, batch_idx)
 
 
-def test_stage_times_measure_what_they_name():
+def test_stage_times_measure_what_they_name(both_preparations):
     strategy = SparseDataParallelStrategy(record_stage_times=True)
     trainer(strategy=strategy, devices=3).fit(_SlowReplica(), loader(collate_dict(random_samples(7, seed=14))))
     (step,) = strategy.stage_times.steps
     assert step["replica1"] >= DELAY  # replica 1's own timer holds its wait
     assert step["apply"] >= DELAY  # the apply stage waits for every replica
     assert step["replica0"] < DELAY and step["replica2"] < DELAY  # the others run beside it, not after it
-    for stage in ("split", "scatter0", "scatter1", "scatter2", "replicate", "gather", "log", "backward", "backward0",
-                  "backward1", "reduce"):
-        assert step[stage] < DELAY, stage  # scatter<i>: chunk i cut and placed in replica i's thread
+    placing = ("scatter0", "scatter1", "scatter2") if both_preparations else ("place",)  # in replica i's thread / here
+    for stage in ("split", *placing, "replicate", "weigh", "gather", "log", "backward", "backward0", "backward1", "reduce"):
+        assert step[stage] < DELAY, stage
+    assert ("place" in step) != both_preparations
 
 
 def test_presplit_batch_with_more_chunks_than_devices_is_refused():

@@ -28,6 +28,8 @@ from tests.helpers import (
 )
 from tests.helpers import trainer as _trainer
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 #: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
 #: reaches 1e-4 relative and can hide a real difference. Every Trainer here runs "64-true" unless told otherwise.
 trainer = partial(_trainer, precision="64-true")

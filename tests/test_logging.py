@@ -18,6 +18,8 @@ from tests.helpers import (
     trainer,
 )
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 # --- logged values that are not means ----------------------------------------------------------------
 
 

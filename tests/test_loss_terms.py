@@ -35,6 +35,8 @@ from tests.term_models import (
     seg_batch,
 )
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 trainer = partial(_trainer, precision="64-true")
 REL = 1e-10
 

@@ -10,6 +10,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_states, reset_metric
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 
 def _updated(make):
     metric = make()

@@ -11,6 +11,8 @@ from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from tests.helpers import NUM_CLASSES, SparseNet, collate_dict, fit_float64, loader, random_samples, trainer
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 # --- step outputs of a fixed size --------------------------------------------------------------------
 
 

@@ -20,19 +20,23 @@ from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
-STAGES = ("split", "replicate", "apply", "gather", "log", "backward")  # once per step each (chunks are placed in replica threads)
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
+STAGES = ("split", "replicate", "apply", "gather", "log", "backward")  # once per step each
 
 
 def _batch(n=7, seed=3):
     return collate_dict(random_samples(n, seed=seed))
 
 
-def test_stages_are_lightning_profiler_actions():
+def test_stages_are_lightning_profiler_actions(both_preparations):
     t = trainer(strategy="sparse_dp", devices=3, profiler="simple", max_steps=2)
     t.fit(SparseNet(), loader(_batch(), _batch(seed=4)))
     durations = t.profiler.recorded_durations
     for stage in STAGES:
         assert len(durations[f"[sparse_dp]{stage}"]) == 2, stage
+    # placing runs in the replicas' threads when they prepare (stage scatter<i>, no profiler action), else here
+    assert len(durations["[sparse_dp]place"]) == (0 if both_preparations else 2)
     assert len(durations["[sparse_dp]state"]) == 6  # installed, undone and merged back into the module, each step
     step = durations["[Strategy]SparseDataParallelStrategy.training_step"]
     apply = durations["[sparse_dp]apply"]

@@ -24,6 +24,8 @@ from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.helpers import assert_same_states, load_file, relative_difference, same_start, trainer
 from tests.pairs import PairNet, pair_batch, pairs_in
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 completion = load_file("examples/train_completion.py")
 
 

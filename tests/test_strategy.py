@@ -15,6 +15,8 @@ from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.place import check_devices
 from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start, trainer
 
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
 
 def _fit_one_step(model, batch, **trainer_kwargs):
     t = trainer(**trainer_kwargs)
@@ -325,5 +327,3 @@ def test_several_replicas_share_one_device():
     assert_same_states(ours, reference)
     with pytest.raises(ValueError, match="replicas_per_device"):
         SparseDataParallelStrategy(replicas_per_device=0)
-
-

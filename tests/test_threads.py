@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
-from lightning_sparse_dp import threads
+from lightning_sparse_dp import SparseDataParallelStrategy, threads
 from lightning_sparse_dp.threads import (
     available_cores,
     chosen_torch_threads,
@@ -168,3 +168,12 @@ def test_a_count_me_set_is_not_taken_for_the_users_choice(monkeypatch):
         assert chosen_torch_threads() is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_prepare_in_threads_is_checked_and_follows_the_device():
+    with pytest.raises(ValueError, match="prepare_in_threads='yes'"):
+        SparseDataParallelStrategy(prepare_in_threads="yes")
+    strategy = SparseDataParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    assert strategy.prepare_in_threads is None and strategy._in_threads() is False  # CPU: the main thread prepares
+    assert SparseDataParallelStrategy(prepare_in_threads=True)._in_threads() is True
