@@ -272,7 +272,9 @@ def main_gpu(args) -> None:
     """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (with sync BN on N), DDP with 2
     processes (NCCL) where there are 2 GPUs, and, where fewer GPUs than 3 are visible, 2 and 3 replicas sharing one
     GPU (``replicas_per_device``, labelled ``shared``; sync BN on the 3). Tables, stage medians and one JSON line:
-    ``overhead_ratio_gpu`` (segmentation; ``digits_overhead_ratio_gpu``), ``speedup_sparse_dp_<d>_gpu``, each case's
+    ``overhead_ratio_gpu`` (segmentation; ``digits_overhead_ratio_gpu``), ``speedup_sparse_dp_<d>_gpu``,
+    ``<model>_thread_prep_ratio_gpu`` (the most replicas' step, prepared in the replicas' threads as by default on
+    GPUs, over the same step prepared on the main thread, ``prepare_in_threads=False``: below 1, the threads win), each case's
     ms per step and sparse_dp-1's stage medians per model, and ``failed``: a case that raised is reported there and
     in the output, and the run goes on (``null`` for a ratio it leaves without a side)."""
     if torch.cuda.device_count() == 0:
@@ -304,6 +306,12 @@ def main_gpu(args) -> None:
             cases["sparse_dp-3 shared syncBN"] = (3, partial(
                 run_case, model_name, sdp(replicas_per_device=3, sync_batchnorm=True, **kwargs), 1, global_batch,
                 steps, warmup, "gpu"))
+        # the GPU default prepares each replica in its thread: the same step prepared on the main thread beside it
+        shared = {} if gpus >= 2 else {"replicas_per_device": 3}
+        prep_base = f"sparse_dp-{gpus}" if gpus >= 2 else "sparse_dp-3 shared"
+        cases[f"{prep_base} main-prep"] = (cases[prep_base][0], partial(
+            run_case, model_name, sdp(prepare_in_threads=False, **shared, **kwargs), gpus if gpus >= 2 else 1,
+            global_batch, steps, warmup, "gpu"))
         results = {}
         for label, (devices, run) in cases.items():
             try:
@@ -323,6 +331,9 @@ def main_gpu(args) -> None:
                 ours = results.get(f"sparse_dp-{d}")
                 headline[f"speedup_sparse_dp_{d}_gpu"] = round(plain["step_s"] / ours["step_s"], 3) \
                     if plain and ours else None
+        threads, main_prep = results.get(prep_base), results.get(f"{prep_base} main-prep")
+        headline[f"{model_name}_thread_prep_ratio_gpu"] = (
+            round(threads["step_s"] / main_prep["step_s"], 4) if threads and main_prep else None)
         headline[f"{model_name}_step_ms"] = {label: round(r["step_s"] * 1e3, 3) for label, r in results.items()}
         headline[f"{model_name}_stages_ms_sparse_dp_1"] = (
             {k: round(v, 3) for k, v in stage_breakdown(one).items()} if one else None)

@@ -266,10 +266,11 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
     def run_case(model_name, strategy, devices, *args, **kwargs):
         per = getattr(strategy, "replicas_per_device", 1)
         label = f"{strategy if isinstance(strategy, str) else 'sparse_dp'}-{devices}x{per}"
+        label += " main-prep" if getattr(strategy, "prepare_in_threads", None) is False else ""
         asked.append((model_name, label))
         if model_name == "digits" and label == "auto-1x1":
             raise RuntimeError("boom\nsegmentation fault")
-        step = {"auto-1x1": 0.010, "sparse_dp-1x1": 0.011}.get(label, 0.02)
+        step = {"auto-1x1": 0.010, "sparse_dp-1x1": 0.011, "sparse_dp-1x3 main-prep": 0.025}.get(label, 0.02)
         return {"step_s": step, "times": [step], "stages": {}, "points_per_sample": 10.0, "rank": 0, "cpu_s": step}
 
     monkeypatch.setattr(bench, "run_case", run_case)
@@ -278,12 +279,13 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
     bench.main_gpu(bench._parser().parse_args(["--accelerator", "gpu", "--quick"]))
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     labels = {label for _, label in asked}
-    assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3"}
-    assert len(asked) == 2 * 5  # per model: plain, one replica, 2 and 3 shared, 3 shared with sync BN
+    assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3", "sparse_dp-1x3 main-prep"}
+    assert len(asked) == 2 * 6  # per model: plain, one replica, 2 and 3 shared, 3 shared with sync BN, 3 main-prep
     assert line["overhead_ratio_gpu"] == 1.1 and line["digits_overhead_ratio_gpu"] is None
+    assert line["segmentation_thread_prep_ratio_gpu"] == 0.8  # 3 shared (threads prepare) over 3 shared, main-prep
     assert list(line["failed"]) == ["digits auto-1"] and "segmentation fault" in line["failed"]["digits auto-1"]
     assert set(line["segmentation_step_ms"]) == {"auto-1", "sparse_dp-1", "sparse_dp-2 shared", "sparse_dp-3 shared",
-                                                 "sparse_dp-3 shared syncBN"}
+                                                 "sparse_dp-3 shared syncBN", "sparse_dp-3 shared main-prep"}
     assert "auto-1" not in line["digits_step_ms"] and "sparse_dp-3 shared" in line["digits_step_ms"]
 
 
