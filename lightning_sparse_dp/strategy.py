@@ -106,8 +106,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             batch and placing it, refreshing the replica, installing its metric copies and log recorder):
             ``True``: in the replica's thread, beside the other replicas; ``False``: on the main thread before the
             replicas start; ``None`` (default): in the threads on CUDA devices (copies to the device and
-            SparseTensor builds overlap), on the main thread on CPU (under the GIL, preparing in several threads at
-            once cost about 2-4 % more CPU a step, docs/benchmarks.md); anything else raises ``ValueError``.
+            SparseTensor builds release the GIL and overlap), on the main thread on CPU (under the GIL the threads'
+            Python runs in turns: measured 2 % slower with 2 replicas of one thread each, 8 % faster with 3 on 2
+            cores, docs/benchmarks.md); anything else raises ``ValueError``.
         allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
             (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
             setup otherwise; :func:`~lightning_sparse_dp._me.missing_patches`).
