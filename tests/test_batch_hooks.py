@@ -118,6 +118,16 @@ def test_presplit_batches_go_through_lightnings_precision_conversion():
     assert_same_states(ours, reference)  # float64: 1e-10 relative, as the other exactness tests
 
 
+def test_presplit_chunks_train_as_one_device():
+    # the workers' chunks reach the replicas through the step's own placing: on the main thread, or each replica's
+    # in its thread (both_preparations); no scatter override here, so the default path runs
+    samples = random_samples(14, seed=16)
+    ours, reference = same_start()
+    trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, sample_loader(samples, num_workers=1))
+    trainer(devices=1, max_steps=2, precision="64-true").fit(reference, sample_loader(samples))
+    assert_same_states(ours, reference)
+
+
 DELAY = 1.0  # seconds; far above what any stage of this tiny step takes, even on a loaded machine
 
 
