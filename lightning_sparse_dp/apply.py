@@ -218,7 +218,7 @@ def replica_steps(
     (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
 
     The preparation runs in replica ``i``'s thread before the step: ``before[i]()`` (the replica's part of the step's
-    state, :func:`~lightning_sparse_dp.state.replica_prologue`), then, where ``inputs[i]`` is a
+    state, :meth:`~lightning_sparse_dp.state.ReplicaState.enter`), then, where ``inputs[i]`` is a
     :class:`~lightning_sparse_dp.place.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
     caller. Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]

@@ -2,7 +2,7 @@
 
 Lightning's result collection takes no locks and moves a logged value to the device of whoever
 logs, so replicas must never log into it from their threads (PL 1.x "dp" logged on-step values from
-whichever GPU wrote last, Lightning issue #9839). While the replicas run the step, :func:`recording`
+whichever GPU wrote last, Lightning issue #9839). While the replicas run the step, :func:`install_recorder`
 gives each a :class:`LogRecorder` in place of its ``log`` method (``log_dict`` goes through ``log``); after the step,
 :func:`reduce_log_calls`
 merges the replicas' calls name by name and :func:`emit` logs them through the root module.
@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,31 +128,16 @@ class LogRecorder:
         self.calls[name] = LogCall(name, value, kwargs, count_of(value))
 
 
-@contextmanager
-def recording(replicas: Sequence[Any], metric_paths: Sequence[dict[int, str]] | None = None) -> Iterator[list[LogRecorder]]:
-    """For the ``with`` body (the replicas' step), record each replica's ``self.log`` calls; print once.
-
-    ``metric_paths[i]``: ``id(metric) -> module path`` of replica ``i``'s metrics when the caller knows them
-    (the metric copies it installed); else each replica's modules are searched.
-
-    Each replica's ``log`` is shadowed by an instance attribute, a new :class:`LogRecorder`
-    (:func:`install_recorder`), and the replicas after the first get a no-op ``print``: ``LightningModule.print``
-    prints on global rank 0, which every replica of one process is, and one device prints once per step. On exit both
-    attributes are removed (:func:`remove_recorders`), so the methods come back; this must happen before :func:`emit`
-    logs through the root module, which is replica 0 itself when one chunk runs on the root device.
-
-    Yields:
-        one recorder per replica, in replica order; they keep their calls after the body.
-    """
-    try:
-        yield [install_recorder(r, i, None if metric_paths is None else metric_paths[i]) for i, r in enumerate(replicas)]
-    finally:
-        remove_recorders(replicas)
-
-
 def install_recorder(replica: Any, index: int, metric_paths: dict[int, str] | None = None) -> LogRecorder:
-    """A new :class:`LogRecorder` as replica ``index``'s ``log`` (and, after the first, a no-op ``print``); touches that
-    replica only, so it may run in the replica's own thread. ``metric_paths``: as :func:`recording`'s entries."""
+    """A new :class:`LogRecorder` as replica ``index``'s ``log``, for the step, and after the first replica a no-op
+    ``print``: ``LightningModule.print`` prints on global rank 0, which every replica of one process is, and one device
+    prints once per step. Touches that replica only, so it may run in the replica's own thread. Both attributes must be
+    removed (:func:`remove_recorders`) before :func:`emit` logs through the root module, which is replica 0 itself when
+    one chunk runs on the root device.
+
+    ``metric_paths``: ``id(metric) -> module path`` of the replica's metrics when the caller knows them (the metric
+    copies it installed); else the replica's modules are searched.
+    """
     if metric_paths is None:
         metric_paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
     recorder = replica.log = LogRecorder(metric_paths)
@@ -326,6 +310,6 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
 
 
 __all__ = [
-    "MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "recording", "reduce_log_calls",
+    "MEAN_NAMES", "LogCall", "LogRecorder", "MetricRef", "emit", "install_recorder", "reduce_log_calls",
     "remove_recorders",
 ]

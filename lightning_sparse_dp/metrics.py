@@ -4,7 +4,7 @@ A replica is a shallow copy of the module, so a ``torchmetrics.Metric`` in it wo
 on) the root metric's state, or lose its update (PL 1.x "dp": Lightning issue #4353); its ``update``
 and ``compute`` are even instance attributes bound to the root metric. Before the step every replica
 therefore gets its own empty copy of each metric (``Metric.clone`` of an empty template, so the
-root's accumulated state is never copied) for the step (:meth:`ReplicaMetrics.installed`); after it,
+root's accumulated state is never copied) for the step (:meth:`ReplicaMetrics.step_copies`); after it,
 :func:`merge_into_root` merges the replicas' states into the root metric with
 ``Metric.merge_state`` (torchmetrics >= 1.1), in replica order, so the root ends the step in the state
 one update with the whole batch gives. When replicas called ``forward`` (which returns the batch
@@ -131,25 +131,6 @@ class ReplicaMetrics:
         elif copy._update_count or copy._computed is not None or copy._forward_cache is not None:
             reset_metric(copy)  # else no update, forward or compute ran on it since its reset: it is still empty
         return copy
-
-    @contextmanager
-    def installed(
-        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None
-    ) -> Iterator[list[MetricReplicas]]:
-        """For the ``with`` body, an empty copy of every metric of ``root`` in each replica (on its device).
-
-        :meth:`step_copies` with every replica's copies installed at once, on the calling thread.
-
-        Yields:
-            the metrics of the step, one entry per root metric.
-
-        Raises:
-            RuntimeError: from :func:`merge_into_root`.
-        """
-        with self.step_copies(root, replicas, devices, structure) as step:
-            for index in range(len(replicas)):
-                step.install(index)
-            yield step.merged
 
     @contextmanager
     def step_copies(

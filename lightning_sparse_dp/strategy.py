@@ -219,12 +219,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if batch is not None:  # one device: plain Lightning's step on the module itself (one_device.py)
             return getattr(module, step_name)(batch, *args[1:], **kwargs)
         self._timer.new_step()
-        manual = step_name == "training_step" and not module.automatic_optimization  # its weights need the chunks first
-        inputs, plan = self.scatter(args[0]) if manual else self._scatter_pending(args[0])
+        manual = step_name == "training_step" and not module.automatic_optimization  # needs chunks, hooks on replicas first
+        threads = self._in_threads() and not manual  # each replica prepares in its thread, before its step
+        inputs, plan = self._scatter_pending(args[0]) if threads else self.scatter(args[0])
         devices = self.parallel_devices[: len(inputs)]
-        # each replica refreshes itself and installs its own per-step state in its thread, before its step (not for
-        # manual optimization, whose hooks are installed on the replicas before the step, nor an overridden replicate)
-        in_threads = self._in_threads() and not manual and type(self).replicate is SparseDataParallelStrategy.replicate
+        in_threads = threads and type(self).replicate is SparseDataParallelStrategy.replicate  # not an overridden one
         replicas = self.replicate(module, devices, refresh_modules=False) if in_threads else self.replicate(module, devices)
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
@@ -295,10 +294,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return place_chunks(chunks, self.parallel_devices or ()), plan
 
     def _scatter_pending(self, batch: Any) -> tuple[list[Any], SplitPlan]:
-        """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread
-        (:func:`~lightning_sparse_dp.place.pending_chunks`): the main thread only plans the split (stage ``split``,
+        """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread (``prepare_in_threads``;
+        :func:`~lightning_sparse_dp.place.pending_chunks`): the main thread only plans the split (stage ``split``,
         :func:`~lightning_sparse_dp.presplit.step_cutters`). A subclass's own :meth:`scatter` runs as it is."""
-        if not self._in_threads() or type(self).scatter is not SparseDataParallelStrategy.scatter:
+        if type(self).scatter is not SparseDataParallelStrategy.scatter:
             return self.scatter(batch)
         with self._timer.stage("split"):
             cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())

@@ -104,7 +104,10 @@ def test_replica_metric_copies_start_every_step_empty_whether_or_not_the_last_st
     g = torch.Generator().manual_seed(1)
     replica_metrics = ReplicaMetrics()
     for step, (name, used) in enumerate([("a", (0, 2)), ("b", (1,)), ("a", (1,)), ("b", (0, 1, 2)), ("a", (0,))]):
-        with replica_metrics.installed(root, replicas, [torch.device("cpu")] * 3, structure=replicas) as merged:
+        with replica_metrics.step_copies(root, replicas, [torch.device("cpu")] * 3, structure=replicas) as copies:
+            for index in range(len(replicas)):
+                copies.install(index)
+            merged = copies.merged
             for entry in merged:
                 for copy in entry.replicas:  # every copy handed to a replica is empty
                     assert copy._update_count == 0 and copy._computed is None and copy._forward_cache is None
