@@ -95,6 +95,7 @@ The load average is printed at the start and the end.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import statistics
@@ -271,7 +272,7 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
 def main_gpu(args) -> None:
     """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (with sync BN on N), DDP with 2
     processes (NCCL) where there are 2 GPUs, and, where fewer GPUs than 3 are visible, 2 and 3 replicas sharing one
-    GPU (``replicas_per_device``, labelled ``shared``; sync BN on the 3). Tables, stage medians and one JSON line:
+    GPU (``replicas_per_device``, labelled ``shared``; no sync BN: refused there). Tables, stage medians and one JSON line:
     ``overhead_ratio_gpu`` (segmentation; ``digits_overhead_ratio_gpu``), ``speedup_sparse_dp_<d>_gpu``,
     ``<model>_thread_prep_ratio_gpu`` (the most replicas' step, prepared in the replicas' threads as by default on
     GPUs, over the same step prepared on the main thread, ``prepare_in_threads=False``: below 1, the threads win), each case's
@@ -302,10 +303,6 @@ def main_gpu(args) -> None:
             cases[f"sparse_dp-{gpus} syncBN"] = (gpus, partial(run_case, model_name, sdp(sync_batchnorm=True, **kwargs),
                                                                gpus, global_batch, steps, warmup, "gpu"))
             cases["ddp-2 (nccl)"] = (2, partial(run_ddp_child, model_name, global_batch, steps, warmup, "ddp", "gpu"))
-        else:
-            cases["sparse_dp-3 shared syncBN"] = (3, partial(
-                run_case, model_name, sdp(replicas_per_device=3, sync_batchnorm=True, **kwargs), 1, global_batch,
-                steps, warmup, "gpu"))
         # the GPU default prepares each replica in its thread: the same step prepared on the main thread beside it
         shared = {} if gpus >= 2 else {"replicas_per_device": 3}
         prep_base = f"sparse_dp-{gpus}" if gpus >= 2 else "sparse_dp-3 shared"
@@ -314,12 +311,17 @@ def main_gpu(args) -> None:
             global_batch, steps, warmup, "gpu"))
         results = {}
         for label, (devices, run) in cases.items():
+            if args.case_timeout:  # a hang prints every thread's stack and ends the run instead of eating the budget
+                faulthandler.dump_traceback_later(args.case_timeout, exit=True)
             try:
                 results[label] = {**run(), "devices": devices}
+                print(f"bench: {model_name} {label}: {results[label]['step_s'] * 1e3:.3f} ms a step", flush=True)
             except Exception as err:  # reported in the table's place and the JSON line; the other cases still run
                 said = failure_line(err)
                 headline["failed"][f"{model_name} {label}"] = said
                 print(f"bench: the case {label!r} ({model_name}) failed: {said}", file=sys.stderr, flush=True)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         if "auto-1" in results:
             table(model_name, results, global_batch)
         stage_table(results)

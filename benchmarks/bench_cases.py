@@ -386,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--figures", default=str(ROOT / "benchmarks" / "figures"), help="where the PNG plots go")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, help="most devices for sparse_dp (default: 3 on CPU, every GPU)")
+    parser.add_argument("--case-timeout", type=float, default=0,
+                        help="--accelerator gpu: a case running longer (s) prints every thread's stack and ends the run "
+                        "(faulthandler), so a hang says where it is; 0: no limit")
     parser.add_argument("--terms-cost", action="store_true",
                         help="only the cost of loss_weighting='terms' on a digits step, on and off (about a minute)")
     parser.add_argument("--case-child", help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -110,10 +110,14 @@ class ReplicaExecutor:
         """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
         return self
 
-    def run(self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device]) -> list[T]:
+    def run(
+        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], here: Collection[int] = ()
+    ) -> list[T]:
         """Call ``fns[i]()`` on ``devices[i]`` for every ``i`` at once and return the results in order.
 
-        A single callable runs in the calling thread (no thread hop).
+        A single callable runs in the calling thread (no thread hop), and so do the callables whose indices are in
+        ``here``, one after the other in index order, while the others run in their threads: the replicas'
+        backward passes on the GPU whose autograd worker thread is the caller (:mod:`lightning_sparse_dp.backward`).
 
         Raises:
             ValueError: more callables than threads, or lengths that differ.
@@ -134,9 +138,15 @@ class ReplicaExecutor:
         affinity = self.affinity
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
+                _here() if i in here else
                 self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None)
                 for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
+            for i in sorted(here):  # after the others have started
+                try:
+                    futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i]))
+                except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
+                    futures[i].set_exception(err)
             errors = [f.exception() for f in futures]  # waits for every replica
         failed = [e for e in errors if e is not None]
         if failed:
@@ -147,6 +157,12 @@ class ReplicaExecutor:
         """Stop the threads (waits for running callables)."""
         for thread in self._threads:
             thread.shutdown(wait=True)
+
+
+def _here() -> Future:
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 _pinned = threading.local()  # the CPU ids this replica thread pinned itself to

@@ -47,7 +47,7 @@ from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.state import combine_values, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
-from lightning_sparse_dp.syncbn.replicas import sync_layers
+from lightning_sparse_dp.syncbn.replicas import check_shared_gpus, sync_layers
 from lightning_sparse_dp.threads import ThreadSplit, check_pin, check_prepare_in_threads, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
@@ -99,9 +99,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             ``LayerSync`` plugin point (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`, applied
             at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
         replicas_per_device: replicas on each device (default 1): ``devices=1, replicas_per_device=3`` runs three
-            replicas on one GPU, so that every multi-replica path (replica threads and streams, synchronized batch
-            norm on CUDA tensors, the gather, the gradient reduction) runs on a one-GPU machine; exact as ever, no
-            faster. ``parallel_devices`` may also repeat a device.
+            replicas on one GPU, so that the multi-replica paths (replica threads and streams, the gather, the
+            gradient reduction) run on a one-GPU machine; exact, no faster. Not with synchronized batch norm on
+            GPUs (refused: it would hang). ``parallel_devices`` may also repeat a device.
         prepare_in_threads: where each replica's share of the step's own work runs (cutting its chunk out of the
             batch and placing it, refreshing the replica, installing its metric copies and log recorder):
             ``True``: in the replica's thread, beside the other replicas; ``False``: on the main thread before the
@@ -118,9 +118,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
     Raises:
         ValueError: an unknown ``loss_weighting`` or ``split``.
-        MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable
-            devices, or CPU replicas on an unpatched MinkowskiEngine; at construction of the Trainer, for
-            ``num_nodes > 1``.
+        MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable devices, synchronized
+            batch norm on replicas sharing a GPU, or CPU replicas on an unpatched MinkowskiEngine; at construction
+            of the Trainer, for ``num_nodes > 1``.
     """
 
     strategy_name = "sparse_dp"
@@ -175,6 +175,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if self._layer_sync is None:
             warn_unsynchronized_batchnorm(module)
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
+        check_shared_gpus(self.parallel_devices if sync_layers(module) else ())  # two replicas on a GPU would hang
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
         if self._executor is None:
@@ -191,8 +192,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
-        self._replicas = None
-        self._replica_sync_layers = []
+        self._replicas, self._replica_sync_layers = None, []
         if self._thread_split is not None:
             self._thread_split.restore()
             self._thread_split = None

@@ -208,7 +208,7 @@ if [ "$installed" = "$ME_VERSION" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$KEY" 
     log "MinkowskiEngine $ME_VERSION ($KEY) already installed and importable"
     exit 0
 fi
-wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl 2>/dev/null | head -n1 || true)
+wheel=$(ls "$WHEEL_DIR"/[Mm]inkowski[Ee]ngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
     took="CPU-only takes about 8 minutes on 2 cores"
@@ -331,8 +331,8 @@ PYEOF
         die "MinkowskiEngine build failed (full log: $CACHE/build-$KEY.log)"
     fi
     mkdir -p "$WHEEL_DIR"
-    cp "$SRC"/dist/MinkowskiEngine-*.whl "$WHEEL_DIR"/
-    wheel=$(ls "$WHEEL_DIR"/MinkowskiEngine-*.whl | head -n1)
+    cp "$SRC"/dist/[Mm]inkowski[Ee]ngine-*.whl "$WHEEL_DIR"/
+    wheel=$(ls "$WHEEL_DIR"/[Mm]inkowski[Ee]ngine-*.whl | head -n1)
     log "cached $wheel"
 fi
 

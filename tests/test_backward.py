@@ -255,3 +255,39 @@ def test_stage_times_hold_each_synchronized_layer_and_the_wait():
         assert 0 <= step["syncbn_wait"] <= step["syncbn"]  # the wait is part of the layers' time
         assert step["syncbn"] <= step["apply"] + step["backward"]
         assert "emit" in step and "log" in step  # Lightning's own self.log apart from sparse_dp's reduction
+
+
+class _BackwardThreads(SparseNet):
+    """Records each replica's backward thread (a hook on its loss)."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.backward_threads: list[tuple[str, str]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        replica = threading.current_thread().name
+        loss.register_hook(lambda g: self.backward_threads.append((replica, threading.current_thread().name)) or g)
+        return loss
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_replica_served_by_the_calling_thread_runs_its_backward_there_reentrantly(monkeypatch, devices):
+    """On CUDA the replicas on the GPU whose autograd worker runs the step's backward node run their passes in
+    that worker, reentrantly (backward.served_here; a pass started elsewhere would wait for that worker forever).
+    Here, replica 0 is made to run so (on CPU the node runs in the thread that called backward, so this is
+    torch's reentrant backward for real), beside the others in their threads, synchronized batch norm waiting
+    across both kinds: the same step as one device, and replica 0's pass in the main thread."""
+    backward = __import__("lightning_sparse_dp.backward", fromlist=["served_here"])
+    asked = []
+    monkeypatch.setattr(backward, "served_here", lambda d, synchronized=False: asked.append(synchronized) or (0,))
+    ours, reference = same_start(_BackwardThreads)
+    batches = _batches(2)
+    trainer(strategy="sparse_dp", devices=devices, sync_batchnorm=True, max_steps=2, **F64).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=2, **F64).fit(reference, loader(*batches))
+    assert_same_states(ours, reference)
+    assert asked == [True, True]
+    main = threading.current_thread().name
+    ran = sorted(set(ours.backward_threads))
+    assert ran == sorted([("sparse_dp-replica0_0", main)] + [(f"sparse_dp-replica{i}_0", f"sparse_dp-replica{i}_0")
+                                                               for i in range(1, devices)])

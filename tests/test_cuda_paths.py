@@ -179,6 +179,58 @@ def test_a_failing_cuda_replica_names_its_device(monkeypatch):
     assert "raised in replica 1 on device cuda:1" in "".join(getattr(info.value, "__notes__", []))
 
 
+def test_replicas_on_the_backward_workers_gpu_run_in_the_calling_thread_while_the_others_run_in_theirs(monkeypatch):
+    """``here``: replicas 0 and 1 (the caller's GPU) run in the calling thread, in order, after replica 2 has
+    started in its own thread, so a rendezvous between a local replica and replica 2 completes (each waits for
+    the other here; the waits time out, failing the test, instead of hanging). CUDA calls replaced (FakeCuda)."""
+    FakeCuda().install(monkeypatch)
+    met = threading.Barrier(2, timeout=20)
+    seen = []
+
+    def step(i):
+        def run():
+            seen.append((i, threading.current_thread().name))
+            if i in (0, 2):
+                met.wait()  # replica 0 (here) and replica 2 (its thread) at once
+            return i
+        return run
+
+    executor = ReplicaExecutor(3)
+    try:
+        devices = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]
+        assert executor.run([step(i) for i in range(3)], devices, here=(0, 1)) == [0, 1, 2]
+    finally:
+        executor.shutdown()
+    main = threading.current_thread().name
+    assert [t for i, t in seen if i < 2] == [main, main] and [i for i, _ in seen if i < 2] == [0, 1]
+    assert dict(seen)[2].startswith("sparse_dp-replica2")
+
+
+def test_the_calling_threads_gpu_decides_which_replicas_run_their_backward_there(monkeypatch):
+    """torch's autograd runs a GPU's nodes in that GPU's worker thread: the replicas on the caller's current
+    device run there (backward.served_here); on CPU none; with synchronized batch norm two there is an error."""
+    from lightning_sparse_dp.backward import served_here
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    shared = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)]
+    assert served_here(CUDA3) == (1,)
+    assert served_here(shared) == (2, 3)
+    assert served_here([torch.device("cpu")] * 3) == ()
+    assert served_here(CUDA3, synchronized=True) == (1,)
+    with pytest.raises(RuntimeError, match=r"replicas 0 and 1 on the same GPU \(cuda:0"):
+        served_here(shared, synchronized=True)
+
+
+def test_synchronized_batch_norm_on_replicas_sharing_a_gpu_is_refused_with_the_fix():
+    from lightning_sparse_dp.syncbn.replicas import check_shared_gpus
+
+    check_shared_gpus(CUDA3)
+    check_shared_gpus([torch.device("cpu")] * 3)  # CPU replicas never wait in an autograd worker
+    with pytest.raises(MisconfigurationException, match=r"replicas 1 and 2 on the same GPU \(cuda:1.*would hang.*"
+                       r"replicas_per_device=1.*without sync_batchnorm.*accelerator='cpu'"):
+        check_shared_gpus([torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)])
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu
@@ -276,16 +328,18 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
     monkeypatch.setattr(bench, "run_case", run_case)
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda i: "stand-in GPU")
-    bench.main_gpu(bench._parser().parse_args(["--accelerator", "gpu", "--quick"]))
-    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bench.main_gpu(bench._parser().parse_args(["--accelerator", "gpu", "--quick", "--case-timeout", "60"]))
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])
+    assert "bench: segmentation sparse_dp-1: 11.000 ms a step" in out  # each case as it ends (a later hang keeps it)
     labels = {label for _, label in asked}
     assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3", "sparse_dp-1x3 main-prep"}
-    assert len(asked) == 2 * 6  # per model: plain, one replica, 2 and 3 shared, 3 shared with sync BN, 3 main-prep
+    assert len(asked) == 2 * 5  # per model: plain, one replica, 2 and 3 shared (no sync BN: refused), 3 main-prep
     assert line["overhead_ratio_gpu"] == 1.1 and line["digits_overhead_ratio_gpu"] is None
     assert line["segmentation_thread_prep_ratio_gpu"] == 0.8  # 3 shared (threads prepare) over 3 shared, main-prep
     assert list(line["failed"]) == ["digits auto-1"] and "segmentation fault" in line["failed"]["digits auto-1"]
     assert set(line["segmentation_step_ms"]) == {"auto-1", "sparse_dp-1", "sparse_dp-2 shared", "sparse_dp-3 shared",
-                                                 "sparse_dp-3 shared syncBN", "sparse_dp-3 shared main-prep"}
+                                                 "sparse_dp-3 shared main-prep"}
     assert "auto-1" not in line["digits_step_ms"] and "sparse_dp-3 shared" in line["digits_step_ms"]
 
 
