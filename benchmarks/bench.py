@@ -312,7 +312,7 @@ def main_gpu(args) -> None:
         results = {}
         for label, (devices, run) in cases.items():
             if args.case_timeout:  # a hang prints every thread's stack and ends the run instead of eating the budget
-                faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+                faulthandler.dump_traceback_later(args.case_timeout, exit=True, file=sys.__stderr__)
             try:
                 results[label] = {**run(), "devices": devices}
                 print(f"bench: {model_name} {label}: {results[label]['step_s'] * 1e3:.3f} ms a step", flush=True)
