@@ -167,3 +167,22 @@ def test_the_bundle_is_made_with_everything_the_gpu_machine_lacks(tmp_path):
     assert {d.lower().replace("_", "-") for d in gpu_bundle.MODULES.values()} <= wheels
     include, lib = gpu_bundle.unpack_openblas(bundle, tmp_path / "prefix")
     assert (include / "cblas.h").is_file() and (lib / "libopenblas.so").exists() and (lib / "libgfortran.so.5").exists()
+
+
+def test_the_built_me_wheel_comes_back_with_the_logs_when_small_enough(tmp_path):
+    """gpu_check copies the ME wheels build_minkowski.sh cached in the bundle to the logs (``<key>/<wheel>``, the
+    layout the next bundle's ``cache/wheels/`` takes), and names one too big to carry back instead."""
+    gpu_check = load_file("scripts/gpu_check.py")
+    cache, out = tmp_path / "cache" / "wheels", tmp_path / "logs" / "me-wheel"
+    assert gpu_check.keep_me_wheel(cache, out) == "no cached ME wheel"
+    small = cache / "me0.5.4-r3-pX-torch2.11.0-cu130-sm90a-c1-cp312" / "minkowskiengine-0.5.4-cp312-cp312-linux_x86_64.whl"
+    small.parent.mkdir(parents=True)
+    small.write_bytes(b"w" * 1000)
+    big = cache / "me0.5.4-r3-pX-torch2.11.0-cu130-sm80-c1-cp312" / "MinkowskiEngine-0.5.4-cp312-cp312-linux_x86_64.whl"
+    big.parent.mkdir(parents=True)
+    with open(big, "wb") as f:
+        f.truncate((gpu_check.WHEEL_BACK_MIB + 1) * 2**20)  # sparse: takes no disk
+    said = gpu_check.keep_me_wheel(cache, out)
+    assert (out / small.parent.name / small.name).read_bytes() == small.read_bytes()
+    assert not (out / big.parent.name).exists()
+    assert "too big to bring back" in said and str(out / small.parent.name) in said
