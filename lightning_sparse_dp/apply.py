@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.means import run_counting
 from lightning_sparse_dp.place import PendingChunk, current_stream, device_context
+from lightning_sparse_dp.stall import StallWatch, stall_seconds
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 
 T = TypeVar("T")
@@ -88,6 +89,12 @@ class ReplicaExecutor:
         affinity: ``affinity[i]``, the CPU ids replica thread ``i`` pins itself to (``os.sched_setaffinity``)
             before it runs anything when several replicas run (:func:`~lightning_sparse_dp.threads.plan_cores`);
             ``None``: not pinned.
+
+    A call whose replicas have not finished after ``LSDP_STALL_WARNING_S`` seconds (default 300) is reported once,
+    naming where each unfinished replica's thread is, and goes on (:class:`~lightning_sparse_dp.stall.StallWatch`).
+
+    Raises:
+        ValueError: ``num_replicas < 1``, or ``LSDP_STALL_WARNING_S`` is not a number.
     """
 
     def __init__(
@@ -105,6 +112,7 @@ class ReplicaExecutor:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_replicas)
         ]
         self._lock = threading.Lock()
+        self._watch = StallWatch(stall_seconds())  # LSDP_STALL_WARNING_S (lightning_sparse_dp.stall)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaExecutor:
         """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
@@ -142,12 +150,14 @@ class ReplicaExecutor:
                 self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None)
                 for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
+            self._watch.begin(futures, devices, {i: threading.get_ident() for i in here})  # a warning if stuck
             for i in sorted(here):  # after the others have started
                 try:
                     futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i]))
                 except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
                     futures[i].set_exception(err)
             errors = [f.exception() for f in futures]  # waits for every replica
+            self._watch.end()
         failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
@@ -157,6 +167,7 @@ class ReplicaExecutor:
         """Stop the threads (waits for running callables)."""
         for thread in self._threads:
             thread.shutdown(wait=True)
+        self._watch.close()
 
 
 def _here() -> Future:
