@@ -6,10 +6,10 @@ copied with ``Module._replicate_for_data_parallel``), with three differences:
 - Parameters. Each replica holds its own leaf ``nn.Parameter`` per trainable parameter of the
   module, so each replica's backward (run in its own thread) accumulates into its own ``.grad`` and
   :meth:`Replicas.reduce_gradients` adds them up in replica order (bit-for-bit repeatable, as
-  ``torch.cuda.comm.reduce_add_coalesced`` for ``nn.DataParallel``). On CPU, and for the replica on
+  ``torch.nn.parallel.comm.reduce_add_coalesced`` for ``nn.DataParallel``). On CPU, and for the replica on
   the root device, the leaves share the module's parameter storage, so the optimizer's in-place update
   is seen at once; on other CUDA devices they are copies, refreshed before every step with
-  ``torch.cuda.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
+  ``torch.nn.parallel.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
   module's own. Replica parameters are real ``Parameter`` objects, so ``replica.layer.parameters()``
   works in the step.
 - Buffers follow ``nn.DataParallel``: the root replica shares the module's buffers (its in-place
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
 from lightning_sparse_dp.place import check_devices
 
@@ -260,11 +261,12 @@ class Replicas:
         others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
         if not others or not self.trainable:
             return
+        targets = list(dict.fromkeys(self.devices[r] for r in others))  # each GPU once (replicas_per_device > 1)
         with torch.no_grad():  # the source device comes first; its "copies" are the parameters themselves
             sources = [p.detach() for p in self.trainable]
-            copies = torch.cuda.comm.broadcast_coalesced(sources, [self.devices[0]] + [self.devices[r] for r in others])[1:]
-            for r, tensors in zip(others, copies):
-                torch._foreach_copy_([leaf.data for leaf in self.leaves[r]], list(tensors))
+            copies = dict(zip(targets, comm.broadcast_coalesced(sources, [self.devices[0], *targets])[1:]))
+            for r in others:
+                torch._foreach_copy_([leaf.data for leaf in self.leaves[r]], list(copies[self.devices[r]]))
 
     def reduce_gradients(self, count: int | None = None) -> list[Tensor | None]:
         """The replicas' gradients, per trainable parameter, added in replica order on the root device.

@@ -231,6 +231,29 @@ def test_synchronized_batch_norm_on_replicas_sharing_a_gpu_is_refused_with_the_f
         check_shared_gpus([torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)])
 
 
+def test_parameters_are_broadcast_once_to_each_gpu_and_copied_into_every_replica_there(monkeypatch):
+    """``Replicas._copy_parameters`` with two replicas on one GPU: torch's broadcast gets each GPU once (after the
+    root's), and both replicas there take that GPU's copies. The replicas are built on CPU; their devices are then
+    named CUDA ones and the broadcast and copy stood in (both are CUDA calls). torch's broadcast is reached through
+    ``torch.nn.parallel.comm`` (``torch.cuda.comm``, used before, is imported by no module of torch: on two GPUs
+    the first step raised AttributeError)."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    replicas = replicate_module.Replicas(module, [torch.device("cpu")] * 4)
+    replicas.devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 2)]
+    asked, copied = [], []
+
+    def broadcast_coalesced(tensors, devices):
+        asked.append(list(devices))
+        return [[(d, j) for j in range(len(tensors))] for d in devices]
+
+    monkeypatch.setattr(replicate_module.comm, "broadcast_coalesced", broadcast_coalesced)
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copied.append((len(dst), src)))
+    replicas._copy_parameters()
+    assert asked == [[torch.device("cuda", i) for i in range(3)]]
+    on = {1: torch.device("cuda", 1), 2: torch.device("cuda", 1), 3: torch.device("cuda", 2)}
+    assert copied == [(4, [(on[r], j) for j in range(4)]) for r in (1, 2, 3)]
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu
