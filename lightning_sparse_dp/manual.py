@@ -74,7 +74,18 @@ class ManualStep:
     def _decide(self, losses: list[Tensor]) -> list[float]:
         if self.terms is not None:
             self.terms.scale_terms(losses, self.weights)
-        return list(self.weights)
+        return [w * self._loss_scale() for w in self.weights]
+
+    def _loss_scale(self) -> float:
+        """The precision plugin's loss scale (16-mixed's ``GradScaler``), else 1: Lightning's ``manual_backward``
+        scales the loss (``precision_plugin.pre_backward``) and the optimizer step unscales the gradients, so each
+        replica's backward must start from the scaled weight too. Scaling a root-device tensor also makes the scaler
+        set up its scale there, where the step's ``unscale_`` looks for it."""
+        trainer = getattr(self.module, "_trainer", None)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.scale(torch.ones((), device=self.replicas.devices[0])).item())
 
     def _reduce(self) -> None:
         grads = self.replicas.reduce_gradients(self.count)

@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
@@ -226,6 +228,7 @@ def merge_states(target: Metric, sources: list[Metric]) -> None:
     (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
     ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
     """
+    sources = [_on_device_of(target, m) for m in sources]
     summed = _summed_states(target, sources)
     if summed is None:
         for m in sources:
@@ -237,8 +240,21 @@ def merge_states(target: Metric, sources: list[Metric]) -> None:
     target.__dict__.update(zip(names, states))  # metric states are plain attributes (as reset_metric sets them)
 
 
-def _summed_states(target: Metric, sources: list[Metric]) -> tuple[list[str], list[Tensor], list[list[Tensor]]] | None:
-    """``(state names, target's states, each source's states)`` when :func:`merge_states` may add them fused, else ``None``."""
+def _on_device_of(target: Metric, source: Metric) -> Metric | dict[str, Any]:
+    """``source``, or, when it lives on another device than ``target`` (a replica on another GPU), its state moved to
+    ``target``'s device as a dict (``Metric.merge_state`` takes either): torchmetrics' merge adds, concatenates or
+    stacks the two states, which needs one device."""
+    if source.device == target.device:  # Metric.device follows .to(): the replicas' copies are moved so (_copy)
+        return source
+    device = target.device
+    return {n: apply_to_collection(getattr(source, n), Tensor, lambda t: t.to(device)) for n in target._defaults}
+
+
+def _summed_states(
+    target: Metric, sources: list[Metric | dict[str, Any]]
+) -> tuple[list[str], list[Tensor], list[list[Tensor]]] | None:
+    """``(state names, target's states, each source's states)`` when :func:`merge_states` may add them fused, else ``None``
+    (a source is a metric of ``target``'s type, or the state of one as a dict: :func:`_on_device_of`)."""
     if not sources:
         return None
     names = list(target._defaults)
@@ -247,12 +263,12 @@ def _summed_states(target: Metric, sources: list[Metric]) -> tuple[list[str], li
         and type(target)._reduce_states is Metric._reduce_states
         and target.full_state_update is False
         and not target.dist_sync_on_step
-        and all(type(m) is type(target) for m in sources)
+        and all(isinstance(m, dict) or type(m) is type(target) for m in sources)
         and all(target._reductions[n] is dim_zero_sum for n in names)
     ):
         return None
     states = [getattr(target, n) for n in names]
-    incoming = [[getattr(m, n) for n in names] for m in sources]
+    incoming = [[m[n] if isinstance(m, dict) else getattr(m, n) for n in names] for m in sources]
     same_kind = all(isinstance(t, Tensor) and not t.requires_grad for t in states) and all(
         isinstance(x, Tensor) and x.shape == t.shape and x.dtype == t.dtype and x.device == t.device
         for theirs in incoming

@@ -10,7 +10,8 @@ copied with ``Module._replicate_for_data_parallel``), with three differences:
   the root device, the leaves share the module's parameter storage, so the optimizer's in-place update
   is seen at once; on other CUDA devices they are copies, refreshed before every step with
   ``torch.nn.parallel.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
-  module's own. Replica parameters are real ``Parameter`` objects, so ``replica.layer.parameters()``
+  module's own (on other GPUs: copies, refreshed with the others, as ``nn.DataParallel`` broadcasts every
+  parameter every step). Replica parameters are real ``Parameter`` objects, so ``replica.layer.parameters()``
   works in the step.
 - Buffers follow ``nn.DataParallel``: the root replica shares the module's buffers (its in-place
   updates, e.g. batch-norm running statistics, persist); the other replicas hold copies, refreshed
@@ -145,6 +146,7 @@ class Replicas:
     Attributes:
         modules: the replicas, ``modules[i]`` on ``devices[i]``.
         trainable: the module's parameters that require a gradient, in ``module.parameters()`` order.
+        frozen: the module's other parameters, in the same order.
         leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
 
     Raises:
@@ -172,9 +174,11 @@ class Replicas:
         self._source_dicts = [m.__dict__ for m in self._sources]
         self._fingerprint = _fingerprint(self._source_dicts)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
         index = {id(m): i for i, m in enumerate(self._sources)}
         self.modules: list[nn.Module] = []
         self.leaves: list[list[Tensor]] = []
+        self._frozen_leaves: list[list[Tensor]] = []  # per replica: its copies of `frozen` (none where storage is shared)
         self._copies: list[list[nn.Module]] = []
         buffer_slots: list[list[tuple[dict[str, Tensor | None], str]]] = []  # per replica > 0
         root_device = self.devices[0]
@@ -185,7 +189,7 @@ class Replicas:
             for p in self.trainable:
                 data = p.detach() if shares_storage else torch.empty_like(p, device=device)
                 leaf_of[id(p)] = nn.Parameter(data, requires_grad=True)
-            if not shares_storage:  # frozen parameters: copied once to the replica's device
+            if not shares_storage:  # frozen parameters: copies on the replica's device, refreshed every step as well
                 for p in module.parameters():
                     if not p.requires_grad:
                         leaf_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
@@ -203,6 +207,7 @@ class Replicas:
                 copies[0]._device = device
             self.modules.append(copies[0])
             self.leaves.append([leaf_of[id(p)] for p in self.trainable])
+            self._frozen_leaves.append([] if shares_storage else [leaf_of[id(p)] for p in self.frozen])
             self._copies.append(copies)
             if r > 0:
                 buffer_slots.append(slots)
@@ -256,17 +261,20 @@ class Replicas:
             self.modules[r].__dict__["_device"] = self.devices[r]
 
     def _copy_parameters(self, count: int | None = None) -> None:
-        """CUDA: copy the module's parameters into the replicas on other devices (no autograd)."""
+        """CUDA: copy the module's parameters, frozen ones too (an EMA teacher or a callback may change them in
+        place, as ``nn.DataParallel`` broadcasts every parameter every step), into the replicas on other devices (no
+        autograd)."""
         count = len(self.modules) if count is None else count
         others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
-        if not others or not self.trainable:
+        if not others or not (self.trainable or self.frozen):
             return
         targets = list(dict.fromkeys(self.devices[r] for r in others))  # each GPU once (replicas_per_device > 1)
         with torch.no_grad():  # the source device comes first; its "copies" are the parameters themselves
-            sources = [p.detach() for p in self.trainable]
+            sources = [p.detach() for p in chain(self.trainable, self.frozen)]
             copies = dict(zip(targets, comm.broadcast_coalesced(sources, [self.devices[0], *targets])[1:]))
             for r in others:
-                torch._foreach_copy_([leaf.data for leaf in self.leaves[r]], list(copies[self.devices[r]]))
+                leaves = [leaf.data for leaf in chain(self.leaves[r], self._frozen_leaves[r])]
+                torch._foreach_copy_(leaves, list(copies[self.devices[r]]))
 
     def reduce_gradients(self, count: int | None = None) -> list[Tensor | None]:
         """The replicas' gradients, per trainable parameter, added in replica order on the root device.

@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
@@ -134,7 +135,7 @@ class StepState:
                     f"sparse_dp: self.{key} was set by some replicas' steps only (a branch on the chunk): the module "
                     "gets the value of the first that set it. Set it in every replica's step, from the whole batch's values."
                 )
-                setattr(self.module, key, next(v for v, c in zip(values, changed) if c))
+                setattr(self.module, key, self._to_root(next(v for v, c in zip(values, changed) if c)))
                 continue
             if _same(values):
                 setattr(self.module, key, values[0])
@@ -142,7 +143,7 @@ class StepState:
             try:
                 value, exact = combine(values)
             except Exception:  # noqa: BLE001  (values the output merge cannot read)
-                value, exact = list(values), False
+                value, exact = self._to_root(list(values)), False
             if not exact:
                 warning_cache.warn(
                     f"sparse_dp: self.{key} was set to different values by the replicas' steps: the module gets them "
@@ -151,6 +152,11 @@ class StepState:
                     "one device's value in every case."
                 )
             setattr(self.module, key, value)
+
+    def _to_root(self, value: Any) -> Any:
+        """``value`` with its tensors moved to the module's device (a replica's on another GPU would stay there)."""
+        device = getattr(self.module, "device", None)
+        return value if not isinstance(device, torch.device) else move_data_to_device(value, device)
 
     def _merge_list(
         self, key: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache
@@ -172,7 +178,7 @@ class StepState:
                 "device's entries."
             )
             for a in added:
-                before.extend(a)
+                before.extend(self._to_root(a))
             return
         merged = []
         for j in range(counts.pop()):
@@ -184,7 +190,7 @@ class StepState:
                     f"are ({type(err).__name__}: {err}): the module's list gets each replica's entries in replica order."
                 )
                 for a in added:
-                    before.extend(a)
+                    before.extend(self._to_root(a))
                 return
         before.extend(merged)
 

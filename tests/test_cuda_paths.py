@@ -252,6 +252,72 @@ def test_parameters_are_broadcast_once_to_each_gpu_and_copied_into_every_replica
     assert asked == [[torch.device("cuda", i) for i in range(3)]]
     on = {1: torch.device("cuda", 1), 2: torch.device("cuda", 1), 3: torch.device("cuda", 2)}
     assert copied == [(4, [(on[r], j) for j in range(4)]) for r in (1, 2, 3)]
+    # a frozen parameter (e.g. an EMA teacher's, changed in place): its copies on other GPUs are refreshed too
+    module[1].bias.requires_grad_(False)
+    replicas = replicate_module.Replicas(module, [torch.device("cpu")] * 3)
+    replicas.devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)]
+    replicas._frozen_leaves = [[], [torch.empty(2)], [torch.empty(2)]]  # as built on GPUs (CPU replicas share)
+    asked.clear(), copied.clear()
+    replicas._copy_parameters()
+    assert replicas.frozen == [module[1].bias] and len(replicas.trainable) == 3
+    assert copied == [(4, [(torch.device("cuda", r), j) for j in range(4)]) for r in (1, 2)]
+
+
+@pytest.mark.parametrize("kind", ["sum", "cat", "mean_squared_error"])
+def test_metric_states_from_a_replica_on_another_gpu_are_moved_before_the_merge(kind):
+    """A replica's metric copy on another GPU is merged into the root's through its state moved to the root's device
+    (torchmetrics adds, concatenates or stacks the two). Here the copy only says it is on cuda:1 (its tensors stay
+    on CPU): the merge takes the moved path and gives what merging the copies themselves gives."""
+    import torchmetrics
+    from torchmetrics.aggregation import CatMetric, SumMetric
+
+    from lightning_sparse_dp.metrics import _on_device_of, merge_states
+
+    make = {"sum": SumMetric, "cat": CatMetric, "mean_squared_error": torchmetrics.MeanSquaredError}[kind]
+    values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([5.0, 7.0, 11.0])]
+    ours, reference = make(), make()
+    copies, plain = [make(), make()], [make(), make()]
+    for metric_set in ((ours, *copies), (reference, *plain)):
+        for m, v in zip(metric_set, values):
+            m.update(v, v / 2) if kind == "mean_squared_error" else m.update(v)
+    for c in copies:
+        c._device = torch.device("cuda", 1)
+        assert isinstance(_on_device_of(ours, c), dict)
+    assert _on_device_of(reference, plain[0]) is plain[0]
+    merge_states(ours, copies)
+    merge_states(reference, plain)
+    assert torch.equal(torch.as_tensor(ours.compute()), torch.as_tensor(reference.compute()))
+
+
+def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
+    """``StepState.merge``: a value only some replicas set, entries the replicas appended in different numbers, and
+    values the output merge cannot read reach the module moved to its device (a replica on another GPU left them on
+    its own). The module's device is ``meta`` here, so that a move shows on CPU."""
+    from lightning.pytorch.utilities.rank_zero import WarningCache
+
+    from lightning_sparse_dp.state import StepState
+
+    class Holder(torch.nn.Module):
+        device = torch.device("meta")  # as a LightningModule's .device says where the module is
+
+    module = Holder()
+    module.history = []
+    replicas = [Holder(), Holder()]
+    for r in replicas:
+        r.__dict__.update(module.__dict__)
+    state = StepState(module, replicas)
+    replicas[1].__dict__["best"] = torch.ones(2)  # set by one replica only
+    replicas[0].__dict__["history"].append(torch.zeros(1))  # appended in different numbers
+    replicas[1].__dict__["history"] += [torch.zeros(1), torch.ones(1)]
+    replicas[0].__dict__["odd"], replicas[1].__dict__["odd"] = torch.zeros(1), torch.ones(3)  # cannot be merged
+
+    def combine(values):
+        raise ValueError("not mergeable")
+
+    state.merge(combine, WarningCache())
+    assert module.best.device.type == "meta"
+    assert len(module.history) == 3 and all(t.device.type == "meta" for t in module.history)
+    assert [t.device.type for t in module.odd] == ["meta", "meta"]
 
 
 # --- the GPU check script without a GPU --------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.clients import fresh_loader
-from tests.helpers import relative_difference, state_differences
+from tests.helpers import SparseNet, collate_dict, loader, random_samples, relative_difference, state_differences
 from tests.helpers import trainer as _trainer
 from tests.term_models import ScanNetSeg, seg_batch
 
@@ -97,3 +97,42 @@ def test_the_comparison_above_can_fail():
     trainer(max_steps=2).fit(reference, fresh_loader(batches))
     assert max(state_differences(ours, reference).values()) > 1e-4
     assert any(not torch.equal(v, start[k]) for k, v in ours.state_dict().items() if v.is_floating_point())
+
+
+class ManualSparseNet(SparseNet):
+    """SparseNet (batch norm) under manual optimization: zero_grad, manual_backward, step."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.loss(batch))
+        opt.step()
+
+
+def test_manual_backward_under_a_loss_scaler_is_scaled_like_lightnings():
+    """16-mixed with a GradScaler: Lightning's manual_backward scales the loss and the optimizer step unscales the
+    gradients; the replicas' manual_backward must scale too (without it the step is 2**10 times too small here).
+    One step from equal parameters: the replicas' sums differ from the whole batch's by float32 rounding only (the
+    automatic case, tests/test_backward.py, compares the same way)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    ours, reference = ManualSparseNet(), ManualSparseNet()
+    reference.load_state_dict(ours.state_dict())
+    start = {k: v.clone() for k, v in ours.state_dict().items()}
+    batch = collate_dict(random_samples(7, seed=70))
+    for model, strategy, devices in [(ours, "sparse_dp", 3), (reference, "auto", 1)]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        _trainer(strategy=strategy, devices=devices, max_steps=1, sync_batchnorm=devices > 1,
+                 plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]).fit(model, loader(batch))
+    ref, moved = reference.state_dict(), 0
+    for name, value in ours.state_dict().items():
+        if value.is_floating_point() and not torch.equal(ref[name], start[name]):
+            step = (ref[name] - start[name]).abs().max()
+            assert (value - ref[name]).abs().max() <= 1e-3 * step, name
+            moved += 1
+    assert moved >= 4  # the step moved the parameters, so the comparison says something
