@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
@@ -82,10 +82,27 @@ def count_of(value: Any) -> int | None:
         entry = counts.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
     if isinstance(value, float):
-        for mean, count in reversed(list(counts.values())):
-            if mean.device.type == "cpu" and float(mean) == value:  # a GPU mean would cost a sync: not looked at
+        entries = [(mean, count) for mean, count in counts.values() if mean.numel() == 1]
+        for (_, count), v in zip(reversed(entries), reversed(scalar_values([mean for mean, _ in entries]))):
+            if v == value:
                 return count
     return None
+
+
+def scalar_values(tensors: Sequence[Tensor]) -> list[float]:
+    """``[float(t) for t in tensors]`` (one-element tensors, as float64) with one device-to-host copy per device
+    rather than one per tensor: on a GPU each copy waits for the device, and a logged ``.item()`` is looked up
+    among every mean and loss term of the step."""
+    out = [0.0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        with torch._C.DisableTorchFunction():  # a step's loss capture (a torch function mode) must not see these
+            values = torch.stack([tensors[i].detach().reshape(()).double() for i in indices]).tolist()
+        for i, v in zip(indices, values):
+            out[i] = v
+    return out
 
 
 @contextmanager

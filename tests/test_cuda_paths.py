@@ -320,6 +320,23 @@ def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
     assert [t.device.type for t in module.odd] == ["meta", "meta"]
 
 
+def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_device(monkeypatch):
+    """A logged ``.item()`` is matched to the step's means and loss terms on any device (GPU ones too: before,
+    only CPU tensors were looked at, so on GPUs such a value was reduced by the loss weights instead of exactly),
+    reading them with one device-to-host copy per device (one ``torch.stack``), not one per tensor."""
+    from lightning_sparse_dp import means
+
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k))
+    values = [torch.tensor(0.25), torch.tensor([1.5], dtype=torch.float16), torch.tensor(3.0, dtype=torch.float64)]
+    assert means.scalar_values(values) == [0.25, 1.5, 3.0] and stacks == [3]
+    with means.counting():
+        torch.mean(torch.arange(4.0))  # 1.5, of 4 elements
+        second = torch.mean(torch.arange(6.0))  # 2.5, of 6
+        assert means.count_of(second.item()) == 6 and means.count_of(1.5) == 4 and means.count_of(9.0) is None
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu

@@ -36,6 +36,7 @@ from lightning_sparse_dp._patch import SharedPatch
 from lightning_sparse_dp.loss.denominators import CAPTURED, UNCAPTURED, bind, denominator, is_mean, is_sum, loss_name
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
+from lightning_sparse_dp.means import scalar_values
 
 T = TypeVar("T")
 
@@ -150,12 +151,12 @@ class TermCapture(TorchFunctionMode):
 
     def tensor_of(self, value: Any) -> Tensor | None:
         """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
-        a logged ``loss.item()`` is reduced as the loss. Only CPU tensors are looked at (a GPU one would sync)."""
+        a logged ``loss.item()`` is reduced as the loss (on a GPU: one copy to the host per device and lookup)."""
         if not isinstance(value, float):
             return None
-        for form in reversed(list(self.forms.values())):
-            t = form.tensor
-            if form.coeffs is not None and t.numel() == 1 and t.device.type == "cpu" and float(t.detach()) == value:
+        candidates = [form.tensor for form in self.forms.values() if form.coeffs is not None and form.tensor.numel() == 1]
+        for t, v in zip(reversed(candidates), reversed(scalar_values(candidates))):
+            if v == value:
                 return t
         return None
 
