@@ -291,7 +291,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     def _rank_mean(self, tensor: Tensor) -> Tensor:
         """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
         x = tensor.detach()
-        one = x.numel() == 1 and x.device.type == "cpu"
+        one = x.numel() == 1  # a logged float is a tensor on the rank's device by now (Lightning's self.log)
         summary = None
         if self._capture is not None:
             target = tensor if id(tensor) in self._capture.forms else self._capture.tensor_of(float(x)) if one else None

@@ -116,6 +116,26 @@ def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype)
         assert relative_difference(tensors[name], want[name]) < (1e-10 if dtype == torch.float64 else 1e-5), name
 
 
+def test_the_per_rank_backward_gives_torchs_kernel_its_saved_statistics_defined(monkeypatch):
+    """torch's CUDA ``native_batch_norm_backward`` asserts that ``save_mean`` and ``save_invstd`` are defined
+    (Normalization.cu: "save_mean should always be defined"; empty means "use the running statistics"), where the
+    CPU kernel takes ``None``: the per-rank path, which GPUs take, passes empty tensors. Checked here with the CUDA
+    kernel's assertion put in front of the CPU kernel; the values are the one-device ones still."""
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)
+    kernel, calls = torch.ops.aten.native_batch_norm_backward, []
+
+    def as_on_cuda(*args):
+        calls.append(args)
+        assert args[5] is not None and args[6] is not None, "save_mean should always be defined"
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", as_on_cuda)
+    got, want, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3))
+    assert calls
+    for name in want:
+        assert relative_difference(got[name], want[name]) < 1e-10, name
+
+
 def test_cumulative_average_and_no_affine(path):
     got, want, _ = sync_step([5, 4], channels=3, momentum=None, affine=False)
     for name in want:

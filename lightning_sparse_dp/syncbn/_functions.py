@@ -288,9 +288,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
         cdt = centered.dtype
         dy = grad_output if grad_output.dtype == cdt else grad_output.to(cdt)
         if centered.numel() > 0:
-            # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass
+            # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass. The
+            # saved statistics are given empty, not None: the CUDA kernel asserts they are defined (an empty one
+            # means "use the running ones", here the frame), where the CPU kernel takes None as well.
+            unsaved = frame_c.new_empty(0)
             _, dot_invstd, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, centered, None, frame_c, var_c, None, None, False, ctx.eps, [False, True, True]
+                dy, centered, None, frame_c, var_c, unsaved, unsaved, False, ctx.eps, [False, True, True]
             )
         else:
             dot_invstd = sum_dy = torch.zeros(centered.shape[1], dtype=cdt, device=centered.device)
