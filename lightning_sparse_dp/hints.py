@@ -20,6 +20,7 @@ from lightning_sparse_dp.split import SplitPlan
 #: torch's message for batch norm in training mode over a single value per channel
 #: (``torch.nn.functional._verify_batch_size``).
 _ONE_VALUE = "Expected more than 1 value per channel when training"
+_SAME_DEVICE = "Expected all tensors to be on the same device"  # torch, on mixing devices in one op
 
 #: Note on the error raised when some replicas return ``None`` from a step and others do not
 #: (:func:`lightning_sparse_dp.outputs.gather_outputs`).
@@ -48,8 +49,18 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
     one point, or fewer points than the network's strides leave more than one of). The new
     exception names the replica's chunk (samples and points) and the fixes: ``sync_batchnorm=True``
     (normalizes over the whole batch, as one device does), fewer devices, or ``drop_last=True`` /
-    no tiny samples; its ``__cause__`` is ``err``.
+    no tiny samples; its ``__cause__`` is ``err``. Also torch's "Expected all tensors to be on the same
+    device" in a replica (GPUs): most often a tensor kept as a plain attribute of the module, which every
+    replica shares as it is, on the root device (as ``nn.DataParallel``'s replicas do); the new exception says
+    so and names the fixes.
     """
+    if isinstance(err, RuntimeError) and _SAME_DEVICE in str(err):
+        return _with_cause(RuntimeError(
+            f"{err} — in a sparse_dp replica, whose module and chunk are on its own device. A tensor kept as a plain "
+            "attribute (self.x = tensor) is shared by every replica as it is, on the root device: register it as a "
+            "buffer (self.register_buffer('x', tensor), copied to each replica's device), or make it in the step "
+            "on the input's device."
+        ), err)
     if not (isinstance(err, ValueError) and _ONE_VALUE in str(err)):
         return err
     replica = _replica_of(err)
@@ -67,6 +78,10 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
         "devices, or drop_last=True / a batch size that does not leave a short last batch, or no samples of a "
         "single point."
     )
+    return _with_cause(new, err)
+
+
+def _with_cause(new: BaseException, err: BaseException) -> BaseException:
     new.__cause__ = err
     for note in getattr(err, "__notes__", ()):
         new.add_note(note)

@@ -337,6 +337,23 @@ def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_devi
         assert means.count_of(second.item()) == 6 and means.count_of(1.5) == 4 and means.count_of(9.0) is None
 
 
+def test_a_replica_mixing_devices_is_told_about_plain_tensor_attributes():
+    """torch's "Expected all tensors to be on the same device" raised in a replica (on GPUs: a tensor kept as a
+    plain module attribute stays on the root's device for every replica) gets the likely cause and the fixes,
+    keeping the note that names the replica and its device."""
+    from lightning_sparse_dp.hints import explain_replica_error
+
+    err = RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:1 and "
+                       "cuda:0!")
+    err.add_note("raised in replica 1 on device cuda:1 (lightning_sparse_dp)")
+    new = explain_replica_error(err, plan=None)
+    assert isinstance(new, RuntimeError) and new.__cause__ is err
+    assert "register_buffer" in str(new) and "plain attribute" in str(new)
+    assert new.__notes__ == err.__notes__
+    other = RuntimeError("something else")
+    assert explain_replica_error(other, plan=None) is other
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu
