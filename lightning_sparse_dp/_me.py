@@ -14,6 +14,8 @@ import json
 import os
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
 try:
     import MinkowskiEngine as ME
 except ImportError as err:  # pragma: no cover - exercised only on a machine without ME
@@ -102,7 +104,27 @@ def is_me_tensor(x: Any) -> bool:
     return isinstance(x, (ME.SparseTensor, ME.TensorField))
 
 
+def check_coordinate_manager_mode(num_replicas: int) -> None:
+    """Refuse ME's ``SHARE_COORDINATE_MANAGER`` mode for two or more replica threads of one process.
+
+    In that mode (``ME.set_sparse_tensor_operation_mode``) every ``ME.SparseTensor`` of the process inserts into one
+    global coordinate manager, so the replicas' threads would write it at once, each with its own chunk's batch
+    indices: ME 0.5.4 ended the process ("Invalid origin_coordinate_map", coordinate_map_cpu.hpp, 3 CPU replicas).
+
+    Raises:
+        MisconfigurationException: the mode is on and ``num_replicas > 1``; names the fixes.
+    """
+    if num_replicas > 1 and ME.sparse_tensor_operation_mode() == ME.SparseTensorOperationMode.SHARE_COORDINATE_MANAGER:
+        raise MisconfigurationException(
+            "sparse_dp: MinkowskiEngine is in SHARE_COORDINATE_MANAGER mode (ME.set_sparse_tensor_operation_mode), where "
+            "every SparseTensor of the process uses one global coordinate manager, which the replicas' threads would "
+            "write at once (ME crashes the process). Use ME's default mode with sparse_dp: "
+            "ME.set_sparse_tensor_operation_mode(ME.SparseTensorOperationMode.SEPARATE_COORDINATE_MANAGER), or "
+            "strategy='sparse_ddp' (one process per device, each with its own global coordinate manager)."
+        )
+
+
 __all__ = [
-    "CPU_PATCHES", "GPU_PATCHES", "ME", "build_info", "is_me_tensor", "is_sparse_tensor", "is_tensor_field", "missing_patches",
-    "unpatched_message",
+    "CPU_PATCHES", "GPU_PATCHES", "ME", "build_info", "check_coordinate_manager_mode", "is_me_tensor", "is_sparse_tensor",
+    "is_tensor_field", "missing_patches", "unpatched_message",
 ]

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_sparse_dp._me import is_me_tensor, is_tensor_field
+from lightning_sparse_dp._me import check_coordinate_manager_mode, is_me_tensor, is_tensor_field
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.leaves import path_name
 
@@ -172,8 +172,11 @@ def pending_chunks(
 
     Raises:
         ValueError: more cutters than devices (:func:`check_chunk_count`).
+        MisconfigurationException: ME's shared coordinate manager mode with several chunks
+            (:func:`~lightning_sparse_dp._me.check_coordinate_manager_mode`).
     """
     check_chunk_count(len(cutters), devices)
+    check_coordinate_manager_mode(len(cutters))
     makes = [partial(cut_and_place, cut, device) for cut, device in zip(cutters, devices)]
     return [PendingChunk(make if timer is None else timer.timed(f"scatter{i}", make)) for i, make in enumerate(makes)]
 
@@ -183,8 +186,11 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
 
     Raises:
         ValueError: more chunks than devices.
+        MisconfigurationException: ME's shared coordinate manager mode with several chunks
+            (:func:`~lightning_sparse_dp._me.check_coordinate_manager_mode`).
     """
     check_chunk_count(len(chunks), devices)
+    check_coordinate_manager_mode(len(chunks))
     return [place_chunk(c, d) for c, d in zip(chunks, devices)]
 
 

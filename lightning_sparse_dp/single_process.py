@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sparse_dp._me import check_coordinate_manager_mode
 from lightning_sparse_dp.place import check_devices
 
 
@@ -100,6 +101,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         check_devices(list(self.parallel_devices or []))
+        check_coordinate_manager_mode(len(self.parallel_devices or []))  # again at every step (place.py)
         super().setup_environment()
 
     @override

@@ -118,15 +118,17 @@ def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype)
 
 def test_the_per_rank_backward_gives_torchs_kernel_its_saved_statistics_defined(monkeypatch):
     """torch's CUDA ``native_batch_norm_backward`` asserts that ``save_mean`` and ``save_invstd`` are defined
-    (Normalization.cu: "save_mean should always be defined"; empty means "use the running statistics"), where the
-    CPU kernel takes ``None``: the per-rank path, which GPUs take, passes empty tensors. Checked here with the CUDA
-    kernel's assertion put in front of the CPU kernel; the values are the one-device ones still."""
+    (Normalization.cu: "save_mean should always be defined"; empty means "use the running statistics") and, given
+    no weight, returns the weight and bias gradients empty, where the CPU kernel takes ``None`` for all three: the
+    per-rank path, which GPUs take, passes empty statistics and a weight of ones. Checked here with the CUDA
+    kernel's demands put in front of the CPU kernel; the values are the one-device ones still."""
     monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)
     kernel, calls = torch.ops.aten.native_batch_norm_backward, []
 
     def as_on_cuda(*args):
         calls.append(args)
         assert args[5] is not None and args[6] is not None, "save_mean should always be defined"
+        assert args[2] is not None, "without a weight the CUDA kernel's sums come back empty"
         return kernel(*args)
 
     monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", as_on_cuda)

@@ -327,3 +327,21 @@ def test_several_replicas_share_one_device():
     assert_same_states(ours, reference)
     with pytest.raises(ValueError, match="replicas_per_device"):
         SparseDataParallelStrategy(replicas_per_device=0)
+
+
+def test_mes_shared_coordinate_manager_mode_is_refused_for_replicas_and_fine_for_one(monkeypatch):
+    """ME's SHARE_COORDINATE_MANAGER mode: one global coordinate manager for every SparseTensor of the process,
+    which replica threads would write at once (ME ended the process with 3 CPU replicas): refused at setup and at
+    every step's placing, with the fixes; one replica runs as it would on one device."""
+    import MinkowskiEngine as ME
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_sparse_dp import place
+
+    monkeypatch.setattr(ME, "sparse_tensor_operation_mode", lambda: ME.SparseTensorOperationMode.SHARE_COORDINATE_MANAGER)
+    batches = [collate_dict(random_samples(4, seed=1))]
+    with pytest.raises(MisconfigurationException, match=r"SHARE_COORDINATE_MANAGER.*SEPARATE_COORDINATE_MANAGER.*sparse_ddp"):
+        trainer(strategy="sparse_dp", devices=2, max_steps=1).fit(SparseNet(), loader(*batches))
+    with pytest.raises(MisconfigurationException, match="SHARE_COORDINATE_MANAGER"):
+        place.place_chunks([{}, {}], [torch.device("cpu")] * 2)  # the mode set after setup: caught at the step
+    assert place.place_chunks([{}], [torch.device("cpu")]) == [{}]

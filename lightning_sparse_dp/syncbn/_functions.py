@@ -288,12 +288,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
         cdt = centered.dtype
         dy = grad_output if grad_output.dtype == cdt else grad_output.to(cdt)
         if centered.numel() > 0:
-            # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass. The
-            # saved statistics are given empty, not None: the CUDA kernel asserts they are defined (an empty one
-            # means "use the running ones", here the frame), where the CPU kernel takes None as well.
+            # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass. What
+            # the CPU kernel takes as None its CUDA twin does not (torch's Normalization.cu): the saved statistics
+            # are given empty (asserted defined; empty means "use the running ones", here the frame), and a weight
+            # of ones (without a weight it returns both sums empty); the sums do not depend on the weight's values.
             unsaved = frame_c.new_empty(0)
             _, dot_invstd, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, centered, None, frame_c, var_c, unsaved, unsaved, False, ctx.eps, [False, True, True]
+                dy, centered, torch.ones_like(frame_c), frame_c, var_c, unsaved, unsaved, False, ctx.eps,
+                [False, True, True],
             )
         else:
             dot_invstd = sum_dy = torch.zeros(centered.shape[1], dtype=cdt, device=centered.device)
