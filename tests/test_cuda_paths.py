@@ -354,6 +354,17 @@ def test_a_replica_mixing_devices_is_told_about_plain_tensor_attributes():
     assert explain_replica_error(other, plan=None) is other
 
 
+def test_merging_chunks_from_several_devices_lands_on_the_first_pieces_device():
+    """``merge_chunks`` (``merge_batch``'s tensors) of pieces on different devices: moved to the first piece's
+    before the concatenation (replicas' pieces on other GPUs). ``meta`` stands in for the first GPU."""
+    from lightning_sparse_dp.split.merge import merge_chunks
+
+    merged = merge_chunks([torch.zeros(2, 3, device="meta"), torch.ones(1, 3)], [torch.tensor([0, 2]), torch.tensor([1])])
+    assert merged.device.type == "meta" and merged.shape == (3, 3)
+    on_cpu = merge_chunks([torch.zeros(2, 1), torch.ones(1, 1)], [torch.tensor([0, 2]), torch.tensor([1])])
+    assert on_cpu.flatten().tolist() == [0.0, 1.0, 0.0]
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu

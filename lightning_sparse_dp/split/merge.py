@@ -39,13 +39,15 @@ def merge_chunks(pieces: Sequence[Tensor], order: Sequence[Tensor], dim: int = 0
             per-sample results or ``plan.point_rows[0]`` for per-point results.
 
     Returns:
-        ``[sum n_i, ...]``: row ``r`` is the piece row whose original id is ``r``.
+        ``[sum n_i, ...]``: row ``r`` is the piece row whose original id is ``r``, on the first piece's device
+        (pieces of replicas on other GPUs are moved there).
 
     Raises:
         ValueError: a piece's length differs from its order's.
     """
     inverse = _inverse_order([p.shape[dim] for p in pieces], order)
-    merged = torch.cat(list(pieces), dim=dim)
+    device = pieces[0].device
+    merged = torch.cat([p if p.device == device else p.to(device) for p in pieces], dim=dim)
     return merged.index_select(dim, inverse.to(merged.device))
 
 
