@@ -280,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {**env, "LSDP_GPU_REPORT": str(report)}
     # with pytest-xdist, a test that kills its worker (ME's segmentation fault) is one failure, not the whole run
     xdist = ["-n", "1"] if _importable(python, "xdist") else []
-    # a test that hangs (the first GPU run's multi-replica backward did) dumps every thread's stack into the log and
-    # ends its worker after 90 s: one failure, not the whole budget
-    hang = ["--timeout", "90", "-o", "timeout_method=thread"] if xdist and _importable(python, "pytest_timeout") else []
+    # a test that hangs (the first GPU run's multi-replica backward did) ends its worker after 45 s: one failure,
+    # not the whole budget (xdist starts a new worker; up to 20 times). pytest-timeout's own stack dump goes to the
+    # worker's lost terminal, so pytest's faulthandler dumps every thread's stack into the log first, at 35 s.
+    hang = ["--timeout", "45", "-o", "timeout_method=thread", "-o", "faulthandler_timeout=35",
+            "--max-worker-restart", "20"] if xdist and _importable(python, "pytest_timeout") else []
     code, out = _run(
         [
             python,
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok &= code == 0 and counts.get("passed", 0) > 0
 
-    bench = [python, "benchmarks/bench.py", "--accelerator", "gpu", "--case-timeout", "120"]
+    bench = [python, "benchmarks/bench.py", "--accelerator", "gpu", "--case-timeout", "45"]
     code, out = _run(bench + (["--quick"] if args.quick else []), args.logs / "bench.log", env, timeout=left(300))
     headline = bench_headline(out)
     parts.append(
