@@ -365,6 +365,26 @@ def test_merging_chunks_from_several_devices_lands_on_the_first_pieces_device():
     assert on_cpu.flatten().tolist() == [0.0, 1.0, 0.0]
 
 
+def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(monkeypatch):
+    """The terms' denominators and values (what the exact loss weights are decided from) are read to the host
+    together, one ``torch.stack`` per device, not two waits on the GPU per term and reader; each term's numbers
+    are then what ``float()`` gives, read once."""
+    from lightning_sparse_dp.loss.capture import Term, TermCapture
+
+    capture = TermCapture()
+    for d, v in [(torch.tensor(4.0), 0.5), (None, 2.0), (3, 1.25), (torch.tensor(7.0, dtype=torch.float64), 0.1)]:
+        term = Term("t", d, torch.ones(()))
+        term.value = torch.tensor(v)
+        capture.terms.append(term)
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k))
+    capture.read_numbers()
+    assert stacks == [6]  # four values and two tensor denominators, one device
+    expected = [(4.0, 0.5), (1.0, 2.0), (3.0, 1.25), (7.0, float(torch.tensor(0.1)))]
+    assert [t.numbers() for t in capture.terms] == expected and stacks == [6]
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu

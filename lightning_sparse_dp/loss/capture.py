@@ -91,7 +91,9 @@ class Term:
     Python autograd function's backward (seen: about 10 against 30 microseconds).
     """
 
-    __slots__ = ("name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "_scale", "_factor")
+    __slots__ = (
+        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "_scale", "_factor", "_numbers",
+    )
 
     def __init__(
         self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1,
@@ -103,6 +105,7 @@ class Term:
         self.statistic = statistic
         self.value: Tensor | None = None
         self._scale = 1.0
+        self._numbers: tuple[float, float] | None = None  # (D, L) once read (TermCapture.read_numbers)
 
     @property
     def is_sum(self) -> bool:
@@ -120,9 +123,12 @@ class Term:
         self._factor.data.fill_(scale)  # .data: no version bump, or backward would refuse the saved factor
 
     def numbers(self) -> tuple[float, float]:
-        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call)."""
-        d = 1.0 if self.denominator is None else float(self.denominator)
-        return d, float(self.value)  # type: ignore[arg-type]
+        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (the value is a copy made at
+        the call; :meth:`TermCapture.read_numbers` reads every term's at once)."""
+        if self._numbers is None:
+            d = 1.0 if self.denominator is None else float(self.denominator)
+            self._numbers = (d, float(self.value))  # type: ignore[arg-type]
+        return self._numbers
 
 
 def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
@@ -148,6 +154,17 @@ class TermCapture(TorchFunctionMode):
         self.forms: dict[int, Form] = {}
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
         self.blocked: str | None = None  # why the mode could not be entered
+
+    def read_numbers(self) -> None:
+        """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
+        (:func:`~lightning_sparse_dp.means.scalar_values`) instead of two waits on the GPU per term and reader."""
+        todo = [t for t in self.terms if t._numbers is None and t.value is not None]
+        tensors = [t.value for t in todo] + [t.denominator for t in todo if isinstance(t.denominator, Tensor)]
+        read = iter(scalar_values(tensors))  # type: ignore[arg-type]
+        values = [next(read) for _ in todo]
+        for term, v in zip(todo, values):
+            d = term.denominator
+            term._numbers = (next(read) if isinstance(d, Tensor) else 1.0 if d is None else float(d), v)
 
     def tensor_of(self, value: Any) -> Tensor | None:
         """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
@@ -278,6 +295,7 @@ class TermCapture(TorchFunctionMode):
         if value.numel() != 1:
             return f"it has shape {tuple(value.shape)}"
         coeffs = [form.coeffs.get(k, 0.0) for k in range(len(self.terms))]
+        self.read_numbers()
         parts = [c * t.numbers()[1] for c, t in zip(coeffs, self.terms) if c != 0.0]
         v = float(value.detach())
         r, scale = v - sum(parts), abs(v) + sum(abs(p) for p in parts)

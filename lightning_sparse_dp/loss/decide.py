@@ -128,6 +128,7 @@ def summarize(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
     )
     position: dict[int, int] = {}
+    capture.read_numbers()
     for term, c in zip(capture.terms, coeffs):
         p = position.setdefault(term.site, len(out.sites))
         if p == len(out.sites):
