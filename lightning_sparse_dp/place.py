@@ -49,6 +49,27 @@ def check_devices(devices: Sequence[torch.device]) -> None:
             )
 
 
+def check_default_streams(devices: Sequence[torch.device]) -> None:
+    """Refuse a non-default current CUDA stream on a replica's GPU (e.g. ``Trainer.fit`` run inside
+    ``torch.cuda.stream(s)``).
+
+    The replica threads take the caller's stream, but what other threads do on that GPU (the gather, the autograd
+    worker's gradient reduction, the synchronized batch norm's exchange) runs on the GPU's default stream, and
+    MinkowskiEngine 0.5.4 launches its kernels and copies there too: without a wait between the two streams they
+    could read unfinished data.
+
+    Raises:
+        MisconfigurationException: a CUDA device of ``devices`` whose current stream is not its default one.
+    """
+    for d in dict.fromkeys(d for d in devices if d.type == "cuda"):
+        if torch.cuda.current_stream(d) != torch.cuda.default_stream(d):
+            raise MisconfigurationException(
+                f"sparse_dp runs each GPU's work on its default stream (MinkowskiEngine launches its kernels there), "
+                f"but the current stream on {d} is {torch.cuda.current_stream(d)}: the Trainer was started inside "
+                "torch.cuda.stream(...). Start it outside the stream context."
+            )
+
+
 def device_context(device: torch.device, stream: Any = None):
     """``torch.cuda.device(device)`` (and ``torch.cuda.stream(stream)`` when given) for a CUDA device, else a no-op.
 
@@ -217,6 +238,7 @@ __all__ = [
     "PendingChunk",
     "build_sparse",
     "check_chunk_count",
+    "check_default_streams",
     "check_devices",
     "check_me_devices",
     "current_stream",

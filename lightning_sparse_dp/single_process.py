@@ -23,7 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_sparse_dp._me import check_coordinate_manager_mode
-from lightning_sparse_dp.place import check_devices
+from lightning_sparse_dp.place import check_default_streams, check_devices
 
 
 def _loops_call_before_transfer() -> bool:
@@ -101,6 +101,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         check_devices(list(self.parallel_devices or []))
+        check_default_streams(self.parallel_devices or [])
         check_coordinate_manager_mode(len(self.parallel_devices or []))  # again at every step (place.py)
         super().setup_environment()
 

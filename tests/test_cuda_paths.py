@@ -385,6 +385,21 @@ def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(monkeypatch):
     assert [t.numbers() for t in capture.terms] == expected and stacks == [6]
 
 
+def test_a_trainer_started_inside_a_side_stream_is_refused(monkeypatch):
+    """Everything but the replica threads runs on each GPU's default stream (and ME launches its kernels there):
+    a non-default current stream (``with torch.cuda.stream(s): trainer.fit(...)``) is refused, naming the device.
+    The streams are stood in (asking for one initializes CUDA)."""
+    from lightning_sparse_dp.place import check_default_streams
+
+    current = {0: "default-0", 1: "side-1"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: current[torch.device(d).index])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda d: f"default-{torch.device(d).index}")
+    check_default_streams([torch.device("cpu")] * 2)
+    check_default_streams(CUDA3[:1] * 2)
+    with pytest.raises(MisconfigurationException, match=r"current stream on cuda:1 is side-1.*torch.cuda.stream"):
+        check_default_streams(CUDA3[:2])
+
+
 # --- the GPU check script without a GPU --------------------------------------------------------
 
 @no_gpu
