@@ -191,6 +191,33 @@ def test_combine_statistics_refuses_a_single_value_per_channel():
     assert total.item() == 2 and mean.item() == 2.0 and m2.item() == 0.0
 
 
+@pytest.mark.parametrize("rows", [(1, 0, 0), (0, 1, 0), (0, 0, 0)])
+def test_a_layer_with_fewer_than_two_values_in_all_ranks_is_refused_whichever_rank_combines(rows, monkeypatch):
+    """The per-rank path of GPU input reads the total count (a wait on the GPU) only where a rank's own rows do not
+    settle it: the rank that completes the rendezvous combines, and when the ranks hold fewer than 2 values in all, every rank has
+    fewer than 2 itself, so whichever completes still refuses. With 2 or more in one rank the total is not read."""
+    from lightning_sparse_dp.syncbn import _functions as functions
+
+    monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)
+    monkeypatch.setattr(functions, "HOST_DEVICE_TYPES", ())  # the path of CUDA input (tensors, per rank)
+    group = ThreadGroup(3)
+    layers = [SyncBatchNorm(2).double() for _ in range(3)]
+    for rank, layer in enumerate(layers):
+        layer.collective = group.member(rank)
+    parts = [torch.randn(n, 2, dtype=torch.float64) for n in rows]
+    results = run_ranks(group, lambda rank, member: layers[rank](parts[rank]))
+    assert any(isinstance(r, ValueError) and "more than 1 value per channel" in str(r) for r in results), results
+    checked = []
+    real = functions._combine_stacked
+    monkeypatch.setattr(functions, "_combine_stacked", lambda stats, check=True: checked.append(check) or real(stats, check))
+    group = ThreadGroup(3)
+    for rank, layer in enumerate(layers):
+        layer.collective = group.member(rank)
+    parts = [torch.randn(n, 2, dtype=torch.float64) for n in (3, 2, 4)]
+    results = run_ranks(group, lambda rank, member: layers[rank](parts[rank]).detach())
+    assert all(isinstance(r, torch.Tensor) for r in results) and checked == [False]
+
+
 def test_eval_mode_uses_running_statistics_without_communicating():
     class Refuses:
         rank, world_size = 0, 2

@@ -145,11 +145,15 @@ def combine_statistics(gathered: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     return _combine_stacked(torch.stack(gathered))
 
 
-def _combine_stacked(stats: Values) -> tuple[Values, Values, Values]:
-    """:func:`combine_statistics` of the stacked ``[R, 3, C]`` float64 statistics (numpy array or tensor)."""
+def _combine_stacked(stats: Values, check: bool = True) -> tuple[Values, Values, Values]:
+    """:func:`combine_statistics` of the stacked ``[R, 3, C]`` float64 statistics (numpy array or tensor).
+
+    ``check=False`` skips the test for fewer than 2 values in all, for a caller that knows its own rank brought 2 or
+    more (the total cannot be less): reading the total on a GPU waits for the device, once per layer and forward.
+    """
     counts = stats[:, 0, :1]  # [R, 1]
     total = counts.sum()
-    if float(total) < 2:
+    if check and float(total) < 2:
         raise ValueError(
             f"expected more than 1 value per channel when training, got {int(total)} across {len(stats)} rank(s)"
         )
@@ -159,12 +163,16 @@ def _combine_stacked(stats: Values) -> tuple[Values, Values, Values]:
     return total, mean, m2
 
 
-def _combine(gathered: list[Tensor]) -> tuple[Values, Values]:
-    """``(total, [mean, biased var, unbiased var])`` of the ranks' statistics (:func:`combine_statistics`), float64."""
+def _combine(gathered: list[Tensor], check: bool = True) -> tuple[Values, Values]:
+    """``(total, [mean, biased var, unbiased var])`` of the ranks' statistics (:func:`combine_statistics`), float64;
+    ``check``: as :func:`_combine_stacked`'s."""
     stacked = _stack(gathered)
-    total, mean, m2 = _combine_stacked(stacked)
+    total, mean, m2 = _combine_stacked(stacked, check)
     moments = (np.stack if isinstance(stacked, np.ndarray) else torch.stack)([mean, m2 / total, m2 / (total - 1)])
     return total, moments
+
+
+_combine_unchecked = partial(_combine, check=False)
 
 
 def _meet(offers: list[_gathered.Offer], dtype: torch.dtype) -> tuple | None:
@@ -254,7 +262,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
             combined = done
         shift, centered, stats = _local_statistics(x) if local is None else local
         # combined once per layer by one rank and shared: read here, never written
-        total, moments = gather_reduce(collective, stats, _combine) if combined is None else combined
+        if combined is None:  # the test for < 2 values in all only where this rank's own rows do not settle it
+            few = x.shape[1] == 0 or x.numel() // x.shape[1] < 2
+            total, moments = gather_reduce(collective, stats, _combine if few else _combine_unchecked)
+        else:
+            total, moments = combined
         mean64, var64 = moments[0], moments[1]
         # the global mean in the frame of `centered` (x - shift): small below float64, so the fused native
         # normalization centered * (w * invstd) + (b - mean * w * invstd) cancels nothing
