@@ -74,7 +74,8 @@ class ManualStep:
     def _decide(self, losses: list[Tensor]) -> list[float]:
         if self.terms is not None:
             self.terms.scale_terms(losses, self.weights)
-        return [w * self._loss_scale() for w in self.weights]
+        scale = self._loss_scale()
+        return [w * scale for w in self.weights]
 
     def _loss_scale(self) -> float:
         """The precision plugin's loss scale (16-mixed's ``GradScaler``), else 1: Lightning's ``manual_backward``
