@@ -62,10 +62,11 @@ def check_default_streams(devices: Sequence[torch.device]) -> None:
         MisconfigurationException: a CUDA device of ``devices`` whose current stream is not its default one.
     """
     for d in dict.fromkeys(d for d in devices if d.type == "cuda"):
-        if torch.cuda.current_stream(d) != torch.cuda.default_stream(d):
+        current = torch.cuda.current_stream(d)
+        if current != torch.cuda.default_stream(d):
             raise MisconfigurationException(
                 f"sparse_dp runs each GPU's work on its default stream (MinkowskiEngine launches its kernels there), "
-                f"but the current stream on {d} is {torch.cuda.current_stream(d)}: the Trainer was started inside "
+                f"but the current stream on {d} is {current}: the Trainer was started inside "
                 "torch.cuda.stream(...). Start it outside the stream context."
             )
 

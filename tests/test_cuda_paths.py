@@ -320,15 +320,21 @@ def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
     assert [t.device.type for t in module.odd] == ["meta", "meta"]
 
 
-def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_device(monkeypatch):
+@pytest.fixture
+def stacks(monkeypatch):
+    """The sizes of the ``torch.stack`` calls made meanwhile (each one copy to the host in ``scalar_values``)."""
+    sizes: list[int] = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: sizes.append(len(ts)) or real_stack(ts, *a, **k))
+    return sizes
+
+
+def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_device(stacks):
     """A logged ``.item()`` is matched to the step's means and loss terms on any device (GPU ones too: before,
     only CPU tensors were looked at, so on GPUs such a value was reduced by the loss weights instead of exactly),
     reading them with one device-to-host copy per device (one ``torch.stack``), not one per tensor."""
     from lightning_sparse_dp import means
 
-    stacks = []
-    real_stack = torch.stack
-    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k))
     values = [torch.tensor(0.25), torch.tensor([1.5], dtype=torch.float16), torch.tensor(3.0, dtype=torch.float64)]
     assert means.scalar_values(values) == [0.25, 1.5, 3.0] and stacks == [3]
     with means.counting():
@@ -365,7 +371,7 @@ def test_merging_chunks_from_several_devices_lands_on_the_first_pieces_device():
     assert on_cpu.flatten().tolist() == [0.0, 1.0, 0.0]
 
 
-def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(monkeypatch):
+def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(stacks):
     """The terms' denominators and values (what the exact loss weights are decided from) are read to the host
     together, one ``torch.stack`` per device, not two waits on the GPU per term and reader; each term's numbers
     are then what ``float()`` gives, read once."""
@@ -376,9 +382,6 @@ def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(monkeypatch):
         term = Term("t", d, torch.ones(()))
         term.value = torch.tensor(v)
         capture.terms.append(term)
-    stacks = []
-    real_stack = torch.stack
-    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k))
     capture.read_numbers()
     assert stacks == [6]  # four values and two tensor denominators, one device
     expected = [(4.0, 0.5), (1.0, 2.0), (3.0, 1.25), (7.0, float(torch.tensor(0.1)))]

@@ -126,9 +126,13 @@ class Term:
         """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (the value is a copy made at
         the call; :meth:`TermCapture.read_numbers` reads every term's at once)."""
         if self._numbers is None:
-            d = 1.0 if self.denominator is None else float(self.denominator)
-            self._numbers = (d, float(self.value))  # type: ignore[arg-type]
+            self._numbers = (_number(self.denominator), float(self.value))  # type: ignore[arg-type]
         return self._numbers
+
+
+def _number(denominator: float | Tensor | None) -> float:
+    """A term's ``D`` as a Python float: 1 for a ``"sum"`` call (``None``)."""
+    return 1.0 if denominator is None else float(denominator)
 
 
 def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
@@ -164,7 +168,7 @@ class TermCapture(TorchFunctionMode):
         values = [next(read) for _ in todo]
         for term, v in zip(todo, values):
             d = term.denominator
-            term._numbers = (next(read) if isinstance(d, Tensor) else 1.0 if d is None else float(d), v)
+            term._numbers = (next(read) if isinstance(d, Tensor) else _number(d), v)
 
     def tensor_of(self, value: Any) -> Tensor | None:
         """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
