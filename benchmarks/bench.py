@@ -56,20 +56,20 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   threads, each on its share of the batch with nothing else (``benchmarks/ceiling.py``; measured in one process
   per repetition, the ``ceiling-2`` / ``ceiling-3`` cases);
 - ``thread_prep_ratio_2_1t`` / ``thread_prep_ratio_3``: digits, sparse_dp-2 (one thread each) / sparse_dp-3 (default
-  threads), the step with each replica's preparation in its own thread (``prepare_in_threads=True``, the GPU
-  default) over the same step with it on the main thread (the CPU default): above 1, the threads cost more;
+  threads), the step with each replica's preparation in its own thread (the default) over the same step with it
+  on the main thread (``prepare_in_threads=False``, the ``main-prep`` cases): above 1, the threads cost more;
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
 - ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step on the main
-  thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: the split, cuts included, on
-  CPU, where the main thread prepares the replicas; ``weigh``: the loss weights and the terms' decision,
+  thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: the split's plan, each chunk's
+  cut and placing being its replica's thread's, ``scatter<i>``, since 2026-11-26 on CPU too; ``weigh``: the loss weights and the terms' decision,
   counted since 2026-11-26, before which they ran unclocked; ``log``: the replicas' logged values reduced; the
   ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
   its step); ``step_overhead_ms_presplit``: the same with a DataLoader worker (``num_workers=1``), where sparse_dp's
   ``presplit`` collates and splits the batch, so ``split`` only takes the worker's chunks;
-  ``step_overhead_ms_thread_prep``: the same with each replica's preparation in its own thread (``split`` is then the
-  plan only, and ``place`` none: what the main thread still does when the replicas prepare, as on GPUs);
+  ``step_overhead_ms_main_prep``: the same with the replicas' preparation on the main thread
+  (``prepare_in_threads=False``: ``split`` is then the plan and the cuts, ``place`` the chunks' placing);
 - ``sparse_ddp_vs_ddp``: samples per second of sparse_ddp over ddp, 2 processes each, same global batch;
   ``sparse_ddp_vs_ddp_launcher_threads``: the same on digits, both started without ``OMP_NUM_THREADS`` /
   ``OPENBLAS_NUM_THREADS`` (Lightning's launcher picks the threads, which sparse_ddp applies to ME and OpenBLAS);
@@ -139,7 +139,7 @@ from bench_cases import (  # noqa: E402
     LAUNCHER_CASES,
     MODES,
     PRESPLIT_CASE,
-    THREAD_PREP_CASES,
+    MAIN_PREP_CASES,
     CaseRunner,
     LogNormalScenes,
     _devices,
@@ -248,12 +248,12 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
     put("digits_ceiling_2_1t", [r["ceiling"] for r in raw[(dig, one)][CEILING_CASES[one]]], 3)
     put("digits_ceiling_3", [r["ceiling"] for r in raw[(dig, d)][CEILING_CASES[d]]], 3)
-    put("thread_prep_ratio_2_1t", ratio(dig, one, THREAD_PREP_CASES[one], "sparse_dp-2"))
-    put("thread_prep_ratio_3", ratio(dig, d, THREAD_PREP_CASES[d], "sparse_dp-3"))
+    put("thread_prep_ratio_2_1t", ratio(dig, one, "sparse_dp-2", MAIN_PREP_CASES[one]))
+    put("thread_prep_ratio_3", ratio(dig, d, "sparse_dp-3", MAIN_PREP_CASES[d]))
     fixed = ("split", "place", "replicate", "state", "weigh", "gather", "log")
     put("step_overhead_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", fixed)], 3)
     put("step_overhead_ms_presplit", [v * 1e3 for v in stage_sum(dig, d, PRESPLIT_CASE, fixed)], 3)
-    put("step_overhead_ms_thread_prep", [v * 1e3 for v in stage_sum(dig, d, THREAD_PREP_CASES[d], fixed)], 3)
+    put("step_overhead_ms_main_prep", [v * 1e3 for v in stage_sum(dig, d, MAIN_PREP_CASES[d], fixed)], 3)
     put("sparse_ddp_vs_ddp", ratio(seg, d, "ddp-2 (gloo)", "sparse_ddp-2 gloo"))
     put("sparse_ddp_vs_ddp_launcher_threads", ratio(dig, d, *LAUNCHER_CASES))
     data = LogNormalScenes(global_batch * (steps + warmup), seed=7)  # the segmentation cases' scenes

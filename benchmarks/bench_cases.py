@@ -156,9 +156,10 @@ PRESPLIT_CASE = "sparse_dp-3 presplit"
 CEILING_CASES = {"1 thread": "ceiling-2", "default": "ceiling-3"}
 
 
-#: The same step with each replica's preparation (cut, place, refresh, state) in its own thread, the GPU default
-#: (``prepare_in_threads=True``), beside the CPU default: digits, per thread setting (``thread_prep_ratio_*``).
-THREAD_PREP_CASES = {"1 thread": "sparse_dp-2 thread-prep", "default": "sparse_dp-3 thread-prep"}
+#: The same step with each replica's preparation (cut, place, refresh, state) on the main thread
+#: (``prepare_in_threads=False``), beside the default, where each replica's thread prepares its own: digits, per
+#: thread setting (``thread_prep_ratio_*``, ``step_overhead_ms_main_prep``).
+MAIN_PREP_CASES = {"1 thread": "sparse_dp-2 main-prep", "default": "sparse_dp-3 main-prep"}
 
 
 def case_names(mode: str, model_name: str = "segmentation") -> list[str]:
@@ -167,7 +168,7 @@ def case_names(mode: str, model_name: str = "segmentation") -> list[str]:
     names += ["sparse_dp-2", "sparse_dp-3", "sparse_dp-2 syncBN", "sparse_dp-3 syncBN", "sparse_dp-3 syncBN unpinned",
               "ddp-2 (gloo)"]
     names += ["sparse_ddp-2 gloo"] if mode == "default" else []
-    names += [CEILING_CASES[mode], THREAD_PREP_CASES[mode]] if model_name == "digits" else []
+    names += [CEILING_CASES[mode], MAIN_PREP_CASES[mode]] if model_name == "digits" else []
     return names + ([PRESPLIT_CASE, *LAUNCHER_CASES] if mode == "default" and model_name == "digits" else [])
 
 
@@ -201,8 +202,8 @@ def case_env(mode: str, case: str, model_name: str) -> dict[str, str]:
 
 
 def case_strategy(model_name: str, case: str):
-    """``(strategy, devices)`` of a case: ``auto-1``, ``sparse_dp-<d>[ syncBN[ unpinned]]``, ``sparse_dp-<d> thread-prep``
-    (:data:`THREAD_PREP_CASES`), or a DDP case (2 processes).
+    """``(strategy, devices)`` of a case: ``auto-1``, ``sparse_dp-<d>[ syncBN[ unpinned]]``, ``sparse_dp-<d> main-prep``
+    (:data:`MAIN_PREP_CASES`), or a DDP case (2 processes).
 
     ``unpinned``: ``pin_replicas=False`` (the operating system places the replica threads; the split is even per
     replica), beside the default, which pins when sync BN runs with more replicas than cores."""
@@ -214,8 +215,8 @@ def case_strategy(model_name: str, case: str):
     kwargs = {"loss_weighting": "points"} if model_name == "segmentation" else {}
     if case.endswith("unpinned"):
         kwargs["pin_replicas"] = False
-    if case.endswith("thread-prep"):
-        kwargs["prepare_in_threads"] = True
+    if case.endswith("main-prep"):
+        kwargs["prepare_in_threads"] = False
     return SparseDataParallelStrategy(record_stage_times=True, sync_batchnorm="syncBN" in case, **kwargs), devices
 
 

@@ -104,11 +104,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             GPUs (refused: it would hang). ``parallel_devices`` may also repeat a device.
         prepare_in_threads: where each replica's share of the step's own work runs (cutting its chunk out of the
             batch and placing it, refreshing the replica, installing its metric copies and log recorder):
-            ``True``: in the replica's thread, beside the other replicas; ``False``: on the main thread before the
-            replicas start; ``None`` (default): in the threads on CUDA devices (copies to the device and
-            SparseTensor builds release the GIL and overlap), on the main thread on CPU (under the GIL the threads'
-            Python runs in turns: measured 2 % slower with 2 replicas of one thread each, 8 % faster with 3 on 2
-            cores, docs/benchmarks.md); anything else raises ``ValueError``.
+            ``None`` (default) or ``True``: in the replica's thread, beside the other replicas, off the main thread's
+            serial part (on GPUs the copies to the device and SparseTensor builds release the GIL and overlap; on
+            CPU it measured the same wall time as ``False`` within this project's 2-core machine's spread,
+            docs/benchmarks.md); ``False``: on the main thread before the replicas start; anything else raises
+            ``ValueError``.
         allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
             (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
             setup otherwise; :func:`~lightning_sparse_dp._me.missing_patches`).
@@ -384,7 +384,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _in_threads(self) -> bool:
-        return self.prepare_in_threads if self.prepare_in_threads is not None else self.root_device.type == "cuda"
+        return self.prepare_in_threads is not False
 
     def _split_options(self) -> dict[str, Any]:
         """The split's ``layout``, ``assignment`` (``split``, with the points evened per core first when replicas are

@@ -106,8 +106,8 @@ def check_prepare_in_threads(prepare: object) -> bool | None:
         ValueError: anything else.
     """
     if prepare is not None and not isinstance(prepare, bool):
-        raise ValueError(f"prepare_in_threads={prepare!r}; use None (in the replicas' threads on CUDA, on the main "
-                         "thread on CPU), True or False.")
+        raise ValueError(f"prepare_in_threads={prepare!r}; use None (the default: in the replicas' threads), True "
+                         "(the same) or False (on the main thread).")
     return prepare
 
 

@@ -10,9 +10,9 @@ from lightning_sparse_dp import SparseDataParallelStrategy
 @pytest.fixture(params=[False, True], ids=["main-prep", "thread-prep"])
 def both_preparations(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Runs a test twice: each replica's share of the step's own work (cut, place, refresh, metric copies, log
-    recorder) on the main thread, the CPU default, and in the replicas' own threads, the GPU default
-    (``prepare_in_threads``; a strategy given ``prepare_in_threads=False`` keeps it). Modules opt in with
+    recorder) on the main thread, and in the replicas' own threads, the default (``prepare_in_threads``; a strategy
+    given ``prepare_in_threads=True`` / ``False`` keeps it). Modules opt in with
     ``pytestmark = pytest.mark.usefixtures("both_preparations")``. Yields whether the threads prepare."""
-    if request.param:
-        monkeypatch.setattr(SparseDataParallelStrategy, "_in_threads", lambda self: self.prepare_in_threads is not False)
+    if not request.param:
+        monkeypatch.setattr(SparseDataParallelStrategy, "_in_threads", lambda self: self.prepare_in_threads is True)
     return request.param

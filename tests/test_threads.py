@@ -170,10 +170,11 @@ def test_a_count_me_set_is_not_taken_for_the_users_choice(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_prepare_in_threads_is_checked_and_follows_the_device():
+def test_prepare_in_threads_is_checked_and_the_threads_prepare_by_default():
     with pytest.raises(ValueError, match="prepare_in_threads='yes'"):
         SparseDataParallelStrategy(prepare_in_threads="yes")
     strategy = SparseDataParallelStrategy()
     strategy.parallel_devices = [torch.device("cpu")] * 2
-    assert strategy.prepare_in_threads is None and strategy._in_threads() is False  # CPU: the main thread prepares
+    assert strategy.prepare_in_threads is None and strategy._in_threads() is True  # the replicas' threads prepare
     assert SparseDataParallelStrategy(prepare_in_threads=True)._in_threads() is True
+    assert SparseDataParallelStrategy(prepare_in_threads=False)._in_threads() is False
