@@ -89,7 +89,10 @@ class StepState:
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         if not self.active:
             return
-        self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
+        library = _library_keys()
+        self.before = {
+            k: v for k, v in module.__dict__.items() if k not in library and not isinstance(v, (nn.Module, nn.Parameter))
+        }
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
@@ -115,9 +118,9 @@ class StepState:
             return
         keys: list[str] = []  # what the step set: new or other objects than the step found (or lists it grew)
         for replica, entered in zip(self.replicas, self.entered):
-            keys.extend(
+            keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()
-                if k not in keys and _followed(k, v) and (entered.get(k, _MISSING) is not v or type(v) is list)
+                if (entered.get(k, _MISSING) is not v or type(v) is list) and k not in keys and _followed(k, v)
             )
         for key in keys:
             before = self.before.get(key, _MISSING)

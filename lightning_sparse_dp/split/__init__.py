@@ -220,7 +220,10 @@ def _assign_points(
     1 each for a dense batch; while a chunk has fewer than ``min_points`` points of the first source,
     one chunk less is tried.
     """
-    sizes = torch.ones(num_samples, dtype=torch.long) if not sources else sum(s.counts for s in sources)
+    if not sources:
+        sizes = torch.ones(num_samples, dtype=torch.long)
+    else:  # one source (the common case): its counts as they are, no addition
+        sizes = sources[0].counts if len(sources) == 1 else sum(s.counts for s in sources)
     first = sources[0].counts if sources else sizes
     assert isinstance(sizes, Tensor) and first is not None
     chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, num_chunks, assignment)

@@ -170,6 +170,9 @@ def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int,
             loads[high] += sizes[b]
 
 
+#: This module's assignments (a ``functools.partial`` of one too): what they return is not checked again.
+_OURS = (balanced_assignment, contiguous_assignment)
+
 #: The named assignments (``split_batch(assignment=...)``, the strategies' ``split=``).
 ASSIGNMENTS: dict[str, Assignment] = {
     "contiguous": contiguous_assignment,
@@ -207,11 +210,29 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     """
     fn = resolve_assignment(assignment)
     num_samples = int(sizes.numel())
-    chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in fn(sizes, num_chunks)]
+    ours = getattr(fn, "func", fn) in _OURS  # int64 [b_i] CPU tensors, every sample once: not converted nor checked
+    chunk_samples = fn(sizes, num_chunks)
+    if not ours:
+        chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in chunk_samples]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
     # the checks and the derived maps in numpy: a few microseconds each where torch ops cost several times that
     lengths = np.array([c.numel() for c in chunk_samples], dtype=np.int64)
     ids = np.concatenate([c.numpy() for c in chunk_samples]) if chunk_samples else np.empty(0, dtype=np.int64)
+    if not ours:
+        _check_assigned(ids, num_samples)
+    sample_to_chunk = np.empty(num_samples, dtype=np.int64)
+    index_in_chunk = np.empty(num_samples, dtype=np.int64)
+    sample_to_chunk[ids] = np.repeat(np.arange(lengths.size), lengths)
+    index_in_chunk[ids] = np.arange(num_samples) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return chunk_samples, torch.from_numpy(sample_to_chunk), torch.from_numpy(index_in_chunk)
+
+
+def _check_assigned(ids: np.ndarray, num_samples: int) -> None:
+    """A user's assignment's sample ids (all chunks', concatenated) name every sample ``0..num_samples-1`` once.
+
+    Raises:
+        BatchLayoutError: otherwise, saying how.
+    """
     if ids.size > 0 and not 0 <= int(ids.min()) <= int(ids.max()) < num_samples:
         raise BatchLayoutError(f"the assignment names samples outside 0..{num_samples - 1}.")
     times_assigned = np.bincount(ids, minlength=num_samples)  # one pass over all chunks, no loop per chunk
@@ -219,11 +240,6 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
         raise BatchLayoutError("the assignment puts a sample into more than one chunk.")
     if ids.size < num_samples:
         raise BatchLayoutError("the assignment leaves samples out of every chunk: every sample must go to one chunk.")
-    sample_to_chunk = np.empty(num_samples, dtype=np.int64)
-    index_in_chunk = np.empty(num_samples, dtype=np.int64)
-    sample_to_chunk[ids] = np.repeat(np.arange(lengths.size), lengths)
-    index_in_chunk[ids] = np.arange(num_samples) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return chunk_samples, torch.from_numpy(sample_to_chunk), torch.from_numpy(index_in_chunk)
 
 
 __all__ = [

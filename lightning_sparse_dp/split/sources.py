@@ -60,6 +60,9 @@ def looks_like_collated_coordinates(t: Tensor) -> bool:
     return bool(col[0] == 0) and bool((col[1:] >= col[:-1]).all())
 
 
+_NUMPY_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
 def check_coordinates(t: Tensor, name: str) -> Tensor:
     """Validate collated coordinates ``[N, D+1]`` and return their batch index as int64 ``[N]``.
 
@@ -81,6 +84,8 @@ def check_coordinates(t: Tensor, name: str) -> Tensor:
             "column 0. Collate samples with ME.utils.sparse_collate or ME.utils.batched_coordinates, which "
             "prepend the batch column."
         )
+    if t.device.type == "cpu" and t.dtype in _NUMPY_INTEGERS:  # numpy: a view and one cast, no torch op per call
+        return torch.from_numpy(t.numpy()[:, 0].astype(np.int64))
     col = t[:, 0]
     if t.dtype.is_floating_point:
         bad = ~torch.isfinite(col) | (col != col.round())
@@ -110,9 +115,10 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
             f"{name} has a negative batch index ({low}) in column 0; column 0 must be the batch index 0..B-1. "
             "Collate with ME.utils.sparse_collate or ME.utils.batched_coordinates."
         )
-    counts = torch.from_numpy(np.bincount(index).astype(np.int64, copy=False))
-    missing = np.flatnonzero(counts.numpy() == 0).tolist()
-    if missing:
+    table = np.bincount(index).astype(np.int64, copy=False)
+    counts = torch.from_numpy(table)
+    if not table.all():
+        missing = np.flatnonzero(table == 0).tolist()
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise BatchLayoutError(
             f"{name} has gaps in its batch indices (column 0): no points for sample(s) {shown} of 0..{counts.numel() - 1}. "
@@ -178,7 +184,7 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
         for i in integer or _float_coordinates(out, candidates):
             _as_source(out, sources, i, out[i].value[:, 0].long())
     else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
-        num_samples = int(sources[0].batch_index.max()) + 1 if sources[0].num_points else 0
+        num_samples = int(sources[0].batch_index.max()) + 1 if candidates and sources[0].num_points else 0
         for i in candidates:
             x = out[i].value
             batch_index = x[:, 0].long()
