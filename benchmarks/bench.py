@@ -63,8 +63,9 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   and undone after the step with the metric states merged);
 - ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step on the main
   thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: the split's plan, each chunk's
-  cut and placing being its replica's thread's, ``scatter<i>``, since 2026-11-26 on CPU too; ``weigh``: the loss weights and the terms' decision,
-  counted since 2026-11-26, before which they ran unclocked; ``log``: the replicas' logged values reduced; the
+  cut and placing being its replica's thread's, ``scatter<i>``, since 2026-11-26 on CPU too; ``weigh``: the loss
+  weights and the terms' decision, counted since 2026-11-26, before which they ran unclocked; ``log``: the
+  replicas' logged values reduced; the
   ``emit`` stage, Lightning's own ``self.log`` of them, is left out: a one-device step runs it too, inside
   its step); ``step_overhead_ms_presplit``: the same with a DataLoader worker (``num_workers=1``), where sparse_dp's
   ``presplit`` collates and splits the batch, so ``split`` only takes the worker's chunks;
@@ -137,9 +138,9 @@ warnings.filterwarnings("ignore")
 from bench_cases import (  # noqa: E402
     CEILING_CASES,
     LAUNCHER_CASES,
+    MAIN_PREP_CASES,
     MODES,
     PRESPLIT_CASE,
-    MAIN_PREP_CASES,
     CaseRunner,
     LogNormalScenes,
     _devices,
