@@ -1,9 +1,9 @@
 """Timing: wall-clock seconds of each stage of each step, for benchmarks, tuning and Lightning's profilers.
 
-Stages: ``split`` (planning the split), ``place`` (only where a subclass's ``scatter`` places chunks on the main
-thread), ``replicate``, ``state`` (installing and undoing the replicas' per-step state: metric copies and their
-merge into the root's, log recorders, the batch-norm group; each replica's own part runs in its thread, inside
-``replica<i>``), ``apply`` (all replicas' steps, wall clock),
+Stages: ``split`` (planning the split), ``place`` (only where chunks are placed on the main thread:
+``prepare_in_threads=False``, or a subclass's ``scatter``), ``replicate``, ``state`` (installing and undoing the
+replicas' per-step state: metric copies and their merge into the root's, log recorders, the batch-norm group; each
+replica's own part runs in its thread, inside ``replica<i>``), ``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread, its preparation included), ``scatter<i>`` (chunk ``i`` cut
 and placed in replica ``i``'s thread, part of ``replica<i>``), ``weigh`` (the loss weights and the terms' decision),
 ``gather``, ``log`` (the replicas' ``self.log`` calls reduced and logged), ``backward`` (the whole backward pass:
