@@ -83,9 +83,17 @@ def count_of(value: Any) -> int | None:
         return entry[1] if entry is not None and entry[0] is value else None
     if isinstance(value, float):
         entries = [(mean, count) for mean, count in counts.values() if mean.numel() == 1]
-        for (_, count), v in zip(reversed(entries), reversed(scalar_values([mean for mean, _ in entries]))):
-            if v == value:
-                return count
+        i = last_holding([mean for mean, _ in entries], value)
+        return None if i is None else entries[i][1]
+    return None
+
+
+def last_holding(tensors: Sequence[Tensor], value: float) -> int | None:
+    """The index of the last of the one-element ``tensors`` whose value is ``value`` (a logged ``.item()``), else
+    ``None``; read with :func:`scalar_values` (one host copy per device)."""
+    for i, v in zip(range(len(tensors) - 1, -1, -1), reversed(scalar_values(tensors))):
+        if v == value:
+            return i
     return None
 
 
@@ -125,4 +133,4 @@ def plain_mean_in_log(module: Any) -> Iterator[None]:
         module.__dict__.pop("log", None)
 
 
-__all__ = ["count_of", "counting", "plain_mean", "plain_mean_in_log", "run_counting"]
+__all__ = ["count_of", "counting", "last_holding", "plain_mean", "plain_mean_in_log", "run_counting", "scalar_values"]

@@ -36,7 +36,7 @@ from lightning_sparse_dp._patch import SharedPatch
 from lightning_sparse_dp.loss.denominators import CAPTURED, UNCAPTURED, bind, denominator, is_mean, is_sum, loss_name
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
-from lightning_sparse_dp.means import scalar_values
+from lightning_sparse_dp.means import last_holding, scalar_values
 
 T = TypeVar("T")
 
@@ -176,10 +176,8 @@ class TermCapture(TorchFunctionMode):
         if not isinstance(value, float):
             return None
         candidates = [form.tensor for form in self.forms.values() if form.coeffs is not None and form.tensor.numel() == 1]
-        for t, v in zip(reversed(candidates), reversed(scalar_values(candidates))):
-            if v == value:
-                return t
-        return None
+        i = last_holding(candidates, value)
+        return None if i is None else candidates[i]
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this capture as the calling thread's torch function mode from its first loss call on.

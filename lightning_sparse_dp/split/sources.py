@@ -39,6 +39,7 @@ from lightning_sparse_dp.split.records import (
     Source,
     names_coordinates,
     names_indices,
+    numpy_readable,
     replace,
 )
 
@@ -58,9 +59,6 @@ def looks_like_collated_coordinates(t: Tensor) -> bool:
         steps = col[1:] - col[:-1]
         return bool(col[0] == 0) and bool(((steps == 0) | (steps == 1)).all())
     return bool(col[0] == 0) and bool((col[1:] >= col[:-1]).all())
-
-
-_NUMPY_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 def check_coordinates(t: Tensor, name: str) -> Tensor:
@@ -84,7 +82,7 @@ def check_coordinates(t: Tensor, name: str) -> Tensor:
             "column 0. Collate samples with ME.utils.sparse_collate or ME.utils.batched_coordinates, which "
             "prepend the batch column."
         )
-    if t.device.type == "cpu" and t.dtype in _NUMPY_INTEGERS:  # numpy: a view and one cast, no torch op per call
+    if numpy_readable(t) and not t.dtype.is_floating_point:  # a numpy view and one cast, no torch op per call
         return torch.from_numpy(t.numpy()[:, 0].astype(np.int64))
     col = t[:, 0]
     if t.dtype.is_floating_point:
