@@ -88,9 +88,10 @@ def _with_cause(new: BaseException, err: BaseException) -> BaseException:
     return new
 
 
-def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
+def min_points_per_chunk(module: nn.Module, synchronized: bool, batch_norm: bool | None = None) -> int:
     """The fewest points a replica's chunk should get: 2 when ``module`` has batch norm that each
-    replica runs on its own chunk (``synchronized`` False), else 1.
+    replica runs on its own chunk (``synchronized`` False), else 1. ``batch_norm``: whether it has, when known
+    already (the strategy's replicas note it when they are built), else ``module``'s submodules are looked through.
 
     Batch norm in training mode needs more than one value per channel (torch raises otherwise), so a
     chunk of one point, e.g. the short last batch holding a one-point sample, is avoided when the
@@ -99,7 +100,9 @@ def min_points_per_chunk(module: nn.Module, synchronized: bool) -> int:
     """
     if synchronized:
         return 1
-    return 2 if any(isinstance(m, _BatchNorm) for m in module.modules()) else 1
+    if batch_norm is None:
+        batch_norm = any(isinstance(m, _BatchNorm) for m in module.modules())
+    return 2 if batch_norm else 1
 
 
 def refuse_dataloader_iter(module: nn.Module) -> None:

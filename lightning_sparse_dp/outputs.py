@@ -293,6 +293,11 @@ def gather_outputs(
         return None
     _check_none(outputs)
     cache = _warning_cache if warning_cache is None else warning_cache
+    if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
+        role = _output_role((), output_layout)
+        if role in (None, "fixed"):
+            role = _guess_role(_output_name(()), _output_key(()), list(outputs), plan, cache)
+        return _gather_leaf(_output_name(()), list(outputs), role, plan, weights, device)
     sequences = per_sample_nodes(outputs, plan, output_layout, cache)
     is_leaf = leaf_predicate(lambda x: id(x) in sequences)
     flat = [pytree.tree_flatten_with_path(o, is_leaf=is_leaf) for o in outputs]

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
 from lightning_sparse_dp.place import check_devices
@@ -148,6 +149,7 @@ class Replicas:
         trainable: the module's parameters that require a gradient, in ``module.parameters()`` order.
         frozen: the module's other parameters, in the same order.
         leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
+        batch_norm: whether the module had a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``) when built.
 
     Raises:
         MisconfigurationException: no devices, CPU and CUDA devices mixed, or a CUDA device the
@@ -173,6 +175,7 @@ class Replicas:
         self._sources = list(module.modules())
         self._source_dicts = [m.__dict__ for m in self._sources]
         self._fingerprint = _fingerprint(self._source_dicts)
+        self.batch_norm = any(isinstance(m, _BatchNorm) for m in self._sources)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
         index = {id(m): i for i, m in enumerate(self._sources)}

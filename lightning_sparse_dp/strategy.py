@@ -387,13 +387,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         return self.prepare_in_threads is not False
 
     def _split_options(self) -> dict[str, Any]:
-        """The split's ``layout``, ``assignment`` (``split``, with the points evened per core first when replicas are
-        pinned, ``"balanced"`` only) and ``min_points`` (2 when replicas run batch norm on their own chunks, else 1)."""
+        """The split's ``layout``, ``assignment`` (``split``; pinned replicas: per core first) and ``min_points``."""
         pinned = self._core_groups is not None and self.split == "balanced"
         assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
-        module, synchronized = self.lightning_module, self._layer_sync is not None
+        module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
+        batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
         return {"layout": self.layout, "assignment": assignment,
-                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized)}
+                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm)}
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_weights
@@ -59,6 +60,29 @@ def test_output_roles_directly():
     assert got["l"] == [0, 1, 2]
     with pytest.raises(ValueError, match="use one of"):
         gather_outputs(outs, plan, weights, torch.device("cpu"), {"h": "stack"})
+
+
+@pytest.mark.parametrize("kind", ["loss", "per-sample", "per-point", "other", "named"])
+def test_a_bare_tensor_output_is_gathered_as_the_same_tensor_under_a_key(kind):
+    """A step that returns a tensor (its loss, most often) takes a shorter way through the gather: the same value as
+    the tensor returned under a dict key, by every rule (and by ``output_layout``, by the name ``"output"``)."""
+    batch = _hist_batch(7)
+    chunks, plan = split_batch(batch, 3, assignment="balanced")
+    weights = chunk_weights(plan, "samples")
+    make = {
+        "loss": lambda j, c: c["features"].sum() * (j + 1),
+        "per-sample": lambda j, c: c["labels"].double() + j,
+        "per-point": lambda j, c: c["features"][:, 0] * 2,
+        "other": lambda j, c: torch.arange(5 + j, dtype=torch.float64),
+        "named": lambda j, c: torch.full((2,), float(j)),
+    }[kind]
+    tensors = [make(j, c) for j, c in enumerate(chunks)]
+    layout, keyed = ({"output": "sum"}, {"v": "sum"}) if kind == "named" else (None, None)
+    got = gather_outputs(tensors, plan, weights, torch.device("cpu"), layout)
+    ref = gather_outputs([{"v": t} for t in tensors], plan, weights, torch.device("cpu"), keyed)["v"]
+    assert type(got) is Tensor and got.shape == ref.shape and torch.equal(got, ref)
+    if kind == "per-point":
+        assert torch.equal(got, batch["features"][:, 0] * 2)  # the batch's own row order
 
 
 # --- messages that point the right way ---------------------------------------------------------------

@@ -202,8 +202,9 @@ def test_single_point_sample_is_not_left_alone_with_per_replica_batch_norm():
             return super().training_step(batch, batch_idx)
 
     fit_float64(SparseNet(batch_norm=True), batch)  # one device trains
-    fit_float64(Spy(batch_norm=True), batch, strategy="sparse_dp", devices=3)  # two replicas, no chunk of one point
-    assert len(seen) == 2 and min(seen) > 1 and sum(seen) == batch["coordinates"].shape[0]
+    # two steps: the second with the replicas built (which note the batch norm), each with two replicas, none of one point
+    trainer(strategy="sparse_dp", devices=3, precision="64-true", max_steps=2).fit(Spy(batch_norm=True), loader(batch, batch))
+    assert len(seen) == 4 and min(seen) > 1 and sum(seen) == 2 * batch["coordinates"].shape[0]
     chunks, plan = split_batch(batch, 3, assignment="balanced", min_points=2)
     assert plan.num_chunks == 2 and min(plan.points_per_chunk) >= 2
 

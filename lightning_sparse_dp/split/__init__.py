@@ -228,7 +228,8 @@ def _assign_points(
     assert isinstance(sizes, Tensor) and first is not None
     chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, num_chunks, assignment)
     first_counts = first.numpy()  # numpy sums: a chunk's points without a torch op per chunk
-    while len(chunk_samples) > 1 and min(int(first_counts[c.numpy()].sum()) for c in chunk_samples) < min_points:
+    short = min_points > 1 and int(first_counts.min()) < min_points  # else every chunk (a sample or more) has enough
+    while short and len(chunk_samples) > 1 and min(int(first_counts[c.numpy()].sum()) for c in chunk_samples) < min_points:
         chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, len(chunk_samples) - 1, assignment)
     with_rows, chunk_of_sample = [], sample_to_chunk.numpy()
     for src in sources:

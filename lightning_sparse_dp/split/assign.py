@@ -49,8 +49,15 @@ def contiguous_assignment(sample_sizes: Tensor, num_chunks: int) -> list[Tensor]
     Raises:
         ValueError: ``num_chunks < 1`` or no samples.
     """
+    return [_ids(m) for m in _contiguous_members(sample_sizes, num_chunks)]
+
+
+def _contiguous_members(sample_sizes: Tensor, num_chunks: int) -> list[list[int]]:
+    """:func:`contiguous_assignment`'s chunks as lists of sample ids."""
     num_samples, k = _chunk_count(sample_sizes, num_chunks)
-    return list(torch.arange(num_samples).tensor_split(k))
+    size, extra = divmod(num_samples, k)
+    bounds = [j * size + min(j, extra) for j in range(k + 1)]  # torch.tensor_split's: the first B % k one longer
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(k)]
 
 
 def balanced_assignment(sample_sizes: Tensor, num_chunks: int, groups: Sequence[int] | None = None) -> list[Tensor]:
@@ -79,19 +86,25 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int, groups: Sequence[
     Raises:
         ValueError: ``num_chunks < 1``, no samples, or fewer groups than chunks.
     """
+    return [_ids(m) for m in _balanced_members(sample_sizes, num_chunks, groups)]
+
+
+def _balanced_members(sample_sizes: Tensor, num_chunks: int, groups: Sequence[int] | None = None) -> list[list[int]]:
+    """:func:`balanced_assignment`'s chunks as ascending lists of sample ids."""
     num_samples, k = _chunk_count(sample_sizes, num_chunks)
     table = sample_sizes.detach().cpu().numpy()
     sizes = table.tolist()
     signed = table.astype(np.float64 if table.dtype.kind == "f" else np.int64, copy=False)  # negated below
     order = np.argsort(-signed, kind="stable").tolist()  # decreasing size, the lower id first on ties
-    if groups is not None:
-        return _grouped_assignment(sizes, order, k, groups)
-    return [_ids(m) for m in _lpt(sizes, order, k)]
+    members = _grouped_assignment(sizes, order, k, groups) if groups is not None else _lpt(sizes, order, k)
+    for m in members:
+        m.sort()
+    return members
 
 
 def _ids(members: list[int]) -> Tensor:
-    """Sample ids as an ascending int64 tensor (numpy: a few microseconds where ``torch.tensor`` of a list takes ~10)."""
-    return torch.from_numpy(np.sort(np.asarray(members, dtype=np.int64)))
+    """Sample ids as an int64 tensor (numpy: a few microseconds where ``torch.tensor`` of a list takes ~10)."""
+    return torch.from_numpy(np.array(members, dtype=np.int64))
 
 
 def _lpt(sizes: list[int], order: list[int], bins: int) -> list[list[int]]:
@@ -106,7 +119,7 @@ def _lpt(sizes: list[int], order: list[int], bins: int) -> list[list[int]]:
     return members
 
 
-def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequence[int]) -> list[Tensor]:
+def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequence[int]) -> list[list[int]]:
     """:func:`balanced_assignment` with ``groups``: samples to groups (:func:`_lpt`, then :func:`_even_out`),
     then each group's samples to its chunks (:func:`_lpt`)."""
     if len(groups) < k:
@@ -123,7 +136,7 @@ def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequ
         inside = [i for i in order if i in member]  # the group's samples in the rule's order (decreasing size)
         for c, chunk in zip(chunks_of[g], _lpt(sizes, inside, len(chunks_of[g]))):
             members[c] = chunk
-    return [_ids(m) for m in members]
+    return members
 
 
 def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int, int], keep: dict[int, int]) -> None:
@@ -170,8 +183,10 @@ def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int,
             loads[high] += sizes[b]
 
 
-#: This module's assignments (a ``functools.partial`` of one too): what they return is not checked again.
-_OURS = (balanced_assignment, contiguous_assignment)
+#: This module's assignments (a ``functools.partial`` of one too) and the functions that give their chunks as lists
+#: of sample ids: :func:`assign` takes those, with nothing to convert or check, and makes its maps in Python (on a
+#: cold cache after the replicas' backward pass, the tens of numpy calls over ``B`` ids took longer)
+_OURS = {balanced_assignment: _balanced_members, contiguous_assignment: _contiguous_members}
 
 #: The named assignments (``split_batch(assignment=...)``, the strategies' ``split=``).
 ASSIGNMENTS: dict[str, Assignment] = {
@@ -210,21 +225,31 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     """
     fn = resolve_assignment(assignment)
     num_samples = int(sizes.numel())
-    ours = getattr(fn, "func", fn) in _OURS  # int64 [b_i] CPU tensors, every sample once: not converted nor checked
-    chunk_samples = fn(sizes, num_chunks)
-    if not ours:
-        chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in chunk_samples]
+    members_of = _OURS.get(getattr(fn, "func", fn))
+    if members_of is not None:  # ours: every sample once, in ascending lists
+        members = members_of(sizes, num_chunks, *getattr(fn, "args", ()), **getattr(fn, "keywords", {}))
+        return _maps([m for m in members if m], num_samples)
+    chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
     # the checks and the derived maps in numpy: a few microseconds each where torch ops cost several times that
     lengths = np.array([c.numel() for c in chunk_samples], dtype=np.int64)
     ids = np.concatenate([c.numpy() for c in chunk_samples]) if chunk_samples else np.empty(0, dtype=np.int64)
-    if not ours:
-        _check_assigned(ids, num_samples)
+    _check_assigned(ids, num_samples)
     sample_to_chunk = np.empty(num_samples, dtype=np.int64)
     index_in_chunk = np.empty(num_samples, dtype=np.int64)
     sample_to_chunk[ids] = np.repeat(np.arange(lengths.size), lengths)
     index_in_chunk[ids] = np.arange(num_samples) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return chunk_samples, torch.from_numpy(sample_to_chunk), torch.from_numpy(index_in_chunk)
+
+
+def _maps(members: list[list[int]], num_samples: int) -> tuple[list[Tensor], Tensor, Tensor]:
+    """:func:`assign`'s result from chunks given as lists of sample ids (each sample in one, ascending in each)."""
+    chunk_of, position = [0] * num_samples, [0] * num_samples
+    for j, chunk in enumerate(members):
+        for p, i in enumerate(chunk):
+            chunk_of[i] = j
+            position[i] = p
+    return [_ids(m) for m in members], _ids(chunk_of), _ids(position)
 
 
 def _check_assigned(ids: np.ndarray, num_samples: int) -> None:
