@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
 
 import MinkowskiEngine as ME
 import pytest
@@ -17,6 +19,7 @@ from lightning_sparse_dp.split import (
     balanced_assignment,
     merge_batch,
     merge_chunks,
+    plan_split,
     split_batch,
 )
 from tests.helpers import collate_dict, random_samples
@@ -389,3 +392,23 @@ def test_every_role_has_one_cut_and_one_merge_handler():
 
     assert set(CUTS) == set(Role) == set(MERGES)
     assert ROLES == tuple(r.value for r in Role) and Role("points") is Role.POINTS == "points"
+
+
+def test_plan_split_rows_are_made_by_each_chunks_cut_and_equal_split_batchs():
+    """``plan_split``'s rows per chunk (a ``ChunkRows`` per source) are made where the chunk is cut, here in threads
+    at once as the strategies' replicas cut, and equal ``split_batch``'s tuples; pickled (a DataLoader worker's
+    plan) they are that tuple."""
+    batch = collate_dict(random_samples(11, seed=31))
+    chunks, plan = split_batch(batch, 3)
+    cutters, lazy = plan_split(batch, 3)
+    with ThreadPoolExecutor(3) as pool:
+        cut = list(pool.map(lambda c: c(), cutters))
+    assert type(plan.point_rows[0]) is tuple and len(lazy.point_rows[0]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(plan.point_rows[0], lazy.point_rows[0], strict=True))
+    assert all(torch.equal(a["features"], b["features"]) for a, b in zip(chunks, cut, strict=True))
+    assert [r.tolist() for r in lazy.point_rows[0][1:]] == [r.tolist() for r in plan.point_rows[0][1:]]
+    again = pickle.loads(pickle.dumps(lazy))
+    assert type(again.point_rows[0]) is tuple
+    assert [r.tolist() for r in again.point_rows[0]] == [r.tolist() for r in plan.point_rows[0]]
+    rows = torch.cat(list(lazy.point_rows[0]))
+    assert sorted(rows.tolist()) == list(range(batch["coordinates"].shape[0]))  # every point in one chunk

@@ -28,12 +28,12 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from operator import getitem
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
@@ -55,6 +55,7 @@ from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     ROLES,
     BatchLayoutError,
+    ChunkRows,
     Role,
     Source,
     SparseSpec,
@@ -131,7 +132,8 @@ def split_batch(
             assignment that does not cover every sample once.
     """
     cutters, plan = plan_split(batch, num_chunks, layout=layout, assignment=assignment, min_points=min_points)
-    return [cut_chunk() for cut_chunk in cutters], plan
+    chunks = [cut_chunk() for cut_chunk in cutters]
+    return chunks, dataclasses.replace(plan, point_rows=tuple(tuple(rows) for rows in plan.point_rows))
 
 
 def plan_split(
@@ -151,7 +153,9 @@ def plan_split(
     :func:`split_batch`'s: every error is raised here, none by a cutter.
 
     Returns:
-        ``(cutters, plan)``: one callable per chunk, ``plan.num_chunks`` of them, and the :class:`SplitPlan`.
+        ``(cutters, plan)``: one callable per chunk, ``plan.num_chunks`` of them, and the :class:`SplitPlan`, whose
+        ``point_rows`` hold a :class:`~.records.ChunkRows` per source (a sequence of tensors, not a tuple: each chunk's
+        rows are made by its cutter, or where first read; ``tuple(rows)`` makes the tuple ``split_batch`` returns).
     """
     check_num_chunks(num_chunks)
     if _is_sample_list(batch) and layout is None:
@@ -231,13 +235,9 @@ def _assign_points(
     short = min_points > 1 and int(first_counts.min()) < min_points  # else every chunk (a sample or more) has enough
     while short and len(chunk_samples) > 1 and min(int(first_counts[c.numpy()].sum()) for c in chunk_samples) < min_points:
         chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, len(chunk_samples) - 1, assignment)
-    with_rows, chunk_of_sample = [], sample_to_chunk.numpy()
-    for src in sources:
-        chunk_of_point = chunk_of_sample[src.batch_index.numpy()]
-        # each chunk's rows in ascending order: one comparison pass per chunk, cheaper than a stable sort of N
-        # (numpy's flatnonzero: 2-3x torch.nonzero's speed here, from 3e3 to 3e5 points)
-        rows = tuple(torch.from_numpy(np.flatnonzero(chunk_of_point == j)) for j in range(len(chunk_samples)))
-        with_rows.append(replace(src, rows=rows))
+    chunk_of_sample = sample_to_chunk.numpy()
+    # each chunk's rows in ascending order, made where first needed (its cut, in its replica's thread: ChunkRows)
+    with_rows = (replace(s, rows=ChunkRows(chunk_of_sample[s.batch_index.numpy()], len(chunk_samples))) for s in sources)
     return chunk_samples, index_in_chunk, tuple(with_rows)
 
 
