@@ -55,6 +55,9 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   Lightning's step over its serial part plus its network part (``training_step`` + backward) run in 2 / 3 bare
   threads, each on its share of the batch with nothing else (``benchmarks/ceiling.py``; measured in one process
   per repetition, the ``ceiling-2`` / ``ceiling-3`` cases);
+- ``digits_ceiling_fraction_2_1t`` / ``digits_ceiling_fraction_3``: ``digits_speedup_sparse_dp_2_1t`` over
+  ``digits_ceiling_2_1t`` and ``digits_syncbn_speedup_3`` over ``digits_ceiling_3``, each repetition's speedup over
+  the same repetition's ceiling (issue 35's targets: >= 0.90 and >= 0.85);
 - ``thread_prep_ratio_2_1t`` / ``thread_prep_ratio_3``: digits, sparse_dp-2 (one thread each) / sparse_dp-3 (default
   threads), the step with each replica's preparation in its own thread (the default) over the same step with it
   on the main thread (``prepare_in_threads=False``, the ``main-prep`` cases): above 1, the threads cost more;
@@ -249,6 +252,9 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
     put("digits_ceiling_2_1t", [r["ceiling"] for r in raw[(dig, one)][CEILING_CASES[one]]], 3)
     put("digits_ceiling_3", [r["ceiling"] for r in raw[(dig, d)][CEILING_CASES[d]]], 3)
+    for key, mode, case in (("2_1t", one, "sparse_dp-2"), ("3", d, "sparse_dp-3 syncBN")):  # each repetition's own
+        ceilings = [r["ceiling"] for r in raw[(dig, mode)][CEILING_CASES[mode]]]
+        put(f"digits_ceiling_fraction_{key}", [s / c for s, c in zip(ratio(dig, mode, "auto-1", case), ceilings)], 3)
     put("thread_prep_ratio_2_1t", ratio(dig, one, "sparse_dp-2", MAIN_PREP_CASES[one]))
     put("thread_prep_ratio_3", ratio(dig, d, "sparse_dp-3", MAIN_PREP_CASES[d]))
     fixed = ("split", "place", "replicate", "state", "weigh", "gather", "log")
