@@ -412,3 +412,21 @@ def test_plan_split_rows_are_made_by_each_chunks_cut_and_equal_split_batchs():
     assert [r.tolist() for r in again.point_rows[0]] == [r.tolist() for r in plan.point_rows[0]]
     rows = torch.cat(list(lazy.point_rows[0]))
     assert sorted(rows.tolist()) == list(range(batch["coordinates"].shape[0]))  # every point in one chunk
+
+
+def test_a_one_level_batch_of_another_structure_is_split_by_its_own():
+    """The spec and names of a one-level batch are kept per structure (keys in order, or the length of a tuple):
+    a batch whose keys come in another order, or a shorter tuple, is split by its own structure."""
+    batch = collate_dict(random_samples(6, seed=33))
+    reordered = {k: batch[k] for k in reversed(list(batch))}
+    for b in (batch, reordered, batch):
+        chunks, plan = split_batch(b, 2)
+        assert [list(c) for c in chunks] == [list(b)] * 2
+        rows = plan.point_rows[0]
+        for c, r in zip(chunks, rows):
+            assert torch.equal(c["features"], b["features"][r])
+    triple = (batch["coordinates"], batch["features"], batch["labels"])
+    for t in (triple, triple[:2], triple):
+        chunks, plan = split_batch(t, 2)
+        assert all(type(c) is tuple and len(c) == len(t) for c in chunks)
+        assert torch.equal(torch.cat([c[1] for c in chunks])[torch.argsort(torch.cat(list(plan.point_rows[0])))], t[1])

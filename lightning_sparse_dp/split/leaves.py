@@ -121,6 +121,27 @@ def _leaf(path: tuple[Any, ...], value: Any, role: str | None, refs: tuple[str, 
     return Leaf(path, path_name(path), value, role, refs=refs)
 
 
+#: (container type, its keys or length) -> ``(spec, paths, names)`` of a one-level batch (:func:`_one_level`)
+_ONE_LEVEL: dict[tuple[Any, ...], tuple[Any, tuple[tuple[Any, ...], ...], tuple[str, ...]]] = {}
+
+
+def _one_level(batch: dict | list | tuple) -> tuple[Any, tuple[tuple[Any, ...], ...], tuple[str, ...]]:
+    """A one-level batch's pytree spec, its leaves' key paths and names: the same structure step after step, so
+    made once per structure (``torch.utils._pytree``'s flatten runs in Python; a TreeSpec is immutable) and kept
+    (at most 64 structures). A dict flattens in its keys' order, as ``_pytree``'s does."""
+    key = (type(batch), tuple(batch) if type(batch) is dict else len(batch))
+    found = _ONE_LEVEL.get(key)
+    if found is None:
+        spec = pytree.tree_flatten(batch)[1]
+        entries = [pytree.MappingKey(k) for k in batch] if type(batch) is dict else map(pytree.SequenceKey, range(len(batch)))
+        paths = tuple((entry,) for entry in entries)
+        found = (spec, paths, tuple(path_name(p) for p in paths))
+        if len(_ONE_LEVEL) >= 64:
+            _ONE_LEVEL.clear()
+        _ONE_LEVEL[key] = found
+    return found
+
+
 def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, ...], Any]:
     """The leaves of ``batch`` (roles from ``layout`` where it names them) and its pytree spec.
 
@@ -130,10 +151,11 @@ def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, .
     """
     if type(batch) in (dict, list, tuple) and all(type(x) is Tensor or is_me_tensor(x) for x in _values(batch)):
         # one level of tensors (ME's collations: a dict, or sparse_collate's tuple): the same leaves, paths and spec
-        # as the general walk below, at a fifth of its cost (pytree's key paths are built in Python)
-        flat_values, spec = pytree.tree_flatten(batch)
-        entries = (pytree.MappingKey(k) for k in batch) if type(batch) is dict else map(pytree.SequenceKey, range(len(batch)))
-        flat = list(zip(((entry,) for entry in entries), flat_values))
+        # as the general walk below, the spec and paths of a structure seen before taken again (_one_level)
+        spec, paths, names = _one_level(batch)
+        if not layout:
+            return tuple(Leaf(p, n, x) for p, n, x in zip(paths, names, _values(batch))), spec
+        flat = list(zip(paths, _values(batch)))
     else:
         flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(layout))
     leaves = tuple(_leaf(tuple(p), x, *_layout_role(p, layout)) for p, x in flat)

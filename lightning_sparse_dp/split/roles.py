@@ -8,6 +8,7 @@ every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,7 +78,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
                 f"layout gives {leaf.name} the role 'points:{leaf.refs[0]}' but its length {length} is not the number "
                 f"of points of {leaf.refs[0]} ({sources[names.index(leaf.refs[0])].num_points})."
             )
-    whole = replace(leaf, role=Role.REPLICATE)  # one chunk holds everything: nothing to tell apart
+    whole = partial(replace, leaf, role=Role.REPLICATE)  # one chunk holds everything: nothing to tell apart
     if role == Role.POINTS:
         if not matches:
             raise BatchLayoutError(
@@ -86,7 +87,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             )
     elif matches and length == num_samples:
         if num_chunks == 1:
-            return whole
+            return whole()
         raise BatchLayoutError(
             f"{leaf.name} has length {length}, which is both the number of points of "
             f"{sources[matches[0]].name} and the number of samples, so it cannot be told whether it is per-point "
@@ -97,7 +98,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
         return replace(leaf, role=Role.SAMPLES)
     elif not matches:
         if num_chunks == 1:
-            return whole
+            return whole()
         raise BatchLayoutError(
             f"{leaf.name} has length {length} in dim 0, which matches neither the number of samples "
             f"({num_samples}) nor the number of points "
@@ -110,7 +111,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
         matches = _same_number(leaf, leaves, sources, matches)
     if any(not torch.equal(sources[matches[0]].batch_index, sources[n].batch_index) for n in matches[1:]):
         if num_chunks == 1:
-            return whole
+            return whole()
         raise BatchLayoutError(
             f"{leaf.name} has length {length}, the number of points of several coordinate sources "
             f"({', '.join(sources[n].name for n in matches)}) with different batch indices, so which point set it "
