@@ -8,6 +8,7 @@ not raise come from the chunk being small. :func:`explain_replica_error` recogni
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -100,9 +101,13 @@ def min_points_per_chunk(module: nn.Module, synchronized: bool, batch_norm: bool
     """
     if synchronized:
         return 1
-    if batch_norm is None:
-        batch_norm = any(isinstance(m, _BatchNorm) for m in module.modules())
-    return 2 if batch_norm else 1
+    return 2 if (has_batch_norm(module.modules()) if batch_norm is None else batch_norm) else 1
+
+
+def has_batch_norm(modules: Iterable[nn.Module]) -> bool:
+    """Whether any of ``modules`` is a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``: torch's and ME's,
+    whose ``MinkowskiBatchNorm`` holds one)."""
+    return any(isinstance(m, _BatchNorm) for m in modules)
 
 
 def refuse_dataloader_iter(module: nn.Module) -> None:
@@ -131,6 +136,6 @@ def warn_unsynchronized_batchnorm(module: nn.Module) -> None:
 
 
 __all__ = [
-    "SKIPPED_STEP_HELP", "explain_replica_error", "min_points_per_chunk", "refuse_dataloader_iter",
+    "SKIPPED_STEP_HELP", "explain_replica_error", "has_batch_norm", "min_points_per_chunk", "refuse_dataloader_iter",
     "warn_unsynchronized_batchnorm",
 ]

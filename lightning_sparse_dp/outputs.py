@@ -11,6 +11,7 @@ concatenated in sample order into the length-``B`` sequence one device returns (
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -293,11 +294,9 @@ def gather_outputs(
         return None
     _check_none(outputs)
     cache = _warning_cache if warning_cache is None else warning_cache
+    combine = partial(_combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache)
     if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
-        role = _output_role((), output_layout)
-        if role in (None, "fixed"):
-            role = _guess_role(_output_name(()), _output_key(()), list(outputs), plan, cache)
-        return _gather_leaf(_output_name(()), list(outputs), role, plan, weights, device)
+        return combine((), list(outputs), False)
     sequences = per_sample_nodes(outputs, plan, output_layout, cache)
     is_leaf = leaf_predicate(lambda x: id(x) in sequences)
     flat = [pytree.tree_flatten_with_path(o, is_leaf=is_leaf) for o in outputs]
@@ -311,12 +310,21 @@ def gather_outputs(
     leaves = []
     for n, (path, _) in enumerate(flat[0][0]):
         values = [f[0][n][1] for f in flat]
-        name = _output_name(path)
-        role = "sequence" if id(values[0]) in sequences else _output_role(path, output_layout)
-        if role in (None, "fixed"):
-            role = _guess_role(name, _output_key(path), values, plan, cache)
-        leaves.append(_gather_leaf(name, values, role, plan, weights, device))
+        leaves.append(combine(path, values, id(values[0]) in sequences))
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _combine(
+    path: Sequence[Any], values: list[Any], sequence: bool, *, plan: SplitPlan, weights: Sequence[float],
+    device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache,
+) -> Any:
+    """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
+    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`."""
+    name = _output_name(path)
+    role = "sequence" if sequence else _output_role(path, output_layout)
+    if role in (None, "fixed"):
+        role = _guess_role(name, _output_key(path), values, plan, cache)
+    return _gather_leaf(name, values, role, plan, weights, device)
 
 
 __all__ = ["OUTPUT_ROLES", "gather_outputs", "per_sample_nodes"]

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
+from lightning_sparse_dp.hints import has_batch_norm
 from lightning_sparse_dp.place import check_devices
 
 
@@ -175,7 +175,7 @@ class Replicas:
         self._sources = list(module.modules())
         self._source_dicts = [m.__dict__ for m in self._sources]
         self._fingerprint = _fingerprint(self._source_dicts)
-        self.batch_norm = any(isinstance(m, _BatchNorm) for m in self._sources)
+        self.batch_norm = has_batch_norm(self._sources)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
         index = {id(m): i for i, m in enumerate(self._sources)}

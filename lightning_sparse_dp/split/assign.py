@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -225,10 +226,10 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
     """
     fn = resolve_assignment(assignment)
     num_samples = int(sizes.numel())
-    members_of = _OURS.get(getattr(fn, "func", fn))
-    if members_of is not None:  # ours: every sample once, in ascending lists
-        members = members_of(sizes, num_chunks, *getattr(fn, "args", ()), **getattr(fn, "keywords", {}))
-        return _maps([m for m in members if m], num_samples)
+    base, args, keywords = (fn.func, fn.args, fn.keywords) if isinstance(fn, partial) else (fn, (), {})
+    members_of = _OURS.get(base)
+    if members_of is not None:  # ours (or a partial of ours, called as the partial would call it): every sample once
+        return _maps([m for m in members_of(*args, sizes, num_chunks, **keywords) if m], num_samples)
     chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
     # the checks and the derived maps in numpy: a few microseconds each where torch ops cost several times that

@@ -110,11 +110,12 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
     try:
         table = np.bincount(index).astype(np.int64, copy=False)  # refuses a negative entry itself
     except ValueError:
-        if int(index.min()) >= 0:
+        low = int(index.min())
+        if low >= 0:
             raise
         raise BatchLayoutError(
-            f"{name} has a negative batch index ({int(index.min())}) in column 0; column 0 must be the batch index "
-            "0..B-1. Collate with ME.utils.sparse_collate or ME.utils.batched_coordinates."
+            f"{name} has a negative batch index ({low}) in column 0; column 0 must be the batch index 0..B-1. "
+            "Collate with ME.utils.sparse_collate or ME.utils.batched_coordinates."
         ) from None
     counts = torch.from_numpy(table)
     if not table.all():
