@@ -58,6 +58,11 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``digits_ceiling_fraction_2_1t`` / ``digits_ceiling_fraction_3``: ``digits_speedup_sparse_dp_2_1t`` over
   ``digits_ceiling_2_1t`` and ``digits_syncbn_speedup_3`` over ``digits_ceiling_3``, each repetition's speedup over
   the same repetition's ceiling (issue 35's targets: >= 0.90 and >= 0.85);
+- ``digits_floor_fraction_2_1t`` / ``digits_floor_fraction_3``: the most of that ceiling the same step could reach
+  if everything of its own cost nothing but the work no thread-parallel strategy can leave out: the split's plan,
+  the slowest chunk's cut and placing, the gradients' reduction and two hand-overs to the replica threads
+  (``dispatch_us`` for the case's replica count); ``ceiling.floor_fraction`` of each repetition. A ceiling fraction
+  target above it cannot be met by trimming the rest;
 - ``thread_prep_ratio_2_1t`` / ``thread_prep_ratio_3``: digits, sparse_dp-2 (one thread each) / sparse_dp-3 (default
   threads), the step with each replica's preparation in its own thread (the default) over the same step with it
   on the main thread (``prepare_in_threads=False``, the ``main-prep`` cases): above 1, the threads cost more;
@@ -163,6 +168,7 @@ from bench_report import (  # noqa: E402
     stage_table,
     table,
 )
+from ceiling import floor_fraction, unavoidable_seconds  # noqa: E402
 
 import lightning_sparse_dp  # noqa: E402,F401
 from lightning_sparse_dp import SparseDataParallelStrategy  # noqa: E402
@@ -255,6 +261,11 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
     for key, mode, case in (("2_1t", one, "sparse_dp-2"), ("3", d, "sparse_dp-3 syncBN")):  # each repetition's own
         ceilings = [r["ceiling"] for r in raw[(dig, mode)][CEILING_CASES[mode]]]
         put(f"digits_ceiling_fraction_{key}", [s / c for s, c in zip(ratio(dig, mode, "auto-1", case), ceilings)], 3)
+        # the same repetitions' best fraction with only the step's unavoidable work (ceiling.unavoidable_seconds)
+        steps_of = [r["step_s"] / r["ceiling"] for r in raw[(dig, mode)][CEILING_CASES[mode]]]
+        dispatch_s = dispatch_us(_devices(case), 500)[0] * 1e-6
+        put(f"digits_floor_fraction_{key}", [floor_fraction(c, unavoidable_seconds(r["stages"], dispatch_s))
+                                             for c, r in zip(steps_of, raw[(dig, mode)][case])], 3)
     put("thread_prep_ratio_2_1t", ratio(dig, one, "sparse_dp-2", MAIN_PREP_CASES[one]))
     put("thread_prep_ratio_3", ratio(dig, d, "sparse_dp-3", MAIN_PREP_CASES[d]))
     fixed = ("split", "place", "replicate", "state", "weigh", "gather", "log")

@@ -19,6 +19,11 @@ Lightning's ``self.log`` returns at once (after one warning, silenced here), so 
 :class:`NetworkClock` leaves them in the serial part, since a strategy makes them once, after the gather
 (sparse_dp's ``emit``).
 
+Some of a strategy's own work no thread-parallel strategy can leave out: the batch planned and cut into chunks,
+each chunk placed, the replicas handed their work twice a step (forward, then backward) and their gradients added.
+:func:`floor_fraction` of :func:`unavoidable_seconds` is the most of the ceiling a step could reach with everything
+else of its own at no cost (``bench.py``'s ``digits_floor_fraction_*``).
+
 What keeps ``bare`` above the whole batch's network part over ``R`` on a CPU is the per-operation work that every
 thread pays in full whatever its share of the points (module calls, ME's coordinate and kernel maps, autograd), the
 part of it that holds the GIL (one thread at a time), and the cores (``R`` above the core count).
@@ -165,4 +170,33 @@ def ceiling(plain: Sequence[float], network: Sequence[float], bare: Sequence[flo
     return statistics.median(plain) / (serial + statistics.median(bare))
 
 
-__all__ = ["NetworkClock", "bare_thread_times", "ceiling"]
+#: The stages of a sparse_dp step (``StageTimes`` names) that any thread-parallel strategy training the same model on
+#: the same batch has to run in some form: the batch planned (``split``) and, on the main thread, placed
+#: (``place``: nothing when the replicas place their own chunks), each chunk cut and placed (``scatter<i>``, in the
+#: replicas' threads at once: the slowest counts) and the replicas' gradients added (``reduce``).
+UNAVOIDABLE_STAGES = ("split", "place", "reduce")
+
+
+def unavoidable_seconds(stages: dict[str, float], dispatch_s: float) -> float:
+    """Seconds of a sparse_dp step's own work that no thread-parallel strategy can leave out.
+
+    ``stages``: the step's stage medians (s; ``StageTimes.medians``): :data:`UNAVOIDABLE_STAGES` plus the slowest
+    ``scatter<i>``; ``dispatch_s``: one hand-over of no-op callables to the replica threads and back
+    (``bench_micro.dispatch_us``), paid twice a step (the forward, then the backward Lightning calls). Everything
+    else of the step (replicating, the per-step state, loss weights, gather, logging, the replicas' own extras) is
+    left out: this is what remains when all of that costs nothing.
+    """
+    scatter = max((v for k, v in stages.items() if k.startswith("scatter") and k[7:].isdigit()), default=0.0)
+    return sum(stages.get(name, 0.0) for name in UNAVOIDABLE_STAGES) + scatter + 2 * dispatch_s
+
+
+def floor_fraction(ceiling_step_s: float, unavoidable_s: float) -> float:
+    """The most of the ceiling a thread-parallel strategy could reach whose only own costs are ``unavoidable_s``
+    (:func:`unavoidable_seconds`): ``ceiling_step_s / (ceiling_step_s + unavoidable_s)``, where ``ceiling_step_s`` is
+    the ceiling's step (serial part plus bare threads: plain Lightning's step over :func:`ceiling`). A ceiling
+    fraction target above it cannot be met by trimming the rest of the step.
+    """
+    return ceiling_step_s / (ceiling_step_s + unavoidable_s)
+
+
+__all__ = ["UNAVOIDABLE_STAGES", "NetworkClock", "bare_thread_times", "ceiling", "floor_fraction", "unavoidable_seconds"]

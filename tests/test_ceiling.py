@@ -103,3 +103,26 @@ def test_ceiling_is_the_plain_step_over_its_serial_part_plus_the_bare_threads():
     assert ceiling.ceiling([0.010, 0.011, 0.010], [0.008, 0.009, 0.008], [0.005, 0.005, 0.006]) == pytest.approx(10 / 7)
     with pytest.raises(ValueError):  # one network part per plain step
         ceiling.ceiling([0.010, 0.011], [0.008], [0.005])
+
+
+def test_unavoidable_work_is_the_plan_the_slowest_cut_the_reduction_and_two_hand_overs():
+    stages = {
+        "split": 0.00034, "place": 0.0, "reduce": 0.00013,
+        "scatter0": 0.00040, "scatter1": 0.00048, "scatter2": 0.00021,
+        # the rest of a step: none of it counts
+        "replicate": 0.0001, "state": 0.0002, "weigh": 0.0001, "gather": 0.00004, "log": 0.00005, "emit": 0.0009,
+        "apply": 0.007, "backward": 0.005, "replica0": 0.0068, "backward1": 0.0043, "syncbn": 0.004,
+    }
+    assert ceiling.unavoidable_seconds(stages, 0.00014) == pytest.approx(0.00034 + 0.00048 + 0.00013 + 2 * 0.00014)
+    # a step whose chunks the main thread cut and placed (prepare_in_threads=False): no scatter<i>, `place` counts
+    assert ceiling.unavoidable_seconds({"split": 0.0009, "place": 0.0002, "reduce": 0.0001}, 0.0) == pytest.approx(0.0012)
+
+
+def test_the_floor_fraction_bounds_every_step_with_that_unavoidable_work():
+    ceiling_step, unavoidable = 0.0116, 0.0012  # the 20:19 run's digits figures (docs/benchmarks.md)
+    best = ceiling.floor_fraction(ceiling_step, unavoidable)
+    assert best == pytest.approx(11.6 / 12.8)
+    for rest in (0.0, 0.0005, 0.004):  # the step's other own costs: its ceiling fraction is ceiling step / step
+        step = ceiling_step + unavoidable + rest
+        assert ceiling_step / step <= best + 1e-12
+    assert ceiling_step / (ceiling_step + unavoidable) == pytest.approx(best)
