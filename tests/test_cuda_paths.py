@@ -542,7 +542,10 @@ def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch):
     assert raw[("segmentation", "default")]["ddp-2 (gloo)"] == []
     assert ran.count(("segmentation", "default", "ddp-2 (gloo)")) == 1  # not tried again in the next repetition
     assert len(raw[("segmentation", "1 thread")]["ddp-2 (gloo)"]) == 2 and len(raw[("digits", "default")]["auto-1"]) == 2
-    monkeypatch.setattr(bench, "dispatch_us", lambda: (1.0, 1.0))
+    monkeypatch.setattr(bench, "dispatch_us", lambda *args: (1000.0, 1.0))  # a 1 ms hand-over
     line = bench.headline(raw, 6, 2, 1)
     assert line["ddp_throughput_ratio"] is None and line["ddp_throughput_ratio_spread"] is None
     assert line["ddp_throughput_ratio_1t"] == 1.0 and line["overhead_ratio"] == 1.1
+    # no stages recorded: the floor is the ceiling's step (the ceiling case's 11 ms over its ceiling of 1.5) over itself
+    # plus two 1 ms hand-overs
+    assert line["digits_floor_fraction_2_1t"] == round((0.011 / 1.5) / (0.011 / 1.5 + 2e-3), 3) == 0.786
