@@ -387,7 +387,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         return self.prepare_in_threads is not False
 
     def _split_options(self) -> dict[str, Any]:
-        """The split's ``layout``, ``assignment`` (``split``; pinned replicas: per core first) and ``min_points``."""
+        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk``."""
         pinned = self._core_groups is not None and self.split == "balanced"
         assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
         module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
