@@ -109,6 +109,7 @@ class _ForwardMetrics(SparseNet):
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.train_sum = torchmetrics.SumMetric()  # of whole numbers below: exact in its float32 state in any order
         self.batch_values: list[tuple[float, float]] = []
+        self.states: list[list[torch.Tensor]] = []
 
     def training_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
@@ -119,8 +120,10 @@ class _ForwardMetrics(SparseNet):
         self.log("train_sum", self.train_sum, on_step=True, on_epoch=False)
         return nn.functional.cross_entropy(logits, batch["labels"])
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):  # the root's batch values after each step
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # the root's batch values and states after each step
         self.batch_values.append((self.train_acc._forward_cache.item(), self.train_sum._forward_cache.item()))
+        acc = self.train_acc
+        self.states.append([t.clone() for t in (acc.tp, acc.fp, acc.tn, acc.fn, self.train_sum.sum_value)])
 
 
 def test_forward_metric_values_of_every_step_equal_single_device():
@@ -133,6 +136,10 @@ def test_forward_metric_values_of_every_step_equal_single_device():
     assert len(ours.batch_values) == len(reference.batch_values) == 3
     for (acc, total), (acc_ref, total_ref) in zip(ours.batch_values, reference.batch_values):
         assert acc == pytest.approx(acc_ref, rel=REL) and total == pytest.approx(total_ref, rel=REL)
+    # the states the root accumulates over the steps (each step's batch states added to them, as forward does)
+    assert len(ours.states) == len(reference.states) == 3 and reference.states[-1][-1] > reference.states[0][-1]
+    for step, step_ref in zip(ours.states, reference.states):
+        assert all(torch.equal(a, b) for a, b in zip(step, step_ref))
 
 
 def test_epoch_level_metric_compute_equals_single_device():

@@ -41,7 +41,7 @@ def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: floa
     ``w_i`` adds up to the remainder's own. The gather (the strategy's, or an override) then
     combines them as any loss.
     """
-    base = sum(w * float(loss.detach()) for w, loss in zip(weights, losses))
+    base = sum(w * loss.item() for w, loss in zip(weights, losses))  # .item(): float(loss.detach()) without the alias
     return [loss + (value - base) for loss in losses]
 
 

@@ -111,6 +111,18 @@ def _ids(members: list[int]) -> Tensor:
 def _lpt(sizes: list[int], order: list[int], bins: int) -> list[list[int]]:
     """Graham's rule: the samples of ``order`` (decreasing size), each to the bin with the fewest points so
     far (the lowest index on ties); the sample ids of each bin."""
+    if bins == 1:
+        return [list(order)]
+    if bins == 2:  # the same rule without the heap (2 bins: pinned replicas' groups, 2 replicas): ties to bin 0
+        loads2, first, second = [0, 0], [], []
+        for i in order:
+            if loads2[0] <= loads2[1]:
+                loads2[0] += sizes[i]
+                first.append(i)
+            else:
+                loads2[1] += sizes[i]
+                second.append(i)
+        return [first, second]
     loads = [(0, c) for c in range(bins)]  # a heap of (points so far, bin): the least loaded, lowest index first
     members: list[list[int]] = [[] for _ in range(bins)]
     for i in order:
@@ -129,7 +141,7 @@ def _grouped_assignment(sizes: list[int], order: list[int], k: int, groups: Sequ
     ids = sorted(set(group_of))
     chunks_of = {g: [c for c in range(k) if group_of[c] == g] for g in ids}
     in_group = dict(zip(ids, _lpt(sizes, order, len(ids))))
-    loads = {g: sum(sizes[i] for i in members) for g, members in in_group.items()}
+    loads = {g: sum(map(sizes.__getitem__, members)) for g, members in in_group.items()}
     _even_out(sizes, in_group, loads, {g: len(c) for g, c in chunks_of.items()})
     members: list[list[int]] = [[] for _ in range(k)]
     for g in ids:
@@ -152,11 +164,16 @@ def _even_out(sizes: list[int], in_group: dict[int, list[int]], loads: dict[int,
     fuller group first), a swap only where it beats every move. The candidates of a round are scored as
     numpy arrays (the pairs as one broadcast ``[a, b]`` table), not in Python loops.
     """
-    table = np.asarray(sizes, dtype=np.int64)
+    # a move or swap of d points narrows the gap only for 0 < d < gap: none exists for a gap of 1 (whole points)
+    least = 1 if all(type(x) is int for x in loads.values()) else 0
+    table = None
     for _ in range(16):
         high = max(loads, key=lambda g: (loads[g], -g))
         low = min(loads, key=lambda g: (loads[g], g))
         gap = loads[high] - loads[low]
+        if gap <= least:  # nothing can leave a smaller gap (below): Graham's rule often leaves 0 or 1
+            return
+        table = np.asarray(sizes, dtype=np.int64) if table is None else table
         out_of_high = np.sort(np.asarray(in_group[high], dtype=np.int64))
         out_of_low = np.sort(np.asarray(in_group[low], dtype=np.int64))
         best: tuple[int, int, int | None] | None = None  # (gap left, sample out of high, sample out of low)

@@ -260,7 +260,7 @@ NUMPY_DTYPES = frozenset({torch.int16, torch.int32, torch.int64, torch.float16, 
 def numpy_readable(t: Tensor) -> bool:
     """Whether the split may read ``t`` through numpy: a plain CPU tensor (no subclass, whose torch functions must
     run) that needs no gradient, of a dtype in :data:`NUMPY_DTYPES`."""
-    return t.device.type == "cpu" and type(t) is Tensor and t.dtype in NUMPY_DTYPES and not t.requires_grad
+    return t.is_cpu and type(t) is Tensor and t.dtype in NUMPY_DTYPES and not t.requires_grad
 
 
 __all__ = [

@@ -118,7 +118,7 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
             "Collate with ME.utils.sparse_collate or ME.utils.batched_coordinates."
         ) from None
     counts = torch.from_numpy(table)
-    if not table.all():
+    if np.count_nonzero(table) < table.size:  # a sample with no points (count_nonzero: faster than .all())
         missing = np.flatnonzero(table == 0).tolist()
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise BatchLayoutError(
