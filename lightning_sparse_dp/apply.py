@@ -224,19 +224,21 @@ def _step_on(step: Callable[..., T], inputs: Sequence[Any], i: int, args: tuple,
     return step(inputs[i], *args, **kwargs)
 
 
-def _prepared(before: Callable[[], None] | None, inputs: Any, i: int, step: Callable[[], T]) -> T:
-    """``before()``, then a pending ``inputs[i]`` made (and stored), then ``step()``."""
-    if before is not None:
-        before()
+def _prepared(before: Callable[[], Any] | None, inputs: Any, i: int, step: Callable[[], T]) -> T:
+    """``before()``, then a pending ``inputs[i]`` made (and stored), then what ``before()`` returned when it is a callable
+    (the last thing before the step: replica 0 waits there for the others' buffer copies), then ``step()``."""
+    last = before() if before is not None else None
     if isinstance(inputs[i], PendingChunk):
         inputs[i] = inputs[i]()
+    if last is not None:
+        last()
     return step()
 
 
 def replica_steps(
     replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
     kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
-    before: Sequence[Callable[[], None]] | None = None,
+    before: Sequence[Callable[[], Any]] | None = None,
 ) -> list[Callable[[], Any]]:
     """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
     under, innermost first: the capture of its losses (``terms``: a
@@ -247,7 +249,8 @@ def replica_steps(
     The preparation runs in replica ``i``'s thread before the step: ``before[i]()`` (the replica's part of the step's
     state, :meth:`~lightning_sparse_dp.state.ReplicaState.enter`), then, where ``inputs[i]`` is a
     :class:`~lightning_sparse_dp.place.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
-    caller. Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
+    caller, then the callable ``before[i]()`` returned, if any. Inside the group's rank, so an error there aborts the
+    batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if terms is not None:
         steps = terms.wrap(steps)

@@ -31,6 +31,7 @@ its storage moved (``module.to(...)``, ``configure_model``, a precision plugin's
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
@@ -74,8 +75,9 @@ class BufferMirror:
 
     ``nn.DataParallel`` broadcasts the module's buffers to its replicas every step (``Broadcast.apply`` on the
     buffers in ``torch.nn.parallel.replicate``); so does this, coalesced the way ``broadcast_coalesced`` is:
-    each replica's copies of the module's contiguous buffers that need no gradient are views into one flat
-    tensor per (dtype, device) of the replica's, and a refresh concatenates the module's buffers (flat views of
+    each replica's copies of the module's contiguous buffers that need no gradient share the storage of one flat
+    tensor per (dtype, device) of the replica's (each copy with a version counter of its own, as
+    ``broadcast_coalesced``'s outputs), and a refresh concatenates the module's buffers (flat views of
     them, made once) into the first replica's flat tensor with ``torch.cat(..., out=...)`` and copies that
     into the others'. Segmentation network of the bench, 39 buffers, 2 replicas: about 31 us with a cold
     cache against 90 us for one ``copy_`` per buffer. Other buffers (not contiguous, another layout, needing a
@@ -96,6 +98,7 @@ class BufferMirror:
         self.copies: list[list[Tensor]] = [[] for _ in devices]
         self._groups: list[tuple[list[Tensor], Tensor | None, list[Tensor]]] = []  # (flat sources, staging, flats)
         self._loose: list[tuple[Tensor, list[Tensor]]] = []  # (source, its copy per replica)
+        self.per_replica = True
         if not devices:
             return
         slots: list[list[Tensor | None]] = [[None] * len(sources) for _ in devices]
@@ -114,10 +117,17 @@ class BufferMirror:
             flats = [torch.empty(total, dtype=dtype, device=d) for d in devices]
             for r, flat in enumerate(flats):
                 for k, piece in zip(indices, flat.split([v.numel() for v in views])):
-                    slots[r][k] = piece.view(sources[k].shape)
+                    # .data: the flat's storage with a version counter of its own, as torch's broadcast_coalesced gives
+                    # (NOTE [ Version Counter in comm.*_coalesced ]): a step that saves one buffer for its backward
+                    # and updates another in place must not see the first as modified
+                    slots[r][k] = piece.view(sources[k].shape).data
             staging = None if flats[0].device == device else torch.empty(total, dtype=dtype, device=device)
             self._groups.append((views, staging, flats))
         self.copies = [list(s) for s in slots]  # type: ignore[arg-type]  # every slot is filled above
+        # whether refresh_one may refresh each replica on its own: every copy on its source's device (CPU)
+        self.per_replica = all(staging is None for _, staging, _ in self._groups) and all(
+            copy.device == source.device for source, copies in self._loose for copy in copies
+        )
         self.refresh(len(devices))
 
     def refresh(self, count: int) -> None:
@@ -135,6 +145,62 @@ class BufferMirror:
                 for source, copies in self._loose:
                     for copy in copies[:count]:
                         copy.copy_(source)
+
+    def refresh_one(self, r: int) -> None:
+        """Copy the module's buffers into replica ``r + 1``'s copies only (where ``per_replica``; any thread: it reads
+        the module's buffers and writes that replica's)."""
+        for views, _, flats in self._groups:
+            torch.cat(views, out=flats[r])
+        if self._loose:
+            with torch.no_grad():
+                for source, copies in self._loose:
+                    copies[r].copy_(source)
+
+
+class BufferHandOff:
+    """One step's buffer refresh in the replicas' own threads (CPU replicas preparing in their threads).
+
+    Replica ``r >= 1`` copies the module's buffers into its own first thing in its preparation (:meth:`copy`); replica
+    0, whose step updates the module's buffers in place (its buffers are the module's, as in ``nn.DataParallel``:
+    batch norm's running statistics), waits before its step until every other replica has its copy (:meth:`wait`).
+    So every replica starts from the module's buffers as they were before the step, as ``nn.DataParallel``'s
+    broadcast before the step (and :meth:`BufferMirror.refresh` on the calling thread) gives.
+
+    Args:
+        mirror: the replicas' :class:`BufferMirror` (one whose ``per_replica`` is true).
+        count: the step's replicas, the root one included.
+        timeout: seconds replica 0 waits at most.
+    """
+
+    def __init__(self, mirror: BufferMirror, count: int, timeout: float = 300.0) -> None:
+        self._mirror, self._timeout = mirror, timeout
+        self._pending = count - 1
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self._pending <= 0:
+            self._done.set()
+
+    def copy(self, r: int) -> None:
+        """Replica ``r``'s copies (``r >= 1``; counted as done even when the copy raises, which then fails the step)."""
+        try:
+            self._mirror.refresh_one(r - 1)
+        finally:
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        """Until every replica after the root one has its copies.
+
+        Raises:
+            RuntimeError: they do not within ``timeout`` seconds (a replica thread that never started its step).
+        """
+        if not self._done.wait(self._timeout):
+            raise RuntimeError(
+                f"sparse_dp: the replicas' buffer copies were not made within {self._timeout:.0f} s (a replica thread "
+                "did not start its step); pass prepare_in_threads=False to refresh them on the calling thread."
+            )
 
 
 class Replicas:
@@ -247,11 +313,24 @@ class Replicas:
             self.refresh_replica(r)
         return self.modules[:count]
 
-    def refresh_tensors(self, count: int) -> None:
+    def refresh_tensors(self, count: int, buffers: bool = True) -> None:
         """The first ``count`` replicas' buffer copies and, on CUDA, parameter copies brought up to date: one fused
-        copy (broadcast) for all of them, so on the calling thread."""
-        self._buffer_mirror.refresh(count - 1)
+        copy (broadcast) for all of them, so on the calling thread. Without ``buffers`` the buffer copies are left to
+        the replicas' threads (:meth:`buffer_hand_off`)."""
+        if buffers:
+            self._buffer_mirror.refresh(count - 1)
         self._copy_parameters(count)
+
+    @property
+    def buffers_in_threads(self) -> bool:
+        """Whether the replicas' threads may refresh their own buffer copies (:meth:`buffer_hand_off`): every copy is
+        on the module's buffer's device (CPU replicas); on CUDA the calling thread refreshes them, fused."""
+        return self._buffer_mirror.per_replica
+
+    def buffer_hand_off(self, count: int) -> BufferHandOff | None:
+        """The first ``count`` replicas' buffer refresh in their own threads (:class:`BufferHandOff`), or ``None``
+        where :attr:`buffers_in_threads` is false."""
+        return BufferHandOff(self._buffer_mirror, count) if self.buffers_in_threads else None
 
     def refresh_replica(self, r: int) -> None:
         """Replica ``r``'s modules given their module's ``__dict__`` entries but their own parameters / buffers /
@@ -351,4 +430,4 @@ def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn
     return Replicas(module, devices).modules
 
 
-__all__ = ["BufferMirror", "Replicas", "copy_slots", "make_replicas"]
+__all__ = ["BufferHandOff", "BufferMirror", "Replicas", "copy_slots", "make_replicas"]

@@ -35,7 +35,7 @@ from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.replicate import BufferHandOff, Replicas
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.replicas import synchronized
@@ -216,25 +216,31 @@ class ReplicaState:
 
     def __init__(
         self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
-        group: ThreadGroup | None, left: StepState,
+        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None,
     ) -> None:
         self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
-        self.left = left
+        self.left, self.buffers = left, buffers
         self.recorders: list[Any] = [None] * len(replicas)
 
-    def enter(self, i: int) -> None:
+    def enter(self, i: int) -> Callable[[], None] | None:
         """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
-        step): its refresh from the module (``refresh(i)``: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`),
-        its empty metric copies (:meth:`~lightning_sparse_dp.metrics.StepMetrics.install`; first, so that logged
-        metrics resolve to the replica's copy), its ``self.log`` recorder and ``self.print``
+        step): its buffer copies (``buffers``: a :class:`~lightning_sparse_dp.replicate.BufferHandOff`, replicas after
+        the root one), its refresh from the module (``refresh(i)``:
+        :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`), its empty metric copies
+        (:meth:`~lightning_sparse_dp.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
+        replica's copy), its ``self.log`` recorder and ``self.print``
         (:func:`~lightning_sparse_dp.log.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
-        attributes as its step finds them)."""
+        attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
+        writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
+        if self.buffers is not None and i > 0:
+            self.buffers.copy(i)
         if self.refresh is not None:
             self.refresh(i)
         self.metrics.install(i)
         # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
         self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.paths(i) if self.own else None)
         self.left.enter(i)
+        return self.buffers.wait if self.buffers is not None and i == 0 else None
 
 
 @contextmanager
@@ -246,7 +252,8 @@ def replica_state(
 
     Each replica's part (:meth:`ReplicaState.enter`) runs here for every replica, or, ``deferred``, in each
     replica's own thread before its step (then with the replica's refresh from the module first, which the caller
-    leaves out: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors` only). Here: the batch-norm group
+    leaves out: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors` only, without the buffers where
+    :attr:`~lightning_sparse_dp.replicate.Replicas.buffers_in_threads`). Here: the batch-norm group
     (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`). Undone at exit, in this order: the group closed, the
     recorders removed before the calls are logged through the root module, which may itself be replica 0
     (:func:`~lightning_sparse_dp.log.remove_recorders`), the metric copies merged into the root's metrics (when the
@@ -263,7 +270,8 @@ def replica_state(
         stack.callback(remove_recorders, replicas)
         group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
-        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True))
+        buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True), buffers)
         if not deferred:
             for i in range(len(replicas)):
                 state.enter(i)

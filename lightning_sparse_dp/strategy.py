@@ -308,8 +308,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
         One chunk on the root device runs ``module`` itself. Otherwise the persistent
         :class:`~lightning_sparse_dp.replicate.Replicas` are refreshed, or rebuilt when the module's
-        structure, parameters or devices changed. Without ``refresh_modules`` only their tensors are
-        (:meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors`): each replica's thread refreshes its modules.
+        structure, parameters or devices changed. Without ``refresh_modules`` only their tensors are (CPU: not buffers;
+        :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors`): each replica's thread refreshes the rest.
         """
         with self._timer.stage("replicate"):
             if list(devices) == [self.root_device]:
@@ -320,7 +320,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 self._replica_sync_layers = [sync_layers(r) for r in self._replicas.modules]
             if refresh_modules:
                 return self._replicas.refresh(len(devices))
-            self._replicas.refresh_tensors(len(devices))
+            self._replicas.refresh_tensors(len(devices), buffers=not self._replicas.buffers_in_threads)
             return self._replicas.modules[: len(devices)]
 
     def parallel_apply(
@@ -333,7 +333,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         group: ThreadGroup | None = None,
         plan: SplitPlan | None = None,
         terms: StepTerms | None = None,
-        before: Sequence[Callable[[], None]] | None = None,
+        before: Sequence[Callable[[], Any]] | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 

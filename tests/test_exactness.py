@@ -142,6 +142,34 @@ def test_forward_metric_values_of_every_step_equal_single_device():
         assert all(torch.equal(a, b) for a, b in zip(step, step_ref))
 
 
+class _StepCounter(SparseNet):
+    """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
+    step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module
+    changes between steps (every replica reads the new value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps_seen", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch) * (1.0 + self.steps_seen) * self.scale
+        self.steps_seen += 1.0
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.scale.mul_(0.5)
+
+
+def test_every_replica_reads_the_buffers_as_the_step_found_them():
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (51, 52, 53)]
+    ours, reference = same_start(_StepCounter)
+    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=3).fit(ours, loader(*batches))
+    trainer(devices=1, logger=False, max_steps=3).fit(reference, loader(*batches))
+    assert ours.steps_seen.item() == reference.steps_seen.item() == 3.0 and ours.scale.item() == 0.125
+    assert_same_states(ours, reference)
+
+
 def test_epoch_level_metric_compute_equals_single_device():
     batches = [collate_dict(random_samples(7, seed=28)), collate_dict(random_samples(5, seed=29))]
     ours, reference = same_start(_WithMetrics)

@@ -13,7 +13,7 @@ from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import Replicas, make_replicas
+from lightning_sparse_dp.replicate import BufferHandOff, Replicas, make_replicas
 from lightning_sparse_dp.split import split_batch
 from tests.helpers import SparseNet, collate_dict, random_samples
 
@@ -137,6 +137,42 @@ def test_replica_buffers_are_refreshed_from_the_module_and_stay_each_replicas_ow
     assert replicas.matches(model, CPU3)
     model.double()  # new storage for every floating-point buffer and parameter
     assert not replicas.matches(model, CPU3)
+
+
+def test_replica_buffer_copies_have_version_counters_of_their_own():
+    # as torch's broadcast_coalesced gives DataParallel's replicas: an in-place update of one buffer (running_mean)
+    # is not a modification of another the step saved for its backward (running_var)
+    replica = Replicas(torch.nn.BatchNorm1d(4), CPU3).modules[1]
+    before = replica.running_var._version
+    replica.running_mean.add_(1.0)
+    assert replica.running_var._version == before
+
+
+def test_replica_threads_copy_their_own_buffers_and_replica_0_waits_for_every_copy():
+    model = _ManyBuffers()
+    replicas = Replicas(model, CPU3)
+    with torch.no_grad():  # the module's buffers after a step
+        for b in model.buffers():
+            b.add_(torch.arange(b.numel()).reshape(b.shape).to(b.dtype) + 1)
+    expected, stale = _buffers_of(model), _buffers_of(replicas.modules[1])
+    hand_off = replicas.buffer_hand_off(3)
+    assert replicas.buffers_in_threads and hand_off is not None
+    waiting = threading.Thread(target=hand_off.wait, daemon=True)
+    waiting.start()
+    hand_off.copy(2)  # replica 2's thread: its copies only
+    for r, want in ((1, stale), (2, expected)):
+        got = dict(replicas.modules[r].named_buffers())
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items()), r
+    waiting.join(0.2)
+    assert waiting.is_alive()  # replica 0 (whose step writes the module's buffers) still waits for replica 1
+    hand_off.copy(1)
+    waiting.join(10)
+    assert not waiting.is_alive()
+    got = dict(replicas.modules[1].named_buffers())
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert replicas.modules[0].bn.running_mean is model.bn.running_mean  # the root replica's are the module's
+    with pytest.raises(RuntimeError, match="buffer copies were not made within"):
+        BufferHandOff(replicas._buffer_mirror, 2, timeout=0.01).wait()  # replica 1 never copied
 
 
 def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
