@@ -99,8 +99,9 @@ def _speedup_lines(results: dict) -> dict[str, tuple[list[int], list[float]]]:
         "sparse_dp, sync BN": ([1] + [d for d in (2, 3) if f"sparse_dp-{d} syncBN" in results],
                                [base / one] + [base / results[f"sparse_dp-{d} syncBN"]["step_s"] for d in (2, 3)
                                                if f"sparse_dp-{d} syncBN" in results]),
-        "DDP (gloo)": ([1, 2], [1.0, base / results["ddp-2 (gloo)"]["step_s"]]),
     }
+    if "ddp-2 (gloo)" in results:  # not every model and mode runs it (or it failed in every repetition)
+        lines["DDP (gloo)"] = ([1, 2], [1.0, base / results["ddp-2 (gloo)"]["step_s"]])
     return lines
 
 
@@ -148,7 +149,7 @@ def plot(runs: dict, out_dir: Path) -> list[Path]:
     ax.invert_yaxis()
     ax.set(xlabel="ms per step (medians; apply = the replicas' forward, backward = their backward passes)",
            title="segmentation: where a sparse_dp step's time goes")
-    ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / len(bars)), frameon=False)
+    ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(bars), 1)), frameon=False)
     fig.tight_layout()
     stages = out_dir / "stages.png"
     fig.savefig(stages, dpi=110, bbox_inches="tight")  # "tight": the legend below the axes and the label stay in

@@ -324,7 +324,8 @@ class Replicas:
     @property
     def buffers_in_threads(self) -> bool:
         """Whether the replicas' threads may refresh their own buffer copies (:meth:`buffer_hand_off`): every copy is
-        on the module's buffer's device (CPU replicas); on CUDA the calling thread refreshes them, fused."""
+        on the module's buffer's device (CPU replicas, replicas sharing one GPU); replicas on other GPUs are refreshed
+        by the calling thread, fused."""
         return self._buffer_mirror.per_replica
 
     def buffer_hand_off(self, count: int) -> BufferHandOff | None:

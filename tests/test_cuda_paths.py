@@ -515,7 +515,7 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
     assert "auto-1" not in line["digits_step_ms"] and "sparse_dp-3 shared" in line["digits_step_ms"]
 
 
-def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch):
+def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, tmp_path):
     """bench.py on CPU: a case that fails (plain Lightning's DDP child was seen to die on a GPU machine) is named in
     ``failed``, dropped from every repetition, the other cases still run, and the ratios that need it are ``null``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -531,7 +531,7 @@ def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch):
             if case == "ddp-2 (gloo)" and self.mode == "default" and model_name == "segmentation":
                 raise RuntimeError("the case failed:\nterminate called without an active exception")
             step = 0.01 if case == "auto-1" else 0.011
-            return {"step_s": step, "stages": {}, "ceiling": 1.5, "peak_rss_mb": 100.0}
+            return {"step_s": step, "cpu_s": step, "stages": {}, "ceiling": 1.5, "peak_rss_mb": 100.0}
 
         def close(self):
             pass
@@ -549,3 +549,8 @@ def test_cpu_bench_reports_a_failed_case_and_goes_on(monkeypatch):
     # no stages recorded: the floor is the ceiling's step (the ceiling case's 11 ms over its ceiling of 1.5) over itself
     # plus two 1 ms hand-overs
     assert line["digits_floor_fraction_2_1t"] == round((0.011 / 1.5) / (0.011 / 1.5 + 2e-3), 3) == 0.786
+    # the plots leave out a line whose case failed (they stopped at a KeyError before)
+    runs = {key: {case: bench.aggregate(reps, bench._devices(case)) for case, reps in cases.items() if reps}
+            for key, cases in raw.items()}
+    figures = bench.plot(runs, tmp_path)
+    assert [f.name for f in figures] == ["speedup.png", "stages.png"] and all(f.stat().st_size > 0 for f in figures)
