@@ -124,8 +124,9 @@ class BufferMirror:
             staging = None if flats[0].device == device else torch.empty(total, dtype=dtype, device=device)
             self._groups.append((views, staging, flats))
         self.copies = [list(s) for s in slots]  # type: ignore[arg-type]  # every slot is filled above
-        # whether refresh_one may refresh each replica on its own: every copy on its source's device (CPU)
-        self.per_replica = all(staging is None for _, staging, _ in self._groups) and all(
+        # whether refresh_one may refresh each replica on its own: every copy on its source's device (CPU replicas,
+        # replicas sharing the module's GPU), not only the first replica's (replicas_per_device > 1 on several GPUs)
+        self.per_replica = all(flat.device == views[0].device for views, _, flats in self._groups for flat in flats) and all(
             copy.device == source.device for source, copies in self._loose for copy in copies
         )
         self.refresh(len(devices))

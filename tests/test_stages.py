@@ -13,7 +13,7 @@ from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import BufferHandOff, Replicas, make_replicas
+from lightning_sparse_dp.replicate import BufferHandOff, BufferMirror, Replicas, make_replicas
 from lightning_sparse_dp.split import split_batch
 from tests.helpers import SparseNet, collate_dict, random_samples
 
@@ -173,6 +173,15 @@ def test_replica_threads_copy_their_own_buffers_and_replica_0_waits_for_every_co
     assert replicas.modules[0].bn.running_mean is model.bn.running_mean  # the root replica's are the module's
     with pytest.raises(RuntimeError, match="buffer copies were not made within"):
         BufferHandOff(replicas._buffer_mirror, 2, timeout=0.01).wait()  # replica 1 never copied
+
+
+@pytest.mark.parametrize("others", [["cpu", "meta"], ["meta", "cpu"], ["meta"]])
+def test_buffers_are_copied_in_the_replicas_threads_only_where_every_copy_is_on_the_modules_device(others):
+    # "meta" stands in for another GPU: replicas_per_device > 1 on several GPUs puts replica 1 on the module's device
+    # and replica 2 on another, whose copy a thread's torch.cat(..., out=) could not make
+    buffers = list(torch.nn.BatchNorm1d(3).buffers())  # fused ones only (float32 and int64 groups)
+    assert BufferMirror(buffers, [torch.device("cpu")] * 2).per_replica
+    assert not BufferMirror(buffers, [torch.device(d) for d in others]).per_replica
 
 
 def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
