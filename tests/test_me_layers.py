@@ -214,9 +214,10 @@ def test_building_a_coordinate_map_lets_other_python_threads_run(build):
     total = stamps[-1] - stamps[0]
     longest = max(b - a for a, b in zip(stamps, stamps[1:]))
     assert total > 0.1, f"the build took {total * 1e3:.1f} ms: too short to tell"
-    # held, the gap is the hashing: 290-360 ms of 440-730 ms here (TensorField.sparse() also runs torch ops,
-    # which release the GIL); released, a few switch intervals
-    assert longest < max(0.1 * total, 0.05), (
+    # held, the gap is the hashing: 290-360 ms of 440-730 ms here, 0.40 of the build or more (TensorField.sparse() also
+    # runs torch ops, which release the GIL); released, a few switch intervals: 0.01-0.11 of it (a clean-clone CI run
+    # of 2026-11-27 saw 82 ms of 727, which the earlier bound of 0.10 failed)
+    assert longest < max(0.25 * total, 0.05), (
         f"the main thread stood still for {longest * 1e3:.1f} ms of the {total * 1e3:.1f} ms build: ME held the GIL "
         "while hashing coordinates (scripts/minkowski_patches/13-build-coordinate-maps-without-the-gil.patch not applied?)"
     )
