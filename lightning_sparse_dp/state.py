@@ -89,10 +89,7 @@ class StepState:
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         if not self.active:
             return
-        library = _library_keys()  # _followed, inlined: this reads every attribute of the module every step
-        self.before = {
-            k: v for k, v in module.__dict__.items() if k not in library and not isinstance(v, (nn.Module, nn.Parameter))
-        }
+        self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
