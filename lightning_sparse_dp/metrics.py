@@ -27,7 +27,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_mean, dim_zero_sum
 
 from lightning_sparse_dp.loss.capture import outside_capture
 
@@ -229,14 +229,23 @@ def merge_states(target: Metric, sources: list[Metric]) -> bool:
     (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
     ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
 
+    States reduced by a mean across processes (``dist_reduce_fx="mean"``, e.g. the ``data_range`` that
+    ``PeakSignalNoiseRatio(data_range=...)`` keeps) are set after the merges to the mean of ``target``'s and the
+    sources' values weighted by their update counts (:func:`_mean_states`): ``merge_state`` weights them with
+    ``target``'s update count alone, which the merge does not advance (torchmetrics' ``forward`` advances it
+    first), so it left ``0 / 0 = nan`` in a target not updated before.
+
     Returns:
         whether the states were added fused (every state a sum).
     """
+    counts = [m._update_count for m in sources]
     sources = [_on_device_of(target, m) for m in sources]
     summed = _summed_states(target, sources)
     if summed is None:
+        means = _mean_states(target, sources, counts)  # before merge_state changes the target's
         for m in sources:
             target.merge_state(m)
+        target.__dict__.update(means)
         return False
     names, states, incoming = summed
     for theirs in incoming:
@@ -253,6 +262,34 @@ def _on_device_of(target: Metric, source: Metric) -> Metric | dict[str, Any]:
         return source
     device = target.device
     return {n: apply_to_collection(getattr(source, n), Tensor, lambda t: t.to(device)) for n in target._defaults}
+
+
+def _mean_states(target: Metric, sources: list[Metric | dict[str, Any]], counts: list[int]) -> dict[str, Tensor]:
+    """``target``'s tensor states reduced by a mean (``dim_zero_mean``), each merged with the sources' as the mean
+    over every update they count: ``(n * v + sum_i c_i * v_i) / (n + sum_i c_i)`` with ``n`` and ``v`` the target's
+    update count and value (left out where ``n = 0``: an empty metric's default), ``c_i`` and ``v_i`` source ``i``'s.
+
+    That is torchmetrics' running mean of such a state over ``forward`` calls (``Metric._reduce_states``:
+    ``((n - 1) * global + local) / n`` after the count is advanced) taken over all the replicas' calls, and, over
+    processes, what its ``dist_reduce_fx="mean"`` stands for; a state no update changes (a constant such as
+    ``data_range``) keeps its value exactly. A floating state keeps its dtype; any other becomes float32, as
+    torchmetrics' ``.float()`` makes it.
+    """
+    names = [n for n in target._defaults if target._reductions[n] is dim_zero_mean and isinstance(getattr(target, n), Tensor)]
+    if not names:
+        return {}
+    n = target._update_count
+    total = n + sum(counts)
+    if total <= 0:
+        return {}
+    out = {}
+    for name in names:
+        values = [(c, m[name] if isinstance(m, dict) else getattr(m, name)) for c, m in zip(counts, sources) if c > 0]
+        if n > 0:
+            values.insert(0, (n, getattr(target, name)))
+        weighted = [v * c if v.is_floating_point() else v.float() * c for c, v in values]
+        out[name] = torch.stack(weighted).sum(0) / total if len(weighted) > 1 else weighted[0] / total
+    return out
 
 
 def _summed_states(

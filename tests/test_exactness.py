@@ -170,6 +170,39 @@ def test_every_replica_reads_the_buffers_as_the_step_found_them():
     assert_same_states(ours, reference)
 
 
+class _WithPSNR(SparseNet):
+    """A metric with a state reduced by a mean (``data_range``), updated in the step and logged for the epoch."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.image import PeakSignalNoiseRatio
+
+        self.train_psnr = PeakSignalNoiseRatio(data_range=1.0).set_dtype(torch.float64)  # its states' sums, exact
+        self.seen: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.train_psnr(logits.softmax(1), nn.functional.one_hot(batch["labels"], NUM_CLASSES).to(logits.dtype))
+        self.log("train_psnr", self.train_psnr, on_step=True, on_epoch=True)
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append(self.train_psnr.data_range.item())
+
+
+def test_a_metric_state_reduced_by_a_mean_equals_single_device():
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62)]
+    ours, reference = same_start(_WithPSNR)
+    t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2)
+    t.fit(ours, loader(*batches))
+    t_ref = trainer(devices=1, logger=False, max_steps=2)
+    t_ref.fit(reference, loader(*batches))
+    assert ours.seen == reference.seen == [1.0, 1.0]
+    for key in ("train_psnr_step", "train_psnr_epoch"):
+        assert t.callback_metrics[key].item() == pytest.approx(t_ref.callback_metrics[key].item(), rel=REL), key
+
+
 def test_epoch_level_metric_compute_equals_single_device():
     batches = [collate_dict(random_samples(7, seed=28)), collate_dict(random_samples(5, seed=29))]
     ours, reference = same_start(_WithMetrics)

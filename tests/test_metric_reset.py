@@ -177,6 +177,62 @@ def test_merge_states_equals_torchmetrics_merge_state(make):
     torch.testing.assert_close(ours.compute(), reference.compute(), rtol=0, atol=0)
 
 
+class _Level(Metric):
+    """A state reduced by a mean (``dist_reduce_fx="mean"``) that every update sets: through ``forward`` torchmetrics
+    keeps the running mean of it over the calls."""
+
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("level", torch.zeros((), dtype=torch.float64), dist_reduce_fx="mean")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, x):
+        self.level = x.mean().to(torch.float64)
+        self.count += 1
+
+    def compute(self):
+        return self.level
+
+
+def test_merge_states_keeps_a_constant_mean_state():
+    # PeakSignalNoiseRatio(data_range=1.0) keeps data_range as a state reduced by a mean, which no update changes:
+    # merge_state weighted it by the target's update count, 0 in an empty root, and left 0 / 0 = nan
+    from torchmetrics.image import PeakSignalNoiseRatio
+
+    g = torch.Generator().manual_seed(5)
+    preds, target = torch.rand(9, 4, generator=g), torch.rand(9, 4, generator=g)
+    whole = PeakSignalNoiseRatio(data_range=1.0)
+    whole.update(preds, target)
+    copies = [PeakSignalNoiseRatio(data_range=1.0) for _ in range(3)]
+    for i, m in enumerate(copies):
+        m.update(preds[3 * i : 3 * i + 3], target[3 * i : 3 * i + 3])
+    ours = PeakSignalNoiseRatio(data_range=1.0)
+    merge_states(ours, copies)
+    assert ours.data_range.item() == 1.0
+    torch.testing.assert_close(ours.compute(), whole.compute())
+    ours._update_count = 3  # as merge_into_root leaves it; a second step's merge keeps the constant too
+    merge_states(ours, copies)
+    assert ours.data_range.item() == 1.0
+
+
+def test_merge_states_gives_a_mean_state_the_running_mean_over_every_forward_call():
+    values = [torch.tensor([float(v), 2.0 * v]) for v in (3, 1, 4, 1, 5, 9, 2)]
+    one = _Level()
+    for v in values:
+        one(v)  # forward, one call after another on one device
+    copies = [_Level() for _ in range(3)]
+    for i, v in enumerate(values):
+        copies[i % 3](v)
+    root = _Level()
+    merge_states(root, copies[:1])
+    root._update_count = copies[0]._update_count
+    merge_states(root, copies[1:])  # into a root updated before: its count weighs its value
+    assert root.level.item() == pytest.approx(one.level.item(), rel=1e-6)  # float32: forward makes it so (.float())
+    assert root.count.item() == one.count.item() == len(values)
+
+
 def test_merge_states_refuses_what_merge_state_refuses():
     root, copy = _FullState(), _FullState()
     copy.update(torch.ones(2))
