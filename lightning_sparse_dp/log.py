@@ -8,7 +8,9 @@ gives each a :class:`LogRecorder` in place of its ``log`` method (``log_dict`` g
 merges the replicas' calls name by name and :func:`emit` logs them through the root module.
 
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
-module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics` has merged.
+module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics` has merged; the value a metric's
+``forward`` returned (``self.log(name, self.acc(preds, y))``, the chunk's value) as the root metric's value for the
+whole batch, when every replica logged it from the step's one ``forward`` call of that metric.
 
 Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
@@ -74,6 +76,7 @@ class LogCall:
     value: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
     count: int | None = None  # the elements the value is a mean over, when the step computed it as one (means.py)
+    forward: tuple[str, Metric] | None = None  # (path, the replica's metric) whose forward returned the value
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,12 @@ class LogRecorder:
     raises the ``TypeError`` it would raise there); the value is a number, a one-element tensor or a
     ``torchmetrics.Metric`` that is a submodule of the replica. Only the options given are recorded.
 
+    A tensor that is the value a metric's ``forward`` just returned (``self.log(name, self.acc(preds, y))``, the
+    chunk's value) is noted with its metric (:attr:`LogCall.forward`): :func:`reduce_log_calls` logs the whole batch's
+    value, the root metric's merged one, in its place.
+
     Args:
-        metric_paths: ``id(metric) -> module path`` of the replica's metrics.
+        metrics: ``module path -> metric`` of the replica's metrics.
 
     Raises:
         TypeError: a value of another type, a metric that is not a submodule of the module, or an
@@ -100,9 +107,10 @@ class LogRecorder:
         ValueError: a tensor with more than one element.
     """
 
-    def __init__(self, metric_paths: dict[int, str] | None = None) -> None:
+    def __init__(self, metrics: dict[str, Metric] | None = None) -> None:
         self.calls: dict[str, LogCall] = {}
-        self.metric_paths = metric_paths or {}
+        self.metrics = metrics or {}
+        self.metric_paths = {id(m): path for path, m in self.metrics.items()}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
@@ -125,22 +133,25 @@ class LogRecorder:
                 "log value.mean() or another reduction."
             )
         self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
-        self.calls[name] = LogCall(name, value, kwargs, count_of(value))
+        forward = None
+        if isinstance(value, Tensor):
+            forward = next(((p, m) for p, m in self.metrics.items() if m.__dict__.get("_forward_cache") is value), None)
+        self.calls[name] = LogCall(name, value, kwargs, count_of(value), forward)
 
 
-def install_recorder(replica: Any, index: int, metric_paths: dict[int, str] | None = None) -> LogRecorder:
+def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None = None) -> LogRecorder:
     """A new :class:`LogRecorder` as replica ``index``'s ``log``, for the step, and after the first replica a no-op
     ``print``: ``LightningModule.print`` prints on global rank 0, which every replica of one process is, and one device
     prints once per step. Touches that replica only, so it may run in the replica's own thread. Both attributes must be
     removed (:func:`remove_recorders`) before :func:`emit` logs through the root module, which is replica 0 itself when
     one chunk runs on the root device.
 
-    ``metric_paths``: ``id(metric) -> module path`` of the replica's metrics when the caller knows them (the metric
-    copies it installed); else the replica's modules are searched.
+    ``metrics``: ``module path -> metric`` of the replica's metrics when the caller knows them (the metric copies it
+    installed); else the replica's modules are searched.
     """
-    if metric_paths is None:
-        metric_paths = {id(m): name for name, m in replica.named_modules() if isinstance(m, Metric)}
-    recorder = replica.log = LogRecorder(metric_paths)
+    if metrics is None:
+        metrics = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
+    recorder = replica.log = LogRecorder(metrics)
     if index > 0:
         replica.print = _no_print
     return recorder
@@ -227,7 +238,9 @@ def reduce_log_calls(
                 "whole batch as one device would compute it. Log it in every replica's step (with a weight of 0 where "
                 "the chunk has nothing for it), or log a torchmetrics metric."
             )
-        value = exact([i for i, _ in present], [c.value for _, c in present]) if exact is not None else None
+        value = _forward_value(present, len(recorders), root)
+        if value is None and exact is not None:
+            value = exact([i for i, _ in present], [c.value for _, c in present])
         if value is None:
             value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples)
         else:
@@ -239,6 +252,25 @@ def reduce_log_calls(
             kwargs["batch_size"] = num_samples
         merged.append(LogCall(name, value, kwargs))
     return merged
+
+
+def _forward_value(present: list[tuple[int, LogCall]], replicas: int, root: torch.nn.Module | None) -> Tensor | None:
+    """The whole batch's value of a metric whose ``forward`` value every replica logged, else ``None``.
+
+    Each replica's value must be what its copy of one metric returned from the step's only ``forward`` call of it (the
+    copy's update count 1, the value still its ``_forward_cache``): one device's step calls it once on the whole batch,
+    and the root metric's ``_forward_cache``, set from the replicas' merged states
+    (:func:`~lightning_sparse_dp.metrics.merge_into_root`), is that call's value.
+    """
+    if root is None or len(present) != replicas:
+        return None
+    forwards = [c.forward for _, c in present]
+    if any(f is None for f in forwards) or len({path for path, _ in forwards}) != 1:  # type: ignore[misc]
+        return None
+    if not all(m._update_count == 1 and m._forward_cache is c.value for (_, m), (_, c) in zip(forwards, present)):  # type: ignore[misc]
+        return None
+    value = root.get_submodule(forwards[0][0])._forward_cache  # type: ignore[index]
+    return value if isinstance(value, Tensor) and value.numel() == 1 else None
 
 
 def _reduce_values(

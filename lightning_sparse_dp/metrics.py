@@ -207,9 +207,9 @@ class StepMetrics:
                 parent._modules[attr] = copy
                 entry.replicas[index] = copy
 
-    def paths(self, index: int) -> dict[int, str]:
-        """``id(copy) -> module path`` of replica ``index``'s installed copies."""
-        return {id(m.replicas[index]): m.name for m in self.merged}
+    def copies(self, index: int) -> dict[str, Metric]:
+        """``module path -> copy`` of replica ``index``'s installed copies."""
+        return {m.name: m.replicas[index] for m in self.merged}  # type: ignore[misc]  # installed: not None
 
     def uninstall(self) -> None:
         """Every replica's own metric modules back (calling thread, after the step)."""

@@ -238,7 +238,7 @@ class ReplicaState:
             self.refresh(i)
         self.metrics.install(i)
         # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
-        self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.paths(i) if self.own else None)
+        self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.copies(i) if self.own else None)
         self.left.enter(i)
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 

@@ -142,6 +142,44 @@ def test_forward_metric_values_of_every_step_equal_single_device():
         assert all(torch.equal(a, b) for a, b in zip(step, step_ref))
 
 
+class _LoggedForwardValues(SparseNet):
+    """The value a metric's forward returns, logged as a tensor (torchmetrics' Lightning page: ``self.log(name,
+    self.metric(preds, y))``), of metrics whose chunk values do not average to the batch's (macro averages), alone and
+    in a MetricCollection's ``log_dict``."""
+
+    def __init__(self):
+        super().__init__()
+        c = NUM_CLASSES
+        self.train_precision = torchmetrics.classification.MulticlassPrecision(c, average="macro").set_dtype(torch.float64)
+        self.collection = torchmetrics.MetricCollection({
+            "recall": torchmetrics.classification.MulticlassRecall(c, average="macro"),
+            "f1": torchmetrics.classification.MulticlassF1Score(c, average="macro"),
+        }).set_dtype(torch.float64)
+        self.logged: list[dict[str, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.log("precision_step", self.train_precision(logits, batch["labels"]), on_step=True, on_epoch=False)
+        self.log_dict(self.collection(logits, batch["labels"]), on_step=True, on_epoch=False)
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        metrics = self.trainer.callback_metrics
+        self.logged.append({k: metrics[k].item() for k in ("precision_step", "recall", "f1")})
+
+
+def test_a_logged_metric_forward_value_is_the_whole_batch_value():
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (63, 64, 65)]
+    ours, reference = same_start(_LoggedForwardValues)
+    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=3).fit(ours, loader(*batches))
+    trainer(devices=1, logger=False, max_steps=3).fit(reference, loader(*batches))
+    assert len(ours.logged) == len(reference.logged) == 3
+    for step, step_ref in zip(ours.logged, reference.logged):
+        for key, value in step_ref.items():
+            assert step[key] == pytest.approx(value, rel=REL), key
+
+
 class _StepCounter(SparseNet):
     """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
     step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module
