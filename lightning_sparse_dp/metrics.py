@@ -24,12 +24,15 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_mean, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
 
 from lightning_sparse_dp.loss.capture import outside_capture
+from lightning_sparse_dp.outputs import row_order
+from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
 
 
 @dataclass
@@ -137,7 +140,8 @@ class ReplicaMetrics:
 
     @contextmanager
     def step_copies(
-        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None
+        self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None,
+        plan: SplitPlan | None = None,
     ) -> Iterator[StepMetrics]:
         """One step's metric copies, each replica's installed by :meth:`StepMetrics.install` (in its own thread).
 
@@ -146,7 +150,8 @@ class ReplicaMetrics:
         had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
         replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
         it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
-        ``named_modules`` walk or ``get_submodule`` per step).
+        ``named_modules`` walk or ``get_submodule`` per step). ``plan``: the step's split, which puts the entries the
+        replicas' metrics concatenate back in the batch's order (:func:`merge_into_root`).
 
         Raises:
             RuntimeError: from :func:`merge_into_root`.
@@ -163,7 +168,7 @@ class ReplicaMetrics:
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
             yield step
-            merge_into_root(step.merged)
+            merge_into_root(step.merged, plan)
         finally:
             step.uninstall()
 
@@ -219,6 +224,62 @@ class StepMetrics:
             previous.clear()
 
 
+_cache = WarningCache()
+
+
+def in_batch_order(entry: MetricReplicas, plan: SplitPlan) -> None:
+    """The entries that this step's replica copies appended to each of their concatenated list states, put in the
+    order one device's step appends them, all in the first copy's list (the others' emptied), so that the merge
+    (which concatenates the lists in replica order) gives the root one device's list.
+
+    Entry ``j`` of every copy (each copy has ``k`` entries) that is per-sample or per-point rows of its chunk (its
+    first dimension the chunk's samples or points: ``CatMetric.update(preds)``) becomes one entry, the rows in the
+    batch's order (:func:`~lightning_sparse_dp.split.merge_chunks`, as step outputs are merged); else copies with one
+    entry per sample of their chunk (``MeanAveragePrecision``'s per-image boxes) give those entries in sample order
+    (:func:`~lightning_sparse_dp.split.merge_rows`). Lists that are neither (a value per ``update`` over the chunk)
+    stay in replica order, said once: what ``compute()`` reads in them is in another order, or of another number of
+    entries, than one device's.
+    """
+    root, copies = entry.root, entry.replicas
+    for name in root._defaults:
+        if root._reductions[name] is not dim_zero_cat:
+            continue
+        lists = [m.__dict__.get(name) for m in copies]  # type: ignore[union-attr]  # every copy updated
+        if not all(type(x) is list for x in lists) or not any(lists):
+            continue
+        merged = _ordered(lists, plan)  # type: ignore[arg-type]
+        if merged is None:
+            _cache.info(
+                f"sparse_dp: the entries the replicas' copies of metric {entry.name!r} appended to its list state "
+                f"{name!r} are neither per-sample nor per-point rows of their chunks: the metric gets them in replica "
+                "order, which an order-free metric (AUROC, mAP, a sum) does not mind but its compute() reads in another "
+                "order, or number, than one device's."
+            )
+            continue
+        device = copies[0].device  # type: ignore[union-attr]
+        copies[0].__dict__[name] = [e.to(device) if isinstance(e, Tensor) else e for e in merged]  # type: ignore[union-attr]
+        for m in copies[1:]:
+            m.__dict__[name] = []  # type: ignore[union-attr]
+
+
+def _ordered(lists: list[list[Any]], plan: SplitPlan) -> list[Any] | None:
+    """One device's entries from the replicas' (see :func:`in_batch_order`), or ``None``."""
+    k = len(lists[0])
+    if all(len(x) == k for x in lists):
+        merged = []
+        for pieces in zip(*lists):
+            lengths = [p.shape[0] if isinstance(p, Tensor) and p.dim() > 0 else -1 for p in pieces]
+            order = row_order(plan, lengths)
+            if order is None:
+                break
+            merged.append(merge_chunks(list(pieces), order))
+        else:
+            return merged
+    if [len(x) for x in lists] == plan.samples_per_chunk:
+        return list(merge_rows(lists, plan.chunk_samples))
+    return None
+
+
 def merge_states(target: Metric, sources: list[Metric]) -> bool:
     """``for m in sources: target.merge_state(m)``, with one fused add per source where that gives the same states.
 
@@ -228,6 +289,11 @@ def merge_states(target: Metric, sources: list[Metric]) -> bool:
     torchmetrics' ``_reduce_states`` sets each such state to ``incoming + local``, a new tensor, and so does this
     (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
     ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
+
+    Concatenated states (``dist_reduce_fx="cat"``) are set after the merges to the target's entries followed by each
+    source's in order (:func:`_cat_states`), as one device appends them: ``merge_state`` puts the incoming entries
+    first (``_reduce_states``: ``global + local``, the accumulated ones first in ``forward``), so each merged replica
+    went before the steps and the replicas merged before it.
 
     States reduced by a mean across processes (``dist_reduce_fx="mean"``, e.g. the ``data_range`` that
     ``PeakSignalNoiseRatio(data_range=...)`` keeps) are set after the merges to the mean of ``target``'s and the
@@ -243,9 +309,11 @@ def merge_states(target: Metric, sources: list[Metric]) -> bool:
     summed = _summed_states(target, sources)
     if summed is None:
         means = _mean_states(target, sources, counts)  # before merge_state changes the target's
+        appended = _cat_states(target, sources)
         for m in sources:
             target.merge_state(m)
         target.__dict__.update(means)
+        target.__dict__.update(appended)
         return False
     names, states, incoming = summed
     for theirs in incoming:
@@ -292,6 +360,22 @@ def _mean_states(target: Metric, sources: list[Metric | dict[str, Any]], counts:
     return out
 
 
+def _cat_states(target: Metric, sources: list[Metric | dict[str, Any]]) -> dict[str, Any]:
+    """``target``'s concatenated states (``dim_zero_cat``: lists, or tensors concatenated on dimension 0), each
+    followed by the sources' in source order."""
+    out: dict[str, Any] = {}
+    for name in target._defaults:
+        if target._reductions[name] is not dim_zero_cat:
+            continue
+        mine = getattr(target, name)
+        theirs = [m[name] if isinstance(m, dict) else getattr(m, name) for m in sources]
+        if type(mine) is list and all(type(t) is list for t in theirs):
+            out[name] = mine + [e for t in theirs for e in t]
+        elif isinstance(mine, Tensor) and all(isinstance(t, Tensor) for t in theirs):
+            out[name] = torch.cat([mine, *theirs])
+    return out
+
+
 def _summed_states(
     target: Metric, sources: list[Metric | dict[str, Any]]
 ) -> tuple[list[str], list[Tensor], list[list[Tensor]]] | None:
@@ -319,8 +403,12 @@ def _summed_states(
     return (names, states, incoming) if same_kind else None
 
 
-def merge_into_root(metrics: list[MetricReplicas]) -> None:
+def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None) -> None:
     """Merge each replica metric's state into its root metric (see the module docstring).
+
+    With the step's ``plan``, the entries the replicas' copies appended to a list state that is concatenated
+    (``dist_reduce_fx="cat"``: ``CatMetric``, AUROC's predictions) are first put in the order one device appends them
+    (:func:`in_batch_order`).
 
     Raises:
         RuntimeError: a metric with ``full_state_update=True`` (or ``dist_sync_on_step=True``) was
@@ -330,6 +418,8 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
         updated = [m for m in entry.replicas if m is not None and m._update_count > 0]
         if not updated:
             continue
+        if plan is not None and len(updated) == plan.num_chunks > 1:
+            in_batch_order(entry, plan)
         update_count = sum(m._update_count for m in updated)
         try:
             sources = updated
@@ -354,4 +444,6 @@ def merge_into_root(metrics: list[MetricReplicas]) -> None:
         entry.root.__dict__.update(_update_count=entry.root._update_count + update_count, _computed=None)
 
 
-__all__ = ["MetricReplicas", "ReplicaMetrics", "StepMetrics", "merge_into_root", "merge_states", "reset_metric"]
+__all__ = [
+    "MetricReplicas", "ReplicaMetrics", "StepMetrics", "in_batch_order", "merge_into_root", "merge_states", "reset_metric",
+]

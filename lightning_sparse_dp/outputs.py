@@ -125,6 +125,15 @@ def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
     return None
 
 
+def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
+    """Per chunk, the batch's ids of rows of the given ``lengths`` (one per chunk): its samples
+    (``plan.chunk_samples``) when they are the chunks' numbers of samples, else a coordinate source's points
+    (``plan.point_rows``) when they are its points per chunk; ``None`` for neither."""
+    if lengths == plan.samples_per_chunk:
+        return plan.chunk_samples
+    return _point_rows(plan, lengths)
+
+
 def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache) -> str:
     """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
 

@@ -246,7 +246,7 @@ class ReplicaState:
 @contextmanager
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
-    persistent: Replicas | None, sync_layers: Sequence[Any], deferred: bool = False,
+    persistent: Replicas | None, sync_layers: Sequence[Any], deferred: bool = False, plan: SplitPlan | None = None,
 ) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
@@ -260,13 +260,16 @@ def replica_state(
     body raised nothing) and the replicas' own metrics back (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.step_copies`).
 
     Args:
+        plan: the step's split (the replicas' metrics' concatenated states are merged in the batch's order).
         persistent: the strategy's :class:`~lightning_sparse_dp.replicate.Replicas` (the step's ``replicas`` are
             theirs, unless the one replica is the module itself); ``sync_layers``: each replica's synchronized
             batch-norm layers.
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
-        step_metrics = stack.enter_context(metrics.step_copies(module, replicas, list(devices), persistent if own else None))
+        step_metrics = stack.enter_context(
+            metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan)
+        )
         stack.callback(remove_recorders, replicas)
         group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None

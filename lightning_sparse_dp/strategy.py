@@ -228,7 +228,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with ExitStack() as state:
             with self._timer.stage("state"):  # the replicas' per-step state, installed ...
                 installed = state.enter_context(replica_state(
-                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads
+                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads, plan
                 ))
                 recorders, group, left = installed.recorders, installed.group, installed.left  # left: merged back below
                 terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)

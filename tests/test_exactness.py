@@ -180,6 +180,54 @@ def test_a_logged_metric_forward_value_is_the_whole_batch_value():
             assert step[key] == pytest.approx(value, rel=REL), key
 
 
+class _PerSampleEntries(torchmetrics.Metric):
+    """A list state with one entry per sample (as ``MeanAveragePrecision`` keeps per-image boxes)."""
+
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("entries", [], dist_reduce_fx="cat")
+
+    def update(self, features, batch_index, num_samples):
+        self.entries.extend(features[batch_index == i, 0] for i in range(num_samples))
+
+    def compute(self):
+        return torch.cat(self.entries)
+
+
+class _ConcatenatedStates(SparseNet):
+    """Metrics whose states are lists the merge concatenates: per-sample rows, per-point rows, per-sample entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.sample_values = torchmetrics.CatMetric()
+        self.point_values = torchmetrics.CatMetric()
+        self.per_sample = _PerSampleEntries()
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        batch_index = batch["coordinates"][:, 0].long()
+        features = batch["features"]
+        sums = torch.zeros(len(batch["labels"]), dtype=features.dtype).index_add_(0, batch_index, features[:, 0])
+        self.sample_values.update(batch["labels"] * 1000 + sums)  # per-sample rows, in sample order on one device
+        self.point_values.update(batch["features"][:, 1])  # per-point rows
+        self.per_sample.update(batch["features"], batch_index, len(batch["labels"]))
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def test_concatenated_metric_states_keep_one_devices_order():
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (66, 67)]
+    ours, reference = same_start(_ConcatenatedStates)
+    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2).fit(ours, loader(*batches))
+    trainer(devices=1, logger=False, max_steps=2).fit(reference, loader(*batches))
+    for name, state in (("sample_values", "value"), ("point_values", "value"), ("per_sample", "entries")):
+        a, b = getattr(getattr(ours, name), state), getattr(getattr(reference, name), state)
+        assert len(a) == len(b) == {"per_sample": 18}.get(name, 2), name  # one entry per update, or per sample
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+
+
 class _StepCounter(SparseNet):
     """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
     step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module
