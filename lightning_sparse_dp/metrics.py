@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from lightning_sparse_dp.loss.capture import outside_capture
 from lightning_sparse_dp.outputs import row_order
@@ -288,7 +288,9 @@ def merge_states(target: Metric, sources: list[Metric]) -> bool:
     processes (``dist_reduce_fx="sum"``), of one shape, dtype and device in ``target`` and every source:
     torchmetrics' ``_reduce_states`` sets each such state to ``incoming + local``, a new tensor, and so does this
     (IEEE addition commutes: the same values). Anything else goes through ``merge_state``, which raises its
-    ``RuntimeError`` for metrics with ``full_state_update=True`` or ``dist_sync_on_step=True``.
+    ``RuntimeError`` for metrics with ``full_state_update=True`` (or not set) or ``dist_sync_on_step=True``, unless
+    every state is reduced by a sum, mean, max, min or concatenation: those are merged by that reduction
+    (:func:`_merge_one`), as torchmetrics' own sync across processes merges them under DDP.
 
     Concatenated states (``dist_reduce_fx="cat"``) are set after the merges to the target's entries followed by each
     source's in order (:func:`_cat_states`), as one device appends them: ``merge_state`` puts the incoming entries
@@ -311,7 +313,7 @@ def merge_states(target: Metric, sources: list[Metric]) -> bool:
         means = _mean_states(target, sources, counts)  # before merge_state changes the target's
         appended = _cat_states(target, sources)
         for m in sources:
-            target.merge_state(m)
+            _merge_one(target, m)
         target.__dict__.update(means)
         target.__dict__.update(appended)
         return False
@@ -358,6 +360,32 @@ def _mean_states(target: Metric, sources: list[Metric | dict[str, Any]], counts:
         weighted = [v * c if v.is_floating_point() else v.float() * c for c, v in values]
         out[name] = torch.stack(weighted).sum(0) / total if len(weighted) > 1 else weighted[0] / total
     return out
+
+
+#: the reductions torchmetrics' ``Metric._reduce_states`` (and its sync across processes) applies by name
+_REDUCTIONS = (dim_zero_sum, dim_zero_mean, dim_zero_max, dim_zero_min, dim_zero_cat)
+
+
+def _merge_one(target: Metric, source: Metric | dict[str, Any]) -> None:
+    """``target.merge_state(source)``; for a metric ``merge_state`` refuses (``full_state_update=True`` or not set,
+    ``dist_sync_on_step=True``: ``MaxMetric``, ``MeanAveragePrecision``, a custom metric without the flag) whose every
+    state is reduced by a sum, mean, max, min or concatenation, ``Metric._reduce_states`` itself, the reduction that
+    torchmetrics' sync across processes applies to it whatever the flags (so DDP's result; the flag tells ``forward``
+    how to compute the batch value, not how states combine).
+
+    Raises:
+        RuntimeError: from ``merge_state`` (a refused metric with a state reduced by ``None`` or a function of its own).
+        ValueError: ``source`` is a metric of another class.
+    """
+    refused = target.full_state_update or target.full_state_update is None or target.dist_sync_on_step
+    if not (refused and all(target._reductions[n] in _REDUCTIONS for n in target._defaults)):
+        target.merge_state(source)
+        return
+    if isinstance(source, Metric):
+        if not isinstance(source, type(target)):
+            raise ValueError(f"expected a {type(target).__name__} to merge, got a {type(source).__name__}.")
+        source = source.metric_state
+    target._reduce_states(source)
 
 
 def _cat_states(target: Metric, sources: list[Metric | dict[str, Any]]) -> dict[str, Any]:
@@ -411,8 +439,9 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
     (:func:`in_batch_order`).
 
     Raises:
-        RuntimeError: a metric with ``full_state_update=True`` (or ``dist_sync_on_step=True``) was
-            updated in replicas: its state cannot be merged; says which metric and what to do.
+        RuntimeError: a metric updated in replicas whose state cannot be merged (``full_state_update=True`` or
+            ``dist_sync_on_step=True`` with a state reduced by ``None`` or a function of its own: :func:`_merge_one`);
+            says which metric and what to do.
     """
     for entry in metrics:
         updated = [m for m in entry.replicas if m is not None and m._update_count > 0]
@@ -437,8 +466,9 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
         except RuntimeError as err:
             raise RuntimeError(
                 f"the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated in sparse_dp replicas "
-                f"but its state cannot be merged across them ({err}). Use a metric with full_state_update=False, or "
-                "update it outside the step (e.g. from the gathered outputs in on_validation_batch_end)."
+                f"but its state cannot be merged across them ({err}; a state reduced by None or a function of its own). "
+                "Use a metric with full_state_update=False, or update it outside the step (e.g. from the gathered "
+                "outputs in on_validation_batch_end)."
             ) from err
         # plain attributes (torchmetrics' __init__ sets them), set as nn.Module.__setattr__ ends up setting them
         entry.root.__dict__.update(_update_count=entry.root._update_count + update_count, _computed=None)

@@ -228,6 +228,50 @@ def test_concatenated_metric_states_keep_one_devices_order():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), name
 
 
+class _Total(torchmetrics.Metric):
+    """A custom metric that does not set ``full_state_update`` (torchmetrics then refuses ``merge_state``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, x):
+        self.total += x.sum()
+
+    def compute(self):
+        return self.total
+
+
+class _FullStateMetrics(SparseNet):
+    """Metrics torchmetrics' ``merge_state`` refuses, updated in the step: ``MaxMetric`` (``full_state_update=True``)
+    and a custom one without the flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = torchmetrics.MaxMetric().set_dtype(torch.float64)
+        self.total = _Total()
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.largest.update(logits.detach().amax(1))
+        self.total.update(batch["features"][:, 0].double())
+        self.log("largest", self.largest, on_step=False, on_epoch=True)
+        self.log("total", self.total, on_step=False, on_epoch=True)
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def test_metrics_merge_state_refuses_are_merged_by_their_reductions_as_one_device():
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (68, 69)]
+    ours, reference = same_start(_FullStateMetrics)
+    t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2)
+    t.fit(ours, loader(*batches))
+    r = trainer(devices=1, logger=False, max_steps=2)
+    r.fit(reference, loader(*batches))
+    for key in ("largest", "total"):
+        assert t.callback_metrics[key].item() == pytest.approx(r.callback_metrics[key].item(), rel=REL), key
+
+
 class _StepCounter(SparseNet):
     """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
     step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
+from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, MinMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sparse_dp.metrics import ReplicaMetrics, merge_states, reset_metric
@@ -236,8 +236,34 @@ def test_merge_states_gives_a_mean_state_the_running_mean_over_every_forward_cal
     assert root.count.item() == one.count.item() == len(values)
 
 
-def test_merge_states_refuses_what_merge_state_refuses():
-    root, copy = _FullState(), _FullState()
+class _OwnReduction(MeanMetric):
+    """``full_state_update=True`` and a state reduced by a function of its own: nothing tells how to merge it."""
+
+    full_state_update = True
+
+    def __init__(self):
+        super().__init__()
+        self._reductions["weight"] = lambda x: x.sum(0)
+
+
+def test_merge_states_merges_a_metric_merge_state_refuses_by_its_states_reductions():
+    # full_state_update=True (or unset): merge_state refuses; torchmetrics' sync across processes reduces the states
+    # by their dist_reduce_fx all the same, and so does merge_states: the result of the same metric without the flag
+    g = torch.Generator().manual_seed(4)
+    data = [torch.rand(5, generator=g, dtype=torch.float64) for _ in range(4)]
+    for full, plain in ((_FullState, MeanMetric), (MaxMetric, MaxMetric), (MinMetric, MinMetric)):
+        root, copies = full(), [full() for _ in data[1:]]
+        root.update(data[0])
+        for m, x in zip(copies, data[1:]):
+            m.update(x)
+        merge_states(root, copies)
+        whole = plain()
+        whole.update(torch.cat(data))
+        torch.testing.assert_close(root.compute(), whole.compute(), rtol=1e-15, atol=0)
+
+
+def test_merge_states_refuses_what_nothing_says_how_to_merge():
+    root, copy = _OwnReduction(), _OwnReduction()
     copy.update(torch.ones(2))
     with pytest.raises(RuntimeError, match="full_state_update"):
         merge_states(root, [copy])
