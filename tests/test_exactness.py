@@ -62,6 +62,19 @@ def test_samples_weighting_is_not_exact_for_per_point_losses():  # the compariso
 
 # --- torchmetrics ----------------------------------------------------------------------------------
 
+def _fit_pair(cls, seeds, samples: int = 9):
+    """``cls`` trained from the same start with sparse_dp on 3 CPU replicas and with plain Lightning on one device,
+    one batch of ``samples`` per seed: ``(ours, its trainer, reference, its trainer)``."""
+    batches = [collate_dict(random_samples(samples, seed=s)) for s in seeds]
+    ours, reference = same_start(cls)
+    t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=len(batches))
+    t.fit(ours, loader(*batches))
+    r = trainer(devices=1, logger=False, max_steps=len(batches))
+    r.fit(reference, loader(*batches))
+    return ours, t, reference, r
+
+
+
 class _WithMetrics(SparseNet):
     def __init__(self):
         super().__init__()
@@ -170,10 +183,7 @@ class _LoggedForwardValues(SparseNet):
 
 
 def test_a_logged_metric_forward_value_is_the_whole_batch_value():
-    batches = [collate_dict(random_samples(9, seed=s)) for s in (63, 64, 65)]
-    ours, reference = same_start(_LoggedForwardValues)
-    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=3).fit(ours, loader(*batches))
-    trainer(devices=1, logger=False, max_steps=3).fit(reference, loader(*batches))
+    ours, _, reference, _ = _fit_pair(_LoggedForwardValues, (63, 64, 65))
     assert len(ours.logged) == len(reference.logged) == 3
     for step, step_ref in zip(ours.logged, reference.logged):
         for key, value in step_ref.items():
@@ -218,10 +228,7 @@ class _ConcatenatedStates(SparseNet):
 
 
 def test_concatenated_metric_states_keep_one_devices_order():
-    batches = [collate_dict(random_samples(9, seed=s)) for s in (66, 67)]
-    ours, reference = same_start(_ConcatenatedStates)
-    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2).fit(ours, loader(*batches))
-    trainer(devices=1, logger=False, max_steps=2).fit(reference, loader(*batches))
+    ours, _, reference, _ = _fit_pair(_ConcatenatedStates, (66, 67))
     for name, state in (("sample_values", "value"), ("point_values", "value"), ("per_sample", "entries")):
         a, b = getattr(getattr(ours, name), state), getattr(getattr(reference, name), state)
         assert len(a) == len(b) == {"per_sample": 18}.get(name, 2), name  # one entry per update, or per sample
@@ -262,12 +269,7 @@ class _FullStateMetrics(SparseNet):
 
 
 def test_metrics_merge_state_refuses_are_merged_by_their_reductions_as_one_device():
-    batches = [collate_dict(random_samples(9, seed=s)) for s in (68, 69)]
-    ours, reference = same_start(_FullStateMetrics)
-    t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2)
-    t.fit(ours, loader(*batches))
-    r = trainer(devices=1, logger=False, max_steps=2)
-    r.fit(reference, loader(*batches))
+    _, t, _, r = _fit_pair(_FullStateMetrics, (68, 69))
     for key in ("largest", "total"):
         assert t.callback_metrics[key].item() == pytest.approx(r.callback_metrics[key].item(), rel=REL), key
 
@@ -322,12 +324,7 @@ class _WithPSNR(SparseNet):
 
 
 def test_a_metric_state_reduced_by_a_mean_equals_single_device():
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62)]
-    ours, reference = same_start(_WithPSNR)
-    t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2)
-    t.fit(ours, loader(*batches))
-    t_ref = trainer(devices=1, logger=False, max_steps=2)
-    t_ref.fit(reference, loader(*batches))
+    ours, t, reference, t_ref = _fit_pair(_WithPSNR, (61, 62), samples=7)
     assert ours.seen == reference.seen == [1.0, 1.0]
     for key in ("train_psnr_step", "train_psnr_epoch"):
         assert t.callback_metrics[key].item() == pytest.approx(t_ref.callback_metrics[key].item(), rel=REL), key
