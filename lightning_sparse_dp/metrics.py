@@ -247,7 +247,7 @@ def in_batch_order(entry: MetricReplicas, plan: SplitPlan) -> None:
         lists = [m.__dict__.get(name) for m in copies]  # type: ignore[union-attr]  # every copy updated
         if not all(type(x) is list for x in lists) or not any(lists):
             continue
-        merged = _ordered(lists, plan)  # type: ignore[arg-type]
+        merged = _ordered(lists, [m._update_count for m in copies], plan)  # type: ignore[arg-type,union-attr]
         if merged is None:
             _cache.info(
                 f"sparse_dp: the entries the replicas' copies of metric {entry.name!r} appended to its list state "
@@ -262,10 +262,12 @@ def in_batch_order(entry: MetricReplicas, plan: SplitPlan) -> None:
             m.__dict__[name] = []  # type: ignore[union-attr]
 
 
-def _ordered(lists: list[list[Any]], plan: SplitPlan) -> list[Any] | None:
-    """One device's entries from the replicas' (see :func:`in_batch_order`), or ``None``."""
+def _ordered(lists: list[list[Any]], counts: list[int], plan: SplitPlan) -> list[Any] | None:
+    """One device's entries from the replicas' (see :func:`in_batch_order`; ``counts``: each copy's updates), or
+    ``None``. Entries are taken for rows of one update each only where every copy has one entry per update (as
+    ``CatMetric`` appends): per-sample entries that happen to have as many rows as their chunk has samples are not."""
     k = len(lists[0])
-    if all(len(x) == k for x in lists):
+    if all(len(x) == k == c for x, c in zip(lists, counts)):
         merged = []
         for pieces in zip(*lists):
             lengths = [p.shape[0] if isinstance(p, Tensor) and p.dim() > 0 else -1 for p in pieces]

@@ -62,10 +62,11 @@ def test_samples_weighting_is_not_exact_for_per_point_losses():  # the compariso
 
 # --- torchmetrics ----------------------------------------------------------------------------------
 
-def _fit_pair(cls, seeds, samples: int = 9):
+def _fit_pair(cls, seeds, samples: int = 9, **sample_kwargs):
     """``cls`` trained from the same start with sparse_dp on 3 CPU replicas and with plain Lightning on one device,
-    one batch of ``samples`` per seed: ``(ours, its trainer, reference, its trainer)``."""
-    batches = [collate_dict(random_samples(samples, seed=s)) for s in seeds]
+    one batch of ``samples`` per seed (``random_samples(samples, seed, **sample_kwargs)``): ``(ours, its trainer,
+    reference, its trainer)``."""
+    batches = [collate_dict(random_samples(samples, seed=s, **sample_kwargs)) for s in seeds]
     ours, reference = same_start(cls)
     t = trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=len(batches))
     t.fit(ours, loader(*batches))
@@ -227,8 +228,12 @@ class _ConcatenatedStates(SparseNet):
         return nn.functional.cross_entropy(logits, batch["labels"])
 
 
-def test_concatenated_metric_states_keep_one_devices_order():
-    ours, _, reference, _ = _fit_pair(_ConcatenatedStates, (66, 67))
+@pytest.mark.parametrize("points", [None, 3], ids=["any-points", "as-many-points-as-samples-per-chunk"])
+def test_concatenated_metric_states_keep_one_devices_order(points):
+    # 3 points per sample and 3 samples per chunk: each per-sample entry has as many rows as its chunk has samples,
+    # which must not make the entries of one chunk look like rows of one update
+    sizes = {} if points is None else {"min_points": points, "max_points": points}
+    ours, _, reference, _ = _fit_pair(_ConcatenatedStates, (66, 67), **sizes)
     for name, state in (("sample_values", "value"), ("point_values", "value"), ("per_sample", "entries")):
         a, b = getattr(getattr(ours, name), state), getattr(getattr(reference, name), state)
         assert len(a) == len(b) == {"per_sample": 18}.get(name, 2), name  # one entry per update, or per sample
