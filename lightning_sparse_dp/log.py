@@ -59,6 +59,8 @@ from lightning_sparse_dp.means import count_of
 
 _warning_cache = WarningCache()
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+#: ``self.log``'s options (its parameters but ``self``, ``name`` and ``value``), which keyword options are checked against
+_LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 #: The names of a mean, as ``reduce_fx`` (``self.log``) and ``reduce_op`` (``Strategy.reduce``) spell it.
 MEAN_NAMES = ("mean", "avg")
 _NAMED: dict[str, Callable[[Tensor], Tensor]] = {
@@ -113,8 +115,9 @@ class LogRecorder:
         self.metric_paths = {id(m): path for path, m in self.metrics.items()}
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
-        kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        if args or not _LOG_OPTIONS.issuperset(kwargs):  # positional options, or one LightningModule.log refuses
+            bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)  # its TypeError for a misspelt option
+            kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         if isinstance(value, Metric):
             if id(value) not in self.metric_paths:
                 raise TypeError(
