@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.means import run_counting
 from lightning_sparse_dp.place import PendingChunk, current_stream, device_context
+from lightning_sparse_dp.randomness import SharedDraws
 from lightning_sparse_dp.stall import StallWatch, stall_seconds
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted
 
@@ -92,6 +93,8 @@ class ReplicaExecutor:
 
     A call whose replicas have not finished after ``LSDP_STALL_WARNING_S`` seconds (default 300) is reported once,
     naming where each unfinished replica's thread is, and goes on (:class:`~lightning_sparse_dp.stall.StallWatch`).
+    Replicas that draw random numbers from a generator they share while torch's deterministic algorithms are on are
+    said once (:class:`~lightning_sparse_dp.randomness.SharedDraws`).
 
     Raises:
         ValueError: ``num_replicas < 1``, or ``LSDP_STALL_WARNING_S`` is not a number.
@@ -113,6 +116,7 @@ class ReplicaExecutor:
         ]
         self._lock = threading.Lock()
         self._watch = StallWatch(stall_seconds())  # LSDP_STALL_WARNING_S (lightning_sparse_dp.stall)
+        self._draws = SharedDraws()  # says once when replicas sharing a generator draw under deterministic=True
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaExecutor:
         """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
@@ -144,6 +148,7 @@ class ReplicaExecutor:
             state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
         streams = [current_stream(d) for d in devices]  # the caller's, as torch's parallel_apply hands them on
         affinity = self.affinity
+        generators = self._draws.before(devices)
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
                 _here() if i in here else
@@ -161,6 +166,7 @@ class ReplicaExecutor:
         failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
+        self._draws.after(generators)
         return [f.result() for f in futures]
 
     def shutdown(self) -> None:

@@ -7,6 +7,7 @@ device with the whole batch (plain Lightning, strategy="auto").
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import MinkowskiEngine as ME
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torchmetrics import MeanMetric
 
+from lightning_sparse_dp.randomness import shared_generators
 from tests.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, run_isolated, same_start
 from tests.helpers import trainer as _trainer
 
@@ -101,6 +103,37 @@ def test_deterministic_runs_repeat_exactly(tmp_path):
         """,
         tmp_path,
     )
+
+
+class _Dropout(SparseNet):
+    """Dropout on the logits: random numbers drawn from torch's CPU generator, which CPU replicas share."""
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return F.cross_entropy(F.dropout(self(x), 0.5), batch["labels"])
+
+
+@pytest.mark.parametrize(("module", "deterministic", "said"), [
+    (_Dropout, True, True),  # drawn from the shared generator: the runs would not repeat, and it is said
+    (SparseNet, True, False),  # nothing drawn: the runs repeat (the test above)
+    (_Dropout, False, False),  # no repeatability asked for
+], ids=["dropout-deterministic", "no-draws", "dropout-not-deterministic"])
+def test_draws_from_a_generator_the_replicas_share_are_said_under_deterministic(module, deterministic, said):
+    batches = [collate_dict(random_samples(9, seed=70 + i)) for i in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, deterministic=deterministic, max_steps=2).fit(module(), loader(*batches))
+    messages = [str(w.message) for w in caught if "draws random numbers" in str(w.message)]
+    assert len(messages) == int(said), messages
+    assert not said or "generator of cpu" in messages[0]
+
+
+def test_the_generators_replicas_share():
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert shared_generators([cpu, cpu, cpu]) == [cpu]
+    assert shared_generators([gpu0, gpu1]) == []  # one generator per GPU, as nn.DataParallel's replicas have
+    assert shared_generators([gpu0, gpu0, gpu1]) == [gpu0]  # replicas_per_device=2 on GPU 0
+    assert shared_generators([cpu]) == []
 
 
 class _Scheduled(SparseNet):
