@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
 from lightning_sparse_dp.hints import has_batch_norm
@@ -239,7 +240,18 @@ class Replicas:
     def _build(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
         self.root = module
         self.devices = list(devices)
-        self._sources = list(module.modules())
+        named = list(module.named_modules())
+        self._sources = [m for _, m in named]
+        # the module's buffers outside batch norm (whose running statistics follow their own rules), by module index
+        # and key, with their qualified names: what a step may update in place (diverged_buffers)
+        self._watched = [
+            (i, key, f"{name}.{key}" if name else key)
+            for i, (name, m) in enumerate(named)
+            if not isinstance(m, _BatchNorm)
+            for key, b in m._buffers.items()
+            if b is not None
+        ]
+        self._diverged: set[str] = set()  # the buffers diverged_buffers has named (each once for these replicas)
         self._source_dicts = [m.__dict__ for m in self._sources]
         self._fingerprint = _fingerprint(self._source_dicts)
         self.batch_norm = has_batch_norm(self._sources)
@@ -292,6 +304,34 @@ class Replicas:
             for m, c in zip(self._sources, copies)
         ]
         self._copy_parameters()
+
+    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int]]:
+        """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer,
+        version)`` each, for :meth:`diverged_buffers` after the step (none in most networks: nothing to look at)."""
+        marks = []
+        for i, key, name in self._watched:
+            b = self._sources[i]._buffers.get(key)
+            marks.append((i, key, name, b, -1 if b is None else b._version))
+        return marks
+
+    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int]], count: int) -> list[str]:
+        """The names of the buffers of ``marks`` that the step's root replica (the module itself) changed, in place or
+        by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
+        computed from each replica's chunk (a histogram of its labels), of which the module keeps the root replica's,
+        as ``nn.DataParallel`` (and DDP's buffer broadcast from rank 0) keep the first device's. Replicas that all
+        made one update (a step counter) agree and are not named; each buffer is named once for these replicas."""
+        out = []
+        for i, key, name, before, version in marks:
+            now = self._sources[i]._buffers.get(key)
+            if name in self._diverged or (now is before and (now is None or now._version == version)):
+                continue  # named already, or the root replica left it as it was
+            for r in range(1, count):
+                theirs = self._copies[r][i]._buffers.get(key)
+                if not _equal_tensors(theirs, now):
+                    out.append(name)
+                    self._diverged.add(name)
+                    break
+        return out
 
     def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
         """Whether these replicas still fit ``module`` on ``devices`` (else build new ones)."""
@@ -390,6 +430,13 @@ class Replicas:
                     total = g if total is None else total + g
             out.append(total)
         return out
+
+
+def _equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both ``None``, or tensors of one shape and dtype with equal values (``a`` read on ``b``'s device)."""
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.to(b.device), b))
 
 
 def _fingerprint(dicts: list[dict[str, Any]]) -> tuple:

@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities.rank_zero import WarningCache
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_sparse_dp.log import install_recorder, remove_recorders
@@ -243,6 +243,19 @@ class ReplicaState:
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 
 
+def say_diverged_buffers(names: Sequence[str]) -> None:
+    """A warning for each of the module's buffers the replicas' steps updated to different values
+    (:meth:`~lightning_sparse_dp.replicate.Replicas.diverged_buffers`, which names each once)."""
+    for name in names:
+        rank_zero_warn(
+            f"sparse_dp: the step updated the module's buffer {name!r} to a different value in each replica (from each "
+            "one's chunk, e.g. a histogram of its labels): the module keeps the first replica's, as nn.DataParallel and "
+            "DDP's buffer broadcast keep the first device's, not one device's update from the whole batch. Update it "
+            "from the whole batch (the gathered step outputs in on_train_batch_end), or keep it in a torchmetrics "
+            "metric, whose replicas' states are merged."
+        )
+
+
 @contextmanager
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
@@ -275,10 +288,13 @@ def replica_state(
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
         state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True), buffers)
+        marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
         if not deferred:
             for i in range(len(replicas)):
                 state.enter(i)
         yield state
+        if marks:
+            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)))  # type: ignore[union-attr]
 
 
 __all__ = ["ReplicaState", "StepState", "combine_values", "replica_state"]

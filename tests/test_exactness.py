@@ -7,6 +7,7 @@ the rest of the Trainer: test_trainer_features.py.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import MinkowskiEngine as ME
@@ -333,6 +334,35 @@ def test_a_metric_state_reduced_by_a_mean_equals_single_device():
     assert ours.seen == reference.seen == [1.0, 1.0]
     for key in ("train_psnr_step", "train_psnr_epoch"):
         assert t.callback_metrics[key].item() == pytest.approx(t_ref.callback_metrics[key].item(), rel=REL), key
+
+
+class _LabelCounts(SparseNet):
+    """A buffer the step updates in place from its chunk (a histogram of the labels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("label_counts", torch.zeros(NUM_CLASSES, dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        self.label_counts += torch.bincount(batch["labels"], minlength=NUM_CLASSES).double()
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize(("module", "said"), [(_LabelCounts, True), (_StepCounter, False)], ids=["histogram", "counter"])
+def test_a_buffer_the_replicas_update_differently_is_said(module, said):
+    # nn.DataParallel's rule (the first replica's update is the module's) is one device's for an update every replica
+    # makes alike (a counter, checked against one device above), not for one computed from the chunk: said once
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (71, 72)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = module()
+        trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2).fit(ours, loader(*batches))
+    messages = [str(w.message) for w in caught if "the module's buffer" in str(w.message)]
+    assert len(messages) == int(said), messages
+    if said:
+        assert "'label_counts'" in messages[0]
+        whole = sum(torch.bincount(b["labels"], minlength=NUM_CLASSES) for b in batches).double()
+        assert not torch.equal(ours.label_counts, whole)  # the first replica's chunks only, as the warning says
 
 
 def test_epoch_level_metric_compute_equals_single_device():
