@@ -152,13 +152,13 @@ class ReplicaExecutor:
         with self._lock:  # one step at a time: replicas of two steps never interleave
             futures: list[Future] = [
                 _here() if i in here else
-                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None)
+                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
                 for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
             self._watch.begin(futures, devices, {i: threading.get_ident() for i in here})  # a warning if stuck
             for i in sorted(here):  # after the others have started
                 try:
-                    futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i]))
+                    futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i], replicas=len(fns)))
                 except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
                     futures[i].set_exception(err)
             errors = [f.exception() for f in futures]  # waits for every replica
@@ -183,12 +183,19 @@ def _here() -> Future:
 
 
 _pinned = threading.local()  # the CPU ids this replica thread pinned itself to
+_running = threading.local()  # .replicas: how many replicas the call this thread runs belongs to (while it runs)
+
+
+def replicas_running() -> int:
+    """How many replicas run the step whose replica the calling thread is running (1 outside a replica's call)."""
+    return getattr(_running, "replicas", 1)
 
 
 def _call(
     fn: Callable[[], T], device: torch.device, index: int, state: ThreadState, stream: Any = None,
-    cores: frozenset[int] | None = None,
+    cores: frozenset[int] | None = None, replicas: int = 1,
 ) -> T:
+    _running.replicas = replicas
     try:
         if cores is not None and getattr(_pinned, "cores", None) != cores:
             _pinned.cores = cores
@@ -206,6 +213,8 @@ def _call(
         if hasattr(err, "add_note") and note not in getattr(err, "__notes__", ()):
             err.add_note(note)
         raise
+    finally:
+        _running.replicas = 1
 
 
 def run_on_replicas(
@@ -269,4 +278,4 @@ def replica_steps(
     return steps
 
 
-__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "replica_steps", "run_on_replicas"]
+__all__ = ["ReplicaAborted", "ReplicaExecutor", "ThreadState", "replica_steps", "replicas_running", "run_on_replicas"]

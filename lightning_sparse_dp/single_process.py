@@ -18,11 +18,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_sparse_dp._me import check_coordinate_manager_mode
+from lightning_sparse_dp.apply import replicas_running
 from lightning_sparse_dp.place import check_default_streams, check_devices
 
 
@@ -54,6 +55,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._warned_transfer_hooks = False
+        self._collective_warnings = WarningCache()  # a collective called in a replica's step, said once
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -159,12 +161,24 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             return self._parallel_step("predict_step", args, kwargs)
 
+    def _say_in_replica(self, call: str) -> None:
+        """Once per strategy: a collective called from a replica's step returns the replica's own value (its chunk's)."""
+        if replicas_running() > 1:
+            self._collective_warnings.warn(
+                f"sparse_dp: {call} in a replica's step returns that replica's own value (its chunk's), not the whole "
+                "batch's that one device's step sees, nor what DDP's ranks gather: the replicas are threads of one "
+                "process, with no collective between their steps. Compute what needs the whole batch after the step "
+                "(from the gathered outputs in on_train_batch_end / on_validation_batch_end), or use sparse_ddp."
+            )
+
     @override
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
+        self._say_in_replica("strategy.reduce")
         return tensor  # one process: nothing to reduce across processes
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        self._say_in_replica("self.all_gather")
         return tensor
 
     @override

@@ -136,6 +136,29 @@ def test_the_generators_replicas_share():
     assert shared_generators([cpu]) == []
 
 
+class _GathersInTheStep(SparseNet):
+    """DDP-style code: ``self.all_gather`` in the step (a contrastive loss over every rank's batch)."""
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.gathered_rows = self.all_gather(logits.detach()).shape[-2]
+        return F.cross_entropy(logits, batch["labels"])
+
+
+@pytest.mark.parametrize(("devices", "said"), [(3, True), (1, False)])
+def test_a_collective_in_a_replicas_step_is_said(devices, said):
+    # a replica's all_gather returns its chunk's rows (no collective between the replica threads), said once
+    batches = [collate_dict(random_samples(9, seed=80 + i)) for i in range(2)]
+    module = _GathersInTheStep()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=devices, max_steps=2).fit(module, loader(*batches))
+    messages = [str(w.message) for w in caught if "in a replica's step returns" in str(w.message)]
+    assert len(messages) == int(said), messages
+    assert not said or "self.all_gather" in messages[0]
+
+
 class _Scheduled(SparseNet):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
