@@ -134,8 +134,11 @@ class ReplicaMetrics:
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy
-        elif copy._update_count or copy._computed is not None or copy._forward_cache is not None:
-            reset_metric(copy)  # else no update, forward or compute ran on it since its reset: it is still empty
+        elif any(m._update_count or m._computed is not None or m._forward_cache is not None for _, m in _levels(copy)):
+            # else no update, forward or compute ran on it (or a metric inside it: MinMaxMetric counts only its
+            # inner metric's updates) since its reset: it is still empty
+            for _, level in reversed(_levels(copy)):
+                reset_metric(level)
         return copy
 
     @contextmanager
@@ -163,6 +166,9 @@ class ReplicaMetrics:
             _, found, slots_of = self._found
         else:
             found = [(name, m) for name, m in root.named_modules() if isinstance(m, Metric)]
+            # the outermost metrics only: a wrapper's inner metrics (ClasswiseWrapper, MinMaxMetric, MetricTracker) are
+            # copied with it and merged level by level (merge_into_root), never swapped on their own
+            found = [(n, m) for n, m in found if not any(n.startswith(f"{outer}.") for outer, _ in found if outer != n)]
             slots_of = {}
             self._found = None if structure is None else (structure, found, slots_of)
         step = StepMetrics(self, found, slots_of, replicas, devices)
@@ -213,8 +219,12 @@ class StepMetrics:
                 entry.replicas[index] = copy
 
     def copies(self, index: int) -> dict[str, Metric]:
-        """``module path -> copy`` of replica ``index``'s installed copies."""
-        return {m.name: m.replicas[index] for m in self.merged}  # type: ignore[misc]  # installed: not None
+        """``module path -> copy`` of replica ``index``'s installed copies and of the metrics inside them."""
+        return {
+            f"{m.name}.{path}" if path else m.name: sub
+            for m in self.merged
+            for path, sub in _levels(m.replicas[index])  # type: ignore[arg-type]  # installed: not None
+        }
 
     def uninstall(self) -> None:
         """Every replica's own metric modules back (calling thread, after the step)."""
@@ -433,8 +443,17 @@ def _summed_states(
     return (names, states, incoming) if same_kind else None
 
 
+def _levels(metric: Metric) -> list[tuple[str, Metric]]:
+    """``metric`` (path ``""``) and the metrics inside it (a wrapper's), by module path, outermost first."""
+    if not metric._modules:
+        return [("", metric)]
+    return [(path, m) for path, m in metric.named_modules() if isinstance(m, Metric)]
+
+
 def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None) -> None:
-    """Merge each replica metric's state into its root metric (see the module docstring).
+    """Merge each replica metric's state into its root metric (see the module docstring), and likewise each metric
+    inside it into the root's (a wrapper's: ``ClasswiseWrapper``, ``MinMaxMetric``, ``MetricTracker``), innermost
+    first, so that a root wrapper's ``compute`` reads its inner metrics merged.
 
     With the step's ``plan``, the entries the replicas' copies appended to a list state that is concatenated
     (``dist_reduce_fx="cat"``: ``CatMetric``, AUROC's predictions) are first put in the order one device appends them
@@ -446,34 +465,51 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
             says which metric and what to do.
     """
     for entry in metrics:
-        updated = [m for m in entry.replicas if m is not None and m._update_count > 0]
-        if not updated:
-            continue
-        if plan is not None and len(updated) == plan.num_chunks > 1:
-            in_batch_order(entry, plan)
-        update_count = sum(m._update_count for m in updated)
-        try:
-            sources = updated
-            if any(m._forward_cache is not None for m in updated):
-                if entry.scratch is not None:
-                    batch = entry.scratch()
-                else:
-                    batch = entry.root.clone()
-                    batch.reset()
-                if merge_states(batch, updated):  # sums: the root gets the batch's, as forward's global + batch
-                    sources = [batch]
-                batch._update_count = update_count
-                entry.root._forward_cache = batch.compute()
-            merge_states(entry.root, sources)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated in sparse_dp replicas "
-                f"but its state cannot be merged across them ({err}; a state reduced by None or a function of its own). "
-                "Use a metric with full_state_update=False, or update it outside the step (e.g. from the gathered "
-                "outputs in on_validation_batch_end)."
-            ) from err
-        # plain attributes (torchmetrics' __init__ sets them), set as nn.Module.__setattr__ ends up setting them
-        entry.root.__dict__.update(_update_count=entry.root._update_count + update_count, _computed=None)
+        copies = [m for m in entry.replicas if m is not None]
+        levels = _levels(entry.root)
+        forward = any(m._forward_cache is not None for m in copies)
+        batch = None  # the whole batch's states (a forward call's value), when a replica called forward
+        if forward:
+            if entry.scratch is not None:
+                batch = entry.scratch()
+            else:
+                batch = entry.root.clone()
+                batch.reset()
+        for path, root in reversed(levels):  # innermost first: a wrapper's compute reads its inner metrics merged
+            subs = [m.get_submodule(path) if path else m for m in copies]
+            name = f"{entry.name}.{path}" if path else entry.name
+            try:
+                _merge_level(
+                    MetricReplicas(name, root, subs), plan, None if batch is None else batch.get_submodule(path)
+                )
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"the torchmetrics metric {name!r} ({type(root).__name__}) was updated in sparse_dp replicas but "
+                    f"its state cannot be merged across them ({err}; a state reduced by None or a function of its "
+                    "own). Use a metric with full_state_update=False, or update it outside the step (e.g. from the "
+                    "gathered outputs in on_validation_batch_end)."
+                ) from err
+
+
+def _merge_level(entry: MetricReplicas, plan: SplitPlan | None, batch: Metric | None) -> None:
+    """One metric's replicas merged into its root (``entry.replicas``: the updated and the others), through ``batch``
+    (an empty metric like the root) when a replica called ``forward``: the root's ``_forward_cache`` becomes the
+    whole batch's value."""
+    updated = [m for m in entry.replicas if m is not None and m._update_count > 0]
+    if not updated:
+        return
+    if plan is not None and len(updated) == plan.num_chunks > 1:
+        in_batch_order(entry, plan)
+    update_count = sum(m._update_count for m in updated)
+    sources = updated
+    if batch is not None and any(m._forward_cache is not None for m in updated):
+        if merge_states(batch, updated):  # sums: the root gets the batch's, as forward's global + batch
+            sources = [batch]
+        batch._update_count = update_count
+        entry.root._forward_cache = batch.compute()
+    merge_states(entry.root, sources)
+    # plain attributes (torchmetrics' __init__ sets them), set as nn.Module.__setattr__ ends up setting them
+    entry.root.__dict__.update(_update_count=entry.root._update_count + update_count, _computed=None)
 
 
 __all__ = [

@@ -336,6 +336,35 @@ def test_a_metric_state_reduced_by_a_mean_equals_single_device():
         assert t.callback_metrics[key].item() == pytest.approx(t_ref.callback_metrics[key].item(), rel=REL), key
 
 
+class _WrappedMetrics(SparseNet):
+    """torchmetrics wrappers, whose states live in the metrics inside them (MinMaxMetric counts only its inner
+    metric's updates)."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric
+
+        c = NUM_CLASSES
+        self.per_class = ClasswiseWrapper(torchmetrics.classification.MulticlassAccuracy(c, average=None))
+        self.min_max = MinMaxMetric(torchmetrics.classification.MulticlassAccuracy(c, average="micro"))
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.per_class.update(logits, batch["labels"])
+        self.min_max.update(logits, batch["labels"])
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def test_wrapped_metrics_merge_level_by_level_as_one_device():
+    ours, _, reference, _ = _fit_pair(_WrappedMetrics, (73, 74, 75))
+    for name in ("per_class", "min_max"):
+        a, b = getattr(ours, name).compute(), getattr(reference, name).compute()
+        assert a.keys() == b.keys(), name
+        for key in a:
+            assert a[key].item() == pytest.approx(b[key].item(), rel=REL), (name, key)
+
+
 class _LabelCounts(SparseNet):
     """A buffer the step updates in place from its chunk (a histogram of the labels)."""
 
