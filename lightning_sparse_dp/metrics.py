@@ -467,7 +467,7 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
     for entry in metrics:
         copies = [m for m in entry.replicas if m is not None]
         levels = _levels(entry.root)
-        forward = any(m._forward_cache is not None for m in copies)
+        forward = any(m._forward_cache is not None for c in copies for _, m in _levels(c))  # a wrapper's or inside it
         batch = None  # the whole batch's states (a forward call's value), when a replica called forward
         if forward:
             if entry.scratch is not None:
