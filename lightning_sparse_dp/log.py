@@ -10,7 +10,8 @@ merges the replicas' calls name by name and :func:`emit` logs them through the r
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
 module's metric of the same name, whose state :mod:`lightning_sparse_dp.metrics` has merged; the value a metric's
 ``forward`` returned (``self.log(name, self.acc(preds, y))``, the chunk's value) as the root metric's value for the
-whole batch, when every replica logged it from the step's one ``forward`` call of that metric.
+whole batch, when every replica logged it from the step's one ``forward`` call of that metric, and the value its
+``compute`` returned after the step's updates (``self.acc.compute()``) as the root metric's ``compute()``.
 
 Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
@@ -78,7 +79,9 @@ class LogCall:
     value: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
     count: int | None = None  # the elements the value is a mean over, when the step computed it as one (means.py)
-    forward: tuple[str, Metric] | None = None  # (path, the replica's metric) whose forward returned the value
+    #: ``(how, path, the replica's metric, its update count then)`` when the value is what that metric's ``forward``
+    #: (``how == "forward"``) or ``compute`` (``"compute"``) returned
+    metric_value: tuple[str, str, Metric, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,10 @@ class LogRecorder:
     raises the ``TypeError`` it would raise there); the value is a number, a one-element tensor or a
     ``torchmetrics.Metric`` that is a submodule of the replica. Only the options given are recorded.
 
-    A tensor that is the value a metric's ``forward`` just returned (``self.log(name, self.acc(preds, y))``, the
-    chunk's value) is noted with its metric (:attr:`LogCall.forward`): :func:`reduce_log_calls` logs the whole batch's
-    value, the root metric's merged one, in its place.
+    A tensor that is the value a metric's ``forward`` or ``compute`` just returned (``self.log(name, self.acc(preds,
+    y))``: the chunk's value, ``self.acc.compute()``: the chunk's, where one device's covers the epoch so far) is noted
+    with its metric (:attr:`LogCall.metric_value`): :func:`reduce_log_calls` logs the root metric's merged value, one
+    device's, in its place.
 
     Args:
         metrics: ``module path -> metric`` of the replica's metrics.
@@ -136,10 +140,17 @@ class LogRecorder:
                 "log value.mean() or another reduction."
             )
         self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
-        forward = None
-        if isinstance(value, Tensor):
-            forward = next(((p, m) for p, m in self.metrics.items() if m.__dict__.get("_forward_cache") is value), None)
-        self.calls[name] = LogCall(name, value, kwargs, count_of(value), forward)
+        self.calls[name] = LogCall(name, value, kwargs, count_of(value), self._metric_value(value))
+
+    def _metric_value(self, value: Any) -> tuple[str, str, Metric, int] | None:
+        if not isinstance(value, Tensor):
+            return None
+        for path, m in self.metrics.items():
+            attributes = m.__dict__
+            for how, cache in (("forward", "_forward_cache"), ("compute", "_computed")):
+                if attributes.get(cache) is value:
+                    return how, path, m, m._update_count
+        return None
 
 
 def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None = None) -> LogRecorder:
@@ -241,7 +252,7 @@ def reduce_log_calls(
                 "whole batch as one device would compute it. Log it in every replica's step (with a weight of 0 where "
                 "the chunk has nothing for it), or log a torchmetrics metric."
             )
-        value = _forward_value(present, len(recorders), root)
+        value = _metric_value(present, len(recorders), root)
         if value is None and exact is not None:
             value = exact([i for i, _ in present], [c.value for _, c in present])
         if value is None:
@@ -257,22 +268,30 @@ def reduce_log_calls(
     return merged
 
 
-def _forward_value(present: list[tuple[int, LogCall]], replicas: int, root: torch.nn.Module | None) -> Tensor | None:
-    """The whole batch's value of a metric whose ``forward`` value every replica logged, else ``None``.
+def _metric_value(present: list[tuple[int, LogCall]], replicas: int, root: torch.nn.Module | None) -> Tensor | None:
+    """One device's value of a metric whose ``forward`` or ``compute`` value every replica logged, else ``None``.
 
-    Each replica's value must be what its copy of one metric returned from the step's only ``forward`` call of it (the
-    copy's update count 1, the value still its ``_forward_cache``): one device's step calls it once on the whole batch,
-    and the root metric's ``_forward_cache``, set from the replicas' merged states
-    (:func:`~lightning_sparse_dp.metrics.merge_into_root`), is that call's value.
+    ``forward``: each replica's value what its copy of one metric returned from the step's only ``forward`` call of it
+    (the copy's update count 1, the value still its ``_forward_cache``): one device's step calls it once on the whole
+    batch, and the root metric's ``_forward_cache``, set from the replicas' merged states
+    (:func:`~lightning_sparse_dp.metrics.merge_into_root`), is that call's value. ``compute``: each replica's value
+    its copy's ``compute()`` after the step's updates of it (none after), as one device's ``compute`` in the step reads
+    the epoch so far with the batch: the root metric's ``compute()`` once merged.
     """
     if root is None or len(present) != replicas:
         return None
-    forwards = [c.forward for _, c in present]
-    if any(f is None for f in forwards) or len({path for path, _ in forwards}) != 1:  # type: ignore[misc]
+    sources = [c.metric_value for _, c in present]
+    if any(v is None for v in sources) or len({(how, path) for how, path, _, _ in sources}) != 1:  # type: ignore[misc]
         return None
-    if not all(m._update_count == 1 and m._forward_cache is c.value for (_, m), (_, c) in zip(forwards, present)):  # type: ignore[misc]
-        return None
-    value = root.get_submodule(forwards[0][0])._forward_cache  # type: ignore[index]
+    how, path = sources[0][0], sources[0][1]  # type: ignore[index]
+    if how == "forward":
+        if not all(m._update_count == 1 and m._forward_cache is c.value for (_, _, m, _), (_, c) in zip(sources, present)):  # type: ignore[misc]
+            return None
+        value = root.get_submodule(path)._forward_cache
+    else:
+        if not all(0 < count == m._update_count for _, _, m, count in sources):  # type: ignore[misc]
+            return None
+        value = root.get_submodule(path).compute()
     return value if isinstance(value, Tensor) and value.numel() == 1 else None
 
 

@@ -280,6 +280,33 @@ def test_metrics_merge_state_refuses_are_merged_by_their_reductions_as_one_devic
         assert t.callback_metrics[key].item() == pytest.approx(r.callback_metrics[key].item(), rel=REL), key
 
 
+class _LoggedComputedValues(SparseNet):
+    """``compute()`` of a metric after the step's update, logged as a tensor: one device's reads the epoch so far."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_recall = torchmetrics.classification.MulticlassRecall(NUM_CLASSES, average="macro").set_dtype(
+            torch.float64
+        )
+        self.logged: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.train_recall.update(logits, batch["labels"])
+        self.log("recall_so_far", self.train_recall.compute(), on_step=True, on_epoch=False)
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.logged.append(self.trainer.callback_metrics["recall_so_far"].item())
+
+
+def test_a_logged_metric_compute_value_is_one_devices():
+    ours, _, reference, _ = _fit_pair(_LoggedComputedValues, (76, 77, 78))
+    assert len(ours.logged) == len(reference.logged) == 3
+    assert ours.logged == pytest.approx(reference.logged, rel=REL)
+
+
 class _StepCounter(SparseNet):
     """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
     step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module
