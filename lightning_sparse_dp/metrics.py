@@ -346,6 +346,11 @@ def _on_device_of(target: Metric, source: Metric) -> Metric | dict[str, Any]:
     return {n: apply_to_collection(getattr(source, n), Tensor, lambda t: t.to(device)) for n in target._defaults}
 
 
+def _state_of(source: Metric | dict[str, Any], name: str) -> Any:
+    """State ``name`` of a source of a merge: a metric, or a metric's states as a dict (:func:`_on_device_of`)."""
+    return source[name] if isinstance(source, dict) else getattr(source, name)
+
+
 def _mean_states(target: Metric, sources: list[Metric | dict[str, Any]], counts: list[int]) -> dict[str, Tensor]:
     """``target``'s tensor states reduced by a mean (``dim_zero_mean``), each merged with the sources' as the mean
     over every update they count: ``(n * v + sum_i c_i * v_i) / (n + sum_i c_i)`` with ``n`` and ``v`` the target's
@@ -366,7 +371,7 @@ def _mean_states(target: Metric, sources: list[Metric | dict[str, Any]], counts:
         return {}
     out = {}
     for name in names:
-        values = [(c, m[name] if isinstance(m, dict) else getattr(m, name)) for c, m in zip(counts, sources) if c > 0]
+        values = [(c, _state_of(m, name)) for c, m in zip(counts, sources) if c > 0]
         if n > 0:
             values.insert(0, (n, getattr(target, name)))
         weighted = [v * c if v.is_floating_point() else v.float() * c for c, v in values]
@@ -408,7 +413,7 @@ def _cat_states(target: Metric, sources: list[Metric | dict[str, Any]]) -> dict[
         if target._reductions[name] is not dim_zero_cat:
             continue
         mine = getattr(target, name)
-        theirs = [m[name] if isinstance(m, dict) else getattr(m, name) for m in sources]
+        theirs = [_state_of(m, name) for m in sources]
         if type(mine) is list and all(type(t) is list for t in theirs):
             out[name] = mine + [e for t in theirs for e in t]
         elif isinstance(mine, Tensor) and all(isinstance(t, Tensor) for t in theirs):
@@ -434,7 +439,7 @@ def _summed_states(
     ):
         return None
     states = [getattr(target, n) for n in names]
-    incoming = [[m[n] if isinstance(m, dict) else getattr(m, n) for n in names] for m in sources]
+    incoming = [[_state_of(m, n) for n in names] for m in sources]
     same_kind = all(isinstance(t, Tensor) and not t.requires_grad for t in states) and all(
         isinstance(x, Tensor) and x.shape == t.shape and x.dtype == t.dtype and x.device == t.device
         for theirs in incoming

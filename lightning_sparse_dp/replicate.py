@@ -327,7 +327,7 @@ class Replicas:
                 continue  # named already, or the root replica left it as it was
             for r in range(1, count):
                 theirs = self._copies[r][i]._buffers.get(key)
-                if not _equal_tensors(theirs, now):
+                if not equal_tensors(theirs, now):
                     out.append(name)
                     self._diverged.add(name)
                     break
@@ -432,8 +432,9 @@ class Replicas:
         return out
 
 
-def _equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
-    """Both ``None``, or tensors of one shape and dtype with equal values (``a`` read on ``b``'s device)."""
+def equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both ``None``, or tensors of one shape and dtype with equal values (``a`` read on ``b``'s device, so tensors on
+    two GPUs compare too)."""
     if a is None or b is None:
         return a is b
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.to(b.device), b))
@@ -479,4 +480,4 @@ def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn
     return Replicas(module, devices).modules
 
 
-__all__ = ["BufferHandOff", "BufferMirror", "Replicas", "copy_slots", "make_replicas"]
+__all__ = ["BufferHandOff", "BufferMirror", "Replicas", "copy_slots", "equal_tensors", "make_replicas"]

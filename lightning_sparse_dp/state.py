@@ -35,7 +35,7 @@ from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.replicate import BufferHandOff, Replicas
+from lightning_sparse_dp.replicate import BufferHandOff, Replicas, equal_tensors
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.replicas import synchronized
@@ -59,8 +59,7 @@ def _same(values: Sequence[Any]) -> bool:
         if v is first:
             continue
         if isinstance(first, Tensor) or isinstance(v, Tensor):
-            if not (isinstance(first, Tensor) and isinstance(v, Tensor) and first.shape == v.shape
-                    and first.dtype == v.dtype and bool(torch.equal(first.cpu(), v.cpu()))):
+            if not (isinstance(first, Tensor) and isinstance(v, Tensor) and equal_tensors(v, first)):
                 return False
             continue
         try:
