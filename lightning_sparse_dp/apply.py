@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -123,13 +123,17 @@ class ReplicaExecutor:
         return self
 
     def run(
-        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], here: Collection[int] = ()
+        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], here: Collection[int] = (),
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[T]:
         """Call ``fns[i]()`` on ``devices[i]`` for every ``i`` at once and return the results in order.
 
         A single callable runs in the calling thread (no thread hop), and so do the callables whose indices are in
         ``here``, one after the other in index order, while the others run in their threads: the replicas'
         backward passes on the GPU whose autograd worker thread is the caller (:mod:`lightning_sparse_dp.backward`).
+        ``meanwhile()`` runs in the calling thread once the others have started (first, for a single callable), always:
+        replicas may wait for it (:class:`~lightning_sparse_dp.replicate.DeferredCheck`); its error is raised once
+        every replica has finished.
 
         Raises:
             ValueError: more callables than threads, or lengths that differ.
@@ -143,6 +147,8 @@ class ReplicaExecutor:
             raise ValueError(f"{len(fns)} callables for an executor of {self.num_replicas} replica threads.")
         state = ThreadState.capture()
         if len(fns) == 1:
+            if meanwhile is not None:
+                meanwhile()
             return [_call(fns[0], devices[0], 0, state)]
         if self.threads_per_replica is not None:
             state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
@@ -156,6 +162,12 @@ class ReplicaExecutor:
                 for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
             ]
             self._watch.begin(futures, devices, {i: threading.get_ident() for i in here})  # a warning if stuck
+            mine: BaseException | None = None
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
+                    mine = err
             for i in sorted(here):  # after the others have started
                 try:
                     futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i], replicas=len(fns)))
@@ -163,6 +175,8 @@ class ReplicaExecutor:
                     futures[i].set_exception(err)
             errors = [f.exception() for f in futures]  # waits for every replica
             self._watch.end()
+        if mine is not None:
+            raise mine
         failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
@@ -240,11 +254,21 @@ def _step_on(step: Callable[..., T], inputs: Sequence[Any], i: int, args: tuple,
 
 
 def _prepared(before: Callable[[], Any] | None, inputs: Any, i: int, step: Callable[[], T]) -> T:
-    """``before()``, then a pending ``inputs[i]`` made (and stored), then what ``before()`` returned when it is a callable
-    (the last thing before the step: replica 0 waits there for the others' buffer copies), then ``step()``."""
-    last = before() if before is not None else None
+    """A pending ``inputs[i]`` made (and stored), then ``before()``, then what ``before()`` returned when it is a
+    callable (the last thing before the step: replica 0 waits there for the others' buffer copies), then ``step()``.
+    The chunk comes first: it reads the batch only, while ``before()`` may wait for the caller's check of the replicas
+    (:class:`~lightning_sparse_dp.replicate.DeferredCheck`) before it touches the module. When making the chunk raises,
+    ``before()`` still runs (its own errors dropped) before the error is raised: other replicas may wait for what it
+    does (replica 0 for this one's buffer copies, :class:`~lightning_sparse_dp.replicate.BufferHandOff`)."""
     if isinstance(inputs[i], PendingChunk):
-        inputs[i] = inputs[i]()
+        try:
+            inputs[i] = inputs[i]()
+        except BaseException:
+            if before is not None:
+                with suppress(Exception):
+                    before()
+            raise
+    last = before() if before is not None else None
     if last is not None:
         last()
     return step()
@@ -261,11 +285,11 @@ def replica_steps(
     (:func:`~lightning_sparse_dp.means.run_counting`), its preparation (below), its rank of the batch-norm group
     (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
 
-    The preparation runs in replica ``i``'s thread before the step: ``before[i]()`` (the replica's part of the step's
-    state, :meth:`~lightning_sparse_dp.state.ReplicaState.enter`), then, where ``inputs[i]`` is a
+    The preparation runs in replica ``i``'s thread before the step: where ``inputs[i]`` is a
     :class:`~lightning_sparse_dp.place.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
-    caller, then the callable ``before[i]()`` returned, if any. Inside the group's rank, so an error there aborts the
-    batch-norm group as the step's would."""
+    caller, then ``before[i]()`` (the replica's part of the step's state,
+    :meth:`~lightning_sparse_dp.state.ReplicaState.enter`), then the callable ``before[i]()`` returned, if any.
+    Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if terms is not None:
         steps = terms.wrap(steps)

@@ -334,13 +334,20 @@ class Replicas:
         return out
 
     def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
-        """Whether these replicas still fit ``module`` on ``devices`` (else build new ones)."""
-        return (
-            module is self.root
-            and len(devices) <= len(self.devices)
-            and list(devices) == self.devices[: len(devices)]
-            and _fingerprint(self._source_dicts) == self._fingerprint
-        )
+        """Whether these replicas still fit ``module`` on ``devices`` (else build new ones): :meth:`serve` and
+        :meth:`unchanged`."""
+        return self.serve(module, devices) and self.unchanged()
+
+    def serve(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
+        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (a few microseconds)."""
+        return module is self.root and len(devices) <= len(self.devices) and list(devices) == self.devices[: len(devices)]
+
+    def unchanged(self) -> bool:
+        """Whether the module's structure, parameters and buffers are as the replicas were built from (the module's
+        fingerprint: every submodule's, parameter's and buffer's identity, ``requires_grad``, storage and dtype; tens
+        to hundreds of microseconds for a network of tens to hundreds of modules, on the cold cache a step starts on,
+        so the strategy takes it while the replicas' threads cut and place their chunks: :class:`DeferredCheck`)."""
+        return _fingerprint(self._source_dicts) == self._fingerprint
 
     def refresh(self, count: int | None = None) -> list[nn.Module]:
         """Bring the first ``count`` replicas (default all) up to date with the module; returns them.
@@ -432,6 +439,51 @@ class Replicas:
         return out
 
 
+class StaleReplicas(RuntimeError):
+    """A :class:`DeferredCheck` found that the module changed since its replicas were built: raised in each replica's
+    thread before it touches the module or runs the user's step, so the strategy rebuilds the replicas and runs the
+    step again with the chunks already made."""
+
+
+class DeferredCheck:
+    """:meth:`Replicas.unchanged` and then :meth:`Replicas.refresh_tensors` taken on the calling thread (:meth:`run`)
+    while the replicas' threads make their chunks, instead of before they start; each replica's thread waits for the
+    outcome (:meth:`wait`) before it touches the module.
+
+    Args:
+        replicas: the persistent replicas, already known to serve the module and the step's devices
+            (:meth:`Replicas.serve`).
+        count: the step's replica count; ``buffers``: whether :meth:`run` refreshes the buffer copies too (else each
+            replica's thread copies its own: :meth:`Replicas.buffer_hand_off`).
+    """
+
+    def __init__(self, replicas: Replicas, count: int, buffers: bool) -> None:
+        self.replicas, self.count, self.buffers = replicas, count, buffers
+        self._done = threading.Event()
+        self._fits = False
+
+    def run(self) -> None:
+        """The check, then (replicas that fit) the tensors' refresh; always releases the waiting replicas, also when
+        the refresh raises (they then raise :class:`StaleReplicas` and the caller's error is the step's)."""
+        try:
+            if self.replicas.unchanged():
+                self.replicas.refresh_tensors(self.count, buffers=self.buffers)
+                self._fits = True
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until :meth:`run` ended (a replica's thread, before it touches the module).
+
+        Raises:
+            StaleReplicas: the replicas no longer fit the module (or their refresh failed).
+        """
+        self._done.wait()
+        if not self._fits:
+            raise StaleReplicas("sparse_dp: the module changed since its replicas were built; they are rebuilt and the "
+                                "step runs again.")
+
+
 def equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
     """Both ``None``, or tensors of one shape and dtype with equal values (``a`` read on ``b``'s device, so tensors on
     two GPUs compare too)."""
@@ -480,4 +532,7 @@ def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn
     return Replicas(module, devices).modules
 
 
-__all__ = ["BufferHandOff", "BufferMirror", "Replicas", "copy_slots", "equal_tensors", "make_replicas"]
+__all__ = [
+    "BufferHandOff", "BufferMirror", "DeferredCheck", "Replicas", "StaleReplicas", "copy_slots", "equal_tensors",
+    "make_replicas",
+]

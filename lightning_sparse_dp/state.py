@@ -35,7 +35,7 @@ from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.replicate import BufferHandOff, Replicas, equal_tensors
+from lightning_sparse_dp.replicate import BufferHandOff, DeferredCheck, Replicas, equal_tensors
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.replicas import synchronized
@@ -215,22 +215,26 @@ class ReplicaState:
 
     def __init__(
         self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
-        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None,
+        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None, check: DeferredCheck | None = None,
     ) -> None:
         self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
-        self.left, self.buffers = left, buffers
+        self.left, self.buffers, self.check = left, buffers, check
         self.recorders: list[Any] = [None] * len(replicas)
 
     def enter(self, i: int) -> Callable[[], None] | None:
         """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
-        step): its buffer copies (``buffers``: a :class:`~lightning_sparse_dp.replicate.BufferHandOff`, replicas after
-        the root one), its refresh from the module (``refresh(i)``:
+        step), once the caller's check of the replicas passed (``check``: :meth:`DeferredCheck.wait
+        <lightning_sparse_dp.replicate.DeferredCheck.wait>`, which raises ``StaleReplicas`` otherwise): its buffer
+        copies (``buffers``: a :class:`~lightning_sparse_dp.replicate.BufferHandOff`, replicas after the root one), its
+        refresh from the module (``refresh(i)``:
         :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`), its empty metric copies
         (:meth:`~lightning_sparse_dp.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
         replica's copy), its ``self.log`` recorder and ``self.print``
         (:func:`~lightning_sparse_dp.log.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
         attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
         writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
+        if self.check is not None:
+            self.check.wait()
         if self.buffers is not None and i > 0:
             self.buffers.copy(i)
         if self.refresh is not None:
@@ -259,6 +263,7 @@ def say_diverged_buffers(names: Sequence[str]) -> None:
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
     persistent: Replicas | None, sync_layers: Sequence[Any], deferred: bool = False, plan: SplitPlan | None = None,
+    check: DeferredCheck | None = None,
 ) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
@@ -273,6 +278,7 @@ def replica_state(
 
     Args:
         plan: the step's split (the replicas' metrics' concatenated states are merged in the batch's order).
+        check: the check of the persistent replicas that each replica's part waits for (``deferred`` only).
         persistent: the strategy's :class:`~lightning_sparse_dp.replicate.Replicas` (the step's ``replicas`` are
             theirs, unless the one replica is the module itself); ``sync_layers``: each replica's synchronized
             batch-norm layers.
@@ -286,7 +292,8 @@ def replica_state(
         group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
-        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True), buffers)
+        left = StepState(module, replicas, deferred=True)
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers, check if deferred else None)
         marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
         if not deferred:
             for i in range(len(replicas)):

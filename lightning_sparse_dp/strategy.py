@@ -41,7 +41,7 @@ from lightning_sparse_dp.one_device import one_device_batch
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.place import pending_chunks, place_chunks
 from lightning_sparse_dp.presplit import presplit_loader, step_cutters
-from lightning_sparse_dp.replicate import Replicas
+from lightning_sparse_dp.replicate import DeferredCheck, Replicas, StaleReplicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.state import combine_values, replica_state
@@ -222,30 +222,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         manual = step_name == "training_step" and not module.automatic_optimization  # needs chunks, hooks on replicas first
         threads = self._in_threads() and not manual  # each replica prepares in its thread, before its step
         inputs, plan = self._scatter_pending(args[0]) if threads else self.scatter(args[0])
-        devices = self.parallel_devices[: len(inputs)]
         in_threads = threads and type(self).replicate is SparseDataParallelStrategy.replicate  # not an overridden one
-        replicas = self.replicate(module, devices, refresh_modules=False) if in_threads else self.replicate(module, devices)
-        with ExitStack() as state:
-            with self._timer.stage("state"):  # the replicas' per-step state, installed ...
-                installed = state.enter_context(replica_state(
-                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads, plan
-                ))
-                recorders, group, left = installed.recorders, installed.group, installed.left  # left: merged back below
-                terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
-                if terms is not None:
-                    terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
-                before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
-            weights: list[float] | None = None
-            if manual and len(replicas) > 1:
-                # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
-                weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
-                assert self._replicas is not None
-                group = state.enter_context(manual_step(module, self._replicas, replicas, group, weights, terms, plan))
-            outputs = self.parallel_apply(
-                replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms, before=before
-            )
-            with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
-                state.close()
+        apply = partial(self._apply, module, step_name, args, kwargs, inputs, plan, in_threads, manual)
+        try:
+            outputs, replicas, installed, group, terms, weights = apply()
+        except StaleReplicas:  # the module changed since the replicas were built (DeferredCheck): rebuilt, run again
+            outputs, replicas, installed, group, terms, weights = apply(rebuild=True)
+        recorders, left = installed.recorders, installed.left  # left: merged back below
         with self._timer.stage("weigh"):
             losses = [loss_of(o) for o in outputs]  # the replicas' own: a logged value that is one is reduced as the loss
             if weights is None:
@@ -271,6 +254,46 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
             emit(module, calls)
         return output
+
+    def _apply(
+        self, module: nn.Module, step_name: str, args: tuple, kwargs: dict, inputs: list[Any], plan: SplitPlan,
+        in_threads: bool, manual: bool, rebuild: bool = False,
+    ) -> tuple[list[Any], list[nn.Module], Any, ThreadGroup | None, StepTerms | None, list[float] | None]:
+        """Replicate, install the replicas' step state, run the step on every replica (:meth:`parallel_apply`) and undo
+        the state (metrics merged): ``(outputs, replicas, installed state, batch-norm group, terms, weights)``, the
+        weights ``None`` unless a manual step needed them inside it.
+
+        Raises:
+            StaleReplicas: the replicas' deferred check found the module changed (no replica touched it, no step ran):
+                call again with ``rebuild``, the chunks already made.
+        """
+        assert self.parallel_devices is not None
+        devices = self.parallel_devices[: len(inputs)]
+        replicas, check = self._step_replicas(module, devices, rebuild) if in_threads else (self.replicate(module, devices), None)
+        with ExitStack() as state:
+            with self._timer.stage("state"):  # the replicas' per-step state, installed ...
+                installed = state.enter_context(replica_state(
+                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads,
+                    plan, check,
+                ))
+                group = installed.group
+                terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
+                if terms is not None:
+                    terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+                before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
+            weights: list[float] | None = None
+            if manual and len(replicas) > 1:
+                # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
+                weights = step_weights(plan, inputs, self.loss_weighting, self._warning_cache)
+                assert self._replicas is not None
+                group = state.enter_context(manual_step(module, self._replicas, replicas, group, weights, terms, plan))
+            outputs = self.parallel_apply(
+                replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms, before=before,
+                meanwhile=None if check is None else self._timer.timed("check", check.run),  # stage check, inside apply
+            )
+            with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
+                state.close()
+        return outputs, replicas, installed, group, terms, weights
 
     def scatter(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples and place chunk ``i`` on ``parallel_devices[i]``.
@@ -303,6 +326,21 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
         return pending_chunks(cutters, self.parallel_devices or (), self._timer), plan
 
+    def _step_replicas(
+        self, module: nn.Module, devices: Sequence[torch.device], rebuild: bool
+    ) -> tuple[list[nn.Module], DeferredCheck | None]:
+        """The replicas for replica threads that prepare themselves, and the check of them the main thread takes while
+        their threads make their chunks (:class:`~lightning_sparse_dp.replicate.DeferredCheck`), or ``None`` where they
+        were (re)built or refreshed here (:meth:`replicate` without ``refresh_modules``)."""
+        persistent = None if rebuild else self._replicas
+        if persistent is not None and len(devices) > 1 and persistent.serve(module, devices):
+            with self._timer.stage("replicate"):  # the check itself runs during parallel_apply, beside the replicas
+                check = DeferredCheck(persistent, len(devices), buffers=not persistent.buffers_in_threads)
+            return persistent.modules[: len(devices)], check
+        if rebuild:
+            self._replicas = None
+        return self.replicate(module, devices, refresh_modules=False), None
+
     def replicate(self, module: nn.Module, devices: Sequence[torch.device], refresh_modules: bool = True) -> list[nn.Module]:
         """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
 
@@ -334,6 +372,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         plan: SplitPlan | None = None,
         terms: StepTerms | None = None,
         before: Sequence[Callable[[], Any]] | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 
@@ -346,7 +385,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
             terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.loss.capture`).
             before: ``before[i]()`` runs in replica ``i``'s thread before its step
-                (:func:`~lightning_sparse_dp.apply.replica_steps`).
+                (:func:`~lightning_sparse_dp.apply.replica_steps`); ``meanwhile()`` in this thread once they started.
 
         Returns:
             the replicas' outputs, replica order.
@@ -364,7 +403,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before)
         with self._timer.stage("apply"):
             try:
-                return self._executor.run(steps, devices)
+                return self._executor.run(steps, devices, meanwhile=meanwhile)
             except Exception as err:
                 raise err if plan is None else explain_replica_error(err, plan)
 

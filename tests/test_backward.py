@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import threading
 
+import MinkowskiEngine as ME
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp.replicate import BufferHandOff, DeferredCheck
 from tests.helpers import (
+    NUM_CLASSES,
     SparseNet,
     assert_same_states,
     collate_dict,
@@ -241,6 +244,62 @@ def test_replicas_persist_across_steps_and_are_rebuilt_when_layers_are_frozen():
     assert first is not None and second is not first and third is second and fourth is second
     assert not torch.equal(ours.net[0].kernel, frozen_start.double())  # moved in step 1, then frozen
     assert_same_states(ours, reference)
+
+
+class _Reshape(Callback):
+    """Before every step, a buffer of a new shape; before the second, a new head (new parameters, seeded): the module
+    changes under its replicas, which the main thread's check finds while the replicas' threads cut their chunks."""
+
+    def __init__(self):
+        self.replicas = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.register_buffer("seen", torch.zeros(batch_idx + 1, dtype=pl_module.dtype))
+        if batch_idx == 1:
+            torch.manual_seed(5)
+            pl_module.net[-1] = ME.MinkowskiLinear(16, NUM_CLASSES).to(pl_module.dtype)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.replicas.append(getattr(trainer.strategy, "_replicas", None))
+
+
+def test_a_module_changed_under_its_replicas_gets_new_ones_before_any_replica_uses_them(monkeypatch, both_preparations):
+    """A buffer of another shape and a replaced layer between steps: the replicas' threads would copy the buffer into
+    the old replicas' (a shape error) or run the old layer, unless the check the main thread takes meanwhile stops
+    them first (replicate.DeferredCheck: StaleReplicas, replicas rebuilt, the step run again). As one device."""
+    stale = []
+    run = DeferredCheck.run
+    monkeypatch.setattr(DeferredCheck, "run", lambda self: run(self) or stale.append(not self._fits))
+    ours, reference = same_start(batch_norm=True)
+    batches = _batches(4)
+    record = _Reshape()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=4, callbacks=[record], **F64).fit(
+        ours, loader(*batches)
+    )
+    trainer(devices=1, max_steps=4, callbacks=[_Reshape()], **F64).fit(reference, loader(*batches))
+    assert len({id(r) for r in record.replicas}) == 4  # rebuilt every step
+    assert stale == ([True, True, True] if both_preparations else [])  # steps 2-4 found stale, run again
+    assert ours.seen.shape == (4,)
+    assert_same_states(ours, reference)
+
+
+def test_a_chunk_that_fails_in_its_replica_fails_the_step_at_once(monkeypatch):
+    """Replica 1's chunk fails to be placed (in its thread): its error, not replica 0's wait for its buffer copies."""
+    place = __import__("lightning_sparse_dp.place", fromlist=["place_chunk"])
+    placing = place.place_chunk
+
+    def fails_in_replica_1(chunk, device):
+        if threading.current_thread().name.startswith("sparse_dp-replica1"):
+            raise MemoryError("no room for replica 1's chunk")
+        return placing(chunk, device)
+
+    monkeypatch.setattr(place, "place_chunk", fails_in_replica_1)
+    monkeypatch.setattr(BufferHandOff.__init__, "__defaults__", (5.0,))  # replica 0's wait, were it left waiting
+    model = SparseNet(batch_norm=True)
+    with pytest.raises(MemoryError, match="no room for replica 1"):
+        trainer(strategy=SparseDataParallelStrategy(prepare_in_threads=True), devices=3, max_steps=2).fit(
+            model, loader(*_batches(2))
+        )
 
 
 def test_stage_times_hold_each_synchronized_layer_and_the_wait():

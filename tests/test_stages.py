@@ -13,7 +13,14 @@ from lightning_sparse_dp.log import LogRecorder, reduce_log_calls
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.place import place_chunks
-from lightning_sparse_dp.replicate import BufferHandOff, BufferMirror, Replicas, make_replicas
+from lightning_sparse_dp.replicate import (
+    BufferHandOff,
+    BufferMirror,
+    DeferredCheck,
+    Replicas,
+    StaleReplicas,
+    make_replicas,
+)
 from lightning_sparse_dp.split import split_batch
 from tests.helpers import SparseNet, collate_dict, random_samples
 
@@ -182,6 +189,80 @@ def test_buffers_are_copied_in_the_replicas_threads_only_where_every_copy_is_on_
     buffers = list(torch.nn.BatchNorm1d(3).buffers())  # fused ones only (float32 and int64 groups)
     assert BufferMirror(buffers, [torch.device("cpu")] * 2).per_replica
     assert not BufferMirror(buffers, [torch.device(d) for d in others]).per_replica
+
+
+def _waiting(check: DeferredCheck) -> tuple[threading.Thread, list]:
+    """A thread blocked in ``check.wait()`` (as a replica's, before it touches the module); ``[error or None]`` once done."""
+    out: list = []
+
+    def wait():
+        try:
+            check.wait()
+            out.append(None)
+        except StaleReplicas as err:
+            out.append(err)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, out
+
+
+def test_a_deferred_check_refreshes_replicas_that_fit_and_says_stale_ones_to_the_waiting_replicas(monkeypatch):
+    model = SparseNet(batch_norm=True)
+    replicas = Replicas(model, CPU3)
+    with torch.no_grad():
+        model.net[3].bn.running_mean.fill_(3.0)  # the step before updated the module's buffers
+    check = DeferredCheck(replicas, 3, buffers=True)
+    thread, out = _waiting(check)
+    thread.join(0.2)
+    assert thread.is_alive()  # the replica waits for the check
+    check.run()
+    thread.join(10)
+    assert out == [None]
+    assert all(torch.equal(r.net[3].bn.running_mean, model.net[3].bn.running_mean) for r in replicas.modules)
+    model.net[0].kernel.requires_grad_(False)  # fine-tuning froze a layer since the replicas were built
+    stale = DeferredCheck(replicas, 3, buffers=True)
+    thread, out = _waiting(stale)
+    stale.run()
+    thread.join(10)
+    assert len(out) == 1 and isinstance(out[0], StaleReplicas)
+    fresh = Replicas(model, CPU3)
+    monkeypatch.setattr(fresh, "refresh_tensors", lambda count, buffers=True: 1 / 0)
+    failing = DeferredCheck(fresh, 3, buffers=True)
+    thread, out = _waiting(failing)
+    with pytest.raises(ZeroDivisionError):
+        failing.run()  # the caller's error; the waiting replica is released, told not to go on
+    thread.join(10)
+    assert len(out) == 1 and isinstance(out[0], StaleReplicas)
+
+
+def test_the_executor_runs_meanwhile_on_the_calling_thread_once_the_replicas_started():
+    executor = ReplicaExecutor(3)
+    started = threading.Barrier(4, timeout=10)  # the three replicas and meanwhile: only if all run at once
+    caller = threading.current_thread().name
+
+    def replica(i):
+        started.wait()
+        return i
+
+    seen = []
+    try:
+        assert executor.run([lambda i=i: replica(i) for i in range(3)], CPU3,
+                            meanwhile=lambda: seen.append(threading.current_thread().name) or started.wait()) == [0, 1, 2]
+        assert seen == [caller]
+        finished = []
+
+        def fails():
+            raise KeyError("meanwhile")
+
+        with pytest.raises(KeyError, match="meanwhile"):  # raised once every replica has finished
+            executor.run([lambda i=i: finished.append(i) for i in range(3)], CPU3, meanwhile=fails)
+        assert sorted(finished) == [0, 1, 2]
+        order = []
+        executor.run([lambda: order.append("replica")], CPU3[:1], meanwhile=lambda: order.append("meanwhile"))
+        assert order == ["meanwhile", "replica"]  # a single replica runs here, after it
+    finally:
+        executor.shutdown()
 
 
 def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
