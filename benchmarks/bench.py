@@ -69,6 +69,11 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
 - ``replicate_ms``: median time of the ``replicate`` plus ``state`` stages of a sparse_dp-3 step
   (persistent replicas refreshed; metric copies reset, log recorders and batch-norm group installed,
   and undone after the step with the metric states merged);
+- ``replica_check_ms`` / ``digits_replica_check_ms``: segmentation / digits, sparse_dp-3 (default threads), the main
+  thread's check that the module has not changed under its replicas (stage ``check``: their fingerprint, then their
+  tensors' refresh; ``replicate.DeferredCheck``), which since 2026-11-27 runs inside ``apply``, while the replicas'
+  threads cut and place their chunks (each waits for it before it touches the module), and so is in neither
+  ``replicate_ms`` nor ``step_overhead_ms``; before, it was ``replicate``'s main part;
 - ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step on the main
   thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: the split's plan, each chunk's
   cut and placing being its replica's thread's, ``scatter<i>``, since 2026-11-26 on CPU too; ``weigh``: the loss
@@ -254,6 +259,8 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
         put(f"syncbn_cost_ratio_2{suffix}", ratio(seg, mode, "sparse_dp-2 syncBN", "sparse_dp-2"))
         put(f"syncbn_cost_ratio{suffix}_unpinned", ratio(seg, mode, "sparse_dp-3 syncBN unpinned", "sparse_dp-3"))
     put("replicate_ms", [v * 1e3 for v in stage_sum(seg, d, "sparse_dp-3", ("replicate", "state"))], 3)
+    put("replica_check_ms", [v * 1e3 for v in stage_sum(seg, d, "sparse_dp-3", ("check",))], 3)
+    put("digits_replica_check_ms", [v * 1e3 for v in stage_sum(dig, d, "sparse_dp-3", ("check",))], 3)
     put("digits_speedup_sparse_dp_2_1t", ratio(dig, one, "auto-1", "sparse_dp-2"), 3)
     put("digits_syncbn_speedup_3", ratio(dig, d, "auto-1", "sparse_dp-3 syncBN"), 3)
     put("digits_ceiling_2_1t", [r["ceiling"] for r in raw[(dig, one)][CEILING_CASES[one]]], 3)

@@ -60,11 +60,12 @@ def stage_breakdown(result: dict) -> dict[str, float]:
     out["replica forward max"] = max((v for k, v in st.items() if re.fullmatch(r"replica\d+", k)), default=0.0)
     out["replica backward max"] = max((v for k, v in st.items() if re.fullmatch(r"backward\d+", k)), default=0.0)
     out["replica scatter max"] = max((v for k, v in st.items() if re.fullmatch(r"scatter\d+", k)), default=0.0)
+    out["check in apply"] = st.get("check", 0.0)  # the main thread's check of the replicas, beside their scatter
     return out
 
 
 def stage_table(results: dict) -> None:
-    names = STAGES + ["replica forward max", "replica backward max", "replica scatter max"]
+    names = STAGES + ["replica forward max", "replica backward max", "replica scatter max", "check in apply"]
     print(f"\n{'stage medians (ms)':<30}" + "".join(f"{n.replace('replica ', 'r.'):>12}" for n in names))
     for case, r in results.items():
         st = stage_breakdown(r)
