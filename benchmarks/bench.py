@@ -71,9 +71,10 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   and undone after the step with the metric states merged);
 - ``replica_check_ms`` / ``digits_replica_check_ms``: segmentation / digits, sparse_dp-3 (default threads), the main
   thread's check that the module has not changed under its replicas (stage ``check``: their fingerprint, then their
-  tensors' refresh; ``replicate.DeferredCheck``), which since 2026-11-27 runs inside ``apply``, while the replicas'
-  threads cut and place their chunks (each waits for it before it touches the module), and so is in neither
-  ``replicate_ms`` nor ``step_overhead_ms``; before, it was ``replicate``'s main part;
+  tensors' refresh and the step's replica state installed; ``replicate.DeferredCheck``), which since 2026-11-27 runs
+  inside ``apply``, while the replicas' threads cut and place their chunks (each waits for it before it touches the
+  module), and so is in neither ``replicate_ms`` nor ``step_overhead_ms``; before, it was ``replicate``'s main part
+  and the first ``state`` stage;
 - ``step_overhead_ms``: digits, sparse_dp-3 (default threads), the fixed cost sparse_dp adds to a step on the main
   thread: ``split + place + replicate + state + weigh + gather + log`` (``split``: the split's plan, each chunk's
   cut and placing being its replica's thread's, ``scatter<i>``, since 2026-11-26 on CPU too; ``weigh``: the loss

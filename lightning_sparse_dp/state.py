@@ -38,7 +38,6 @@ from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.replicate import BufferHandOff, DeferredCheck, Replicas, equal_tensors
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.syncbn.replicas import synchronized
 
 _MISSING = object()
 
@@ -215,26 +214,22 @@ class ReplicaState:
 
     def __init__(
         self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
-        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None, check: DeferredCheck | None = None,
+        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None,
     ) -> None:
         self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
-        self.left, self.buffers, self.check = left, buffers, check
+        self.left, self.buffers = left, buffers
         self.recorders: list[Any] = [None] * len(replicas)
 
     def enter(self, i: int) -> Callable[[], None] | None:
         """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
-        step), once the caller's check of the replicas passed (``check``: :meth:`DeferredCheck.wait
-        <lightning_sparse_dp.replicate.DeferredCheck.wait>`, which raises ``StaleReplicas`` otherwise): its buffer
-        copies (``buffers``: a :class:`~lightning_sparse_dp.replicate.BufferHandOff`, replicas after the root one), its
-        refresh from the module (``refresh(i)``:
+        step): its buffer copies (``buffers``: a :class:`~lightning_sparse_dp.replicate.BufferHandOff`, replicas after
+        the root one), its refresh from the module (``refresh(i)``:
         :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`), its empty metric copies
         (:meth:`~lightning_sparse_dp.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
         replica's copy), its ``self.log`` recorder and ``self.print``
         (:func:`~lightning_sparse_dp.log.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
         attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
         writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
-        if self.check is not None:
-            self.check.wait()
         if self.buffers is not None and i > 0:
             self.buffers.copy(i)
         if self.refresh is not None:
@@ -244,6 +239,17 @@ class ReplicaState:
         self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.copies(i) if self.own else None)
         self.left.enter(i)
         return self.buffers.wait if self.buffers is not None and i == 0 else None
+
+
+def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
+    """Replica ``i``'s part (:meth:`ReplicaState.enter`) of the state the calling thread installs once its check of the
+    replicas passed (:class:`~lightning_sparse_dp.replicate.DeferredCheck`, whose ``prepare`` enters
+    :func:`replica_state`).
+
+    Raises:
+        StaleReplicas: the check failed (from :meth:`~lightning_sparse_dp.replicate.DeferredCheck.wait`).
+    """
+    return check.wait().enter(i)
 
 
 def say_diverged_buffers(names: Sequence[str]) -> None:
@@ -262,26 +268,24 @@ def say_diverged_buffers(names: Sequence[str]) -> None:
 @contextmanager
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
-    persistent: Replicas | None, sync_layers: Sequence[Any], deferred: bool = False, plan: SplitPlan | None = None,
-    check: DeferredCheck | None = None,
+    persistent: Replicas | None, group: ThreadGroup | None, deferred: bool = False, plan: SplitPlan | None = None,
 ) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
     Each replica's part (:meth:`ReplicaState.enter`) runs here for every replica, or, ``deferred``, in each
     replica's own thread before its step (then with the replica's refresh from the module first, which the caller
     leaves out: :meth:`~lightning_sparse_dp.replicate.Replicas.refresh_tensors` only, without the buffers where
-    :attr:`~lightning_sparse_dp.replicate.Replicas.buffers_in_threads`). Here: the batch-norm group
-    (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`). Undone at exit, in this order: the group closed, the
+    :attr:`~lightning_sparse_dp.replicate.Replicas.buffers_in_threads`). Undone at exit, in this order: the
     recorders removed before the calls are logged through the root module, which may itself be replica 0
     (:func:`~lightning_sparse_dp.log.remove_recorders`), the metric copies merged into the root's metrics (when the
     body raised nothing) and the replicas' own metrics back (:meth:`~lightning_sparse_dp.metrics.ReplicaMetrics.step_copies`).
 
     Args:
         plan: the step's split (the replicas' metrics' concatenated states are merged in the batch's order).
-        check: the check of the persistent replicas that each replica's part waits for (``deferred`` only).
         persistent: the strategy's :class:`~lightning_sparse_dp.replicate.Replicas` (the step's ``replicas`` are
-            theirs, unless the one replica is the module itself); ``sync_layers``: each replica's synchronized
-            batch-norm layers.
+            theirs, unless the one replica is the module itself).
+        group: the step's batch-norm group (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`, entered by the
+            caller before the replicas start; ``None`` without synchronized layers).
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
@@ -289,11 +293,9 @@ def replica_state(
             metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan)
         )
         stack.callback(remove_recorders, replicas)
-        group = stack.enter_context(synchronized(sync_layers[: len(replicas)]))  # None for one
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
-        left = StepState(module, replicas, deferred=True)
-        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers, check if deferred else None)
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True), buffers)
         marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
         if not deferred:
             for i in range(len(replicas)):
@@ -303,4 +305,4 @@ def replica_state(
             say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)))  # type: ignore[union-attr]
 
 
-__all__ = ["ReplicaState", "StepState", "combine_values", "replica_state"]
+__all__ = ["ReplicaState", "StepState", "combine_values", "enter_checked", "replica_state"]

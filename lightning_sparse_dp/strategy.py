@@ -44,10 +44,10 @@ from lightning_sparse_dp.presplit import presplit_loader, step_cutters
 from lightning_sparse_dp.replicate import DeferredCheck, Replicas, StaleReplicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
-from lightning_sparse_dp.state import combine_values, replica_state
+from lightning_sparse_dp.state import combine_values, enter_checked, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
-from lightning_sparse_dp.syncbn.replicas import check_shared_gpus, sync_layers
+from lightning_sparse_dp.syncbn.replicas import check_shared_gpus, sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, check_pin, check_prepare_in_threads, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
@@ -271,16 +271,20 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         devices = self.parallel_devices[: len(inputs)]
         replicas, check = self._step_replicas(module, devices, rebuild) if in_threads else (self.replicate(module, devices), None)
         with ExitStack() as state:
-            with self._timer.stage("state"):  # the replicas' per-step state, installed ...
-                installed = state.enter_context(replica_state(
-                    module, replicas, devices, self._replica_metrics, self._replicas, self._replica_sync_layers, in_threads,
-                    plan, check,
+            with self._timer.stage("state"):  # the replicas' per-step state, installed (by a deferred check: below) ...
+                group = state.enter_context(synchronized(self._replica_sync_layers[: len(replicas)]))  # None for one
+                install = partial(state.enter_context, replica_state(
+                    module, replicas, devices, self._replica_metrics, self._replicas, group, in_threads, plan
                 ))
-                group = installed.group
                 terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
                 if terms is not None:
                     terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
-                before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
+                if check is not None:  # installed by the check, on this thread, once it passed; each replica waits
+                    check.prepare = install
+                    before = [partial(enter_checked, check, i) for i in range(len(replicas))]
+                else:
+                    installed = install()
+                    before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
             weights: list[float] | None = None
             if manual and len(replicas) > 1:
                 # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
@@ -291,6 +295,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms, before=before,
                 meanwhile=None if check is None else self._timer.timed("check", check.run),  # stage check, inside apply
             )
+            if check is not None:
+                installed = check.prepared
             with self._timer.stage("state"):  # ... and undone (metrics merged into the root's)
                 state.close()
         return outputs, replicas, installed, group, terms, weights
@@ -330,10 +336,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self, module: nn.Module, devices: Sequence[torch.device], rebuild: bool
     ) -> tuple[list[nn.Module], DeferredCheck | None]:
         """The replicas for replica threads that prepare themselves, and the check of them the main thread takes while
-        their threads make their chunks (:class:`~lightning_sparse_dp.replicate.DeferredCheck`), or ``None`` where they
-        were (re)built or refreshed here (:meth:`replicate` without ``refresh_modules``)."""
+        their threads make their chunks (:class:`~lightning_sparse_dp.replicate.DeferredCheck`, run by
+        :meth:`parallel_apply`, so not under a subclass's own), or ``None`` where they were (re)built or refreshed here
+        (:meth:`replicate` without ``refresh_modules``)."""
         persistent = None if rebuild else self._replicas
-        if persistent is not None and len(devices) > 1 and persistent.serve(module, devices):
+        ours = type(self).parallel_apply is SparseDataParallelStrategy.parallel_apply  # which runs the check (meanwhile)
+        if ours and persistent is not None and len(devices) > 1 and persistent.serve(module, devices):
             with self._timer.stage("replicate"):  # the check itself runs during parallel_apply, beside the replicas
                 check = DeferredCheck(persistent, len(devices), buffers=not persistent.buffers_in_threads)
             return persistent.modules[: len(devices)], check

@@ -227,6 +227,11 @@ def test_a_deferred_check_refreshes_replicas_that_fit_and_says_stale_ones_to_the
     thread.join(10)
     assert len(out) == 1 and isinstance(out[0], StaleReplicas)
     fresh = Replicas(model, CPU3)
+    prepared = DeferredCheck(fresh, 3, buffers=True, prepare=lambda: "the step's replica state")
+    thread, out = _waiting(prepared)
+    prepared.run()
+    thread.join(10)
+    assert out == [None] and prepared.wait() == "the step's replica state"  # what each replica gets
     monkeypatch.setattr(fresh, "refresh_tensors", lambda count, buffers=True: 1 / 0)
     failing = DeferredCheck(fresh, 3, buffers=True)
     thread, out = _waiting(failing)
