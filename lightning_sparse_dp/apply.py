@@ -156,11 +156,17 @@ class ReplicaExecutor:
         affinity = self.affinity
         generators = self._draws.before(devices)
         with self._lock:  # one step at a time: replicas of two steps never interleave
-            futures: list[Future] = [
-                _here() if i in here else
-                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
-                for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
-            ]
+            try:
+                futures: list[Future] = [
+                    _here() if i in here else
+                    self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
+                    for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
+                ]
+            except BaseException:  # a thread refused the call (shut down): those started may wait for meanwhile
+                if meanwhile is not None:
+                    with suppress(Exception):
+                        meanwhile()
+                raise
             self._watch.begin(futures, devices, {i: threading.get_ident() for i in here})  # a warning if stuck
             mine: BaseException | None = None
             if meanwhile is not None:

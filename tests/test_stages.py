@@ -268,6 +268,13 @@ def test_the_executor_runs_meanwhile_on_the_calling_thread_once_the_replicas_sta
         assert order == ["meanwhile", "replica"]  # a single replica runs here, after it
     finally:
         executor.shutdown()
+    broken = ReplicaExecutor(3)
+    broken._threads[2].shutdown()  # replica 2's call is refused after replica 0's started
+    released, waited = threading.Event(), []
+    with pytest.raises(RuntimeError, match="shutdown"):
+        broken.run([lambda: waited.append(released.wait(10)), lambda: None, lambda: None], CPU3, meanwhile=released.set)
+    broken.shutdown()
+    assert waited == [True]  # what replica 0 waited for ran all the same
 
 
 def test_a_buffer_only_module_converted_in_place_is_seen_as_changed():
