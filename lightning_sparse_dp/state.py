@@ -3,8 +3,11 @@
 Replicas are copies of the module (:mod:`lightning_sparse_dp.replicate`), so what a step sets on ``self``
 (``self.flag = True``, ``self.last_loss = loss.detach()``) lands on a replica and is lost, and what it
 appends to a list of the module (``self.validation_step_outputs.append(...)``, the pattern Lightning 2
-recommends since ``validation_epoch_end`` was removed) is appended once per replica. :class:`StepState`
-gives each replica its own shallow copy of the module's list attributes before the step and, after it:
+recommends since ``validation_epoch_end`` was removed) is appended once per replica, and so is what it appends to a
+list in a dict (``self.outputs["val"].append(...)``) or counts in one (``self.counts["steps"] += 1``). :class:`StepState`
+gives each replica its own copy of the module's list attributes and dict attributes of at most 16 entries before the
+step (the lists and dicts in those copied too, to 8 levels: :func:`_copy`; a longer dict, such as a per-sample cache
+that the replicas fill with their own samples' keys, is shared as before) and, after it:
 
 - an attribute the replicas set to one value (``==``, or equal tensors) gets that value on the module;
   one they set to different values gets them merged as the step's outputs are
@@ -12,14 +15,23 @@ gives each replica its own shallow copy of the module's list attributes before t
   loss, per-sample rows come back in sample order, differing non-tensors become the list of the
   replicas' values), and a one-time warning names it;
 - the ``j``-th entry every replica appended to a list is merged the same way into one entry appended to
-  the module's list: one entry per step, as on one device.
+  the module's list: one entry per step, as on one device;
+- a dict's entries are merged as attributes are (set or removed by every replica; a key some replicas added, such
+  as a per-sample key, gets their value; one changed by some replicas only is said), and the lists and dicts in it,
+  and in a list of at most 16 entries (one per dataloader), likewise, in place, so the module keeps its own objects
+  (a ``defaultdict`` stays one).
+
+A tensor of the module changed in place in the step (``self.ema.mul_(0.9).add_(...)``) is said once: the replicas
+share it, so each applies its chunk's change (a decay once per replica), which no merge can undo.
 
 Only plain attributes of the module object itself are followed (not those of its submodules, not
-Lightning's and torch's own, not dicts changed in place).
+Lightning's and torch's own); the entries of a longer list (one added each step) are not copied, so a step that
+changes an earlier entry in place changes the module's, once per replica.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -69,6 +81,53 @@ def _same(values: Sequence[Any]) -> bool:
     return True
 
 
+#: dicts and lists up to this long have the lists and dicts in them copied for each replica too (a dict of per-stage
+#: output lists, a counter, one list per dataloader: ``self.outputs[dataloader_idx].append(...)``); a longer list (one
+#: that grows each step) is copied itself only, and a longer dict (a per-sample cache, which the replicas fill with
+#: their own samples' keys) is shared as it is, so that what a step copies stays proportional to what it may change
+_SHORT = 16
+_DEPTH = 8  # nesting levels of lists and dicts copied and merged
+
+
+def _container(value: Any) -> bool:
+    """A list or dict (a subclass too: ``OrderedDict``, ``defaultdict``, Lightning's ``AttributeDict``) that a step may
+    change in place."""
+    return isinstance(value, (list, dict))
+
+
+def _copied(value: Any) -> bool:
+    """Whether :func:`_copy` gives each replica its own copy of ``value``: a list, or a dict of at most :data:`_SHORT`
+    entries."""
+    return isinstance(value, list) or (isinstance(value, dict) and len(value) <= _SHORT)
+
+
+def _copy(value: Any, depth: int = 0) -> Any:
+    """``value`` (a list or dict) copied for one replica where :func:`_copied` (else itself): the lists and dicts in a
+    dict or list of at most :data:`_SHORT` entries copied likewise (to :data:`_DEPTH` levels), everything else shared.
+    A container that cannot be copied is shared as it is."""
+    if not _copied(value):
+        return value
+    try:
+        copied = list(value) if type(value) is list else copy.copy(value)
+    except Exception:  # noqa: BLE001  (an exotic subclass): shared, as before this copy existed
+        return value
+    if depth < _DEPTH and len(value) <= _SHORT:
+        for key, entry in value.items() if isinstance(value, dict) else enumerate(value):
+            if _container(entry):
+                copied[key] = _copy(entry, depth + 1)
+    return copied
+
+
+def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
+    """The tensors in ``value`` (itself, or in the dicts and lists :func:`_copy` copies with their entries), with their
+    paths from ``name``."""
+    if isinstance(value, Tensor):
+        yield name, value
+    elif depth < _DEPTH and _copied(value) and len(value) <= _SHORT:
+        for key, entry in value.items() if isinstance(value, dict) else enumerate(value):
+            yield from _tensors(entry, f"{name}[{key!r}]", depth + 1)
+
+
 class StepState:
     """The module's attributes around one step of ``replicas`` (copies of ``module``; the module itself, when it is
     among them, keeps what it sets, as one device does).
@@ -88,19 +147,21 @@ class StepState:
         if not self.active:
             return
         self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
+        self.containers = [k for k, v in self.before.items() if _copied(v)]  # each replica gets its own copies
+        # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
+        self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in _tensors(v, f"self.{k}")]
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
 
     def enter(self, i: int) -> None:
-        """Replica ``i`` given its own copies of the module's lists, and its attributes noted, before its step
-        (``deferred``: in replica ``i``'s thread, after its refresh; else all at construction)."""
+        """Replica ``i`` given its own copies of the module's lists and dicts (:func:`_copy`), and its attributes noted,
+        before its step (``deferred``: in replica ``i``'s thread, after its refresh; else all at construction)."""
         if not self.active:
             return
         replica = self.replicas[i]
-        for key, value in self.before.items():
-            if type(value) is list:
-                replica.__dict__[key] = list(value)  # each replica appends to its own
+        for key in self.containers:
+            replica.__dict__[key] = _copy(self.before[key])  # each replica appends to (or changes) its own
         self.entered[i] = dict(replica.__dict__)
 
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
@@ -111,21 +172,32 @@ class StepState:
         """
         if not self.active:
             return
-        keys: list[str] = []  # what the step set: new or other objects than the step found (or lists it grew)
+        for name, tensor, version in self.versions:
+            if tensor._version != version:
+                warning_cache.warn(
+                    f"sparse_dp: {name} (a tensor of the module) was changed in place in the step: the replicas share "
+                    "it, so each applied its own chunk's change to it, one after another or at once (a sum adds up to "
+                    "the whole batch's, but a decay, an average or a copy is applied once per replica, and in-place "
+                    "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
+                    "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
+                )
+        keys: list[str] = []  # what the step set: new or other objects than the step found (or containers it changed)
         for replica, entered in zip(self.replicas, self.entered):
             keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()
-                if (entered.get(k, _MISSING) is not v or type(v) is list) and k not in keys and _followed(k, v)
+                if (entered.get(k, _MISSING) is not v or _container(v)) and k not in keys and _followed(k, v)
             )
         for key in keys:
             before = self.before.get(key, _MISSING)
             values = [r.__dict__.get(key, _MISSING) for r in self.replicas]
-            if type(before) is list:
-                self._merge_list(key, before, values, combine, warning_cache)
-                for replica in self.replicas:  # what runs after the step (a backward hook) appends to the module's
+            copies = [e.get(key, _MISSING) for e in self.entered]
+            if key in self.containers and (type(before) is list or all(v is c for v, c in zip(values, copies))):
+                # lists (replaced ones said) and containers the replicas changed in place: merged into the module's
+                self._merge_container(f"self.{key}", before, values, combine, warning_cache, 0)
+                for replica in self.replicas:  # what runs after the step (a backward hook) changes the module's
                     replica.__dict__[key] = before
                 continue
-            changed = [v is not e.get(key, _MISSING) for v, e in zip(values, self.entered)]
+            changed = [v is not c for v, c in zip(values, copies)]
             if not any(changed):
                 continue
             if not all(changed):
@@ -135,43 +207,109 @@ class StepState:
                 )
                 setattr(self.module, key, self._to_root(next(v for v, c in zip(values, changed) if c)))
                 continue
-            if _same(values):
-                setattr(self.module, key, values[0])
-                continue
-            try:
-                value, exact = combine(values)
-            except Exception:  # noqa: BLE001  (values the output merge cannot read)
-                value, exact = self._to_root(list(values)), False
-            if not exact:
-                warning_cache.warn(
-                    f"sparse_dp: self.{key} was set to different values by the replicas' steps: the module gets them "
-                    "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in sample "
-                    "order; other values: the list of the replicas' values). Log it, or return it from the step, to get "
-                    "one device's value in every case."
-                )
-            setattr(self.module, key, value)
+            setattr(self.module, key, self._combined(f"self.{key}", values, combine, warning_cache))
+
+    def _combined(
+        self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache
+    ) -> Any:
+        """The replicas' values of one attribute or container entry as one value: theirs when they agree, else merged
+        as step outputs are (said once when that is not one device's value for certain)."""
+        if _same(values):
+            return values[0]
+        try:
+            value, exact = combine(values)
+        except Exception:  # noqa: BLE001  (values the output merge cannot read)
+            value, exact = self._to_root(list(values)), False
+        if not exact:
+            warning_cache.warn(
+                f"sparse_dp: {name} was set to different values by the replicas' steps: the module gets them "
+                "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in sample "
+                "order; other values: the list of the replicas' values). Log it, or return it from the step, to get "
+                "one device's value in every case."
+            )
+        return value
 
     def _to_root(self, value: Any) -> Any:
         """``value`` with its tensors moved to the module's device (a replica's on another GPU would stay there)."""
         device = getattr(self.module, "device", None)
         return value if not isinstance(device, torch.device) else move_data_to_device(value, device)
 
-    def _merge_list(
-        self, key: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache
+    def _merge_container(
+        self, name: str, before: Any, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
     ) -> None:
-        lists = [v for v in values if type(v) is list]
-        if len(lists) != len(values) or any(len(v) < len(before) or any(a is not b for a, b in zip(v, before)) for v in lists):
+        """The replicas' copies ``values`` of the module's list or dict ``before``, as their steps left them, merged
+        into ``before`` in place (``name``: its path, for the warnings)."""
+        if isinstance(before, dict):
+            self._merge_dict(name, before, values, combine, warning_cache, depth)
+        else:
+            self._merge_list(name, before, values, combine, warning_cache, depth)
+
+    def _nested(self, before: Any, values: list[Any], depth: int) -> bool:
+        """Whether ``values`` are the replicas' own copies of the container ``before`` (made by :func:`_copy`)."""
+        return depth <= _DEPTH and _container(before) and all(type(v) is type(before) and v is not before for v in values)
+
+    def _merge_dict(
+        self, name: str, before: dict, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
+    ) -> None:
+        """A dict: each key the replicas set or removed, as attributes are (:meth:`merge`); a key some replicas added
+        (a per-sample key: its replica's) added with their value; the lists and dicts in it merged likewise, in place."""
+        keys = list(dict.fromkeys([*before, *(k for v in values for k in v)]))
+        for key in keys:
+            mine = dict.get(before, key, _MISSING)  # dict.get: a defaultdict makes no entry
+            theirs = [dict.get(v, key, _MISSING) for v in values]
+            entry = f"{name}[{key!r}]"
+            if self._nested(mine, theirs, depth + 1):
+                self._merge_container(entry, mine, theirs, combine, warning_cache, depth + 1)
+                continue
+            setters = [v for v in theirs if v is not mine]
+            if not setters:
+                continue
+            if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
+                value = self._combined(entry, theirs, combine, warning_cache)
+            elif mine is _MISSING and (len(setters) == 1 or _same(setters)):  # added by some: theirs
+                value = setters[0]
+            elif all(v is _MISSING for v in theirs):  # removed by every replica
+                value = _MISSING
+            else:
+                warning_cache.warn(
+                    f"sparse_dp: {entry} was set or removed by some replicas' steps only, or added with different values "
+                    "(a branch on the chunk): the module gets what the first did. Change it in every replica's step, "
+                    "from the whole batch's values."
+                )
+                value = setters[0]
+            if value is _MISSING:
+                before.pop(key, None)
+            else:
+                before[key] = self._to_root(value)
+
+    def _merge_list(
+        self, name: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
+    ) -> None:
+        """A list: the ``j``-th entry every replica appended merged into one appended entry; the lists and dicts in a
+        short list (:data:`_SHORT`) merged likewise, in place."""
+        lists = [v for v in values if type(v) is type(before)]
+        kept = len(lists) == len(values) and all(len(v) >= len(before) for v in lists)
+        for j, mine in enumerate(before if kept else ()):
+            theirs = [v[j] for v in lists]
+            if len(before) <= _SHORT and self._nested(mine, theirs, depth + 1):
+                self._merge_container(f"{name}[{j}]", mine, theirs, combine, warning_cache, depth + 1)
+            elif any(v is not mine for v in theirs):
+                kept = False
+        if not kept:
             warning_cache.warn(
-                f"sparse_dp: self.{key} (a list) was replaced or changed in place by the replicas' steps: only entries "
+                f"sparse_dp: {name} (a list) was replaced or changed in place by the replicas' steps: only entries "
                 "appended to it are merged back into the module's list."
             )
-        added = [v[len(before):] if type(v) is list else [] for v in values]
+        added = [v[len(before):] if type(v) is type(before) else [] for v in values]
         counts = {len(a) for a in added}
         if counts == {0}:
             return
         if len(counts) > 1:
             warning_cache.warn(
-                f"sparse_dp: the replicas' steps appended different numbers of entries to self.{key} "
+                f"sparse_dp: the replicas' steps appended different numbers of entries to {name} "
                 f"({[len(a) for a in added]}): the module's list gets each replica's entries in replica order, not one "
                 "device's entries."
             )
@@ -184,7 +322,7 @@ class StepState:
                 merged.append(combine([a[j] for a in added])[0])
             except Exception as err:  # noqa: BLE001  (entries the output merge cannot read: kept as they are)
                 warning_cache.warn(
-                    f"sparse_dp: the entries the replicas' steps appended to self.{key} cannot be merged as step outputs "
+                    f"sparse_dp: the entries the replicas' steps appended to {name} cannot be merged as step outputs "
                     f"are ({type(err).__name__}: {err}): the module's list gets each replica's entries in replica order."
                 )
                 for a in added:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import lightning as L
+import MinkowskiEngine as ME
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -293,6 +295,124 @@ def test_state_a_step_leaves_on_the_module_is_one_devices():
     assert len(ours.epoch_means) == len(reference.epoch_means) == 1
     assert float(ours.epoch_means[0]) == pytest.approx(float(reference.epoch_means[0]), rel=1e-10)
     assert float(ours.last) == pytest.approx(float(reference.last), rel=1e-10)
+
+
+def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():
+    """Dicts and lists inside the module's attributes that the step changes in place (a dict of per-stage output lists,
+    a counter in a defaultdict, a list per dataloader, a running value in a dict): one entry per step and one device's
+    values (float64, 3 replicas, uneven chunks). The replicas shared the module's dicts and inner lists before, so each
+    step appended one entry per replica, in the order their threads ran, and counted each step once per replica."""
+
+    class Nested(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.outputs = {"train": [], "val": []}
+            self.counts = collections.defaultdict(int)
+            self.per_loader = [[]]
+            self.running = {"last": None, "ids": []}
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.outputs["train"].append(loss.detach())
+            self.counts["train_steps"] += 1
+            self.running["last"] = loss.detach()
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            logits = self(ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device))
+            self.outputs["val"].append({"loss": loss, "preds": logits.argmax(1)})
+            self.per_loader[0].append(batch["labels"] * 10)
+            self.counts["val_steps"] += 1
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(Nested)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+        data = torch.utils.data.DataLoader(batches, batch_size=None)
+        t.fit(model, data, data)
+    ours, reference = models
+    assert dict(ours.counts) == dict(reference.counts) == {"train_steps": 2, "val_steps": 2}
+    assert type(ours.counts) is collections.defaultdict and ours.counts.default_factory is int
+    assert len(ours.outputs["train"]) == len(reference.outputs["train"]) == 2
+    for a, b in zip(ours.outputs["train"], reference.outputs["train"]):
+        assert float(a) == pytest.approx(float(b), rel=1e-10)
+    assert float(ours.running["last"]) == pytest.approx(float(reference.running["last"]), rel=1e-10)
+    assert len(ours.outputs["val"]) == len(reference.outputs["val"]) == 2
+    for a, b in zip(ours.outputs["val"], reference.outputs["val"]):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-10)
+        assert torch.equal(a["preds"], b["preds"])  # per-sample rows, in sample order
+    assert len(ours.per_loader) == 1 and [t.tolist() for t in ours.per_loader[0]] == [
+        t.tolist() for t in reference.per_loader[0]
+    ]
+
+
+def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_keys_are_theirs():
+    """StepState on a dict attribute: a key every replica sets merges as an attribute does, a key each replica adds
+    for its own samples (a per-sample cache) is theirs, a key all remove goes, one changed by some replicas only is
+    said; the module keeps its own dict (a defaultdict stays one); a dict of more than 16 entries is shared."""
+    from lightning.pytorch.utilities.rank_zero import WarningCache
+
+    from lightning_sparse_dp.state import StepState
+
+    module = torch.nn.Module()
+    module.stats = collections.defaultdict(list, {"sum": 0, "gone": 1, "flag": False, "per_stage": {"val": []}})
+    module.big = {i: i for i in range(17)}
+    stats, big = module.stats, module.big
+    replicas = [torch.nn.Module() for _ in range(3)]
+    for r in replicas:
+        r.__dict__.update(module.__dict__)
+    state = StepState(module, replicas)
+    for i, r in enumerate(replicas):
+        assert r.stats is not stats and r.stats["per_stage"] is not stats["per_stage"] and r.big is big
+        r.stats["sum"] += 10 * (i + 1)  # every replica: merged as an attribute (combine)
+        r.stats[f"sample{i}"] = i  # each its own sample's key
+        del r.stats["gone"]
+        r.stats["per_stage"]["val"].append(i)
+        r.big[100 + i] = i  # shared: in place, once per replica (each its own key)
+    replicas[2].stats["flag"] = True  # some replicas only
+    cache = WarningCache()
+    merged = []
+    state.merge(lambda values: merged.append(values) or (sum(values), True), cache)
+    assert module.stats is stats and type(stats) is collections.defaultdict and stats.default_factory is list
+    assert {k: v for k, v in stats.items() if k != "per_stage"} == {
+        "sum": 60, "flag": True, "sample0": 0, "sample1": 1, "sample2": 2
+    }
+    assert stats["per_stage"] == {"val": [3]} and merged == [[10, 20, 30], [0, 1, 2]]
+    assert module.big is big and len(big) == 20
+    assert any("self.stats['flag'] was set or removed by some replicas' steps only" in m for m in cache)
+    assert not any("sample" in m or "'sum'" in m for m in cache)
+    assert all(r.stats is stats for r in replicas)  # what runs after the step changes the module's
+
+
+def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
+    """A tensor attribute (or one in a dict attribute) that the step changes in place is the replicas' shared object:
+    a decay is applied once per replica (3 steps of 3 replicas: 1 - 0.5**9 where one device reads 1 - 0.5**3). No merge
+    can undo that, so it is said, naming it; a tensor the step replaces (not in place) is merged and not named."""
+
+    class Decays(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.ema, self.stats, self.replaced = torch.zeros(()), {"ema": torch.zeros(())}, torch.zeros(())
+
+        def training_step(self, batch, batch_idx):
+            self.ema.mul_(0.5).add_(0.5)
+            self.stats["ema"].mul_(0.5).add_(0.5)
+            self.replaced = self.replaced * 0.5 + 0.5
+            return super().training_step(batch, batch_idx)
+
+    batches = [collate_dict(random_samples(7, seed=90 + i)) for i in range(3)]
+    ours, reference = Decays(), Decays()
+    with pytest.warns(UserWarning, match=r"self\.ema \(a tensor of the module\) was changed in place") as record:
+        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    trainer(max_steps=3).fit(reference, loader(*batches))
+    said = [str(w.message) for w in record if "changed in place in the step" in str(w.message)]
+    assert len(said) == 2 and any("self.stats['ema']" in m for m in said)  # each named once
+    assert float(reference.ema) == 1 - 0.5**3 and float(ours.ema) != pytest.approx(1 - 0.5**3)
+    assert float(ours.replaced) == float(reference.replaced) == 1 - 0.5**3  # replaced, merged: one device's
 
 
 def test_one_device_is_plain_lightning():
