@@ -258,6 +258,21 @@ def test_a_trainer_deep_copies_during_a_sparse_dp_fit():
     assert len(copies) == 2 and all(c.strategy is not t.strategy for c in copies)
 
 
+def _epoch_pair(cls, seeds):
+    """One epoch of two float64 batches (7 samples each, one per seed), validated on them too: ``cls`` under sparse_dp
+    on 3 CPU replicas and on one device, from the same start."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in seeds]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(cls)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+        data = torch.utils.data.DataLoader(batches, batch_size=None)
+        t.fit(model, data, data)
+    return models
+
+
 def test_state_a_step_leaves_on_the_module_is_one_devices():
     """Lightning 2's pattern: self.validation_step_outputs.append(loss) then a mean in on_validation_epoch_end, plus
     a flag, a counter and the last loss set on self in the step: one entry per step and one device's values
@@ -281,16 +296,7 @@ def test_state_a_step_leaves_on_the_module_is_one_devices():
             self.epoch_means.append(torch.stack(self.validation_step_outputs).mean())
             self.validation_step_outputs.clear()
 
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (51, 52)]
-    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    models = same_start(Leaves)
-    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
-        model.double()
-        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-        data = torch.utils.data.DataLoader(batches, batch_size=None)
-        t.fit(model, data, data)
-    ours, reference = models
+    ours, reference = _epoch_pair(Leaves, (51, 52))
     assert ours.flag is True and ours.steps == reference.steps == 2
     assert len(ours.epoch_means) == len(reference.epoch_means) == 1
     assert float(ours.epoch_means[0]) == pytest.approx(float(reference.epoch_means[0]), rel=1e-10)
@@ -325,16 +331,7 @@ def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():
             self.per_loader[0].append(batch["labels"] * 10)
             self.counts["val_steps"] += 1
 
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62)]
-    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    models = same_start(Nested)
-    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
-        model.double()
-        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-        data = torch.utils.data.DataLoader(batches, batch_size=None)
-        t.fit(model, data, data)
-    ours, reference = models
+    ours, reference = _epoch_pair(Nested, (61, 62))
     assert dict(ours.counts) == dict(reference.counts) == {"train_steps": 2, "val_steps": 2}
     assert type(ours.counts) is collections.defaultdict and ours.counts.default_factory is int
     assert len(ours.outputs["train"]) == len(reference.outputs["train"]) == 2
