@@ -37,8 +37,8 @@ Reduction across replicas, and when it gives the one-device (whole-batch) value:
 Values equal in every replica are logged as they are. Values of weight-0 replicas that are not
 finite (a mean over nothing, e.g. every label ignored) are left out, so they never make a logged
 value NaN; a mean with nothing left is 0. The ``batch_size`` given to Lightning (which weights
-epoch-level means) is the sum of the replicas' ``batch_size`` arguments, else the number of samples
-in the whole batch.
+epoch-level means) is the sum of the replicas' ``batch_size`` arguments; without them Lightning infers it from the
+whole batch, as it does on one device (a batch split in DataLoader workers: the number of its samples).
 """
 
 from __future__ import annotations
@@ -216,13 +216,16 @@ def reduce_log_calls(
     losses: Sequence[Tensor | None] | None = None,
     warning_cache: WarningCache | None = None,
     exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
+    infer_batch_size: bool = False,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
     Args:
         recorders: one per replica, in replica order.
         weights: ``w_i`` of each replica (see :func:`lightning_sparse_dp.loss.weights.chunk_weights`).
-        num_samples: samples in the whole batch, the default ``batch_size``.
+        num_samples: samples in the whole batch, the ``batch_size`` of a call no replica gave one unless
+            ``infer_batch_size``: then Lightning infers it from the whole batch, as one device's ``self.log`` does
+            (``extract_batch_size``: the first tensor's length, the points of a dict batch of coordinates first).
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
         losses: each replica's step loss (:func:`lightning_sparse_dp.backward.loss_of` of its output); a logged
@@ -262,6 +265,8 @@ def reduce_log_calls(
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(s is not None for s in sizes):  # the whole batch's size passed by every replica counts once
             kwargs["batch_size"] = num_samples if all(s == num_samples for s in sizes) else sum(sizes)
+        elif infer_batch_size:  # Lightning infers it from the step's whole batch (its warning included), as on one device
+            kwargs.pop("batch_size", None)
         else:
             kwargs["batch_size"] = num_samples
         merged.append(LogCall(name, value, kwargs))

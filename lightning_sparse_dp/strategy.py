@@ -40,7 +40,7 @@ from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.one_device import one_device_batch
 from lightning_sparse_dp.outputs import gather_outputs
 from lightning_sparse_dp.place import pending_chunks, place_chunks
-from lightning_sparse_dp.presplit import presplit_loader, step_cutters
+from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader, step_cutters
 from lightning_sparse_dp.replicate import DeferredCheck, Replicas, StaleReplicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
@@ -248,8 +248,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         output = self.gather(outputs, plan, weights)
         with self._timer.stage("log"):
             exact = terms.log_value if terms is not None else None
-            calls = reduce_log_calls(
-                recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact
+            calls = reduce_log_calls(  # no batch_size given: Lightning infers it from the batch, unless split in workers
+                recorders, weights, plan.num_samples, self.root_device, module, losses, self._warning_cache, exact,
+                infer_batch_size=not isinstance(args[0], PreSplitBatch),
             )
         with self._timer.stage("emit"):  # Lightning's own self.log, which a one-device step runs inside the step
             emit(module, calls)

@@ -45,6 +45,30 @@ def test_logged_counts_and_the_loss_under_max_are_the_one_device_values():
         assert relative_difference(t.callback_metrics[name], r.callback_metrics[name]) <= 1e-10, name
 
 
+class EpochLoss(SparseNet):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)  # no batch_size: Lightning infers it
+        return loss
+
+
+def test_an_epoch_value_logged_without_batch_size_is_weighted_as_on_one_device():
+    """Lightning weights each step's value of an epoch mean by the batch size it infers from the batch (the first tensor
+    of a dict batch: the coordinates, so points) and says it guessed. sparse_dp gave it the batch's samples instead, so
+    batches of one sample count but different point counts made another epoch mean (2e-3 relative apart), said by
+    nothing; now Lightning infers it from the whole batch (its warning included), as on one device."""
+    batches = [collate_dict(random_samples(7, seed=90 + i)) for i in range(3)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    assert len({b["coordinates"].shape[0] for b in batches}) == 3  # the weights differ by points, not samples
+    ours, reference = same_start(EpochLoss)
+    runs = []
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {})):
+        t = trainer(max_epochs=1, max_steps=-1, precision="64-true", **kwargs)
+        t.fit(model, loader(*batches))
+        runs.append(t.callback_metrics["epoch_loss"])
+    assert relative_difference(*runs) <= 1e-10
+
+
 def test_max_of_a_value_that_is_not_the_loss_warns():
     class MaxOfMeans(SparseNet):
         def training_step(self, batch, batch_idx):
