@@ -56,8 +56,9 @@ _MISSING = object()
 
 @functools.cache
 def _library_keys() -> frozenset[str]:
-    """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), plus what the strategy installs."""
-    return frozenset(pl.LightningModule().__dict__) | {"log", "print"}
+    """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), its hyperparameters'
+    (``save_hyperparameters``), plus what the strategy installs."""
+    return frozenset(pl.LightningModule().__dict__) | {"log", "print", "_hparams", "_hparams_initial", "_hparams_name"}
 
 
 def _followed(key: str, value: Any) -> bool:
