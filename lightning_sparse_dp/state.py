@@ -182,11 +182,11 @@ class StepState:
                     "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
                     "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
                 )
-        keys: list[str] = []  # what the step set: new or other objects than the step found (or containers it changed)
+        keys: list[str] = list(self.containers)  # what the step set (or may have changed in place: its copies)
         for replica, entered in zip(self.replicas, self.entered):
             keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()
-                if (entered.get(k, _MISSING) is not v or _container(v)) and k not in keys and _followed(k, v)
+                if entered.get(k, _MISSING) is not v and k not in keys and _followed(k, v)
             )
         for key in keys:
             before = self.before.get(key, _MISSING)
