@@ -188,10 +188,14 @@ class StepState:
                 k for k, v in replica.__dict__.items()
                 if entered.get(k, _MISSING) is not v and k not in keys and _followed(k, v)
             )
+            keys.extend(k for k in self.before if k not in replica.__dict__ and k not in keys)  # removed by the step
         for key in keys:
             before = self.before.get(key, _MISSING)
             values = [r.__dict__.get(key, _MISSING) for r in self.replicas]
             copies = [e.get(key, _MISSING) for e in self.entered]
+            if all(v is _MISSING for v in values):  # removed by every replica's step, as one device's step removes it
+                self.module.__dict__.pop(key, None)
+                continue
             if key in self.containers and (type(before) is list or all(v is c for v, c in zip(values, copies))):
                 # lists (replaced ones said) and containers the replicas changed in place: merged into the module's
                 self._merge_container(f"self.{key}", before, values, combine, warning_cache, 0)
@@ -201,12 +205,16 @@ class StepState:
             changed = [v is not c for v, c in zip(values, copies)]
             if not any(changed):
                 continue
-            if not all(changed):
+            if not all(changed) or any(v is _MISSING for v in values):
                 warning_cache.warn(
-                    f"sparse_dp: self.{key} was set by some replicas' steps only (a branch on the chunk): the module "
-                    "gets the value of the first that set it. Set it in every replica's step, from the whole batch's values."
+                    f"sparse_dp: self.{key} was set (or removed) by some replicas' steps only (a branch on the chunk): "
+                    "the module gets what the first did. Set it in every replica's step, from the whole batch's values."
                 )
-                setattr(self.module, key, self._to_root(next(v for v, c in zip(values, changed) if c)))
+                value = next(v for v, c in zip(values, changed) if c)
+                if value is _MISSING:
+                    self.module.__dict__.pop(key, None)
+                else:
+                    setattr(self.module, key, self._to_root(value))
                 continue
             setattr(self.module, key, self._combined(f"self.{key}", values, combine, warning_cache))
 

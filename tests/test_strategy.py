@@ -383,6 +383,16 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     assert any("self.stats['flag'] was set or removed by some replicas' steps only" in m for m in cache)
     assert not any("sample" in m or "'sum'" in m for m in cache)
     assert all(r.stats is stats for r in replicas)  # what runs after the step changes the module's
+    module.tmp, module.scratch, module.partial = 1, [0], 5
+    for r in replicas:
+        r.__dict__.update(module.__dict__)
+    state = StepState(module, replicas)
+    for r in replicas:
+        del r.tmp, r.scratch  # removed by every replica's step: gone, as on one device
+    del replicas[1].partial  # by one only: said
+    state.merge(lambda values: (values[0], True), cache)
+    assert not any(hasattr(module, k) for k in ("tmp", "scratch", "partial"))  # partial: what replica 1 did, said
+    assert any("self.partial was set (or removed) by some replicas' steps only" in m for m in cache)
 
 
 def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
