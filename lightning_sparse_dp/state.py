@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -102,6 +102,14 @@ def _copied(value: Any) -> bool:
     return isinstance(value, list) or (isinstance(value, dict) and len(value) <= _SHORT)
 
 
+def _entries(value: Any, depth: int) -> Iterable[tuple[Any, Any]]:
+    """The ``(key or index, entry)`` pairs of ``value`` at nesting level ``depth`` whose entries :func:`_copy` copies
+    too: a dict or list of at most :data:`_SHORT` entries above :data:`_DEPTH` levels; none for anything else."""
+    if depth >= _DEPTH or not _copied(value) or len(value) > _SHORT:
+        return ()
+    return value.items() if isinstance(value, dict) else enumerate(value)
+
+
 def _copy(value: Any, depth: int = 0) -> Any:
     """``value`` (a list or dict) copied for one replica where :func:`_copied` (else itself): the lists and dicts in a
     dict or list of at most :data:`_SHORT` entries copied likewise (to :data:`_DEPTH` levels), everything else shared.
@@ -112,10 +120,9 @@ def _copy(value: Any, depth: int = 0) -> Any:
         copied = list(value) if type(value) is list else copy.copy(value)
     except Exception:  # noqa: BLE001  (an exotic subclass): shared, as before this copy existed
         return value
-    if depth < _DEPTH and len(value) <= _SHORT:
-        for key, entry in value.items() if isinstance(value, dict) else enumerate(value):
-            if _container(entry):
-                copied[key] = _copy(entry, depth + 1)
+    for key, entry in _entries(value, depth):
+        if _container(entry):
+            copied[key] = _copy(entry, depth + 1)
     return copied
 
 
@@ -124,9 +131,8 @@ def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, Tenso
     paths from ``name``."""
     if isinstance(value, Tensor):
         yield name, value
-    elif depth < _DEPTH and _copied(value) and len(value) <= _SHORT:
-        for key, entry in value.items() if isinstance(value, dict) else enumerate(value):
-            yield from _tensors(entry, f"{name}[{key!r}]", depth + 1)
+    for key, entry in _entries(value, depth):
+        yield from _tensors(entry, f"{name}[{key!r}]", depth + 1)
 
 
 class StepState:
