@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
+from lightning_sparse_dp.attributes import SubmoduleChanges
 from lightning_sparse_dp.hints import has_batch_norm
 from lightning_sparse_dp.place import check_devices
 
@@ -218,6 +219,8 @@ class Replicas:
         frozen: the module's other parameters, in the same order.
         leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
         batch_norm: whether the module had a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``) when built.
+        attributes: what a step sets on the replicas' copies of the module's submodules
+            (:class:`~lightning_sparse_dp.attributes.SubmoduleChanges`).
 
     Raises:
         MisconfigurationException: no devices, CPU and CUDA devices mixed, or a CUDA device the
@@ -295,6 +298,7 @@ class Replicas:
                 buffer_slots.append(slots)
         buffer_sources = [b for m in self._sources for b in m._buffers.values() if b is not None]
         self._buffer_mirror = BufferMirror(buffer_sources, self.devices[1:])
+        self.attributes = SubmoduleChanges([name for name, _ in named], self._sources, self._copies)
         for r, slots in enumerate(buffer_slots):
             for (buffers, key), copy in zip(slots, self._buffer_mirror.copies[r], strict=True):
                 buffers[key] = copy
@@ -388,6 +392,7 @@ class Replicas:
         for d, source, own in self._dicts[r * per_replica : (r + 1) * per_replica]:  # (copy's __dict__, module's, own)
             d.update(source)
             d.update(own)
+        self.attributes.prune(r)
         if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
             self.modules[r].__dict__["_device"] = self.devices[r]
 

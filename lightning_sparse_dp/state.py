@@ -24,9 +24,12 @@ that the replicas fill with their own samples' keys, is shared as before) and, a
 A tensor of the module changed in place in the step (``self.ema.mul_(0.9).add_(...)``) is said once: the replicas
 share it, so each applies its chunk's change (a decay once per replica), which no merge can undo.
 
-Only plain attributes of the module object itself are followed (not those of its submodules, not
-Lightning's and torch's own); the entries of a longer list (one added each step) are not copied, so a step that
-changes an earlier entry in place changes the module's, once per replica.
+Plain attributes of the module object itself are followed (not Lightning's and torch's own), and, with ``attributes``
+(:class:`~lightning_sparse_dp.attributes.SubmoduleChanges`), those a step sets, replaces or removes on its replica's
+copies of the module's submodules (``self.calls += 1`` in a layer), merged into the module's submodules by the same
+rules; a submodule's lists and dicts are not copied (a change in place is the copies' shared object). The entries of a
+longer list (one added each step) are not copied, so a step that changes an earlier entry in place changes the
+module's, once per replica.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_sparse_dp.attributes import SubmoduleChanges
 from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
@@ -143,14 +147,22 @@ class StepState:
         module: the LightningModule.
         replicas: this step's replicas, in replica order.
         deferred: each replica's part (:meth:`enter`) is left to the caller, to run in the replica's own thread.
+        attributes: the replicas' copies of the module's submodules (the persistent replicas'
+            :attr:`~lightning_sparse_dp.replicate.Replicas.attributes`): what the step set on them is merged into the
+            module's submodules too; ``None``: the module's own attributes only.
     """
 
-    def __init__(self, module: nn.Module, replicas: Sequence[nn.Module], deferred: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, replicas: Sequence[nn.Module], deferred: bool = False,
+        attributes: SubmoduleChanges | None = None,
+    ) -> None:
         self.module = module
         self.replicas = list(replicas)
         self.active = module not in self.replicas and len(self.replicas) > 1
+        self.attributes = attributes if self.active else None
         self.before: dict[str, Any] = {}
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
+        self.found: list[list[tuple[int, str]] | None] = [None] * len(self.replicas)  # in each one's submodules (leave)
         if not self.active:
             return
         self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
@@ -170,6 +182,12 @@ class StepState:
         for key in self.containers:
             replica.__dict__[key] = _copy(self.before[key])  # each replica appends to (or changes) its own
         self.entered[i] = dict(replica.__dict__)
+
+    def leave(self, i: int) -> None:
+        """After replica ``i``'s step, in its thread: what it set on its copies of the module's submodules, noted for
+        :meth:`merge` (which finds it on the calling thread for a replica that did not leave)."""
+        if self.attributes is not None:
+            self.found[i] = self.attributes.changed(i)
 
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
         """After the step: set on the module what the replicas left (see the module docstring).
@@ -208,21 +226,47 @@ class StepState:
                 for replica in self.replicas:  # what runs after the step (a backward hook) changes the module's
                     replica.__dict__[key] = before
                 continue
-            changed = [v is not c for v, c in zip(values, copies)]
-            if not any(changed):
-                continue
-            if not all(changed) or any(v is _MISSING for v in values):
-                warning_cache.warn(
-                    f"sparse_dp: self.{key} was set (or removed) by some replicas' steps only (a branch on the chunk): "
-                    "the module gets what the first did. Set it in every replica's step, from the whole batch's values."
-                )
-                value = next(v for v, c in zip(values, changed) if c)
-                if value is _MISSING:
-                    self.module.__dict__.pop(key, None)
-                else:
-                    setattr(self.module, key, self._to_root(value))
-                continue
-            setattr(self.module, key, self._combined(f"self.{key}", values, combine, warning_cache))
+            self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
+        self._merge_submodules(combine, warning_cache)
+
+    def _merge_attribute(
+        self, target: nn.Module, key: str, name: str, values: list[Any], copies: list[Any],
+        combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,
+    ) -> None:
+        """``target.<key>`` from the replicas' ``values`` (``_MISSING``: removed), which their steps found as ``copies``:
+        one value when every replica set it (merged, :meth:`_combined`), removed when every replica removed it, the
+        first setter's when some did (said once)."""
+        changed = [v is not c for v, c in zip(values, copies)]
+        if not any(changed):
+            return
+        if all(v is _MISSING for v in values):
+            target.__dict__.pop(key, None)
+            return
+        if not all(changed) or any(v is _MISSING for v in values):
+            warning_cache.warn(
+                f"sparse_dp: {name} was set (or removed) by some replicas' steps only (a branch on the chunk): "
+                "the module gets what the first did. Set it in every replica's step, from the whole batch's values."
+            )
+            value = next(v for v, c in zip(values, changed) if c)
+            if value is _MISSING:
+                target.__dict__.pop(key, None)
+            else:
+                setattr(target, key, self._to_root(value))
+            return
+        setattr(target, key, self._combined(name, values, combine, warning_cache))
+
+    def _merge_submodules(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
+        """What the replicas' steps set on their copies of the module's submodules (:meth:`leave`), merged into the
+        module's submodules as the module's own attributes are."""
+        found = self.attributes
+        if found is None:
+            return
+        changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)]
+        for i, key in dict.fromkeys(k for replica in changes for k in replica):
+            target = found.sources[i]
+            before = target.__dict__.get(key, _MISSING)
+            values = [found.copies[r][i].__dict__.get(key, _MISSING) for r in range(len(self.replicas))]
+            self._merge_attribute(target, key, found.name(i, key), values, [before] * len(values), combine, warning_cache)
 
     def _combined(
         self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache
@@ -393,6 +437,11 @@ class ReplicaState:
         self.left.enter(i)
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 
+    def leave(self, i: int) -> None:
+        """Replica ``i``'s part after its step, in its thread: what it set on its copies of the module's submodules
+        (:meth:`StepState.leave`)."""
+        self.left.leave(i)
+
 
 def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
     """Replica ``i``'s part (:meth:`ReplicaState.enter`) of the state the calling thread installs once its check of the
@@ -403,6 +452,12 @@ def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
         StaleReplicas: the check failed (from :meth:`~lightning_sparse_dp.replicate.DeferredCheck.wait`).
     """
     return check.wait().enter(i)
+
+
+def leave_checked(check: DeferredCheck, i: int) -> None:
+    """Replica ``i``'s part after its step (:meth:`ReplicaState.leave`) of the state its check installed
+    (:func:`enter_checked`)."""
+    check.wait().leave(i)
 
 
 def say_diverged_buffers(names: Sequence[str]) -> None:
@@ -448,7 +503,9 @@ def replica_state(
         stack.callback(remove_recorders, replicas)
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
-        state = ReplicaState(replicas, step_metrics, own, refresh, group, StepState(module, replicas, deferred=True), buffers)
+        attributes = persistent.attributes if own and persistent is not None else None
+        left = StepState(module, replicas, deferred=True, attributes=attributes)
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers)
         marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
         if not deferred:
             for i in range(len(replicas)):
@@ -458,4 +515,4 @@ def replica_state(
             say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)))  # type: ignore[union-attr]
 
 
-__all__ = ["ReplicaState", "StepState", "combine_values", "enter_checked", "replica_state"]
+__all__ = ["ReplicaState", "StepState", "combine_values", "enter_checked", "leave_checked", "replica_state"]

@@ -44,7 +44,7 @@ from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader, step_cu
 from lightning_sparse_dp.replicate import DeferredCheck, Replicas, StaleReplicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
-from lightning_sparse_dp.state import combine_values, enter_checked, replica_state
+from lightning_sparse_dp.state import combine_values, enter_checked, leave_checked, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.syncbn.replicas import check_shared_gpus, sync_layers, synchronized
@@ -280,12 +280,15 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
                 if terms is not None:
                     terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+                after = None  # each replica's part after its step, in its thread (else merge takes it)
                 if check is not None:  # installed by the check, on this thread, once it passed; each replica waits
                     check.prepare = install
                     before = [partial(enter_checked, check, i) for i in range(len(replicas))]
+                    after = [partial(leave_checked, check, i) for i in range(len(replicas))]
                 else:
                     installed = install()
                     before = [partial(installed.enter, i) for i in range(len(replicas))] if in_threads else None
+                    after = [partial(installed.leave, i) for i in range(len(replicas))] if in_threads else None
             weights: list[float] | None = None
             if manual and len(replicas) > 1:
                 # the replicas' manual_backward and optimizer calls met once per step, weights needed inside it
@@ -294,7 +297,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 group = state.enter_context(manual_step(module, self._replicas, replicas, group, weights, terms, plan))
             outputs = self.parallel_apply(
                 replicas, inputs, step_name, args[1:], kwargs, group=group, plan=plan, terms=terms, before=before,
-                meanwhile=None if check is None else self._timer.timed("check", check.run),  # stage check, inside apply
+                after=after, meanwhile=None if check is None else self._timer.timed("check", check.run),  # stage check
             )
             if check is not None:
                 installed = check.prepared
@@ -382,6 +385,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         terms: StepTerms | None = None,
         before: Sequence[Callable[[], Any]] | None = None,
         meanwhile: Callable[[], None] | None = None,
+        after: Sequence[Callable[[], Any]] | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step_name>(inputs[i], *args, **kwargs)`` for every ``i`` at once, one thread each.
 
@@ -393,7 +397,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             group: the step's batch-norm group: each replica's step is its rank's part of it.
             plan: the split, to explain errors a small chunk causes (:func:`~lightning_sparse_dp.hints.explain_replica_error`).
             terms: each replica's step runs under its capture of mean-reduced losses (:mod:`~lightning_sparse_dp.loss.capture`).
-            before: ``before[i]()`` runs in replica ``i``'s thread before its step
+            before: ``before[i]()`` runs in replica ``i``'s thread before its step, ``after[i]()`` after it
                 (:func:`~lightning_sparse_dp.apply.replica_steps`); ``meanwhile()`` in this thread once they started.
 
         Returns:
@@ -409,7 +413,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             )
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
-        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before)
+        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before, after)
         with self._timer.stage("apply"):
             try:
                 return self._executor.run(steps, devices, meanwhile=meanwhile)

@@ -395,6 +395,62 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     assert any("self.partial was set (or removed) by some replicas' steps only" in m for m in cache)
 
 
+class _Probe(torch.nn.Module):
+    """A layer that notes what passes through it on itself, as attention maps or feature-transform matrices are kept for
+    a loss term or a plot: a call counter, the last input's per-sample rows, and a flag it removes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.last_rows, self.scratch = 0, None, True
+
+    def forward(self, x):
+        self.calls += 1
+        self.last_rows = x.F.detach()  # after global pooling: one row per sample
+        if hasattr(self, "scratch"):
+            del self.scratch
+        return x
+
+
+def test_attributes_a_step_sets_on_a_submodule_are_one_devices():
+    """What a step sets on a submodule of the module (``self.encoder.last_attention = ...``, a counter, a removed flag)
+    lands on the module's submodule as on one device (float64, 3 replicas, uneven chunks: per-sample rows in sample
+    order, a counter counted once per step). Before, it stayed on the replicas' copies of the submodule and the
+    module's never changed: ``calls`` stayed 0 and ``last_rows`` ``None``."""
+
+    class Noted(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.net.insert(len(self.net) - 1, _Probe())  # before the head: global pooling's per-sample rows
+
+    ours, reference = _epoch_pair(Noted, (71, 72))
+    mine, theirs = ours.net[-2], reference.net[-2]
+    assert theirs.calls == 4 and mine.calls == theirs.calls  # 2 training + 2 validation steps
+    assert mine.last_rows.shape == theirs.last_rows.shape == (7, 16)
+    torch.testing.assert_close(mine.last_rows, theirs.last_rows, rtol=1e-10, atol=0)
+    assert not hasattr(theirs, "scratch") and not hasattr(mine, "scratch")
+
+
+def test_a_submodule_attribute_some_replicas_set_is_said():
+    """A submodule attribute set by some replicas' steps only (a branch on the chunk) is said once, naming it; the module
+    gets the first setter's value."""
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.F.shape[0] > 2:  # the chunk's samples (after pooling): 3, 2 and 2 of 7
+                self.big = x.F.shape[0]
+            return x
+
+    class Branches(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.net.insert(len(self.net) - 1, Branchy())
+
+    model = Branches()
+    with pytest.warns(UserWarning, match=r"self\.net\.5\.big was set \(or removed\) by some replicas' steps only"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(model, loader(collate_dict(random_samples(7, seed=73))))
+    assert model.net[5].big == 3
+
+
 def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
     """A tensor attribute (or one in a dict attribute) that the step changes in place is the replicas' shared object:
     a decay is applied once per replica (3 steps of 3 replicas: 1 - 0.5**9 where one device reads 1 - 0.5**3). No merge
