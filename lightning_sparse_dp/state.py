@@ -22,7 +22,10 @@ that the replicas fill with their own samples' keys, is shared as before) and, a
   (a ``defaultdict`` stays one).
 
 A tensor of the module changed in place in the step (``self.ema.mul_(0.9).add_(...)``) is said once: the replicas
-share it, so each applies its chunk's change (a decay once per replica), which no merge can undo.
+share it, so each applies its chunk's change (a decay once per replica), which no merge can undo. So is a list or dict
+of the module (one the replicas got copies of) that changed during the step: only code holding the module itself, not
+the replica, reaches it (a forward hook whose closure holds ``self``), once per replica, in thread order; its copies
+are not merged then.
 
 Plain attributes of the module object itself are followed (not Lightning's and torch's own), and, with ``attributes``
 (:class:`~lightning_sparse_dp.attributes.SubmoduleChanges`), those a step sets, replaces or removes on its replica's
@@ -130,6 +133,16 @@ def _copy(value: Any, depth: int = 0) -> Any:
     return copied
 
 
+def _sizes(value: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
+    """``(container, len(container))`` for ``value`` (a list or dict that :func:`_copy` copies) and every list and dict
+    in it that :func:`_copy` copies too."""
+    if _copied(value):
+        yield value, len(value)
+    for _, entry in _entries(value, depth):
+        if _container(entry):
+            yield from _sizes(entry, depth + 1)
+
+
 def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
     """The tensors in ``value`` (itself, or in the dicts and lists :func:`_copy` copies with their entries), with their
     paths from ``name``."""
@@ -167,6 +180,9 @@ class StepState:
             return
         self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
         self.containers = [k for k, v in self.before.items() if _copied(v)]  # each replica gets its own copies
+        # which the module's own containers must not see change: only code holding the module itself (a hook's
+        # closure) reaches them during the step (said in merge)
+        self.sizes = {k: list(_sizes(self.before[k])) for k in self.containers}
         # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
         self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in _tensors(v, f"self.{k}")]
         if not deferred:
@@ -206,7 +222,20 @@ class StepState:
                     "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
                     "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
                 )
-        keys: list[str] = list(self.containers)  # what the step set (or may have changed in place: its copies)
+        reached = [k for k, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)]
+        for key in reached:
+            kind = "list" if isinstance(self.before[key], list) else "dict"
+            warning_cache.warn(
+                f"sparse_dp: self.{key} (a {kind} of the module) changed in the step through the module itself, not "
+                "the replica's copy: code that holds the module (a forward hook or closure made with `self`, e.g. "
+                "`layer.register_forward_hook(lambda m, i, o: self.features.append(o))`) runs in every replica's step, "
+                "so it holds what each replica's chunk gave, in the order their threads ran, where one device's holds "
+                "one entry per step. Return such values from the step (outputs are gathered in the batch's order) or "
+                "log them, or append through the replica the step runs on."
+            )
+            for replica in self.replicas:  # its copies are not merged: the module's object holds what the step did
+                replica.__dict__[key] = self.before[key]
+        keys: list[str] = [k for k in self.containers if k not in reached]  # what the step set (or changed: its copies)
         for replica, entered in zip(self.replicas, self.entered):
             keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()

@@ -451,6 +451,34 @@ def test_a_submodule_attribute_some_replicas_set_is_said():
     assert model.net[5].big == 3
 
 
+def test_a_list_of_the_module_a_hook_holding_the_module_fills_is_said():
+    """A forward hook registered with the module itself in its closure (``layer.register_forward_hook(lambda m, i, o:
+    self.features.append(o))``) runs in every replica's step and appends to the module's own list, not the replica's
+    copy: one entry per replica per step, in thread order, where one device's list gets one per step. No merge can
+    tell the replicas' entries apart there, so it is said, naming the list; a list the step fills through ``self``
+    (the replica) is merged and not named."""
+
+    class Hooked(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.features, self.losses = [], []
+            self.net[-1].register_forward_hook(lambda m, i, o: self.features.append(o.F.detach()))
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return loss
+
+    batches = [collate_dict(random_samples(7, seed=95 + i)) for i in range(2)]
+    ours, reference = Hooked(), Hooked()
+    with pytest.warns(UserWarning, match=r"self\.features \(a list of the module\) changed in the step") as record:
+        trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(ours, loader(*batches))
+    trainer(max_steps=2).fit(reference, loader(*batches))
+    assert len(reference.features) == 2 and len(ours.features) == 6  # what the warning is about
+    assert len(ours.losses) == len(reference.losses) == 2
+    assert not any("self.losses" in str(w.message) for w in record)
+
+
 def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
     """A tensor attribute (or one in a dict attribute) that the step changes in place is the replicas' shared object:
     a decay is applied once per replica (3 steps of 3 replicas: 1 - 0.5**9 where one device reads 1 - 0.5**3). No merge
