@@ -11,8 +11,9 @@ module's own attributes.
 
 Followed: the plain ``__dict__`` entries of every submodule but the module itself (:class:`StepState` follows those)
 and torchmetrics metrics and their insides (merged by :mod:`~lightning_sparse_dp.metrics`); not torch's own entries of
-a module, nor what the strategy itself sets on the copies (:data:`OWN_KEYS`). A container changed in place
-(``self.history.append(x)`` on a layer) is the module's own object, shared by the copies, so it is not seen here.
+a module, nor what the strategy itself sets on the copies (:data:`OWN_KEYS`). A layer's lists and short dicts, which
+a refresh shares with its copies, get a copy per replica from :class:`~lightning_sparse_dp.state.StepState` before the
+step (``self.history.append(x)`` changes the replica's own), merged as the module's own lists and dicts are.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class SubmoduleChanges:
                 sum(map(len, mine)),
             )
         return out
+
+    def followed_sources(self) -> list[tuple[int, dict]]:
+        """``(module index, the module's __dict__)`` of every followed submodule."""
+        return list(zip(self._followed, self._theirs))
 
     def prune(self, r: int) -> None:
         """Replica ``r``'s copies rid of the entries their module no longer has (but :data:`OWN_KEYS`): one the module

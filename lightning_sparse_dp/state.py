@@ -30,9 +30,9 @@ are not merged then.
 Plain attributes of the module object itself are followed (not Lightning's and torch's own), and, with ``attributes``
 (:class:`~lightning_sparse_dp.attributes.SubmoduleChanges`), those a step sets, replaces or removes on its replica's
 copies of the module's submodules (``self.calls += 1`` in a layer), merged into the module's submodules by the same
-rules; a submodule's lists and dicts are not copied (a change in place is the copies' shared object). The entries of a
-longer list (one added each step) are not copied, so a step that changes an earlier entry in place changes the
-module's, once per replica.
+rules, the submodules' lists and short dicts copied for each replica and merged as the module's are
+(``self.history.append(x)`` in a layer). The entries of a longer list (one added each step) are not copied, so a step
+that changes an earlier entry in place changes the module's, once per replica.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_sparse_dp.attributes import SubmoduleChanges
+from lightning_sparse_dp.attributes import OWN_KEYS, SubmoduleChanges
 from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
@@ -176,13 +176,21 @@ class StepState:
         self.before: dict[str, Any] = {}
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         self.found: list[list[tuple[int, str]] | None] = [None] * len(self.replicas)  # in each one's submodules (leave)
+        self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
+        self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         if not self.active:
             return
         self.before = {k: v for k, v in module.__dict__.items() if _followed(k, v)}
         self.containers = [k for k, v in self.before.items() if _copied(v)]  # each replica gets its own copies
         # which the module's own containers must not see change: only code holding the module itself (a hook's
         # closure) reaches them during the step (said in merge)
-        self.sizes = {k: list(_sizes(self.before[k])) for k in self.containers}
+        self.sizes = {f"self.{k}": list(_sizes(self.before[k])) for k in self.containers}
+        if self.attributes is not None:  # the submodules' lists and dicts, copied and merged likewise
+            found = self.attributes
+            self.sub_containers = [
+                (j, k) for j, source in found.followed_sources() for k, v in source.items() if k not in OWN_KEYS and _copied(v)
+            ]
+            self.sizes.update({found.name(j, k): list(_sizes(found.sources[j].__dict__[k])) for j, k in self.sub_containers})
         # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
         self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in _tensors(v, f"self.{k}")]
         if not deferred:
@@ -198,6 +206,10 @@ class StepState:
         for key in self.containers:
             replica.__dict__[key] = _copy(self.before[key])  # each replica appends to (or changes) its own
         self.entered[i] = dict(replica.__dict__)
+        if self.sub_containers:
+            found, given = self.attributes, self.sub_given[i]
+            for j, key in self.sub_containers:  # after the replica's refresh (which gave it the module's objects)
+                given[(j, key)] = found.copies[i][j].__dict__[key] = _copy(found.sources[j].__dict__[key])  # type: ignore[union-attr]
 
     def leave(self, i: int) -> None:
         """After replica ``i``'s step, in its thread: what it set on its copies of the module's submodules, noted for
@@ -222,26 +234,27 @@ class StepState:
                     "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
                     "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
                 )
-        reached = [k for k, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)]
-        for key in reached:
-            kind = "list" if isinstance(self.before[key], list) else "dict"
+        reached = {name for name, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)}
+        for name in reached:
+            kind = "list" if isinstance(self.sizes[name][0][0], list) else "dict"
             warning_cache.warn(
-                f"sparse_dp: self.{key} (a {kind} of the module) changed in the step through the module itself, not "
+                f"sparse_dp: {name} (a {kind} of the module) changed in the step through the module itself, not "
                 "the replica's copy: code that holds the module (a forward hook or closure made with `self`, e.g. "
                 "`layer.register_forward_hook(lambda m, i, o: self.features.append(o))`) runs in every replica's step, "
                 "so it holds what each replica's chunk gave, in the order their threads ran, where one device's holds "
                 "one entry per step. Return such values from the step (outputs are gathered in the batch's order) or "
                 "log them, or append through the replica the step runs on."
             )
-            for replica in self.replicas:  # its copies are not merged: the module's object holds what the step did
-                replica.__dict__[key] = self.before[key]
-        keys: list[str] = [k for k in self.containers if k not in reached]  # what the step set (or changed: its copies)
+        skip = {k for k in self.containers if f"self.{k}" in reached}  # not merged: the module's object holds the step's
+        keys = [k for k in self.containers if k not in skip]  # what the step set (or may have changed: its copies)
         for replica, entered in zip(self.replicas, self.entered):
             keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()
-                if entered.get(k, _MISSING) is not v and k not in keys and _followed(k, v)
+                if entered.get(k, _MISSING) is not v and k not in keys and k not in skip and _followed(k, v)
             )
             keys.extend(k for k in self.before if k not in replica.__dict__ and k not in keys)  # removed by the step
+            for key in skip:
+                replica.__dict__[key] = self.before[key]
         for key in keys:
             before = self.before.get(key, _MISSING)
             values = [r.__dict__.get(key, _MISSING) for r in self.replicas]
@@ -256,7 +269,7 @@ class StepState:
                     replica.__dict__[key] = before
                 continue
             self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
-        self._merge_submodules(combine, warning_cache)
+        self._merge_submodules(combine, warning_cache, reached)
 
     def _merge_attribute(
         self, target: nn.Module, key: str, name: str, values: list[Any], copies: list[Any],
@@ -284,17 +297,38 @@ class StepState:
             return
         setattr(target, key, self._combined(name, values, combine, warning_cache))
 
-    def _merge_submodules(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
-        """What the replicas' steps set on their copies of the module's submodules (:meth:`leave`), merged into the
-        module's submodules as the module's own attributes are."""
+    def _merge_submodules(
+        self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache, reached: set[str]
+    ) -> None:
+        """What the replicas' steps set on their copies of the module's submodules (:meth:`leave`), and what they
+        changed in their copies of the submodules' lists and dicts, merged into the module's submodules as the module's
+        own attributes and containers are (``reached``: the names of containers the step changed through the module)."""
         found = self.attributes
         if found is None:
             return
+        count = len(self.replicas)
         changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)]
+        for j, key in self.sub_containers:
+            target, name = found.sources[j], found.name(j, key)
+            before = target.__dict__[key]
+            values = [found.copies[r][j].__dict__.get(key, _MISSING) for r in range(count)]
+            given = [self.sub_given[r].get((j, key), _MISSING) for r in range(count)]
+            if name in reached:
+                pass  # said above; the module's object holds what the step did
+            elif type(before) is list or all(v is g for v, g in zip(values, given)):
+                self._merge_container(name, before, values, combine, warning_cache, 0)
+            else:  # replaced by the replicas' steps: an attribute
+                self._merge_attribute(target, key, name, values, given, combine, warning_cache)
+                continue
+            for r in range(count):  # the module's object again, as the next refresh would give it
+                found.copies[r][j].__dict__[key] = before
+        handled = set(self.sub_containers)
         for i, key in dict.fromkeys(k for replica in changes for k in replica):
+            if (i, key) in handled:
+                continue
             target = found.sources[i]
             before = target.__dict__.get(key, _MISSING)
-            values = [found.copies[r][i].__dict__.get(key, _MISSING) for r in range(len(self.replicas))]
+            values = [found.copies[r][i].__dict__.get(key, _MISSING) for r in range(count)]
             self._merge_attribute(target, key, found.name(i, key), values, [before] * len(values), combine, warning_cache)
 
     def _combined(

@@ -430,6 +430,35 @@ def test_attributes_a_step_sets_on_a_submodule_are_one_devices():
     assert not hasattr(theirs, "scratch") and not hasattr(mine, "scratch")
 
 
+def test_lists_and_dicts_of_a_submodule_a_step_changes_in_place_are_one_devices():
+    """A layer that appends what passes through it to its own list (``self.history.append(x)``) and counts in its own
+    dict: one entry and one count per step, per-sample rows in sample order (float64, 3 replicas, uneven chunks).
+    Before, the replicas' copies of the layer shared its list and dict: 3 entries per step, in thread order, and 12
+    counts after 4 steps where one device counts 4."""
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.history, self.counts = [], {"calls": 0}
+
+        def forward(self, x):
+            self.history.append(x.F.detach())
+            self.counts["calls"] += 1
+            return x
+
+    class Recorded(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.net.insert(len(self.net) - 1, Recorder())
+
+    ours, reference = _epoch_pair(Recorded, (75, 76))
+    mine, theirs = ours.net[-2], reference.net[-2]
+    assert theirs.counts == {"calls": 4} and mine.counts == theirs.counts
+    assert len(theirs.history) == 4 and len(mine.history) == len(theirs.history)
+    for a, b in zip(mine.history, theirs.history):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=0)
+
+
 def test_a_submodule_attribute_some_replicas_set_is_said():
     """A submodule attribute set by some replicas' steps only (a branch on the chunk) is said once, naming it; the module
     gets the first setter's value."""
