@@ -19,12 +19,14 @@ step (``self.history.append(x)`` changes the replica's own), merged as the modul
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, repeat
 from operator import is_
 
 from torch import nn
 from torchmetrics import Metric
 
 _MISSING = object()
+_MINE, _THEIRS = object(), object()  # what a lookup of a missing key gives on a copy and on its module: never the same
 
 #: ``__dict__`` keys that are not a step's: torch's own entries of every module, the mark
 #: ``Module._replicate_for_data_parallel`` leaves on a copy, Lightning's device of a replica, and what the strategy sets
@@ -59,6 +61,8 @@ class SubmoduleChanges:
         # per replica, once its copies held nothing of a step's: (their dicts, the module's, the keys, one entry per
         # followed key; the copies' entries in all), which the next steps compare in one pass; None until then
         self._clean: list[tuple[list[dict], list[dict], list[str], int] | None] = [None] * len(self.copies)
+        # the followed entries of the module's submodules: (their dicts, keys, (module index, key) each, entries in all)
+        self._entries: tuple[list[dict], list[str], list[tuple[int, str]], int] | None = None
 
     def changed(self, r: int) -> list[tuple[int, str]]:
         """``(module index, key)`` of every followed attribute replica ``r``'s copies hold other than their module's:
@@ -70,7 +74,9 @@ class SubmoduleChanges:
         clean = self._clean[r]
         if clean is not None:
             dicts, theirs, keys, entries = clean
-            if sum(map(len, mine)) == entries and all(map(is_, map(dict.get, dicts, keys), map(dict.get, theirs, keys))):
+            if sum(map(len, mine)) == entries and all(
+                map(is_, map(dict.get, dicts, keys, repeat(_MINE)), map(dict.get, theirs, keys, repeat(_THEIRS)))
+            ):
                 return []
         out: list[tuple[int, str]] = []
         for i, d, source in zip(self._followed, mine, self._theirs):
@@ -84,9 +90,19 @@ class SubmoduleChanges:
             )
         return out
 
-    def followed_sources(self) -> list[tuple[int, dict]]:
-        """``(module index, the module's __dict__)`` of every followed submodule."""
-        return list(zip(self._followed, self._theirs))
+    def containers(self) -> list[tuple[int, str]]:
+        """``(module index, key)`` of every followed attribute of the module's submodules that is a list or a dict now
+        (none in most networks). The followed entries are listed once and again when the submodules' entries change
+        in number or lose one; each call then costs one type check per followed entry, in C."""
+        listed = self._entries
+        if listed is None or sum(map(len, self._theirs)) != listed[3] or not all(map(dict.__contains__, listed[0], listed[1])):
+            entries = [(i, source, k) for i, source in zip(self._followed, self._theirs) for k in source if k not in OWN_KEYS]
+            listed = self._entries = (
+                [s for _, s, _ in entries], [k for _, _, k in entries], [(i, k) for i, _, k in entries],
+                sum(map(len, self._theirs)),
+            )
+        dicts, keys, names, _ = listed
+        return list(compress(names, map(isinstance, map(dict.get, dicts, keys), repeat((list, dict)))))
 
     def prune(self, r: int) -> None:
         """Replica ``r``'s copies rid of the entries their module no longer has (but :data:`OWN_KEYS`): one the module

@@ -49,7 +49,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_sparse_dp.attributes import OWN_KEYS, SubmoduleChanges
+from lightning_sparse_dp.attributes import SubmoduleChanges
 from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
@@ -187,9 +187,7 @@ class StepState:
         self.sizes = {f"self.{k}": list(_sizes(self.before[k])) for k in self.containers}
         if self.attributes is not None:  # the submodules' lists and dicts, copied and merged likewise
             found = self.attributes
-            self.sub_containers = [
-                (j, k) for j, source in found.followed_sources() for k, v in source.items() if k not in OWN_KEYS and _copied(v)
-            ]
+            self.sub_containers = [(j, k) for j, k in found.containers() if _copied(found.sources[j].__dict__[k])]
             self.sizes.update({found.name(j, k): list(_sizes(found.sources[j].__dict__[k])) for j, k in self.sub_containers})
         # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
         self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in _tensors(v, f"self.{k}")]

@@ -68,3 +68,22 @@ def test_a_refresh_gives_the_copies_the_modules_attributes_and_drops_those_it_lo
     replicas.refresh_replica(1)
     assert found.changed(1) == []
     assert not hasattr(replicas._copies[1][index], "cache") and not hasattr(replicas._copies[1][index], "extra")
+
+
+def test_the_submodules_lists_and_dicts_are_listed_as_they_are_now():
+    """``containers()`` lists the followed list and dict attributes of the module's submodules as the module holds them
+    at each call: one made a list, one added, one removed between calls (a key lost and another added keeps the
+    number of entries: still seen), never a metric's or torch's own."""
+    module, replicas = _replicas()
+    found = replicas.attributes
+    index = found.names.index("layer")
+    assert found.containers() == []
+    module.layer.cache = []
+    assert found.containers() == [(index, "cache")]
+    module.layer.table = {"a": 1}
+    assert sorted(found.containers()) == [(index, "cache"), (index, "table")]
+    del module.layer.scale
+    module.layer.history = []  # as many entries as before
+    assert sorted(found.containers()) == [(index, "cache"), (index, "history"), (index, "table")]
+    module.layer.cache = None
+    assert sorted(found.containers()) == [(index, "history"), (index, "table")]
