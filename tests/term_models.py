@@ -288,6 +288,30 @@ class SmallRemainder(ScanNetSeg):
         return self.criterion(logits, batch["labels"]) + 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
 
 
+class ChunkClassWeights(ScanNetSeg):
+    """A cross entropy with class weights computed from the chunk's labels (inverse class frequencies): each replica
+    weights its rows by its own chunk's frequencies, one device by the whole batch's."""
+
+    def loss(self, batch):
+        labels = batch["labels"]
+        counts = torch.bincount(labels[labels != 255], minlength=NUM_CLASSES).to(torch.float64)
+        return F.cross_entropy(self.logits(batch), labels, weight=1.0 / (counts + 1.0), ignore_index=255)
+
+
+class BatchClassWeights(ScanNetSeg):
+    """The same class weights computed from the whole batch before the split (``on_before_batch_transfer``) and kept
+    on the module: every replica is given the same, as the documented fix says."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        labels = batch["labels"]
+        counts = torch.bincount(labels[labels != 255], minlength=NUM_CLASSES).to(torch.float64)
+        self.class_weights = 1.0 / (counts + 1.0)
+        return batch
+
+    def loss(self, batch):
+        return F.cross_entropy(self.logits(batch), batch["labels"], weight=self.class_weights, ignore_index=255)
+
+
 class ChunkStatistic(ScanNetSeg):
     """A cross entropy plus an MSE on the mean feature of the chunk: a torch loss on a statistic of the chunk."""
 

@@ -19,6 +19,8 @@ from tests.helpers import relative_difference, state_differences
 from tests.helpers import trainer as _trainer
 from tests.term_models import (
     MODE_DEPTHS,
+    BatchClassWeights,
+    ChunkClassWeights,
     ChunkStatistic,
     LevelCompletion,
     LoggedOnly,
@@ -255,16 +257,29 @@ def test_a_sum_reduction_counts_each_replica_once(devices, caplog):
 @pytest.mark.parametrize("model, words", [
     (SmallRemainder, "differs from replica to replica"),
     (ChunkStatistic, "a statistic of the chunk"),
+    (ChunkClassWeights, "the weight given to F.cross_entropy"),
 ])
 def test_what_no_split_computes_exactly_is_said_once(model, words, caplog):
-    """A remainder 1e-6 of the loss that differs between replicas, and a loss on a statistic of the chunk: each
-    said once, with the reason (they used to pass as exact, off by 3e-7 and 4 %)."""
+    """A remainder 1e-6 of the loss that differs between replicas, a loss on a statistic of the chunk, and class
+    weights computed from the chunk's labels: each said once, with the reason (they used to pass as exact, off by 3e-7,
+    4 % and 4 %)."""
     batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (1, 2)]
     with caplog.at_level(logging.INFO):
         worst, _, _ = _compare(model, batches, 3)
     lines = _fallback_lines(caplog)
     assert len(lines) == 1 and words in lines[0], lines
     assert worst > 1e-12  # not exact, and said
+
+
+def test_class_weights_from_the_whole_batch_kept_on_the_module_are_exact(caplog):
+    """The fix the fallback above names: class weights computed from the whole batch before the split and kept on the
+    module are every replica's, so the cross entropy is weighted term by term, exactly, and nothing is said."""
+    batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (1, 2)]
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _compare(BatchClassWeights, batches, 3)
+    assert not _fallback_lines(caplog)
+    assert worst <= REL
+    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
 
 
 def test_one_sample_per_replica_reads_a_loss_in_a_loop_as_per_sample_and_says_so(caplog):

@@ -33,7 +33,16 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_sparse_dp._patch import SharedPatch
-from lightning_sparse_dp.loss.denominators import CAPTURED, UNCAPTURED, bind, denominator, is_mean, is_sum, loss_name
+from lightning_sparse_dp.loss.denominators import (
+    CAPTURED,
+    UNCAPTURED,
+    bind,
+    denominator,
+    is_mean,
+    is_sum,
+    loss_name,
+    shared_arguments,
+)
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
 from lightning_sparse_dp.means import last_holding, scalar_values
@@ -83,7 +92,9 @@ class Term:
     process (``where``: ``file.py:line``), and ``in_loop`` whether that call ran inside a loop of the user's code; ``rows`` is the
     number of rows its input has (``input.shape[0]``; 1 for an unbatched or 0-dim input), which tells a
     loss over one sample's points from one over a decoder level's voxels; ``statistic`` whether its input
-    is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk.
+    is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk; ``shared`` the
+    call's arguments that apply to all its rows alike (a class weight:
+    :func:`~lightning_sparse_dp.loss.denominators.shared_arguments`), which every replica must have been given alike.
 
     The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
     after the step, without a version bump, so the multiplication's backward (which reads ``s``
@@ -92,14 +103,16 @@ class Term:
     """
 
     __slots__ = (
-        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "_scale", "_factor", "_numbers",
+        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "_scale", "_factor",
+        "_numbers",
     )
 
     def __init__(
         self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1,
-        statistic: bool = False,
+        statistic: bool = False, shared: tuple[Tensor, ...] = (),
     ) -> None:
         self.name, self.denominator, self._factor = name, denominator, factor
+        self.shared = tuple(t.detach() for t in shared)
         site = site or CallSite(0, "?", False)
         self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
         self.statistic = statistic
@@ -259,6 +272,7 @@ class TermCapture(TorchFunctionMode):
             call_site(2),
             input_rows(func, bound),
             reduces_rows(bound.get("input")),
+            shared_arguments(func, bound),
         )
         value = _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place

@@ -34,6 +34,7 @@ ranks' summaries (``all_gather_object``) and every rank decides alike.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,7 @@ class SiteTerms:
     rows: list[int]
     per_sample: bool  # the rows are one per sample of the chunk (ChunkShape.per_sample)
     statistic: list[bool]  # each call's input is a reduction over rows (terms.reduces_rows)
+    shared: list[int] = field(default_factory=list)  # each call's arguments for all its rows alike, fingerprinted
 
 
 @dataclass
@@ -142,9 +144,21 @@ def summarize(
         site.values.append(v)
         site.rows.append(term.rows)
         site.statistic.append(term.statistic)
+        site.shared.append(_fingerprint(term.shared))
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = shape.per_sample(site.rows)
+    return out
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:
+    """A checksum of ``tensors``' shapes and values (float64 on the host; 0 for none), the same in every process."""
+    if not tensors:
+        return 0
+    out = 0
+    for t in tensors:
+        values = t.detach().to("cpu", torch.float64).contiguous()
+        out = zlib.crc32(values.numpy().tobytes(), zlib.crc32(repr(tuple(t.shape)).encode(), out))
     return out
 
 
@@ -321,6 +335,14 @@ def _matched_part(
     per_replica: list[list[float]] = [[] for _ in sites]
     part = 0.0
     for j, c in enumerate(site.coeffs):
+        if len(sites) > 1 and c != 0.0 and any(s.shared[j] != site.shared[j] for s in sites):
+            raise _NotExact(
+                f"the weight given to {site.name} at {site.where} (a class weight, pos_weight) differs from {who} to "
+                f"{who}: computed from the chunk (e.g. from its labels' class frequencies), where one device weights "
+                "every row by the whole batch's, which no combination of the chunks' losses gives. Compute it from the "
+                "dataset, or from the whole batch in on_before_batch_transfer and keep it on the module "
+                "(self.class_weights), so that every replica is given the same"
+            )
         if len(sites) > 1 and c != 0.0 and any(s.statistic[j] for s in sites):
             raise _NotExact(
                 f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "

@@ -133,9 +133,30 @@ def denominator(func: Callable[..., Tensor], a: Arguments) -> float | Tensor:
     return CAPTURED[func](a)
 
 
+def shared_arguments(func: Callable[..., Tensor], a: Arguments) -> tuple[Tensor, ...]:
+    """The tensor arguments of one call of a :data:`CAPTURED` loss that apply to all of its rows alike: a class
+    ``weight`` of ``cross_entropy`` / ``nll_loss``, ``pos_weight`` of ``binary_cross_entropy_with_logits``, and an
+    element ``weight`` that broadcasts over the input's rows (a per-class ``[C]`` weight of BCE) rather than giving
+    each row its own. The whole batch's criterion takes each of them once for every row, so a split computes it exactly
+    only where every part was given the same (not one computed from its chunk's labels)."""
+    out = []
+    x, weight = a.get("input"), a.get("weight")
+    if isinstance(weight, Tensor):
+        per_class = func in (F.cross_entropy, F.nll_loss)
+        per_row = isinstance(x, Tensor) and x.dim() > 0 and weight.dim() == x.dim() and weight.shape[0] == x.shape[0] > 1
+        if per_class or not per_row:
+            out.append(weight)
+    pos_weight = a.get("pos_weight")
+    if isinstance(pos_weight, Tensor):
+        out.append(pos_weight)
+    return tuple(out)
+
+
 def loss_name(func: Callable[..., Any]) -> str:
     """``"F.cross_entropy"``: how messages name a loss function."""
     return f"F.{getattr(func, '__name__', func)}"
 
 
-__all__ = ["CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "is_mean", "is_sum", "loss_name"]
+__all__ = [
+    "CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "is_mean", "is_sum", "loss_name", "shared_arguments",
+]
