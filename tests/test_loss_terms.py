@@ -235,13 +235,17 @@ def test_per_sample_losses_weighted_by_points_are_off():  # the comparison above
     assert _worst(ours, reference) > 1e-3
 
 
-def test_per_sample_losses_beside_a_whole_chunk_loss_are_exact(caplog):
-    batches = [seg_batch(8, seed=s, fractions=(0.1, 0.0, 0.4)) for s in (23, 24)]
+def _exact_and_unsaid(cls, batches, caplog):
+    """``cls`` on 3 replicas against one device: every tensor and the logged loss within ``REL``, nothing said."""
     with caplog.at_level(logging.INFO):
-        worst, t, r = _compare(PerSampleBeside, batches, 3)
+        worst, t, r = _compare(cls, batches, 3)
     assert not _fallback_lines(caplog)
     assert worst <= REL
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
+
+
+def test_per_sample_losses_beside_a_whole_chunk_loss_are_exact(caplog):
+    _exact_and_unsaid(PerSampleBeside, [seg_batch(8, seed=s, fractions=(0.1, 0.0, 0.4)) for s in (23, 24)], caplog)
 
 
 @pytest.mark.parametrize("devices", [2, 3])
@@ -274,12 +278,7 @@ def test_what_no_split_computes_exactly_is_said_once(model, words, caplog):
 def test_class_weights_from_the_whole_batch_kept_on_the_module_are_exact(caplog):
     """The fix the fallback above names: class weights computed from the whole batch before the split and kept on the
     module are every replica's, so the cross entropy is weighted term by term, exactly, and nothing is said."""
-    batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (1, 2)]
-    with caplog.at_level(logging.INFO):
-        worst, t, r = _compare(BatchClassWeights, batches, 3)
-    assert not _fallback_lines(caplog)
-    assert worst <= REL
-    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
+    _exact_and_unsaid(BatchClassWeights, [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (1, 2)], caplog)
 
 
 def test_one_sample_per_replica_reads_a_loss_in_a_loop_as_per_sample_and_says_so(caplog):
