@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sparse_dp.loss.capture import TermCapture, outside_capture
-from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator
+from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator, shared_arguments
 
 _DEFAULT_DTYPE = torch.get_default_dtype()
 torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
@@ -297,3 +297,21 @@ def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
         a.mean(0).detach(),
     )
     assert not any(reduces_rows(r) for r in rows)
+
+
+def test_the_arguments_every_row_shares_are_the_ones_compared_across_replicas():
+    """``shared_arguments``: a class weight and ``pos_weight`` always, an element weight only when it broadcasts over
+    the input's rows (a per-class ``[C]`` weight), never one that gives each row its own (also in a one-row chunk)."""
+    x, y, p = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0]), torch.rand(5, 3)
+    w, rows = torch.rand(3), torch.rand(5, 3)
+
+    def shared(func, *args, **kwargs):
+        return [t.shape for t in shared_arguments(func, bind(func, args, kwargs))]
+
+    assert shared(F.cross_entropy, x, y, weight=w) == [(3,)]
+    assert shared(F.cross_entropy, x, y) == [] and shared(F.nll_loss, x, y, weight=w) == [(3,)]
+    assert shared(F.binary_cross_entropy_with_logits, x, p, weight=rows, pos_weight=w) == [(3,)]
+    assert shared(F.binary_cross_entropy, p, p, weight=w) == [(3,)]
+    assert shared(F.binary_cross_entropy, p, p, weight=rows) == []
+    assert shared(F.binary_cross_entropy, p[:1], p[:1], weight=rows[:1]) == []  # one row, its own weight
+    assert shared(F.mse_loss, x, p) == []

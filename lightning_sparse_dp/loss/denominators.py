@@ -143,7 +143,7 @@ def shared_arguments(func: Callable[..., Tensor], a: Arguments) -> tuple[Tensor,
     x, weight = a.get("input"), a.get("weight")
     if isinstance(weight, Tensor):
         per_class = func in (F.cross_entropy, F.nll_loss)
-        per_row = isinstance(x, Tensor) and x.dim() > 0 and weight.dim() == x.dim() and weight.shape[0] == x.shape[0] > 1
+        per_row = isinstance(x, Tensor) and x.dim() > 0 and weight.dim() == x.dim() and weight.shape[0] == x.shape[0]
         if per_class or not per_row:
             out.append(weight)
     pos_weight = a.get("pos_weight")
