@@ -134,8 +134,11 @@ def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
     return _point_rows(plan, lengths)
 
 
-def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache) -> str:
-    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure.
+def _guess_role(
+    name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache, say_lists: bool = True
+) -> str:
+    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure, and
+    (``say_lists``) when differing values that are not tensors become the list of the replicas' values.
 
     ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
     """
@@ -144,7 +147,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
         return "mean"
     lengths = _lengths(values)
     if lengths is None:
-        return "first" if _comparable(values) else "list"
+        return _first_or_list(name, key, values, warning_cache, say_lists)
     samples = lengths == plan.samples_per_chunk
     points = _point_rows(plan, lengths) is not None
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
@@ -160,7 +163,7 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
             )
         return role
     if not isinstance(first, Tensor):
-        return "first" if _comparable(values) else "list"
+        return _first_or_list(name, key, values, warning_cache, say_lists)
     if same:
         warning_cache.warn(
             f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
@@ -169,6 +172,22 @@ def _guess_role(name: str, key: Any, values: list[Any], plan: SplitPlan, warning
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
     return "cat"
+
+
+def _first_or_list(name: str, key: Any, values: list[Any], warning_cache: WarningCache, say: bool) -> str:
+    """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
+    value there, not one per chunk."""
+    if _comparable(values):
+        return "first"
+    if say:  # the message names the output only, so that it is said once, whatever the values
+        warning_cache.warn(
+            f"sparse_dp: step output {name} ({type(values[0]).__name__}) differs between the replicas' chunks: it is "
+            "given as the list of the replicas' values, in chunk order, where one device's step returns one value. "
+            "Return it as a tensor (a 0-dim tensor is the batch's weighted mean, per-sample rows come back in sample "
+            f"order), or say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) (roles "
+            f"{', '.join(OUTPUT_ROLES)}); name it 'list' to silence this warning."
+        )
+    return "list"
 
 
 def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weights: Sequence[float], device: torch.device) -> Any:
@@ -265,6 +284,7 @@ def gather_outputs(
     device: torch.device,
     output_layout: Mapping[Any, str] | None = None,
     warning_cache: WarningCache | None = None,
+    say_lists: bool = True,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -289,8 +309,9 @@ def gather_outputs(
     A leaf it does not name is combined by these rules: a 0-dim tensor (a loss, a metric) is a
     ``"mean"``; a tensor or list whose lengths are the chunks' numbers of samples is ``"samples"``,
     else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
-    differing ones the list. When every chunk gives the same length (a fixed leading dimension that
-    may or may not be per-sample), a warning says which rule was taken and how to name the role.
+    differing ones the list (said once, unless not ``say_lists``: a caller with its own word for it). When
+    every chunk gives the same length (a fixed leading dimension that may or may not be per-sample), a
+    warning says which rule was taken and how to name the role.
     ``None`` from every replica gives ``None``. Warnings go through ``warning_cache`` (each once).
 
     Raises:
@@ -303,7 +324,9 @@ def gather_outputs(
         return None
     _check_none(outputs)
     cache = _warning_cache if warning_cache is None else warning_cache
-    combine = partial(_combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache)
+    combine = partial(
+        _combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache, say_lists=say_lists
+    )
     if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
         return combine((), list(outputs), False)
     sequences = per_sample_nodes(outputs, plan, output_layout, cache)
@@ -325,14 +348,14 @@ def gather_outputs(
 
 def _combine(
     path: Sequence[Any], values: list[Any], sequence: bool, *, plan: SplitPlan, weights: Sequence[float],
-    device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache,
+    device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache, say_lists: bool = True,
 ) -> Any:
     """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
     ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`."""
     name = _output_name(path)
     role = "sequence" if sequence else _output_role(path, output_layout)
     if role in (None, "fixed"):
-        role = _guess_role(name, _output_key(path), values, plan, cache)
+        role = _guess_role(name, _output_key(path), values, plan, cache, say_lists)
     return _gather_leaf(name, values, role, plan, weights, device)
 
 

@@ -462,7 +462,7 @@ def combine_values(
         value = terms.log_value(list(range(len(values))), values)
         if value is not None:
             return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
-    return gather_outputs(values, plan, weights, root, output_layout, warning_cache), False
+    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=False), False
 
 
 class ReplicaState:

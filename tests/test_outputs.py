@@ -45,6 +45,26 @@ def test_ambiguous_unnamed_output_warns():
         trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).predict(Histogram(), loader(batch))
 
 
+def test_a_number_output_that_differs_between_chunks_is_said_and_named_roles_give_one_devices():
+    """A step output that is a Python number of the chunk (its samples, a fraction) comes back as the list of the
+    replicas' values where one device returns one number: said once per output, naming it and the fix; equal
+    numbers are the value, silently; ``output_layout={"n": "sum"}`` gives one device's count."""
+    batch = _hist_batch(7)  # chunks of 3, 2 and 2 samples (in the balanced split's order)
+
+    class Counts(SparseNet):
+        def predict_step(self, batch, batch_idx):
+            return {"n": int(batch["labels"].shape[0]), "same": 3, "name": "scene"}
+
+    with pytest.warns(UserWarning, match=r"step output output\['n'\] \(int\) differs between the replicas' chunks") as rec:
+        [out] = trainer(strategy="sparse_dp", devices=3).predict(Counts(), loader(batch))
+    assert sorted(out["n"]) == [2, 2, 3] and out["same"] == 3 and out["name"] == "scene"
+    assert sum("differs between the replicas' chunks" in str(w.message) for w in rec) == 1
+    strategy = SparseDataParallelStrategy(output_layout={"n": "sum"})
+    [out] = trainer(strategy=strategy, devices=3).predict(Counts(), loader(batch))
+    [ref] = trainer(devices=1).predict(Counts(), loader(batch))
+    assert out == ref == {"n": 7, "same": 3, "name": "scene"}
+
+
 def test_output_roles_directly():
     batch = _hist_batch(7)
     chunks, plan = split_batch(batch, 3, assignment="balanced")
