@@ -5,7 +5,7 @@ regularizer, ``self.calls += 1``) does so on its replica's copy in a ``sparse_dp
 (:meth:`~lightning_sparse_dp.replicate.Replicas.refresh_replica`) gives each copy its module's ``__dict__`` entries
 again, so what the step set there is lost, and the module's layer never changes, where one device's does.
 :class:`SubmoduleChanges` finds those attributes after each replica's step (in the replica's thread: one identity
-comparison per entry, in C, tens of microseconds for a network of a hundred modules) for
+comparison per followed entry, in C, 3-8 us for networks of 33-86 modules once its copies were found clean) for
 :class:`~lightning_sparse_dp.state.StepState`, which merges them into the module's submodules as it merges the
 module's own attributes.
 
