@@ -253,21 +253,35 @@ class StepState:
             keys.extend(k for k in self.before if k not in replica.__dict__ and k not in keys)  # removed by the step
             for key in skip:
                 replica.__dict__[key] = self.before[key]
+        dicts = [r.__dict__ for r in self.replicas]
         for key in keys:
-            before = self.before.get(key, _MISSING)
-            values = [r.__dict__.get(key, _MISSING) for r in self.replicas]
             copies = [e.get(key, _MISSING) for e in self.entered]
-            if all(v is _MISSING for v in values):  # removed by every replica's step, as one device's step removes it
-                self.module.__dict__.pop(key, None)
-                continue
-            if key in self.containers and (type(before) is list or all(v is c for v, c in zip(values, copies))):
-                # lists (replaced ones said) and containers the replicas changed in place: merged into the module's
-                self._merge_container(f"self.{key}", before, values, combine, warning_cache, 0)
-                for replica in self.replicas:  # what runs after the step (a backward hook) changes the module's
-                    replica.__dict__[key] = before
-                continue
-            self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
+            if key in self.containers:
+                self._merge_copied(self.module, key, f"self.{key}", self.before[key], dicts, copies, combine, warning_cache)
+            else:
+                values = [d.get(key, _MISSING) for d in dicts]
+                self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
         self._merge_submodules(combine, warning_cache, reached)
+
+    def _merge_copied(
+        self, target: nn.Module, key: str, name: str, before: Any, dicts: list[dict[str, Any]], given: list[Any],
+        combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,
+    ) -> None:
+        """``target.<key>``, the list or dict ``before`` of which each replica was given its own copy (``given``;
+        ``dicts``: the replicas' ``__dict__`` holding it): removed when every replica's step removed it, as one
+        device's step does; a list, or copies changed in place, merged into ``before`` (replaced lists said), after
+        which the replicas hold ``before`` again (what runs after the step, a backward hook, changes it); else
+        (replaced by every replica) an attribute (:meth:`_merge_attribute`)."""
+        values = [d.get(key, _MISSING) for d in dicts]
+        if all(v is _MISSING for v in values):
+            target.__dict__.pop(key, None)
+            return
+        if type(before) is list or all(v is g for v, g in zip(values, given)):
+            self._merge_container(name, before, values, combine, warning_cache, 0)
+            for d in dicts:
+                d[key] = before
+            return
+        self._merge_attribute(target, key, name, values, given, combine, warning_cache)
 
     def _merge_attribute(
         self, target: nn.Module, key: str, name: str, values: list[Any], copies: list[Any],
@@ -308,18 +322,13 @@ class StepState:
         changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)]
         for j, key in self.sub_containers:
             target, name = found.sources[j], found.name(j, key)
-            before = target.__dict__[key]
-            values = [found.copies[r][j].__dict__.get(key, _MISSING) for r in range(count)]
-            given = [self.sub_given[r].get((j, key), _MISSING) for r in range(count)]
-            if name in reached:
-                pass  # said above; the module's object holds what the step did
-            elif type(before) is list or all(v is g for v, g in zip(values, given)):
-                self._merge_container(name, before, values, combine, warning_cache, 0)
-            else:  # replaced by the replicas' steps: an attribute
-                self._merge_attribute(target, key, name, values, given, combine, warning_cache)
+            dicts = [found.copies[r][j].__dict__ for r in range(count)]
+            if name in reached:  # said above; the module's object holds what the step did, the copies hold it again
+                for d in dicts:
+                    d[key] = target.__dict__[key]
                 continue
-            for r in range(count):  # the module's object again, as the next refresh would give it
-                found.copies[r][j].__dict__[key] = before
+            given = [self.sub_given[r].get((j, key), _MISSING) for r in range(count)]
+            self._merge_copied(target, key, name, target.__dict__[key], dicts, given, combine, warning_cache)
         handled = set(self.sub_containers)
         for i, key in dict.fromkeys(k for replica in changes for k in replica):
             if (i, key) in handled:

@@ -280,7 +280,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 terms = StepTerms.for_step(self.loss_weighting, step_name, len(replicas), self._warning_cache, self._site_memory)
                 if terms is not None:
                     terms.set_plan(plan)  # the chunks' shapes: each replica summarizes its loss in its thread
-                after = None  # each replica's part after its step, in its thread (else merge takes it)
                 if check is not None:  # installed by the check, on this thread, once it passed; each replica waits
                     check.prepare = install
                     before = [partial(enter_checked, check, i) for i in range(len(replicas))]

@@ -401,13 +401,15 @@ class _Probe(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.calls, self.last_rows, self.scratch = 0, None, True
+        self.calls, self.last_rows, self.scratch, self.pending = 0, None, True, []
 
     def forward(self, x):
         self.calls += 1
         self.last_rows = x.F.detach()  # after global pooling: one row per sample
         if hasattr(self, "scratch"):
             del self.scratch
+        if hasattr(self, "pending"):  # a list of the layer (each replica's own copy) removed as a flag is
+            del self.pending
         return x
 
 
@@ -428,6 +430,7 @@ def test_attributes_a_step_sets_on_a_submodule_are_one_devices():
     assert mine.last_rows.shape == theirs.last_rows.shape == (7, 16)
     torch.testing.assert_close(mine.last_rows, theirs.last_rows, rtol=1e-10, atol=0)
     assert not hasattr(theirs, "scratch") and not hasattr(mine, "scratch")
+    assert not hasattr(theirs, "pending") and not hasattr(mine, "pending")
 
 
 def test_lists_and_dicts_of_a_submodule_a_step_changes_in_place_are_one_devices():
