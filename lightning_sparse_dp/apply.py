@@ -290,9 +290,11 @@ def replica_steps(
     replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
     kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
     before: Sequence[Callable[[], Any]] | None = None, after: Sequence[Callable[[], Any]] | None = None,
+    effects: Any = None,
 ) -> list[Callable[[], Any]]:
     """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
-    under, innermost first: the capture of its losses (``terms``: a
+    under, innermost first: what it does outside the module noted (``effects``: a
+    :class:`~lightning_sparse_dp.effects.StepEffects`), the capture of its losses (``terms``: a
     :class:`~lightning_sparse_dp.loss.step.StepTerms`), the counts of the means it takes
     (:func:`~lightning_sparse_dp.means.run_counting`), its preparation (below), its rank of the batch-norm group
     (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
@@ -304,6 +306,8 @@ def replica_steps(
     ``after[i]()`` runs there once the step returned (:meth:`~lightning_sparse_dp.state.ReplicaState.leave`).
     Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
+    if effects is not None:
+        steps = [partial(effects.watch, i, step) for i, step in enumerate(steps)]
     if terms is not None:
         steps = terms.wrap(steps)
     steps = [partial(run_counting, step) for step in steps]

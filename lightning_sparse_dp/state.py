@@ -50,6 +50,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_sparse_dp.attributes import SubmoduleChanges
+from lightning_sparse_dp.effects import give_view
 from lightning_sparse_dp.log import install_recorder, remove_recorders
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.metrics import ReplicaMetrics, StepMetrics
@@ -504,6 +505,8 @@ class ReplicaState:
         self.metrics.install(i)
         # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
         self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.copies(i) if self.own else None)
+        if self.own and len(self.replicas) > 1:  # its loggers' calls run in replica 0's step only (effects.py)
+            give_view(self.replicas[i])
         self.left.enter(i)
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 

@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_sparse_dp.apply import ReplicaExecutor, replica_steps
 from lightning_sparse_dp.backward import parallel_backward
 from lightning_sparse_dp.base import SparseStrategyMixin
+from lightning_sparse_dp.effects import StepEffects
 from lightning_sparse_dp.hints import (
     explain_replica_error,
     min_points_per_chunk,
@@ -412,12 +413,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             )
         assert self.parallel_devices is not None
         devices = self.parallel_devices[: len(replicas)]
-        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before, after)
+        effects = StepEffects(step_name, len(replicas)) if len(replicas) > 1 else None  # loggers' calls, files written
+        steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before, after, effects)
         with self._timer.stage("apply"):
             try:
-                return self._executor.run(steps, devices, meanwhile=meanwhile)
+                outputs = self._executor.run(steps, devices, meanwhile=meanwhile)
             except Exception as err:
                 raise err if plan is None else explain_replica_error(err, plan)
+        if effects is not None:
+            effects.say(self._warning_cache)
+        return outputs
 
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).

@@ -1,0 +1,269 @@
+"""What a replica's step does outside the module: its loggers' calls and the files it writes.
+
+On one device a step runs once per batch, so what it does outside the module happens once, with the whole batch:
+``self.logger.experiment.add_image(...)`` logs one image, ``np.save(f"{out}/{batch_idx}_{i}.npy", pred[i])`` writes
+one file per sample of the batch. Every replica runs the step on its chunk of the batch (and every replica of one
+process is global rank 0, so ``rank_zero_only`` guards let them all through): each would log its own image, and the
+replicas' files named by a position in the chunk (``_0``, ``_1``, ...) would be written once per replica, the last
+replica's write overwriting the others', so that most samples' files are lost, silently. Here:
+
+- **Loggers.** During a step of several replicas each replica's ``self.trainer`` (and so ``self.logger``,
+  ``self.loggers``, ``self.trainer.logger``) is a view of the trainer (:func:`trainer_view`): the same object state
+  (its ``__dict__`` shared, ``isinstance`` checks hold), but its loggers are views too, whose public methods and whose
+  ``experiment``'s public methods run in replica 0's step only, as ``self.print`` does
+  (:func:`~lightning_sparse_dp.log.install_recorder`); in the other replicas they return ``None`` (methods named
+  ``get*`` run everywhere: they read). Attributes that are not methods (``log_dir``, ``save_dir``, ``version``) read as
+  they are. A call made is said once per step name and call (:meth:`StepEffects.say`), with the fix: return what to log
+  from the step and log it in ``on_*_batch_end``, which gets the gathered outputs and the whole batch.
+- **Files.** While replicas' steps run, Python's ``open`` (``builtins.open``, ``io.open``: what ``np.save``,
+  ``torch.save`` and ``pathlib`` call) and ``os.open`` are watched (:class:`~lightning_sparse_dp._patch.SharedPatch`,
+  as the loss capture's triggers are; the originals are back once no replica's step runs, and other threads meanwhile
+  only pass through): each file a replica's step opens to write from the start (mode ``"w"`` / ``"x"``, ``O_TRUNC``,
+  ``O_CREAT | O_EXCL``) is noted. A path written by two replicas of one step is said once per step name, naming it:
+  the step cannot tell a file one device writes once from one it writes per sample, but two replicas truncating the
+  same file in one step is a lost write either way. Files written by code that took ``open`` before the step (a
+  module-level alias) or by C / C++ code (Open3D's writers) are not seen. Appending (``"a"``) is not said: the
+  replicas' rows all arrive (in thread order). Not an audit hook (:func:`sys.addaudithook`): a hook cannot be removed,
+  and Python audits every ``id()`` call, 450 a digits step (the replicas' check), at 0.4 us each with a hook.
+
+Nothing here changes a step of one replica (one device, or a one-chunk batch): the step is the module's, as on one
+device.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import io
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_sparse_dp._patch import SharedPatch
+
+T = TypeVar("T")
+
+_current = threading.local()  # .effects / .index: the step this replica thread runs (unset outside it); .inside
+
+
+class StepEffects:
+    """What the replicas' steps of one step did outside the module.
+
+    Args:
+        step_name: ``"training_step"``, ...; named in what is said.
+        count: the number of replicas (``>= 2``).
+    """
+
+    def __init__(self, step_name: str, count: int) -> None:
+        self.step_name = step_name
+        self.count = count
+        self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
+        self.writes: list[set[str]] = [set() for _ in range(count)]  # per replica: absolute paths written from the start
+
+    def watch(self, index: int, step: Callable[[], T]) -> T:
+        """``step()`` as replica ``index``'s step: its loggers' calls and file writes noted (in the replica's thread)."""
+        with _WATCHING_FILES.held():
+            _current.effects, _current.index = self, index
+            try:
+                return step()
+            finally:
+                _current.effects = None
+
+    def say(self, warning_cache: WarningCache) -> None:
+        """After the step, on the calling thread: each logger call the replicas made, and the files two of them wrote,
+        said once (per step name and call; per step name for files)."""
+        if not any(self.calls) and not any(self.writes):
+            return
+        for what in sorted(set().union(*self.calls)):
+            if _said(warning_cache, f"{self.step_name} {what}"):
+                continue
+            callers = [i for i, calls in enumerate(self.calls) if what in calls]
+            ran = "ran in replica 0's step only, with replica 0's chunk" if callers[0] == 0 else "ran in none of them"
+            warning_cache.warn(
+                f"sparse_dp: {self.step_name} called {what} in replicas {callers} (of {self.count}, each running the "
+                f"step on its chunk of the batch), where one device calls it once a step, with the whole batch. It "
+                f"{ran}: a logger's calls run in replica 0's step only (as self.print does), the other replicas' are "
+                f"skipped. To log from the whole batch, return what you need from {self.step_name} and call the logger "
+                f"in {_batch_end(self.step_name)}(outputs, batch, batch_idx), which gets the gathered outputs and the "
+                "whole batch."
+            )
+        written: dict[str, list[int]] = {}
+        for i, paths in enumerate(self.writes):
+            for path in paths:
+                written.setdefault(path, []).append(i)
+        shared = sorted(path for path, writers in written.items() if len(writers) > 1)
+        if shared and not _said(warning_cache, f"{self.step_name} files"):
+            path = shared[0]
+            more = f" ({len(shared)} such files in this step)" if len(shared) > 1 else ""
+            warning_cache.warn(
+                f"sparse_dp: {self.step_name} of replicas {written[path]} (of {self.count}) wrote the same file in one "
+                f"step: {path!r}{more}. Each replica runs the step on its chunk of the batch, so a file named by a "
+                "position in the batch (or by batch_idx) is written once per replica, each with its own chunk's "
+                "samples, and the last write wins (one device writes it once, with the whole batch): the other "
+                "chunks' content is lost. Name each file by something its sample carries (an id or a path in the "
+                f"batch), or write from the gathered outputs in {_batch_end(self.step_name)}(outputs, batch, "
+                "batch_idx) (predictions: a BasePredictionWriter callback)."
+            )
+
+
+def _said(warning_cache: WarningCache, key: str) -> bool:
+    """Whether ``key`` was said already; noted as said (in the strategy's warning cache, a set of what was said)."""
+    key = f"sparse_dp effects: {key}"
+    if key in warning_cache:
+        return True
+    warning_cache.add(key)
+    return False
+
+
+def _batch_end(step_name: str) -> str:
+    return f"on_{step_name.removesuffix('_step')}_batch_end"
+
+
+def _context() -> tuple[int, StepEffects] | None:
+    effects = getattr(_current, "effects", None)
+    return None if effects is None else (_current.index, effects)
+
+
+# --- loggers --------------------------------------------------------------------------------------------------------
+def _skipped(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _call_once(method: Callable[..., T]) -> Callable[..., T]:
+    """Replica 0's ``method``: run, with what it calls of the loggers in turn not noted again."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> T:
+        if getattr(_current, "inside", False):
+            return method(*args, **kwargs)
+        _current.inside = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _current.inside = False
+
+    return call
+
+
+def _is_view(obj: Any) -> bool:
+    return type(obj).__dict__.get("_lsdp_view", False) is True
+
+
+@functools.cache
+def _view_class(cls: type, path: str) -> type:
+    """A subclass of ``cls`` whose public methods (and ``experiment``, for a logger) behave as this module says,
+    for views that share an instance's ``__dict__``."""
+    base_get = cls.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = base_get(self, name)
+        if name.startswith("_"):
+            return value
+        context = _context()
+        if context is None or getattr(_current, "inside", False):
+            return value
+        index, effects = context
+        if name == "experiment" and not path.endswith(".experiment"):  # a logger's: its calls are followed too
+            return view(value, f"{path}.experiment")
+        if not callable(value) or isinstance(value, type) or name.startswith("get"):
+            return value
+        effects.calls[index].add(f"{path}.{name}")
+        return _call_once(value) if index == 0 else _skipped
+
+    namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "_lsdp_view": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def view(obj: Any, path: str) -> Any:
+    """A view of the logger or experiment ``obj`` (``path``: how the step reaches it, e.g. ``"self.logger"``) that
+    shares its state; ``obj`` itself when it cannot have one (no ``__dict__``, ``None``)."""
+    if obj is None or not hasattr(obj, "__dict__") or type(obj).__module__ == "builtins" or _is_view(obj):
+        return obj
+    try:
+        cls = _view_class(type(obj), path)
+        shown = object.__new__(cls)
+        shown.__dict__ = obj.__dict__
+    except (TypeError, AttributeError):  # slots, a C type, a __new__ of its own: left as it is
+        return obj
+    return shown
+
+
+@functools.cache
+def _trainer_class(cls: type) -> type:
+    def logger(self: Any) -> Any:
+        return view(cls.logger.fget(self), "self.logger")
+
+    def loggers(self: Any) -> list[Any]:
+        return [view(lg, "self.logger") for lg in cls.loggers.fget(self)]
+
+    namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),
+                 "__module__": cls.__module__, "_lsdp_view": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def trainer_view(trainer: Any) -> Any:
+    """What a replica's step sees as its trainer: ``trainer``'s state (its ``__dict__`` shared: what the step sets on
+    it, e.g. ``should_stop``, is set on the trainer), with :func:`view`\\ s of its loggers. ``trainer`` itself when it
+    is ``None``, already a view, or has no ``logger`` / ``loggers`` properties."""
+    if trainer is None or _is_view(trainer):
+        return trainer
+    cls = type(trainer)
+    if not isinstance(getattr(cls, "logger", None), property) or not isinstance(getattr(cls, "loggers", None), property):
+        return trainer
+    shown = object.__new__(_trainer_class(cls))
+    shown.__dict__ = trainer.__dict__
+    return shown
+
+
+def give_view(replica: Any) -> None:
+    """The replica's ``_trainer`` (Lightning's ``self.trainer``) a :func:`trainer_view`, for its step; the replica's
+    next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it)."""
+    replica.__dict__["_trainer"] = trainer_view(replica.__dict__.get("_trainer"))
+
+
+# --- files ----------------------------------------------------------------------------------------------------------
+def _from_start(mode: Any = None, flags: Any = None) -> bool:
+    """Whether an ``open`` mode (``"w"``, ``"xb"``) or ``os.open`` flags write a file from its start."""
+    if isinstance(mode, str):
+        return "w" in mode or "x" in mode
+    return isinstance(flags, int) and bool(flags & os.O_TRUNC or (flags & os.O_CREAT and flags & os.O_EXCL))
+
+
+def _note(file: Any) -> None:
+    if isinstance(file, (str, bytes, os.PathLike)):
+        _current.effects.writes[_current.index].add(os.path.abspath(os.fsdecode(file)))
+
+
+def _watched_open(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def opened(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if getattr(_current, "effects", None) is not None and _from_start(mode=mode):
+            _note(file)
+        return original(file, mode, *args, **kwargs)
+
+    return opened
+
+
+def _watched_os_open(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def opened(path: Any, flags: int, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_current, "effects", None) is not None and _from_start(flags=flags):
+            _note(path)
+        return original(path, flags, *args, **kwargs)
+
+    return opened
+
+
+#: ``open`` (``builtins``' and ``io``'s: ``np.save``, ``torch.save``, ``pathlib``) and ``os.open`` watched while any
+#: replica's step runs; outside a replica's step (other threads meanwhile) they only call the originals
+_WATCHING_FILES = SharedPatch({
+    (builtins, "open"): _watched_open(builtins.open),
+    (io, "open"): _watched_open(io.open),
+    (os, "open"): _watched_os_open(os.open),
+})
+
+
+__all__ = ["StepEffects", "give_view", "trainer_view", "view"]
