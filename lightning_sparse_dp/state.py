@@ -22,7 +22,8 @@ that the replicas fill with their own samples' keys, is shared as before) and, a
   (a ``defaultdict`` stays one).
 
 A tensor of the module changed in place in the step (``self.ema.mul_(0.9).add_(...)``) is said once: the replicas
-share it, so each applies its chunk's change (a decay once per replica), which no merge can undo. So is a list or dict
+share it, so each applies its chunk's change (a decay once per replica), which no merge can undo. So is an object
+of the user's own class (an ``AverageMeter``: :func:`_plain_object`) whose public attributes the step changed, and a list or dict
 of the module (one the replicas got copies of) that changed during the step: only code holding the module itself, not
 the replica, reaches it (a forward hook whose closure holds ``self``), once per replica, in thread order; its copies
 are not merged then.
@@ -71,6 +72,38 @@ def _library_keys() -> frozenset[str]:
 
 def _followed(key: str, value: Any) -> bool:
     return key not in _library_keys() and not isinstance(value, (nn.Module, nn.Parameter))
+
+
+#: per type: whether a value of it is a plain object of the user's (:func:`_plain_object`)
+_PLAIN: dict[type, bool] = {}
+_LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "MinkowskiEngine", "numpy")
+
+
+def _plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object of a class of the user's (or another library's than torch's, Lightning's, ME's,
+    NumPy's) with a ``__dict__``, such as an ``AverageMeter``: not a tensor, module, container, function or class."""
+    kind = type(value)
+    plain = _PLAIN.get(kind)
+    if plain is None:
+        plain = _PLAIN[kind] = (
+            hasattr(value, "__dict__") and kind.__module__ not in ("builtins", "types", "functools")
+            and not kind.__module__.startswith(_LIBRARIES)
+            and not isinstance(value, (Tensor, nn.Module, list, dict, tuple, set, type))
+        )
+    return plain
+
+
+def _public_state(value: Any) -> list[tuple[str, Any, int]]:
+    """An object's public attributes: ``(name, value, length or -1)``, compared by identity (and length) after the step."""
+    return [(k, v, len(v) if isinstance(v, (list, dict, set)) else -1) for k, v in vars(value).items() if k[:1] != "_"]
+
+
+def _changed(before: list[tuple[str, Any, int]], after: list[tuple[str, Any, int]]) -> list[str]:
+    """The attributes that differ between two :func:`_public_state`\\ s of one object."""
+    old = {k: (v, n) for k, v, n in before}
+    new = {k: (v, n) for k, v, n in after}
+    return sorted(k for k in old.keys() | new.keys() if k not in old or k not in new or old[k][0] is not new[k][0]
+                  or old[k][1] != new[k][1])
 
 
 def _same(values: Sequence[Any]) -> bool:
@@ -192,6 +225,8 @@ class StepState:
             self.sizes.update({found.name(j, k): list(_sizes(found.sources[j].__dict__[k])) for j, k in self.sub_containers})
         # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
         self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in _tensors(v, f"self.{k}")]
+        # and its plain objects (an AverageMeter): one the step changed was changed by each replica (said in merge)
+        self.objects = [(k, v, _public_state(v)) for k, v in self.before.items() if _plain_object(v)]
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
@@ -232,6 +267,19 @@ class StepState:
                     "the whole batch's, but a decay, an average or a copy is applied once per replica, and in-place "
                     "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
                     "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
+                )
+        for key, value, state in self.objects:
+            changed = _changed(state, _public_state(value))
+            if changed:
+                warning_cache.warn(
+                    f"sparse_dp: self.{key} (a {type(value).__name__}) was changed in the step ({', '.join(changed)}): the "
+                    "replicas share the module's objects, so each replica's step changed it with its own chunk, one "
+                    "after another in thread order (and updates from several threads may interleave): a running sum or "
+                    "count adds up to the whole batch's, but a last value is the last replica's chunk's, and a history "
+                    "gets one entry per replica, where one device's step changes it once with the whole batch. Keep "
+                    "such state in a torchmetrics metric (merged across the replicas as one device's: MeanMetric, "
+                    "SumMetric), or change it from the whole batch in on_train_batch_end(outputs, batch, batch_idx) "
+                    "(outputs['loss'] is the batch's loss)."
                 )
         reached = {name for name, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)}
         for name in reached:

@@ -538,6 +538,50 @@ def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
     assert float(ours.replaced) == float(reference.replaced) == 1 - 0.5**3  # replaced, merged: one device's
 
 
+class AverageMeter:
+    """The running-average helper of many training scripts (ME's examples among them): a plain object, not a metric."""
+
+    def __init__(self):
+        self.val, self.sum, self.count, self.history = 0.0, 0.0, 0, []
+
+    def update(self, val, n=1):
+        self.val, self.sum, self.count = val, self.sum + val * n, self.count + n
+        self.history.append(val)
+
+
+def test_a_plain_object_of_the_module_the_step_changes_is_said():
+    """An object of the module that is neither a tensor, a module, a metric nor a container (an AverageMeter) is the
+    replicas' shared object: each replica's step updates it with its chunk, so its last value is the last replica's
+    and its history gets an entry per replica (against one device's, float64). No merge can tell a sum from a last
+    value, so it is said once, naming it and what changed; an object the step only reads (a config) is not named."""
+
+    class Config:
+        def __init__(self):
+            self.scale = 1.0
+
+    class Metered(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.meter, self.config = AverageMeter(), Config()
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx) * self.config.scale
+            self.meter.update(loss.item(), len(batch["labels"]))
+            return loss
+
+    batches = [collate_dict(random_samples(7, seed=95 + i)) for i in range(2)]
+    ours, reference = same_start(Metered)
+    with pytest.warns(UserWarning, match=r"self\.meter \(a AverageMeter\) was changed in the step \(count, history, sum, val\)") as record:
+        trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, loader(*batches))
+    trainer(max_steps=2, precision="64-true").fit(reference, loader(*batches))
+    said = [str(w.message) for w in record if "was changed in the step" in str(w.message)]
+    assert len(said) == 1 and "self.config" not in said[0]
+    # what it is about: the count adds up, the last value and the history are the replicas', not one device's
+    assert ours.meter.count == reference.meter.count == 14
+    assert len(reference.meter.history) == 2 and len(ours.meter.history) == 6
+    assert ours.meter.val != pytest.approx(reference.meter.val, rel=1e-10)
+
+
 def test_one_device_is_plain_lightning():
     """devices=1: the module's own step on the batch, nothing split, replicated or weighed (no stage ran), and the
     same parameters and logged values as plain Lightning (float64; the strategy's thread settings may change the
