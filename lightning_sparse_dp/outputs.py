@@ -25,6 +25,7 @@ from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.loss.weights import weighted_sum
 from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
+from lightning_sparse_dp.split.merge import restore_batch_indices
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
 #: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
@@ -119,10 +120,51 @@ def _lengths(values: list[Any]) -> list[int] | None:
 
 
 def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
-    for rows in plan.point_rows:
+    source = _point_source(plan, lengths)
+    return None if source is None else plan.point_rows[source]
+
+
+def _point_source(plan: SplitPlan, lengths: list[int]) -> int | None:
+    """The first coordinate source whose points per chunk are ``lengths``."""
+    for source, rows in enumerate(plan.point_rows):
         if lengths == [r.numel() for r in rows]:
-            return rows
+            return source
     return None
+
+
+def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int = 0) -> list[Tensor]:
+    """The replicas' tensor outputs with the batch's sample ids in column 0 where they are coordinates of their chunks;
+    ``values`` as they are otherwise.
+
+    A step that returns coordinates (``x.C``, ``batch["coordinates"]``) returns its chunk's, whose column 0 counts the
+    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32 ``[m_i, k >= 2]``
+    tensors (ME's ``.C`` and collated coordinates are int32) whose column 0 holds, in every chunk, each of the chunk's
+    ``b_i`` samples as many times as ``rows`` says: ``"points"``, its points in coordinate source ``source``
+    (``plan.sample_points``: a stride-1 tensor's ``.C``, the batch's coordinates); ``"samples"``, once (a globally
+    pooled tensor's ``.C``); ``"cat"``, at least once (a strided tensor's ``.C``, concatenated in chunk order, each row
+    still beside its features). Mapped through ``plan.chunk_samples[i]``
+    (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`).
+    """
+    if len(values) != len(plan.chunk_samples) or not all(
+        v.dtype == torch.int32 and v.dim() == 2 and v.shape[1] >= 2 for v in values
+    ):
+        return values
+    if rows == "points" and (source >= len(plan.sample_points) or plan.sample_points[source].numel() == 0):
+        return values
+    for v, samples in zip(values, plan.chunk_samples):
+        column = v[:, 0].long()
+        if column.numel() == 0 or int(column.min()) < 0 or int(column.max()) >= samples.numel():
+            return values
+        found = torch.bincount(column, minlength=samples.numel()).cpu()
+        if rows == "points":
+            expected = plan.sample_points[source][samples].cpu()
+        elif rows == "samples":
+            expected = torch.ones_like(found)
+        else:
+            expected = found.clamp(min=1)
+        if not torch.equal(found, expected):
+            return values
+    return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]
 
 
 def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
@@ -219,7 +261,7 @@ def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weigh
         return out
     if role == "cat":
         if all(tensors):
-            return torch.cat(on_device)
+            return torch.cat(coordinates_back(on_device, plan, "cat"))
         if isinstance(values[0], np.ndarray):
             return np.concatenate(values)
         return type(values[0])(x for v in values for x in v)
@@ -230,14 +272,15 @@ def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weigh
                 f"output_layout gives step output {name} the role 'samples' but its lengths {lengths} are not the "
                 f"chunks' numbers of samples {plan.samples_per_chunk}."
             )
-        return merge_rows(on_device, plan.chunk_samples)
-    rows = _point_rows(plan, lengths) if lengths is not None else None
-    if rows is None:
+        return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
+    source = _point_source(plan, lengths) if lengths is not None else None
+    if source is None:
         raise ValueError(
             f"output_layout gives step output {name} the role 'points' but its lengths {lengths} are not the chunks' "
             f"numbers of points {plan.points_per_chunk}."
         )
-    return merge_chunks(on_device, rows) if all(tensors) else merge_rows(values, rows)
+    rows = plan.point_rows[source]
+    return merge_chunks(coordinates_back(on_device, plan, "points", source), rows) if all(tensors) else merge_rows(values, rows)
 
 
 def _comparable(values: list[Any]) -> bool:

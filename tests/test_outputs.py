@@ -119,3 +119,48 @@ def test_none_from_some_replicas_names_them_and_says_what_skipping_means():
     with pytest.raises(ValueError, match=r"replica\(s\) \[1, 2\] returned None.*skipped only when every replica") as info:
         fit_float64(SkipsSmall(), batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
     assert any("a training_step that returns None skips the whole step" in note for note in info.value.__notes__)
+
+
+class ReturnsCoordinates(SparseNet):
+    """A predict step that returns coordinates, as ME users save predictions with their points: the batch's own, a
+    stride-1 tensor's ``.C`` beside its ``.F``, a strided tensor's, a globally pooled tensor's; and an int32 pair of
+    labels per sample, which is not coordinates."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        same, strided = self.net[0](x), self.net[:3](x)
+        pooled = ME.MinkowskiGlobalAvgPooling()(strided)
+        return {
+            "coordinates": batch["coordinates"], "C": same.C, "F": same.F, "strided_C": strided.C,
+            "strided_F": strided.F, "pooled_C": pooled.C, "pooled_F": pooled.F,
+            "pairs": torch.stack([batch["labels"], batch["labels"]], 1).int(),
+        }
+
+
+def _by_coordinates(coordinates, features):
+    return {tuple(c): f for c, f in zip(coordinates.tolist(), features)}
+
+
+def test_coordinates_a_step_returns_carry_the_batchs_sample_ids():
+    """A chunk's coordinates count its own samples in column 0 (0..b_i-1): returned from the step they came back with
+    those, so grouping predictions by ``C[:, 0]`` mixed samples of different chunks, silently. They come back with the
+    batch's sample ids: per-point and per-sample ones equal to one device's, a strided tensor's the same (coordinate,
+    feature) pairs; an int32 output that is not coordinates is left as it is (float64, 3 replicas)."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (161, 162)]
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        torch.manual_seed(0)
+        module = ReturnsCoordinates()
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(module, loader(*batches))
+    for one, ours in zip(results["auto"], results["sparse_dp"]):
+        assert one["coordinates"][:, 0].unique().numel() == 7
+        for key in ("coordinates", "C", "pooled_C", "pairs"):
+            assert torch.equal(ours[key], one[key]), key
+        for key in ("F", "pooled_F"):
+            torch.testing.assert_close(ours[key], one[key], rtol=1e-10, atol=0)
+        strided_one, strided_ours = (_by_coordinates(r["strided_C"], r["strided_F"]) for r in (one, ours))
+        assert strided_ours.keys() == strided_one.keys()
+        for c in strided_one:
+            torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)

@@ -571,7 +571,8 @@ def test_a_plain_object_of_the_module_the_step_changes_is_said():
 
     batches = [collate_dict(random_samples(7, seed=95 + i)) for i in range(2)]
     ours, reference = same_start(Metered)
-    with pytest.warns(UserWarning, match=r"self\.meter \(a AverageMeter\) was changed in the step \(count, history, sum, val\)") as record:
+    said_as = r"self\.meter \(a AverageMeter\) was changed in the step \(count, history, sum, val\)"
+    with pytest.warns(UserWarning, match=said_as) as record:
         trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, loader(*batches))
     trainer(max_steps=2, precision="64-true").fit(reference, loader(*batches))
     said = [str(w.message) for w in record if "was changed in the step" in str(w.message)]

@@ -66,8 +66,9 @@ def merge_rows(pieces: Sequence[Any], order: Sequence[Tensor]) -> Any:
     return type(pieces[0])(rows[r] for r in inverse.tolist())
 
 
-def _restore(coordinates: Tensor, samples: Tensor) -> Tensor:
-    """Chunk coordinates with column 0 back to the whole batch's sample ids (``samples``: the chunk's)."""
+def restore_batch_indices(coordinates: Tensor, samples: Tensor) -> Tensor:
+    """Chunk coordinates (int ``[n_i, D+1]``, column 0 the chunk's batch index ``0..b_i-1``) with column 0 back to the
+    whole batch's sample ids (``samples``: the chunk's, ``plan.chunk_samples[i]``); a copy."""
     out = coordinates.clone()
     out[:, 0] = samples.to(out.device)[out[:, 0].long()].to(out.dtype)
     return out
@@ -77,9 +78,9 @@ def _merge_coordinates(pieces: list[Any], i: int, plan: SplitPlan) -> Any:
     rows = plan.point_rows[plan.leaf_sources[i]]
     if isinstance(pieces[0], SparseSpec):
         feats = merge_chunks([p.features for p in pieces], rows)
-        coords = merge_chunks([_restore(p.coordinates, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
+        coords = merge_chunks([restore_batch_indices(p.coordinates, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
         return feats, coords
-    return merge_chunks([_restore(p, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
+    return merge_chunks([restore_batch_indices(p, s) for p, s in zip(pieces, plan.chunk_samples)], rows)
 
 
 #: One merge handler per role, the inverse of :data:`~lightning_sparse_dp.split.cut.CUTS`:
@@ -105,4 +106,4 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
     return pytree.tree_unflatten(merged, spec)
 
 
-__all__ = ["MERGES", "merge_batch", "merge_chunks", "merge_rows"]
+__all__ = ["MERGES", "merge_batch", "merge_chunks", "merge_rows", "restore_batch_indices"]
