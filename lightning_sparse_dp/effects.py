@@ -213,8 +213,11 @@ def trainer_view(trainer: Any) -> Any:
     cls = type(trainer)
     if not isinstance(getattr(cls, "logger", None), property) or not isinstance(getattr(cls, "loggers", None), property):
         return trainer
-    shown = object.__new__(_trainer_class(cls))
-    shown.__dict__ = trainer.__dict__
+    try:
+        shown = object.__new__(_trainer_class(cls))
+        shown.__dict__ = trainer.__dict__
+    except (TypeError, AttributeError):  # a trainer without a __dict__ of its own: left as it is
+        return trainer
     return shown
 
 

@@ -6,6 +6,8 @@ the batch's order, other tensors concatenated; ``output_layout`` names a role wh
 tell. Per-sample sequences (a list or tuple with one entry per sample of the replica's chunk, as
 ``SparseTensor.decomposed_features`` returns, or a list of ``(coordinates, features)`` pairs) are
 concatenated in sample order into the length-``B`` sequence one device returns (:func:`per_sample_nodes`).
+Coordinates among the outputs (``x.C``, ``batch["coordinates"]``) get the batch's sample ids back in column 0
+(:func:`coordinates_back`), and ``ME.SparseTensor`` outputs become one SparseTensor of the batch (:func:`merge_sparse`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_sparse_dp._me import ME
 from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.loss.weights import weighted_sum
-from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
+from lightning_sparse_dp.place import build_sparse
+from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
 from lightning_sparse_dp.split.merge import restore_batch_indices
 
@@ -165,6 +169,40 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
         if not torch.equal(found, expected):
             return values
     return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]
+
+
+def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> Any:
+    """The replicas' ``ME.SparseTensor`` outputs (a predict step's ``return self(x)``) as one SparseTensor of the whole
+    batch on ``device``, as one device returns it; ``None`` where their rows cannot be placed (tensor strides that
+    differ, coordinates that are not their chunks', see :func:`coordinates_back`).
+
+    Its coordinates carry the batch's sample ids in column 0; its rows are in the batch's point order where each
+    chunk's are its points (a stride-1 tensor: one device's rows), in sample order where one per sample (after global
+    pooling), else in chunk order (a strided tensor: the same rows as one device's, in another order, ME's being its
+    coordinate map's). Built by :func:`~lightning_sparse_dp.place.build_sparse` (a coordinate manager of its own on
+    ``device``, with the replicas' ``tensor_stride``); features keep their autograd graph.
+    """
+    strides = {tuple(v.tensor_stride) for v in values}
+    if len(strides) != 1:
+        return None
+    coordinates, features = [v.C for v in values], [v.F for v in values]
+    lengths = [c.shape[0] for c in coordinates]
+    source = _point_source(plan, lengths)
+    if source is not None:
+        restored = coordinates_back(coordinates, plan, "points", source)
+        merged = [merge_chunks(restored, plan.point_rows[source]), merge_chunks(features, plan.point_rows[source])]
+    elif lengths == plan.samples_per_chunk:
+        restored = coordinates_back(coordinates, plan, "samples")
+        merged = [merge_chunks(restored, plan.chunk_samples), merge_chunks(features, plan.chunk_samples)]
+    else:
+        restored = coordinates_back(coordinates, plan, "cat")
+        first = features[0].device
+        merged = [torch.cat([c.to(first) for c in restored]), torch.cat([f.to(first) for f in features])]
+    if restored is coordinates:
+        return None
+    stride = {"tensor_stride": list(strides.pop())}
+    spec = SparseSpec(cls=ME.SparseTensor, features=merged[1], coordinates=merged[0], kwargs=stride)
+    return build_sparse(spec, device)
 
 
 def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
@@ -349,7 +387,8 @@ def gather_outputs(
     untouched: ``SparseTensor.decomposed_features`` / ``decomposed_coordinates``, a list of
     ``(coordinates, features)`` pairs, per-sample dicts, tensors of any (variable) shape.
 
-    A leaf it does not name is combined by these rules: a 0-dim tensor (a loss, a metric) is a
+    A leaf it does not name is combined by these rules: an ``ME.SparseTensor`` is one SparseTensor of the batch
+    (:func:`merge_sparse`; the list of the replicas' otherwise, said); a 0-dim tensor (a loss, a metric) is a
     ``"mean"``; a tensor or list whose lengths are the chunks' numbers of samples is ``"samples"``,
     else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
     differing ones the list (said once, unless not ``say_lists``: a caller with its own word for it). When
@@ -397,9 +436,13 @@ def _combine(
     ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`."""
     name = _output_name(path)
     role = "sequence" if sequence else _output_role(path, output_layout)
+    if role is None and all(type(v) is ME.SparseTensor for v in values):
+        merged = merge_sparse(values, plan, device)
+        if merged is not None:
+            return merged
     if role in (None, "fixed"):
         role = _guess_role(name, _output_key(path), values, plan, cache, say_lists)
     return _gather_leaf(name, values, role, plan, weights, device)
 
 
-__all__ = ["OUTPUT_ROLES", "gather_outputs", "per_sample_nodes"]
+__all__ = ["OUTPUT_ROLES", "coordinates_back", "gather_outputs", "merge_sparse", "per_sample_nodes"]

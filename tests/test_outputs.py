@@ -164,3 +164,41 @@ def test_coordinates_a_step_returns_carry_the_batchs_sample_ids():
         assert strided_ours.keys() == strided_one.keys()
         for c in strided_one:
             torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
+
+
+class ReturnsSparseTensors(SparseNet):
+    """A predict step that returns the network's SparseTensors (``return self(x)``): stride 1, strided, pooled."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        strided = self.net[:3](x)
+        return {"same": self.net[0](x), "strided": strided, "pooled": ME.MinkowskiGlobalAvgPooling()(strided)}
+
+
+def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_batch():
+    """The replicas' SparseTensors came back as their list (said). They come back as one SparseTensor of the batch:
+    a stride-1 or pooled one with one device's rows (coordinates equal, features at 1e-10, float64), a strided one with
+    one device's (coordinate, feature) rows and per-sample features, in chunk order; its tensor stride kept."""
+    import MinkowskiEngine as ME
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (171, 172)]
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        torch.manual_seed(0)
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(
+            ReturnsSparseTensors(), loader(*batches)
+        )
+    for one, ours in zip(results["auto"], results["sparse_dp"]):
+        for key in ("same", "pooled"):
+            assert type(ours[key]) is ME.SparseTensor and ours[key].tensor_stride == one[key].tensor_stride
+            assert torch.equal(ours[key].C, one[key].C), key
+            torch.testing.assert_close(ours[key].F, one[key].F, rtol=1e-10, atol=1e-15)
+        strided_one, strided_ours = (_by_coordinates(r["strided"].C, r["strided"].F) for r in (one, ours))
+        assert ours["strided"].tensor_stride == one["strided"].tensor_stride == [2, 2, 2]
+        assert strided_ours.keys() == strided_one.keys()
+        for c in strided_one:
+            torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
+        for mine, theirs in zip(ours["strided"].decomposed_features, one["strided"].decomposed_features, strict=True):
+            torch.testing.assert_close(mine.sort(0).values, theirs.sort(0).values, rtol=1e-10, atol=0)
