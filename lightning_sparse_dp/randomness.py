@@ -5,15 +5,20 @@ replicas on one GPU (``replicas_per_device``), share it: a step that draws rando
 ``ME.MinkowskiDropout``, a random augmentation in the step) takes them in whatever order its replicas' threads reach
 their draws, so two runs from the same seed differ even with ``Trainer(deterministic=True)``, while one device's run
 repeats. ``nn.DataParallel``'s replicas, one per GPU, each draw from their own GPU's generator, as replicas on
-distinct GPUs do here. :class:`SharedDraws` compares the shared generators' states around the first training
-forward passes (grad mode on) while torch's deterministic algorithms are on, and says once when a step drew.
+distinct GPUs do here. NumPy's global generator (``np.random.rand``) and Python's ``random`` are one per process: every
+replica shares them, on GPUs too. :class:`SharedDraws` compares the shared generators' states around the first
+training forward passes (grad mode on) while torch's deterministic algorithms are on, and says once when a step drew.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -38,6 +43,24 @@ def _state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
+#: the generators of the process, which every replica shares: (name, state getter)
+HOST_GENERATORS: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("NumPy's global generator (np.random)", np.random.get_state),
+    ("Python's random module", random.getstate),
+)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two generator states alike: tensors, NumPy's state tuple (with its key array), Python's tuple of ints."""
+    if isinstance(a, Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
 class SharedDraws:
     """Says once (a warning) when a step's replicas drew random numbers from a generator they share while torch's
     deterministic algorithms are on (``Trainer(deterministic=True)``): such runs do not repeat (module docstring).
@@ -50,33 +73,32 @@ class SharedDraws:
         self.passes = 0
         self.said = False
 
-    def before(self, devices: Sequence[torch.device]) -> list[tuple[torch.device, Tensor]] | None:
-        """The shared generators' states, when this call is one to look at; else ``None``."""
+    def before(self, devices: Sequence[torch.device]) -> list[tuple[str, Callable[[], Any], Any]] | None:
+        """The shared generators' ``(name, state getter, state)``, when this call is one to look at; else ``None``."""
         if self.said or self.passes >= CHECKED_PASSES or len(devices) < 2 or not torch.is_grad_enabled():
             return None
         if not torch.are_deterministic_algorithms_enabled():
             return None
-        shared = shared_generators(devices)
-        if not shared:
-            self.passes = CHECKED_PASSES  # the same devices every step: nothing to look at
-            return None
         self.passes += 1
-        return [(d, _state(d)) for d in shared]
+        getters = [(f"torch's generator of {d}", partial(_state, d)) for d in shared_generators(devices)]
+        return [(name, get, get()) for name, get in [*getters, *HOST_GENERATORS]]
 
-    def after(self, before: list[tuple[torch.device, Tensor]] | None) -> None:
+    def after(self, before: list[tuple[str, Callable[[], Any], Any]] | None) -> None:
         """Warn once if a generator's state moved since :meth:`before`."""
         if before is None or self.said:
             return
-        drew = [str(d) for d, state in before if not torch.equal(state, _state(d))]
+        drew = [name for name, get, state in before if not _equal(state, get())]
         if drew:
             self.said = True
             rank_zero_warn(
-                f"sparse_dp: the step draws random numbers (dropout, a random augmentation) from torch's generator of "
-                f"{', '.join(drew)}, which its replicas share (torch has one per device, not per thread): the replicas "
+                f"sparse_dp: the step draws random numbers (dropout, a random augmentation) from {', '.join(drew)}, "
+                "which its replicas share (torch has one generator per device, NumPy and Python one per process, not "
+                "one per thread): the replicas "
                 "take them in the order their threads reach the draws, so runs from the same seed differ despite "
-                "deterministic=True (one device's draws differ from any split's as well). For repeatable runs use one "
-                "replica per GPU, or sparse_ddp (a process per replica), or no random ops in the step."
+                "deterministic=True (one device's draws differ from any split's as well). For repeatable runs draw "
+                "with torch on one replica per GPU, or use sparse_ddp (a process per replica), or draw no random "
+                "numbers in the step (augment in the dataset, whose DataLoader workers seed their own generators)."
             )
 
 
-__all__ = ["CHECKED_PASSES", "SharedDraws", "shared_generators"]
+__all__ = ["CHECKED_PASSES", "HOST_GENERATORS", "SharedDraws", "shared_generators"]

@@ -11,6 +11,7 @@ import warnings
 from functools import partial
 
 import MinkowskiEngine as ME
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,19 +114,29 @@ class _Dropout(SparseNet):
         return F.cross_entropy(F.dropout(self(x), 0.5), batch["labels"])
 
 
+class _NumpyScale(SparseNet):
+    """A random scale of the features drawn from NumPy's global generator, which every replica shares (GPUs too)."""
+
+    def training_step(self, batch, batch_idx):
+        scale = float(np.random.uniform(0.9, 1.1))
+        x = ME.SparseTensor(batch["features"] * scale, batch["coordinates"], device=self.device)
+        return F.cross_entropy(self(x), batch["labels"])
+
+
 @pytest.mark.parametrize(("module", "deterministic", "said"), [
-    (_Dropout, True, True),  # drawn from the shared generator: the runs would not repeat, and it is said
-    (SparseNet, True, False),  # nothing drawn: the runs repeat (the test above)
-    (_Dropout, False, False),  # no repeatability asked for
-], ids=["dropout-deterministic", "no-draws", "dropout-not-deterministic"])
+    (_Dropout, True, "torch's generator of cpu"),  # drawn from the shared generator: the runs would not repeat, said
+    (_NumpyScale, True, "NumPy's global generator (np.random)"),
+    (SparseNet, True, None),  # nothing drawn: the runs repeat (the test above)
+    (_Dropout, False, None),  # no repeatability asked for
+], ids=["dropout-deterministic", "numpy-deterministic", "no-draws", "dropout-not-deterministic"])
 def test_draws_from_a_generator_the_replicas_share_are_said_under_deterministic(module, deterministic, said):
     batches = [collate_dict(random_samples(9, seed=70 + i)) for i in range(2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(strategy="sparse_dp", devices=3, deterministic=deterministic, max_steps=2).fit(module(), loader(*batches))
     messages = [str(w.message) for w in caught if "draws random numbers" in str(w.message)]
-    assert len(messages) == int(said), messages
-    assert not said or "generator of cpu" in messages[0]
+    assert len(messages) == int(said is not None), messages
+    assert said is None or f"from {said}, which" in messages[0]
 
 
 def test_the_generators_replicas_share():
