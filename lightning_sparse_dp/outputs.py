@@ -141,16 +141,18 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
     ``values`` as they are otherwise.
 
     A step that returns coordinates (``x.C``, ``batch["coordinates"]``) returns its chunk's, whose column 0 counts the
-    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32 ``[m_i, k >= 2]``
-    tensors (ME's ``.C`` and collated coordinates are int32) whose column 0 holds, in every chunk, each of the chunk's
-    ``b_i`` samples as many times as ``rows`` says: ``"points"``, its points in coordinate source ``source``
-    (``plan.sample_points``: a stride-1 tensor's ``.C``, the batch's coordinates); ``"samples"``, once (a globally
-    pooled tensor's ``.C``); ``"cat"``, at least once (a strided tensor's ``.C``, concatenated in chunk order, each row
-    still beside its features). Mapped through ``plan.chunk_samples[i]``
+    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32 ``[m_i, D+1]``
+    tensors (ME's ``.C`` and collated coordinates are int32; ``D+1`` the columns of a coordinate source of the batch,
+    ``plan.coordinate_columns``, so that an int32 ``(prediction, label)`` pair is not) whose column 0 holds, in every
+    chunk, each of the chunk's ``b_i`` samples as many times as ``rows`` says: ``"points"``, its points in coordinate
+    source ``source`` (``plan.sample_points``: a stride-1 tensor's ``.C``, the batch's coordinates); ``"samples"``,
+    once (a globally pooled tensor's ``.C``); ``"cat"``, at least once (a strided tensor's ``.C``, concatenated in
+    chunk order, each row still beside its features). Mapped through ``plan.chunk_samples[i]``
     (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`).
     """
+    widths = set(plan.coordinate_columns) if rows != "points" else set(plan.coordinate_columns[source : source + 1])
     if len(values) != len(plan.chunk_samples) or not all(
-        v.dtype == torch.int32 and v.dim() == 2 and v.shape[1] >= 2 for v in values
+        v.dtype == torch.int32 and v.dim() == 2 and v.shape[1] in widths for v in values
     ):
         return values
     if rows == "points" and (source >= len(plan.sample_points) or plan.sample_points[source].numel() == 0):

@@ -202,3 +202,22 @@ def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_bat
             torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
         for mine, theirs in zip(ours["strided"].decomposed_features, one["strided"].decomposed_features, strict=True):
             torch.testing.assert_close(mine.sort(0).values, theirs.sort(0).values, rtol=1e-10, atol=0)
+
+
+def test_only_tensors_shaped_as_the_batchs_coordinates_are_taken_for_coordinates():
+    """An int32 per-sample output whose column 0 numbers the chunk's samples is taken for coordinates (a pooled
+    tensor's ``.C``: the batch's sample ids given back) only when it has the batch's coordinate columns (``D+1``); an
+    int32 ``(prediction, label)`` pair whose predictions happen to be ``0..b_i-1`` is left as the chunks gave it."""
+    from lightning_sparse_dp.outputs import coordinates_back
+
+    batch = collate_dict(random_samples(7, seed=181))
+    _, plan = split_batch(batch, 3)
+    assert plan.coordinate_columns == (4,)
+    for width, taken in ((4, True), (2, False)):
+        values = [torch.zeros(len(s), width, dtype=torch.int32) for s in plan.chunk_samples]
+        for v in values:
+            v[:, 0] = torch.arange(len(v))
+        back = coordinates_back(values, plan, "samples")
+        assert (back is not values) == taken
+        if taken:
+            assert [b[:, 0].tolist() for b in back] == [s.tolist() for s in plan.chunk_samples]

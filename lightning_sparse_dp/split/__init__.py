@@ -185,8 +185,15 @@ def plan_split(
         index_rows={i: tuple(index_rows(leaves[i], c) for c in chunk_samples) for i in indexed},
         index_columns={i: leaves[i].columns for i in indexed},
         sample_points=tuple(s.counts for s in sources),
+        coordinate_columns=tuple(_columns(leaves[s.leaf].value) for s in sources),
     )
     return cutters, plan
+
+
+def _columns(value: Any) -> int:
+    """The columns of a coordinate source: collated coordinates ``[N, D+1]``, or a SparseTensor's / TensorField's."""
+    coordinates = value if isinstance(value, Tensor) else value.C
+    return int(coordinates.shape[-1])
 
 
 def _cut_chunk(

@@ -114,6 +114,7 @@ class SplitPlan:
             ``[k_j]`` rows of the index tensor that went to the chunk.
         index_columns: per such leaf, the coordinate source of each column (-1: the batch column).
         sample_points: per coordinate source, int64 ``[B]`` the points of each sample (empty for a dense batch).
+        coordinate_columns: per coordinate source, its coordinates' columns ``D+1`` (batch index and ``D`` spatial).
     """
 
     num_samples: int
@@ -126,6 +127,7 @@ class SplitPlan:
     index_rows: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     index_columns: dict[int, tuple[int, ...]] = field(default_factory=dict)
     sample_points: tuple[Tensor, ...] = ()
+    coordinate_columns: tuple[int, ...] = ()
 
     @property
     def num_chunks(self) -> int:
