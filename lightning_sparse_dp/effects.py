@@ -262,9 +262,10 @@ def _watched_os_open(original: Callable[..., Any]) -> Callable[..., Any]:
 
 #: ``open`` (``builtins``' and ``io``'s: ``np.save``, ``torch.save``, ``pathlib``) and ``os.open`` watched while any
 #: replica's step runs; outside a replica's step (other threads meanwhile) they only call the originals
+_WATCHED_OPEN = _watched_open(io.open)  # one object under both names, which are one function (io.open is builtins.open)
 _WATCHING_FILES = SharedPatch({
-    (builtins, "open"): _watched_open(builtins.open),
-    (io, "open"): _watched_open(io.open),
+    (builtins, "open"): _WATCHED_OPEN,
+    (io, "open"): _WATCHED_OPEN,
     (os, "open"): _watched_os_open(os.open),
 })
 
