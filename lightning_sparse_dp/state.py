@@ -93,17 +93,17 @@ def _plain_object(value: Any) -> bool:
     return plain
 
 
-def _public_state(value: Any) -> list[tuple[str, Any, int]]:
-    """An object's public attributes: ``(name, value, length or -1)``, compared by identity (and length) after the step."""
-    return [(k, v, len(v) if isinstance(v, (list, dict, set)) else -1) for k, v in vars(value).items() if k[:1] != "_"]
+def _public_state(value: Any) -> dict[str, tuple[Any, int]]:
+    """An object's public attributes: ``name -> (value, length or -1)``, compared by identity (and length) after the
+    step."""
+    return {k: (v, len(v) if isinstance(v, (list, dict, set)) else -1) for k, v in vars(value).items() if k[:1] != "_"}
 
 
-def _changed(before: list[tuple[str, Any, int]], after: list[tuple[str, Any, int]]) -> list[str]:
-    """The attributes that differ between two :func:`_public_state`\\ s of one object."""
-    old = {k: (v, n) for k, v, n in before}
-    new = {k: (v, n) for k, v, n in after}
-    return sorted(k for k in old.keys() | new.keys() if k not in old or k not in new or old[k][0] is not new[k][0]
-                  or old[k][1] != new[k][1])
+def _changed(before: dict[str, tuple[Any, int]], after: dict[str, tuple[Any, int]]) -> list[str]:
+    """The attributes that differ between two :func:`_public_state`\\ s of one object: added, removed, replaced, or a
+    list / dict / set among them of another length."""
+    return sorted(k for k in before.keys() | after.keys() if k not in before or k not in after
+                  or before[k][0] is not after[k][0] or before[k][1] != after[k][1])
 
 
 def _same(values: Sequence[Any]) -> bool:
