@@ -77,8 +77,13 @@ __all__ = [
 if __name__ == "lightning_sparse_dp":  # not in the mirror itself (lightning_sparse_dp.pl runs this file too)
     from lightning_sparse_dp import _namespaces
 
-    #: this package for modules written against ``pytorch_lightning`` (its strategies registered there), when
-    #: that package is installed: ``lightning_sparse_dp.pl.SparseDataParallelStrategy`` (:mod:`._namespaces`)
-    pl = _namespaces.import_mirror()
+    _namespaces.import_when_imported()  # pytorch_lightning's registry too, once the process imports it
     if _RANK_ZERO_LOG.name.endswith(".utilities.rank_zero"):  # the user imported pytorch_lightning (or lightning) first
         _rank_zero.log = _RANK_ZERO_LOG  # importing the other namespace must not move Lightning's messages
+
+    def __getattr__(name: str) -> object:
+        """``lightning_sparse_dp.pl``: this package for modules written against ``pytorch_lightning`` (its strategies
+        registered there), imported on first use (:mod:`._namespaces`); ``None`` without ``pytorch_lightning``."""
+        if name == "pl":
+            return _namespaces.import_mirror()
+        raise AttributeError(f"module 'lightning_sparse_dp' has no attribute {name!r}")

@@ -7,8 +7,10 @@ So this package is loaded a second time, as ``lightning_sparse_dp.pl``, from the
 (:class:`MirrorFinder`) reads each module's source and rewrites its imports (``lightning.pytorch`` ->
 ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``, ``lightning_sparse_dp.`` ->
 ``lightning_sparse_dp.pl.``) before compiling it, so there is one source and nothing to keep in step.
-``import lightning_sparse_dp`` imports the mirror when ``pytorch_lightning`` is installed, which registers
-``"sparse_dp"`` and ``"sparse_ddp"`` in ``pytorch_lightning``'s strategy registry too.
+``import lightning_sparse_dp`` imports nothing the process did not: the mirror is imported (registering ``"sparse_dp"``
+and ``"sparse_ddp"`` in ``pytorch_lightning``'s strategy registry) once the process imports ``pytorch_lightning``
+(at once if it already has; else right after that import: :class:`AfterImport`), or when
+``lightning_sparse_dp.pl`` is first read.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import ModuleType
 
 PACKAGE = __name__.rsplit(".", 1)[0]  # "lightning_sparse_dp"
@@ -80,6 +82,51 @@ class MirrorFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(code, module.__dict__)  # noqa: S102  (this package's own source)
 
 
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Imports the mirror right after the process imports ``pytorch_lightning`` (once), so that its strategy registry
+    holds ``"sparse_dp"`` before the user's ``pytorch_lightning.Trainer(strategy="sparse_dp")``, without this package
+    importing ``pytorch_lightning`` itself (which changes Lightning: its deprecation warnings' class, among others).
+    It finds nothing itself: it wraps the loader the other finders give ``pytorch_lightning``."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "pytorch_lightning":
+            return None
+        with suppress(ValueError):
+            sys.meta_path.remove(self)  # once, and not for the lookup below
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenMirror(spec.loader)
+        return spec
+
+
+class _ThenMirror(importlib.abc.Loader):
+    """``loader``, then the mirror imported once the module it loaded has run."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        import_mirror()
+
+    def __getattr__(self, name: str) -> object:  # the wrapped loader's other methods (get_resource_reader, ...)
+        return getattr(self.loader, name)
+
+
+def import_when_imported() -> None:
+    """Import the mirror now if ``pytorch_lightning`` is imported already, else once it is (:class:`AfterImport`)."""
+    if "pytorch_lightning" in sys.modules:
+        import_mirror()
+    elif importlib.util.find_spec("pytorch_lightning") is not None and not any(
+        isinstance(f, AfterImport) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, AfterImport())
+
+
 def install() -> None:
     """Put :class:`MirrorFinder` on ``sys.meta_path`` (once)."""
     if not any(isinstance(f, MirrorFinder) for f in sys.meta_path):
@@ -114,4 +161,7 @@ def kept_rank_zero_logger() -> Iterator[None]:
             rank_zero.log = before
 
 
-__all__ = ["MIRROR", "MirrorFinder", "import_mirror", "install", "kept_rank_zero_logger", "rewrite"]
+__all__ = [
+    "MIRROR", "AfterImport", "MirrorFinder", "import_mirror", "import_when_imported", "install", "kept_rank_zero_logger",
+    "rewrite",
+]

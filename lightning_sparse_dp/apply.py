@@ -3,7 +3,11 @@
 The same idea as ``torch.nn.parallel.parallel_apply``, with three differences: the threads are
 kept for the whole run (one per replica index) instead of being started on every call; it runs on CPU devices too
 (``parallel_apply`` asks for the current CUDA stream); and it carries the caller's thread-local
-state into each thread: grad mode, inference mode, autocast (enabled flag and dtype, per device
+state into each thread, with autograd's device threads turned off there
+(``torch.autograd.set_multithreading_enabled(False)``, thread-local: "the backward pass runs on the calling thread"),
+so that a replica's backward pass runs in its own thread on a GPU exactly as on CPU, where autograd always runs it in
+the calling thread (on an accelerator torch would otherwise run it in the device's one worker thread). The
+caller's state: grad mode, inference mode, autocast (enabled flag and dtype, per device
 type) and the intra-op thread count (``torch.set_num_threads``, which with OpenMP is a per-thread
 setting), plus ``torch.cuda.device(d)`` and the caller's current stream of ``d`` on CUDA (as
 ``parallel_apply`` does). An exception in a replica is raised in the
@@ -16,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
@@ -26,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sparse_dp.means import run_counting
+from lightning_sparse_dp.loss.capture import StepObserver
 from lightning_sparse_dp.place import PendingChunk, current_stream, device_context
 from lightning_sparse_dp.randomness import SharedDraws
 from lightning_sparse_dp.stall import StallWatch, stall_seconds
@@ -123,14 +127,12 @@ class ReplicaExecutor:
         return self
 
     def run(
-        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], here: Collection[int] = (),
-        meanwhile: Callable[[], None] | None = None,
+        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], meanwhile: Callable[[], None] | None = None,
     ) -> list[T]:
         """Call ``fns[i]()`` on ``devices[i]`` for every ``i`` at once and return the results in order.
 
-        A single callable runs in the calling thread (no thread hop), and so do the callables whose indices are in
-        ``here``, one after the other in index order, while the others run in their threads: the replicas'
-        backward passes on the GPU whose autograd worker thread is the caller (:mod:`lightning_sparse_dp.backward`).
+        A single callable runs in the calling thread (no thread hop); several run in their replicas' threads, on every
+        device type alike, each with autograd's device threads off for its backward passes (:func:`_call`).
         ``meanwhile()`` runs in the calling thread once the others have started (first, for a single callable), always:
         replicas may wait for it (:class:`~lightning_sparse_dp.replicate.DeferredCheck`); its error is raised once
         every replica has finished.
@@ -158,7 +160,6 @@ class ReplicaExecutor:
         with self._lock:  # one step at a time: replicas of two steps never interleave
             try:
                 futures: list[Future] = [
-                    _here() if i in here else
                     self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
                     for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
                 ]
@@ -167,18 +168,13 @@ class ReplicaExecutor:
                     with suppress(Exception):
                         meanwhile()
                 raise
-            self._watch.begin(futures, devices, {i: threading.get_ident() for i in here})  # a warning if stuck
+            self._watch.begin(futures, devices)  # a warning if stuck
             mine: BaseException | None = None
             if meanwhile is not None:
                 try:
                     meanwhile()
                 except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
                     mine = err
-            for i in sorted(here):  # after the others have started
-                try:
-                    futures[i].set_result(_call(fns[i], devices[i], i, state, streams[i], replicas=len(fns)))
-                except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
-                    futures[i].set_exception(err)
             errors = [f.exception() for f in futures]  # waits for every replica
             self._watch.end()
         if mine is not None:
@@ -194,12 +190,6 @@ class ReplicaExecutor:
         for thread in self._threads:
             thread.shutdown(wait=True)
         self._watch.close()
-
-
-def _here() -> Future:
-    future: Future = Future()
-    future.set_running_or_notify_cancel()
-    return future
 
 
 _pinned = threading.local()  # the CPU ids this replica thread pinned itself to
@@ -226,6 +216,8 @@ def _call(
                                "runs unpinned. Pass pin_replicas=False to skip pinning.")
         with ExitStack() as stack:
             state.enter(stack)
+            if torch._C._is_multithreading_enabled():  # one threading model: backward passes run in this thread
+                stack.enter_context(torch.autograd.set_multithreading_enabled(False))
             stack.enter_context(device_context(device, stream))
             return fn()
     except BaseException as err:
@@ -294,10 +286,10 @@ def replica_steps(
 ) -> list[Callable[[], Any]]:
     """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
     under, innermost first: what it does outside the module noted (``effects``: a
-    :class:`~lightning_sparse_dp.effects.StepEffects`), the capture of its losses (``terms``: a
-    :class:`~lightning_sparse_dp.loss.step.StepTerms`), the counts of the means it takes
-    (:func:`~lightning_sparse_dp.means.run_counting`), its preparation (below), its rank of the batch-norm group
-    (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
+    :class:`~lightning_sparse_dp.effects.StepEffects`), the thread's torch function mode that observes it (the
+    capture of its losses, ``terms``: a :class:`~lightning_sparse_dp.loss.step.StepTerms`; else a
+    :class:`~lightning_sparse_dp.loss.capture.StepObserver` counting its means), its preparation (below), its rank of
+    the batch-norm group (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.timing.StepTimer`, ``replica<i>``).
 
     The preparation runs in replica ``i``'s thread before the step: where ``inputs[i]`` is a
     :class:`~lightning_sparse_dp.place.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
@@ -308,9 +300,10 @@ def replica_steps(
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if effects is not None:
         steps = [partial(effects.watch, i, step) for i, step in enumerate(steps)]
-    if terms is not None:
+    if terms is not None:  # each step under its thread's own torch function mode: its capture, or a plain observer
         steps = terms.wrap(steps)
-    steps = [partial(run_counting, step) for step in steps]
+    else:
+        steps = [partial(StepObserver().run, step) for step in steps]
     steps = [
         partial(_prepared, before[i] if before else None, after[i] if after else None, inputs, i, step)
         for i, step in enumerate(steps)

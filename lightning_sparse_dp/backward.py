@@ -8,7 +8,8 @@ strategy's, or an override of it) computes the step's loss from them with ordina
 backward pass reaches the node with the gradient ``g_i`` of every replica's loss (``w_i`` times whatever
 Lightning or the user did to the gathered loss: ``loss / accumulate_grad_batches``, a precision
 plugin's loss scaling, a ``LightningModule.backward`` override, a ``gather`` override), it runs
-``loss_i.backward(g_i)`` in replica ``i``'s thread for every ``i`` at once, then adds the replicas'
+``loss_i.backward(g_i)`` in replica ``i``'s thread for every ``i`` at once (with autograd's device threads off there,
+so on a GPU as on CPU: :mod:`~lightning_sparse_dp.apply`), then adds the replicas'
 parameter gradients in replica order (:meth:`~lightning_sparse_dp.replicate.Replicas.reduce_gradients`)
 and hands the sums to autograd as the gradients of the module's parameters, which accumulate them into
 ``.grad`` as usual (hooks, gradient accumulation and clipping, ``on_after_backward`` all see the usual
@@ -35,7 +36,6 @@ from lightning_sparse_dp.apply import ReplicaExecutor
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-from lightning_sparse_dp.syncbn.replicas import shared_gpus
 from lightning_sparse_dp.timing import StepTimer
 
 
@@ -86,37 +86,11 @@ class ReplicaBackward:
             if self.group is not None:
                 fn = partial(self.group.run, rank, fn)
             fns.append(self.times.timed(f"backward{rank}", fn))
-        self.executor.run(fns, devices, here=served_here(devices, self.group is not None))
+        self.executor.run(fns, devices)  # each in its replica's thread, autograd's device threads off there (apply.py)
         if self.group is not None:
             self.times.record(self.group.times.timings())  # each synchronized layer's share of the step
         with self.times.stage("reduce"):
             return self.replicas.reduce_gradients(count)
-
-
-def served_here(devices: Sequence[torch.device], synchronized: bool = False) -> tuple[int, ...]:
-    """The replicas whose backward pass must run in the calling thread: on CUDA, those on the calling thread's
-    current device, the GPU whose autograd worker thread runs this step's backward node; none on CPU.
-
-    Torch's autograd engine runs every CUDA node of a device in that device's one worker thread, whoever called
-    ``backward()``; a ``backward()`` called in that worker thread itself runs there, reentrantly (torch's
-    torch/csrc/autograd/engine.cpp, Note [Reentrant backwards]). :class:`_ParallelBackward`'s backward runs in the
-    worker thread of the device of its first gradient and waits for the replicas' passes; a replica on that GPU
-    whose pass were started in its own thread would wait for the very worker that waits for it. So those run here,
-    one after the other (their GPU runs one kernel stream at a time anyway), and the replicas on other GPUs in
-    their threads, served by their GPUs' workers, at the same time.
-
-    Raises:
-        RuntimeError: ``synchronized`` (synchronized batch norm) with two of those replicas: the first would wait
-            for the second in batch norm's backward forever (refused at setup:
-            :func:`~lightning_sparse_dp.syncbn.replicas.check_shared_gpus`).
-    """
-    if not any(d.type == "cuda" for d in devices):
-        return ()
-    current = torch.cuda.current_device()
-    here = tuple(i for i, d in enumerate(devices) if d.type == "cuda" and (d.index or 0) == current)
-    if synchronized and len(here) > 1:
-        raise RuntimeError(shared_gpus(devices))
-    return here
 
 
 def _backward(loss: Tensor, grad: Tensor) -> None:

@@ -51,14 +51,14 @@ from lightning_sparse_dp.exchange import (
     gather_objects,
     gather_step_outputs,
 )
+from lightning_sparse_dp.hints import warn_unsynchronized_batchnorm
 from lightning_sparse_dp.log import MEAN_NAMES
-from lightning_sparse_dp.loss.capture import TermCapture
-from lightning_sparse_dp.loss.collectives import watching
+from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Summary, decide, summarize
 from lightning_sparse_dp.loss.step import rank_scale
 from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.loss.weights import resolve_auto, zeroed
-from lightning_sparse_dp.means import count_of, counting, plain_mean_in_log
+from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.means import count_of
 from lightning_sparse_dp.place import check_me_devices, place_batch
 from lightning_sparse_dp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.sampler import PointBalancedBatchSampler
@@ -161,6 +161,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
                 "GPUs only; on CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over "
                 "the process group (gloo), on CPU too."
             )
+        if self._layer_sync is None and module is not None:  # said once: batch norm per rank
+            warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
         super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
 
     # --- exact loss and logs ---------------------------------------------------------------------
@@ -190,12 +192,12 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
-        self._capture = TermCapture() if terms else None
         self._batch, self._plan, self._collectives = batch, plan, []
+        self._capture = TermCapture(self._collectives) if terms else None
+        observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
         step = partial(getattr(super(), step_name), *args, **kwargs)
         try:
-            with watching(self._collectives), counting(), plain_mean_in_log(self.lightning_module):
-                output = step() if self._capture is None else self._capture.run(step)
+            output = observer.run(step)
             module = self.lightning_module
             if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
                 self._loss_scale = self._term_scale(output)
@@ -229,9 +231,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         every rank's summary of the loss (:func:`rank_scale`)."""
         assert self._capture is not None
         summaries = self._gather(self._summary(loss_of(output)))
-        auto = lambda: resolve_auto(self._step_plan())  # noqa: E731
         return rank_scale(
-            summaries, self.global_rank, self._capture, self.world_size, self._site_memory, self._warning_cache, auto
+            summaries, self.global_rank, self._capture, self.world_size, self._site_memory, self._warning_cache,
+            self._step_plan,
         )
 
     @override

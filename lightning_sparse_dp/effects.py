@@ -1,11 +1,10 @@
-"""What a replica's step does outside the module: its loggers' calls and the files it writes.
+"""What a replica's step does outside the module: its loggers' calls.
 
 On one device a step runs once per batch, so what it does outside the module happens once, with the whole batch:
 ``self.logger.experiment.add_image(...)`` logs one image, ``np.save(f"{out}/{batch_idx}_{i}.npy", pred[i])`` writes
 one file per sample of the batch. Every replica runs the step on its chunk of the batch (and every replica of one
-process is global rank 0, so ``rank_zero_only`` guards let them all through): each would log its own image, and the
-replicas' files named by a position in the chunk (``_0``, ``_1``, ...) would be written once per replica, the last
-replica's write overwriting the others', so that most samples' files are lost, silently. Here:
+process is global rank 0, so ``rank_zero_only`` guards let them all through): each would log its own image. Here,
+replicas behave as Lightning's DDP ranks do, the root replica as rank 0:
 
 - **Loggers.** During a step of several replicas each replica's ``self.trainer`` (and so ``self.logger``,
   ``self.loggers``, ``self.trainer.logger``) is a view of the trainer (:func:`trainer_view`): the same object state
@@ -15,16 +14,11 @@ replica's write overwriting the others', so that most samples' files are lost, s
   ``get*`` run everywhere: they read). Attributes that are not methods (``log_dir``, ``save_dir``, ``version``) read as
   they are. A call made is said once per step name and call (:meth:`StepEffects.say`), with the fix: return what to log
   from the step and log it in ``on_*_batch_end``, which gets the gathered outputs and the whole batch.
-- **Files.** While replicas' steps run, Python's ``open`` (``builtins.open``, ``io.open``: what ``np.save``,
-  ``torch.save`` and ``pathlib`` call) and ``os.open`` are watched (:class:`~lightning_sparse_dp._patch.SharedPatch`,
-  as the loss capture's triggers are; the originals are back once no replica's step runs, and other threads meanwhile
-  only pass through): each file a replica's step opens to write from the start (mode ``"w"`` / ``"x"``, ``O_TRUNC``,
-  ``O_CREAT | O_EXCL``) is noted. A path written by two replicas of one step is said once per step name, naming it:
-  the step cannot tell a file one device writes once from one it writes per sample, but two replicas truncating the
-  same file in one step is a lost write either way. Files written by code that took ``open`` before the step (a
-  module-level alias) or by C / C++ code (Open3D's writers) are not seen. Appending (``"a"``) is not said: the
-  replicas' rows all arrive (in thread order). Not an audit hook (:func:`sys.addaudithook`): a hook cannot be removed,
-  and Python audits every ``id()`` call, 450 a digits step (the replicas' check), at 0.4 us each with a hook.
+- **Files.** Nothing is intercepted (``open`` stays Python's own in every thread): a file a step writes is written
+  by every replica, as every DDP rank writes it, each with its own chunk; a file named by a position in the batch (or
+  by ``batch_idx``) is then written once per replica and the last write wins. Write per-sample files from
+  ``on_*_batch_end`` (which gets the gathered outputs and the whole batch) or a ``BasePredictionWriter``, and name
+  them by what the sample carries (an id or a path in the batch); README and docs/troubleshooting.md say this rule.
 
 Nothing here changes a step of one replica (one device, or a one-chunk batch): the step is the module's, as on one
 device.
@@ -32,17 +26,12 @@ device.
 
 from __future__ import annotations
 
-import builtins
 import functools
-import io
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
-
-from lightning_sparse_dp._patch import SharedPatch
 
 T = TypeVar("T")
 
@@ -61,21 +50,19 @@ class StepEffects:
         self.step_name = step_name
         self.count = count
         self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
-        self.writes: list[set[str]] = [set() for _ in range(count)]  # per replica: absolute paths written from the start
 
     def watch(self, index: int, step: Callable[[], T]) -> T:
-        """``step()`` as replica ``index``'s step: its loggers' calls and file writes noted (in the replica's thread)."""
-        with _WATCHING_FILES.held():
-            _current.effects, _current.index = self, index
-            try:
-                return step()
-            finally:
-                _current.effects = None
+        """``step()`` as replica ``index``'s step: its loggers' calls noted (in the replica's thread)."""
+        _current.effects, _current.index = self, index
+        try:
+            return step()
+        finally:
+            _current.effects = None
 
     def say(self, warning_cache: WarningCache) -> None:
-        """After the step, on the calling thread: each logger call the replicas made, and the files two of them wrote,
-        said once (per step name and call; per step name for files)."""
-        if not any(self.calls) and not any(self.writes):
+        """After the step, on the calling thread: each logger call the replicas made, said once (per step name and
+        call)."""
+        if not any(self.calls):
             return
         for what in sorted(set().union(*self.calls)):
             if _said(warning_cache, f"{self.step_name} {what}"):
@@ -89,23 +76,6 @@ class StepEffects:
                 f"skipped. To log from the whole batch, return what you need from {self.step_name} and call the logger "
                 f"in {_batch_end(self.step_name)}(outputs, batch, batch_idx), which gets the gathered outputs and the "
                 "whole batch."
-            )
-        written: dict[str, list[int]] = {}
-        for i, paths in enumerate(self.writes):
-            for path in paths:
-                written.setdefault(path, []).append(i)
-        shared = sorted(path for path, writers in written.items() if len(writers) > 1)
-        if shared and not _said(warning_cache, f"{self.step_name} files"):
-            path = shared[0]
-            more = f" ({len(shared)} such files in this step)" if len(shared) > 1 else ""
-            warning_cache.warn(
-                f"sparse_dp: {self.step_name} of replicas {written[path]} (of {self.count}) wrote the same file in one "
-                f"step: {path!r}{more}. Each replica runs the step on its chunk of the batch, so a file named by a "
-                "position in the batch (or by batch_idx) is written once per replica, each with its own chunk's "
-                "samples, and the last write wins (one device writes it once, with the whole batch): the other "
-                "chunks' content is lost. Name each file by something its sample carries (an id or a path in the "
-                f"batch), or write from the gathered outputs in {_batch_end(self.step_name)}(outputs, batch, "
-                "batch_idx) (predictions: a BasePredictionWriter callback)."
             )
 
 
@@ -225,49 +195,6 @@ def give_view(replica: Any) -> None:
     """The replica's ``_trainer`` (Lightning's ``self.trainer``) a :func:`trainer_view`, for its step; the replica's
     next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it)."""
     replica.__dict__["_trainer"] = trainer_view(replica.__dict__.get("_trainer"))
-
-
-# --- files ----------------------------------------------------------------------------------------------------------
-def _from_start(mode: Any = None, flags: Any = None) -> bool:
-    """Whether an ``open`` mode (``"w"``, ``"xb"``) or ``os.open`` flags write a file from its start."""
-    if isinstance(mode, str):
-        return "w" in mode or "x" in mode
-    return isinstance(flags, int) and bool(flags & os.O_TRUNC or (flags & os.O_CREAT and flags & os.O_EXCL))
-
-
-def _note(file: Any) -> None:
-    if isinstance(file, (str, bytes, os.PathLike)):
-        _current.effects.writes[_current.index].add(os.path.abspath(os.fsdecode(file)))
-
-
-def _watched_open(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def opened(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if getattr(_current, "effects", None) is not None and _from_start(mode=mode):
-            _note(file)
-        return original(file, mode, *args, **kwargs)
-
-    return opened
-
-
-def _watched_os_open(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def opened(path: Any, flags: int, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_current, "effects", None) is not None and _from_start(flags=flags):
-            _note(path)
-        return original(path, flags, *args, **kwargs)
-
-    return opened
-
-
-#: ``open`` (``builtins``' and ``io``'s: ``np.save``, ``torch.save``, ``pathlib``) and ``os.open`` watched while any
-#: replica's step runs; outside a replica's step (other threads meanwhile) they only call the originals
-_WATCHED_OPEN = _watched_open(io.open)  # one object under both names, which are one function (io.open is builtins.open)
-_WATCHING_FILES = SharedPatch({
-    (builtins, "open"): _WATCHED_OPEN,
-    (io, "open"): _WATCHED_OPEN,
-    (os, "open"): _watched_os_open(os.open),
-})
 
 
 __all__ = ["StepEffects", "give_view", "trainer_view", "view"]

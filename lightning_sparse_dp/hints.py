@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -22,16 +22,6 @@ from lightning_sparse_dp.split import SplitPlan
 #: (``torch.nn.functional._verify_batch_size``).
 _ONE_VALUE = "Expected more than 1 value per channel when training"
 _SAME_DEVICE = "Expected all tensors to be on the same device"  # torch, on mixing devices in one op
-
-#: Note on the error raised when some replicas return ``None`` from a step and others do not
-#: (:func:`lightning_sparse_dp.outputs.gather_outputs`).
-SKIPPED_STEP_HELP = (
-    "sparse_dp: on one device, a training_step that returns None skips the whole step; with sparse_dp each "
-    "replica sees only its chunk, so the replicas must agree. Decide on the whole batch (e.g. in "
-    "on_before_batch_transfer, or from a batch-level flag the DataLoader sets), or return a loss in every "
-    "chunk: for a chunk with nothing to learn from, a loss of 0 that is still in the graph (e.g. "
-    "0 * logits.sum()), or give it weight 0 with SparseDataParallelStrategy(loss_weighting=fn)."
-)
 
 
 def _replica_of(err: BaseException) -> int | None:
@@ -53,7 +43,8 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
     no tiny samples; its ``__cause__`` is ``err``. Also torch's "Expected all tensors to be on the same
     device" in a replica (GPUs): most often a tensor kept as a plain attribute of the module, which every
     replica shares as it is, on the root device (as ``nn.DataParallel``'s replicas do); the new exception says
-    so and names the fixes.
+    so and names the fixes. An index out of range (:func:`_is_index_error`) in a batch with tensors cut as one row per
+    point gets a note naming them and the ``layout`` role ``"indices"``, which row indices into a point set need.
     """
     if isinstance(err, RuntimeError) and _SAME_DEVICE in str(err):
         return _with_cause(RuntimeError(
@@ -62,6 +53,17 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
             "buffer (self.register_buffer('x', tensor), copied to each replica's device), or make it in the step "
             "on the input's device."
         ), err)
+    if _is_index_error(err) and plan.point_targets:
+        names = list(plan.point_targets)
+        note = (
+            f"sparse_dp: {', '.join(names)} {'was' if len(names) == 1 else 'were'} cut as one row per point (each "
+            "chunk got its own points' rows). If one holds row indices into a point set, a chunk's rows are not the "
+            f"batch's: give it the role 'indices' in the strategy's layout= (e.g. {{{names[0]!r}: 'indices'}}), which "
+            "cuts it with its samples and re-bases it to the chunk's rows."
+        )
+        if note not in getattr(err, "__notes__", ()):
+            err.add_note(note)
+        return err
     if not (isinstance(err, ValueError) and _ONE_VALUE in str(err)):
         return err
     replica = _replica_of(err)
@@ -80,6 +82,11 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
         "single point."
     )
     return _with_cause(new, err)
+
+
+def _is_index_error(err: BaseException) -> bool:
+    """An index out of range in the step (Python's ``IndexError``, torch's "index ... is out of bounds")."""
+    return isinstance(err, IndexError) or (isinstance(err, RuntimeError) and "out of bounds" in str(err))
 
 
 def _with_cause(new: BaseException, err: BaseException) -> BaseException:
@@ -125,17 +132,34 @@ def refuse_dataloader_iter(module: nn.Module) -> None:
         )
 
 
-def warn_unsynchronized_batchnorm(module: nn.Module) -> None:
-    """``sparse_dp`` at setup without ``sync_batchnorm``: say once that the model's SyncBatchNorm layers run per chunk."""
-    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+def warn_unsynchronized_batchnorm(module: nn.Module, replicas: int = 2, strategy: str = "sparse_dp") -> None:
+    """At setup without ``sync_batchnorm``, with ``replicas`` replicas (``sparse_dp``) or ranks (``sparse_ddp``) of two
+    or more: say once that batch norm runs per chunk. SyncBatchNorm layers (``ME.MinkowskiSyncBatchNorm``), which
+    the user meant to synchronize, as a warning, from ``sparse_dp`` only (``sparse_ddp`` says its own); plain batch
+    norm (torch's ``BatchNorm1d/2d/3d``, so ``ME.MinkowskiBatchNorm``'s inner ``bn``; the kinds both strategies
+    synchronize) as one info line naming the layers' count and the fix, as its statistics are each chunk's, not the
+    whole batch's one device computes."""
+    if replicas < 2:
+        return
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    if strategy == "sparse_dp" and any(isinstance(m, nn.SyncBatchNorm) for m in layers):
         rank_zero_warn(
             "sparse_dp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: "
             "in one process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
             "synchronize them across sparse_dp replicas."
         )
+        return
+    plain = [m for m in layers if not isinstance(m, nn.SyncBatchNorm)]
+    if plain:
+        what = "replica" if strategy == "sparse_dp" else "rank"
+        rank_zero_info(
+            f"{strategy}: {len(plain)} batch-norm layer{'s' if len(plain) > 1 else ''} (e.g. ME.MinkowskiBatchNorm) "
+            f"normalize each {what}'s chunk with its own statistics, not the whole batch's as on one device; pass "
+            "Trainer(sync_batchnorm=True) to synchronize them."
+        )
 
 
 __all__ = [
-    "SKIPPED_STEP_HELP", "explain_replica_error", "has_batch_norm", "min_points_per_chunk", "refuse_dataloader_iter",
+    "explain_replica_error", "has_batch_norm", "min_points_per_chunk", "refuse_dataloader_iter",
     "warn_unsynchronized_batchnorm",
 ]

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torchmetrics import Metric
@@ -106,14 +107,17 @@ class LogRecorder:
 
     Args:
         metrics: ``module path -> metric`` of the replica's metrics.
+        module: the replica (its trainer tells a step that may not log, as Lightning's ``self.log`` reads it).
 
-    Raises:
-        TypeError: a value of another type, a metric that is not a submodule of the module, or an
-            option ``LightningModule.log`` does not take.
-        ValueError: a tensor with more than one element.
+    Raises (Lightning's own exceptions and messages, at the call, as ``LightningModule.log`` raises them):
+        ValueError: a value that is not a number, a tensor or a Metric; a tensor with more than one element.
+        MisconfigurationException: logging where Lightning refuses it (a ``predict_step``), a metric that is not a
+            submodule of the module (naming ``metric_attribute=``).
+        TypeError: an option ``LightningModule.log`` does not take.
     """
 
-    def __init__(self, metrics: dict[str, Metric] | None = None) -> None:
+    def __init__(self, metrics: dict[str, Metric] | None = None, module: Any = None) -> None:
+        self.module = module
         self.calls: dict[str, LogCall] = {}
         self.metrics = metrics or {}
         self.metric_paths = {id(m): path for path, m in self.metrics.items()}
@@ -122,22 +126,28 @@ class LogRecorder:
         if args or not _LOG_OPTIONS.issuperset(kwargs):  # positional options, or one LightningModule.log refuses
             bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)  # its TypeError for a misspelt option
             kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        # Lightning's own checks and messages, in its order (lightning/pytorch/core/module.py, LightningModule.log)
+        if not isinstance(value, (Tensor, numbers.Number, Metric)):
+            raise ValueError(f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values cannot be logged")
+        trainer = getattr(self.module, "_trainer", None)
+        if trainer is not None and getattr(trainer, "_results", True) is None:
+            raise MisconfigurationException(
+                "You are trying to `self.log()` but the loop's result collection is not registered"
+                " yet. This is most likely because you are trying to log in a `predict` hook,"
+                " but it doesn't support logging"
+            )
         if isinstance(value, Metric):
             if id(value) not in self.metric_paths:
-                raise TypeError(
-                    f"self.log({name!r}, <{type(value).__name__}>): the metric is not an attribute of the LightningModule, "
-                    "so sparse_dp cannot merge its state across replicas. Make it an attribute (self.metric = ...)."
+                raise MisconfigurationException(
+                    "Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged."
+                    f" You can fix this by calling `self.log({name}, ..., metric_attribute=name)` where `name` is one"
+                    f" of {list(self.metrics)}"
                 )
             value = MetricRef(self.metric_paths[id(value)])
-        elif not isinstance(value, (Tensor, numbers.Number)):
-            raise TypeError(
-                f"self.log({name!r}, <{type(value).__name__}>) in a sparse_dp replica: log a number, a one-element "
-                "tensor or a torchmetrics Metric."
-            )
-        if isinstance(value, Tensor) and value.numel() != 1:
+        elif isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(
-                f"self.log({name!r}, tensor of shape {tuple(value.shape)}): a logged tensor must have one element; "
-                "log value.mean() or another reduction."
+                f"`self.log({name}, {value})` was called, but the tensor must have a single element."
+                f" You can try doing `self.log({name}, {value}.mean())`"
             )
         self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
         self.calls[name] = LogCall(name, value, kwargs, count_of(value), self._metric_value(value))
@@ -165,7 +175,7 @@ def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None
     """
     if metrics is None:
         metrics = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
-    recorder = replica.log = LogRecorder(metrics)
+    recorder = replica.log = LogRecorder(metrics, replica)
     if index > 0:
         replica.print = _no_print
     return recorder

@@ -4,72 +4,49 @@ A value logged as ``self.log("acc", (pred[mask] == y[mask]).float().mean())`` is
 selection's elements, not over the chunk's samples or points: the whole batch's value is
 ``sum_i c_i v_i / sum_i c_i`` with ``c_i`` the element count of replica ``i``'s mean. While a step runs
 under :func:`counting` (in its own thread: each replica's, or a ``sparse_ddp`` rank's step), every
-``torch.mean(x)`` / ``x.mean()`` that gives one value records ``x.numel()`` (``torch.mean`` and
-``Tensor.mean`` are wrapped while any step counts, reference-counted, as :mod:`~lightning_sparse_dp.loss.capture`
-wraps the losses); :func:`count_of` then gives the count of a logged value, a tensor or its ``.item()``.
-A mean computed with other ops after it (``100 * acc``) is not followed. Lightning's own ``self.log`` must
-run with torch's ``mean`` (:func:`plain_mean`); in ``sparse_dp`` replicas it never runs inside a step.
+``torch.mean(x)`` / ``x.mean()`` that gives one value is recorded with ``x.numel()`` by :func:`note_mean`, which the
+step's own torch function mode calls (:class:`~lightning_sparse_dp.loss.capture.StepObserver`: modes are per thread,
+so no other thread sees anything, and ``torch.mean`` stays torch's own object everywhere); :func:`count_of` then gives
+the count of a logged value, a tensor or its ``.item()``. A mean computed with other ops after it (``100 * acc``) is
+not followed.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_sparse_dp._patch import SharedPatch
-
-T = TypeVar("T")
-
 _local = threading.local()  # .counts: {id(mean): (mean, count)} of this thread's step, while it counts
 
-
-def _counted(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    @functools.wraps(original)
-    def mean(*args: Any, **kwargs: Any) -> Tensor:
-        out = original(*args, **kwargs)
-        counts = getattr(_local, "counts", None)
-        if counts is not None and isinstance(out, Tensor) and out.dim() == 0:
-            x = args[0] if args else kwargs.get("input")
-            if isinstance(x, Tensor):
-                counts[id(out)] = (out, x.numel())
-        return out
-
-    return mean
+#: torch's means whose one-value results are counted (``torch.mean(x)``, ``x.mean()``), as a torch function mode sees them
+MEAN_FUNCTIONS = frozenset({torch.mean, torch.Tensor.mean})
 
 
-#: ``torch.mean`` and ``Tensor.mean`` counted while any step counts
-_COUNTING = SharedPatch({(torch, "mean"): _counted(torch.mean), (torch.Tensor, "mean"): _counted(torch.Tensor.mean)})
+def note_mean(args: tuple, kwargs: dict, out: Any) -> None:
+    """Record ``out`` (a :data:`MEAN_FUNCTIONS` call's result) with its input's element count, when it is one value
+    and the calling thread counts (:func:`counting`)."""
+    counts = getattr(_local, "counts", None)
+    if counts is not None and isinstance(out, Tensor) and out.dim() == 0:
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, Tensor):
+            counts[id(out)] = (out, x.numel())
 
 
 @contextmanager
 def counting() -> Iterator[dict[int, tuple[Tensor, int]]]:
-    """Record the element count of every one-value mean the calling thread computes in the ``with`` body."""
-    with _COUNTING.held():
-        previous = getattr(_local, "counts", None)
-        _local.counts = counts = {}
-        try:
-            yield counts
-        finally:
-            _local.counts = previous
-
-
-def plain_mean() -> AbstractContextManager[None]:
-    """torch's own ``torch.mean`` / ``Tensor.mean`` for the ``with`` body, in a process where one step counts
-    (``sparse_ddp``): Lightning's ``self.log`` stores ``getattr(torch, "mean")`` as the reduction and later
-    checks ``reduce_fx is torch.mean``, so it must never see the counting wrapper. Not for concurrent steps."""
-    return _COUNTING.suspended()
-
-
-def run_counting(fn: Callable[[], T]) -> T:
-    """``fn()`` under :func:`counting` (for a replica's step, run in the replica's thread)."""
-    with counting():
-        return fn()
+    """Record, in the calling thread only, the element count of every one-value mean its step's torch function mode
+    reports (:func:`note_mean`) in the ``with`` body."""
+    previous = getattr(_local, "counts", None)
+    _local.counts = counts = {}
+    try:
+        yield counts
+    finally:
+        _local.counts = previous
 
 
 def count_of(value: Any) -> int | None:
@@ -113,24 +90,4 @@ def scalar_values(tensors: Sequence[Tensor]) -> list[float]:
     return out
 
 
-@contextmanager
-def plain_mean_in_log(module: Any) -> Iterator[None]:
-    """``module.log`` runs with torch's own ``torch.mean`` while the step counts means (:func:`plain_mean`): Lightning
-    stores ``getattr(torch, "mean")`` and later checks its identity (``sparse_ddp``'s steps run ``self.log`` so)."""
-    if module is None:
-        yield
-        return
-    log = module.log
-
-    def plain_log(*args: Any, **kwargs: Any) -> Any:
-        with plain_mean():
-            return log(*args, **kwargs)
-
-    module.log = plain_log
-    try:
-        yield
-    finally:
-        module.__dict__.pop("log", None)
-
-
-__all__ = ["count_of", "counting", "last_holding", "plain_mean", "plain_mean_in_log", "run_counting", "scalar_values"]
+__all__ = ["MEAN_FUNCTIONS", "count_of", "counting", "last_holding", "note_mean", "scalar_values"]

@@ -24,9 +24,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_sparse_dp._me import ME
-from lightning_sparse_dp.hints import SKIPPED_STEP_HELP
 from lightning_sparse_dp.loss.weights import weighted_sum
 from lightning_sparse_dp.place import build_sparse
+from lightning_sparse_dp.skipped import SKIPPED_STEP_HELP
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
 from lightning_sparse_dp.split.merge import restore_batch_indices
@@ -352,11 +352,9 @@ def _check_none(outputs: Sequence[Any]) -> None:
     if nones and len(nones) < len(outputs):
         others = [i for i in range(len(outputs)) if i not in nones]
         err = ValueError(
-            f"replica(s) {nones} returned None from the step and replica(s) {others} returned an output; a step is "
-            "skipped only when every replica returns None. Return a loss from every chunk (a 0 still in the graph "
-            "where there is nothing to learn from), or decide to skip on the whole batch."
+            f"replica(s) {nones} returned None and replica(s) {others} an output; a step is skipped only when every "
+            f"replica returns None. {SKIPPED_STEP_HELP}"
         )
-        err.add_note(SKIPPED_STEP_HELP)
         raise err
 
 

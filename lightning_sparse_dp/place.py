@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_sparse_dp._me import check_coordinate_manager_mode, is_me_tensor, is_tensor_field
@@ -149,8 +150,14 @@ def check_me_devices(batch: Any, device: torch.device) -> None:
     )
 
 
-def place_chunk(chunk: Any, device: torch.device) -> Any:
-    """Move every tensor of ``chunk`` to ``device`` and build its pending sparse tensors there.
+#: moves a chunk to a device: ``transfer(chunk, device) -> chunk`` (the module's batch-transfer hooks, :func:`batch_transfer`)
+Transfer = Callable[[Any, torch.device], Any]
+
+
+def place_chunk(chunk: Any, device: torch.device, transfer: Transfer | None = None) -> Any:
+    """Build ``chunk``'s pending sparse tensors on ``device``, then move the rest there: with ``transfer`` (the
+    module's ``transfer_batch_to_device`` and ``on_after_batch_transfer``, :func:`batch_transfer`), as a DDP rank moves
+    its batch, else with Lightning's ``move_data_to_device``.
 
     Raises:
         RuntimeError: on a CUDA ``device``, an ME tensor of ``chunk`` built elsewhere (:func:`check_me_devices`).
@@ -159,7 +166,33 @@ def place_chunk(chunk: Any, device: torch.device) -> Any:
         check_me_devices(chunk, device)
     chunk = apply_to_collection(chunk, SparseSpec, build_sparse, device=device)
     with device_context(device):
-        return move_data_to_device(chunk, device)
+        return move_data_to_device(chunk, device) if transfer is None else transfer(chunk, device)
+
+
+_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def batch_transfer(module: Any, dataloader_idx: int = 0) -> Transfer | None:
+    """The batch-transfer hooks a DDP rank runs on its batch, for one chunk: ``transfer_batch_to_device(chunk, device,
+    dataloader_idx)`` then ``on_after_batch_transfer(chunk, dataloader_idx)``, each the datamodule's where it overrides
+    it, else the module's (Lightning's ``LightningModule._call_batch_hook`` rule); ``None`` when neither overrides
+    either (the chunk is moved as Lightning moves a batch). Called directly, not through the Trainer's hook machinery:
+    the replicas' threads call them at once, and Lightning's profilers time one call of an action at a time."""
+    if module is None:
+        return None
+    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    owners = {}
+    for hook in _TRANSFER_HOOKS:
+        theirs = datamodule is not None and is_overridden(hook, datamodule)
+        owners[hook] = datamodule if theirs else module
+    if not any(is_overridden(hook, owner) for hook, owner in owners.items()):
+        return None
+
+    def transfer(chunk: Any, device: torch.device) -> Any:
+        chunk = owners["transfer_batch_to_device"].transfer_batch_to_device(chunk, device, dataloader_idx)
+        return owners["on_after_batch_transfer"].on_after_batch_transfer(chunk, dataloader_idx)
+
+    return transfer
 
 
 class PendingChunk:
@@ -181,16 +214,18 @@ class PendingChunk:
         return self.make()
 
 
-def cut_and_place(cut: Callable[[], Any], device: torch.device) -> Any:
+def cut_and_place(cut: Callable[[], Any], device: torch.device, transfer: Transfer | None = None) -> Any:
     """``cut()``'s chunk placed on ``device`` (:func:`place_chunk`)."""
-    return place_chunk(cut(), device)
+    return place_chunk(cut(), device, transfer)
 
 
 def pending_chunks(
-    cutters: Sequence[Callable[[], Any]], devices: Sequence[torch.device], timer: Any = None
+    cutters: Sequence[Callable[[], Any]], devices: Sequence[torch.device], timer: Any = None,
+    transfer: Transfer | None = None,
 ) -> list[PendingChunk]:
-    """One :class:`PendingChunk` per cutter: ``cutters[i]()``'s chunk placed on ``devices[i]``, timed as stage
-    ``scatter<i>`` by ``timer`` (a :class:`~lightning_sparse_dp.timing.StepTimer`) when given.
+    """One :class:`PendingChunk` per cutter: ``cutters[i]()``'s chunk placed on ``devices[i]`` (with ``transfer``, see
+    :func:`place_chunk`), timed as stage ``scatter<i>`` by ``timer`` (a :class:`~lightning_sparse_dp.timing.StepTimer`)
+    when given.
 
     Raises:
         ValueError: more cutters than devices (:func:`check_chunk_count`).
@@ -199,12 +234,12 @@ def pending_chunks(
     """
     check_chunk_count(len(cutters), devices)
     check_coordinate_manager_mode(len(cutters))
-    makes = [partial(cut_and_place, cut, device) for cut, device in zip(cutters, devices)]
+    makes = [partial(cut_and_place, cut, device, transfer) for cut, device in zip(cutters, devices)]
     return [PendingChunk(make if timer is None else timer.timed(f"scatter{i}", make)) for i, make in enumerate(makes)]
 
 
-def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list[Any]:
-    """Place chunk ``i`` on ``devices[i]``; ``len(chunks) <= len(devices)``.
+def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device], transfer: Transfer | None = None) -> list[Any]:
+    """Place chunk ``i`` on ``devices[i]`` (with ``transfer``, see :func:`place_chunk`); ``len(chunks) <= len(devices)``.
 
     Raises:
         ValueError: more chunks than devices.
@@ -213,7 +248,7 @@ def place_chunks(chunks: Sequence[Any], devices: Sequence[torch.device]) -> list
     """
     check_chunk_count(len(chunks), devices)
     check_coordinate_manager_mode(len(chunks))
-    return [place_chunk(c, d) for c, d in zip(chunks, devices)]
+    return [place_chunk(c, d, transfer) for c, d in zip(chunks, devices)]
 
 
 def check_chunk_count(num_chunks: int, devices: Sequence[torch.device]) -> None:
@@ -237,6 +272,8 @@ def place_batch(batch: Any, device: torch.device, layout: Any = None) -> Any:
 
 __all__ = [
     "PendingChunk",
+    "Transfer",
+    "batch_transfer",
     "build_sparse",
     "check_chunk_count",
     "check_default_streams",

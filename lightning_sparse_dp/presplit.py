@@ -10,7 +10,7 @@ on DataLoaders with ``num_workers > 0`` by itself (``presplit=True``); it can be
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from operator import getitem
@@ -50,7 +50,7 @@ class PreSplitCollate:
         collate_fn: the collate function to wrap (default ``torch.utils.data.default_collate``),
             e.g. one that calls ``ME.utils.sparse_collate``.
         num_chunks: the number of devices.
-        layout, assignment, min_points: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
+        layout, assignment, min_points, batch_sizes: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
             assignment must be picklable, e.g. ``functools.partial(balanced_assignment, groups=...)``).
 
     Picklable when ``collate_fn`` is, so it runs in worker processes.
@@ -63,6 +63,7 @@ class PreSplitCollate:
         layout: Mapping[Any, str] | None = None,
         assignment: str | Assignment = "balanced",
         min_points: int = 1,
+        batch_sizes: Collection[int] | None = None,
     ) -> None:
         check_num_chunks(num_chunks)
         self.collate_fn = collate_fn or default_collate
@@ -70,6 +71,7 @@ class PreSplitCollate:
         self.layout = dict(layout) if layout else None
         self.assignment = assignment
         self.min_points = min_points
+        self.batch_sizes = batch_sizes
 
     def __call__(self, samples: list[Any]) -> PreSplitBatch:
         chunks, plan = split_batch(
@@ -78,6 +80,7 @@ class PreSplitCollate:
             layout=self.layout,
             assignment=self.assignment,
             min_points=self.min_points,
+            batch_sizes=self.batch_sizes,
         )
         for chunk in chunks:  # a whole-batch chunk's source tensor cannot cross processes; it is rebuilt
             for spec in _specs(chunk):
@@ -106,7 +109,8 @@ def presplit_loader(
     ):
         loader = copy.copy(dataloader)  # DataLoader.__setattr__ is bypassed: the copy has the same settings
         loader.__dict__["_iterator"] = None  # a persistent-workers iterator stays the user's
-        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points)
+        sizes = (dataloader.batch_size,) if dataloader.batch_size is not None else None  # this loader's own
+        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes)
         return loader
     return dataloader
 
@@ -122,7 +126,8 @@ def step_cutters(
 ) -> tuple[list[Callable[[], Any]], SplitPlan]:
     """A ``sparse_dp`` step's chunks, each left to a callable (``cutters[j]()`` returns chunk ``j``), and its plan:
     the DataLoader workers' chunks (a :class:`PreSplitBatch`), ``split_fn``'s, or those of
-    :func:`~lightning_sparse_dp.split.plan_split` with ``split_kwargs`` (``layout``, ``assignment``, ``min_points``),
+    :func:`~lightning_sparse_dp.split.plan_split` with ``split_kwargs`` (``layout``, ``assignment``, ``min_points``,
+    ``batch_sizes``),
     whose cuts then run where the caller calls them (in the replicas' threads).
 
     Raises:

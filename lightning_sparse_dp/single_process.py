@@ -14,12 +14,14 @@ import inspect
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sparse_dp._me import check_coordinate_manager_mode
@@ -54,7 +56,6 @@ class SingleProcessParallelStrategy(ParallelStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._warned_transfer_hooks = False
         self._collective_warnings = WarningCache()  # a collective called in a replica's step, said once
 
     @property
@@ -83,6 +84,49 @@ class SingleProcessParallelStrategy(ParallelStrategy):
                 "exact training over processes and nodes), e.g. Trainer(strategy='sparse_ddp', num_nodes="
                 f"{num_nodes}, devices=<GPUs per node>)."
             )
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """1: one process, whatever cluster it runs in (a SLURM, torchelastic, LSF or MPI environment Lightning detected
+        describes the job's processes, not this strategy's; its requeue and signal handling still apply)."""
+        return 1
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        """0: the only process (see :attr:`world_size`)."""
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        """0: the only process on this machine (see :attr:`world_size`)."""
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        """0: one machine (see :attr:`world_size`)."""
+        return 0
+
+    def advise_workers(self, dataloader: object) -> None:
+        """Lightning's advice for a loader with fewer than 2 workers, where Lightning's own check stays silent because
+        it assumes a process per device (``suggested_max_num_workers(num_devices)``): this strategy is one process, so
+        the bound is one process's, as plain Lightning's on one device (``data_connector._worker_check``)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if not isinstance(dataloader, DataLoader) or trainer is None or dataloader.num_workers >= 2:
+            return
+        ours, lightnings = suggested_max_num_workers(1), suggested_max_num_workers(max(1, trainer.num_devices))
+        if lightnings > 1 or ours <= 1 or dataloader.num_workers > 0:  # Lightning says it, or has nothing to say
+            return
+        stage = trainer.state.stage
+        name = f"{stage.dataloader_prefix}_dataloader" if stage is not None else "dataloader"
+        advice = (  # Lightning's own words (lightning/pytorch/trainer/connectors/data_connector.py, _worker_check)
+            f"The '{name}' does not have many workers which may be a bottleneck. Consider increasing the value of the"
+            f" `num_workers` argument` to `num_workers={ours}` in the `DataLoader` to improve performance."
+        )
+        rank_zero_warn(advice, category=PossibleUserWarning)
 
     @property
     @override
@@ -118,21 +162,13 @@ class SingleProcessParallelStrategy(ParallelStrategy):
 
         The hook runs once per batch, as under plain Lightning: Lightning 2.6's loops call it before this
         method (:data:`LOOPS_CALL_BEFORE_TRANSFER`), earlier versions' ``batch_to_device`` called it, and then
-        this method does. Each chunk is placed on its own device in the step, so ``transfer_batch_to_device``
-        and ``on_after_batch_transfer`` are not called; a warning says so once when they are overridden.
+        this method does. ``transfer_batch_to_device`` and ``on_after_batch_transfer`` run in the step, on each chunk
+        in its replica's thread with its device, as each DDP rank runs them on its batch
+        (:func:`~lightning_sparse_dp.place.batch_transfer`).
         """
         module = self.lightning_module
         if module is None:
             return batch
-        if not self._warned_transfer_hooks:
-            self._warned_transfer_hooks = True
-            skipped = [h for h in ("transfer_batch_to_device", "on_after_batch_transfer") if is_overridden(h, module)]
-            if skipped:
-                rank_zero_warn(
-                    f"sparse_dp: this strategy does not call {' or '.join(skipped)}: it splits the batch and places "
-                    "each chunk on its replica's device itself. Move per-batch work to on_before_batch_transfer (runs "
-                    "on the whole batch before the split) or into the step (runs on each chunk, on its device)."
-                )
         if LOOPS_CALL_BEFORE_TRANSFER:
             return batch
         return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)

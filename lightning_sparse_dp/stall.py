@@ -1,7 +1,7 @@
 """Stall: a replica that has not finished after a long wait is reported, with where each waiting replica is.
 
 :meth:`~lightning_sparse_dp.apply.ReplicaExecutor.run` waits for every replica's callable. A step that never ends
-(a deadlock: the first GPU run's multi-replica backward waited for itself, docs/cuda.md) would leave the process
+(a deadlock) would leave the process
 silent; a :class:`StallWatch` instead warns once per call after ``LSDP_STALL_WARNING_S`` seconds (default 300;
 ``0`` turns it off), naming each unfinished replica with the innermost frames of its thread's Python stack
 (``sys._current_frames``), and the call goes on: a step that is merely slow still ends as it would have.
@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -50,17 +50,16 @@ class StallWatch:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._call: tuple[float, Sequence[Future], Sequence[torch.device], dict[int, int], list[bool]] | None = None
+        self._call: tuple[float, Sequence[Future], Sequence[torch.device], list[bool]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def begin(self, futures: Sequence[Future], devices: Sequence[torch.device], here: Mapping[int, int]) -> None:
-        """A call began: ``futures[i]`` is replica ``i``'s callable on ``devices[i]``; ``here`` maps the replicas
-        run in the calling thread to that thread's ident (the others run in threads named
-        ``sparse_dp-replica<i>_...``)."""
+    def begin(self, futures: Sequence[Future], devices: Sequence[torch.device]) -> None:
+        """A call began: ``futures[i]`` is replica ``i``'s callable on ``devices[i]``, run in the thread named
+        ``sparse_dp-replica<i>_...``."""
         if self.seconds <= 0:
             return
-        self._call = (time.monotonic(), futures, devices, here, [False])
+        self._call = (time.monotonic(), futures, devices, [False])
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="sparse_dp-stall-watch", daemon=True)
             self._thread.start()
@@ -70,36 +69,35 @@ class StallWatch:
         self._call = None
 
     def close(self) -> None:
-        """Stop the watch's thread (at the executor's shutdown)."""
+        """Stop the watch's thread and wait for it to end (at the executor's shutdown: nothing is left running)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
 
     def _watch(self) -> None:
         while not self._stop.wait(min(self.seconds / 2, 5.0)):
             call = self._call
-            if call is None or call[4][0] or time.monotonic() - call[0] < self.seconds:
+            if call is None or call[3][0] or time.monotonic() - call[0] < self.seconds:
                 continue
-            started, futures, devices, here, warned = call
+            started, futures, devices, warned = call
             warned[0] = True
             pending = [i for i, f in enumerate(futures) if not f.done()]
             if pending:
-                rank_zero_warn(stall_message(pending, devices, time.monotonic() - started, here))
+                rank_zero_warn(stall_message(pending, devices, time.monotonic() - started))
 
 
-def stall_message(
-    pending: Sequence[int], devices: Sequence[torch.device], seconds: float, here: Mapping[int, int] | None = None
-) -> str:
-    """What :class:`StallWatch` says: each unfinished replica, its device and the innermost frames of its thread
-    (``here``: replicas run in another thread than their own, by ident)."""
+def stall_message(pending: Sequence[int], devices: Sequence[torch.device], seconds: float) -> str:
+    """What :class:`StallWatch` says: each unfinished replica, its device and the innermost frames of its thread."""
     frames = sys._current_frames()
     threads = {t.name: t.ident for t in threading.enumerate()}
-    here = here or {}
     lines = [
         f"sparse_dp: replica(s) {list(pending)} of this step have not finished after {seconds:.1f} s; still waiting. "
         "If the step is stuck (a deadlock), this is where each one is (innermost frames last); please report it. "
         "(LSDP_STALL_WARNING_S sets the wait before this warning; 0 turns it off.)"
     ]
     for i in pending:
-        ident = here.get(i) or next((t for name, t in threads.items() if name.startswith(f"sparse_dp-replica{i}_")), None)
+        ident = next((t for name, t in threads.items() if name.startswith(f"sparse_dp-replica{i}_")), None)
         frame = frames.get(ident) if ident is not None else None
         where = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "  (its thread is not running)\n"
         lines.append(f"replica {i} on {devices[i]}:\n{where.rstrip()}")

@@ -10,10 +10,11 @@ step (the lists and dicts in those copied too, to 8 levels: :func:`_copy`; a lon
 that the replicas fill with their own samples' keys, is shared as before) and, after it:
 
 - an attribute the replicas set to one value (``==``, or equal tensors) gets that value on the module;
-  one they set to different values gets them merged as the step's outputs are
-  (:func:`~lightning_sparse_dp.outputs.gather_outputs`: a 0-dim tensor is the mean weighted like the
-  loss, per-sample rows come back in sample order, differing non-tensors become the list of the
-  replicas' values), and a one-time warning names it;
+  tensors they set to different values get them merged as the step's outputs are
+  (:func:`~lightning_sparse_dp.outputs.gather_outputs`: a combination of the losses its whole-batch value, other
+  0-dim tensors the mean weighted like the loss, per-sample rows in sample order); any other value they set
+  differently (an object made lazily in the step, a count) keeps the root replica's, as Lightning's DDP keeps rank
+  0's, never a list of the replicas' values; a one-time warning names what was not one device's for certain;
 - the ``j``-th entry every replica appended to a list is merged the same way into one entry appended to
   the module's list: one entry per step, as on one device;
 - a dict's entries are merged as attributes are (set or removed by every replica; a key some replicas added, such
@@ -390,22 +391,32 @@ class StepState:
     def _combined(
         self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache
     ) -> Any:
-        """The replicas' values of one attribute or container entry as one value: theirs when they agree, else merged
-        as step outputs are (said once when that is not one device's value for certain)."""
+        """The replicas' values of one attribute or container entry as one value: theirs when they agree; a combination
+        of the step's losses (or its ``.item()``) by its whole-batch value; other tensors merged as step outputs are
+        (said once when that is not one device's value for certain); anything else (an object the step made, a count,
+        a name) the root replica's value, as Lightning's DDP keeps rank 0's (the one it checkpoints), said once."""
         if _same(values):
             return values[0]
-        try:
-            value, exact = combine(values)
-        except Exception:  # noqa: BLE001  (values the output merge cannot read)
-            value, exact = self._to_root(list(values)), False
-        if not exact:
-            warning_cache.warn(
-                f"sparse_dp: {name} was set to different values by the replicas' steps: the module gets them "
-                "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in sample "
-                "order; other values: the list of the replicas' values). Log it, or return it from the step, to get "
-                "one device's value in every case."
-            )
-        return value
+        if all(isinstance(v, (Tensor, float)) for v in values):
+            try:
+                value, exact = combine(values)
+            except Exception:  # noqa: BLE001  (values the output merge cannot read)
+                value, exact = None, False
+            if exact:
+                return value
+            if value is not None and all(isinstance(v, Tensor) for v in values):
+                warning_cache.warn(
+                    f"sparse_dp: {name} was set to different tensors by the replicas' steps: the module gets them "
+                    "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in "
+                    "sample order). Log it, or return it from the step, to get one device's value in every case."
+                )
+                return value
+        warning_cache.warn(
+            f"sparse_dp: {name} was set to different values by the replicas' steps (each ran on its chunk of the "
+            "batch): the module keeps the root replica's (replica 0's), as Lightning's DDP keeps rank 0's. Set it from "
+            "the whole batch (in on_*_batch_end, which gets the gathered outputs) for one device's value."
+        )
+        return self._to_root(values[0])
 
     def _to_root(self, value: Any) -> Any:
         """``value`` with its tensors moved to the module's device (a replica's on another GPU would stay there)."""

@@ -11,6 +11,7 @@ backward (:mod:`.backward`) -> ``gather`` (:mod:`.outputs`) -> log (:mod:`.log`)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from functools import partial
@@ -40,15 +41,16 @@ from lightning_sparse_dp.manual import manual_step
 from lightning_sparse_dp.metrics import ReplicaMetrics
 from lightning_sparse_dp.one_device import one_device_batch
 from lightning_sparse_dp.outputs import gather_outputs
-from lightning_sparse_dp.place import pending_chunks, place_chunks
+from lightning_sparse_dp.place import Transfer, batch_transfer, pending_chunks, place_chunks
 from lightning_sparse_dp.presplit import PreSplitBatch, presplit_loader, step_cutters
 from lightning_sparse_dp.replicate import DeferredCheck, Replicas, StaleReplicas
 from lightning_sparse_dp.single_process import SingleProcessParallelStrategy
+from lightning_sparse_dp.skipped import check_skipped
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.state import combine_values, enter_checked, leave_checked, replica_state
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
-from lightning_sparse_dp.syncbn.replicas import check_shared_gpus, sync_layers, synchronized
+from lightning_sparse_dp.syncbn.replicas import sync_layers, synchronized
 from lightning_sparse_dp.threads import ThreadSplit, check_pin, check_prepare_in_threads, configure_replica_threads
 from lightning_sparse_dp.timing import StageTimes, StepTimer
 
@@ -101,8 +103,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             at setup as ``DDPStrategy.setup`` does), so ``Trainer(sync_batchnorm=True)`` turns it on too.
         replicas_per_device: replicas on each device (default 1): ``devices=1, replicas_per_device=3`` runs three
             replicas on one GPU, so that the multi-replica paths (replica threads and streams, the gather, the
-            gradient reduction) run on a one-GPU machine; exact, no faster. Not with synchronized batch norm on
-            GPUs (refused: it would hang). ``parallel_devices`` may also repeat a device.
+            gradient reduction) run on a one-GPU machine; exact, no faster; with synchronized batch norm too (the
+            replicas meet from their own threads, as CPU replicas do). ``parallel_devices`` may also repeat a device.
         prepare_in_threads: where each replica's share of the step's own work runs (cutting its chunk out of the
             batch and placing it, refreshing the replica, installing its metric copies and log recorder):
             ``None`` (default) or ``True``: in the replica's thread, beside the other replicas, off the main thread's
@@ -119,8 +121,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
     Raises:
         ValueError: an unknown ``loss_weighting`` or ``split``.
-        MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable devices, synchronized
-            batch norm on replicas sharing a GPU, or CPU replicas on an unpatched MinkowskiEngine; at construction
+        MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable devices, or CPU replicas
+            on an unpatched MinkowskiEngine; at construction
             of the Trainer, for ``num_nodes > 1``.
     """
 
@@ -164,6 +166,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._replica_sync_layers: list[list] = []
         self._replica_metrics = ReplicaMetrics()
         self._thread_split: ThreadSplit | None = None
+        self._loader_batch_sizes: set[int] = set()  # the batch_size of every DataLoader Lightning handed over
+        self._transfer: Transfer | None = None  # this step's batch-transfer hooks (place.batch_transfer)
+        self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (_say_idle)
 
     # --- set-up and teardown (the rest of Lightning's plumbing: single_process.py) -------------------
     @override
@@ -173,10 +178,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
         refuse_dataloader_iter(module)
         self._resolve_layer_sync()
-        if self._layer_sync is None:
-            warn_unsynchronized_batchnorm(module)
+        if self._layer_sync is None:  # said once: batch norm per replica
+            warn_unsynchronized_batchnorm(module, len(self.parallel_devices))
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
-        check_shared_gpus(self.parallel_devices if sync_layers(module) else ())  # two replicas on a GPU would hang
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
         if self._executor is None:
@@ -201,10 +205,17 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Move the split into the loader's worker processes (``presplit``), when it has workers."""
+        """Note the loader's ``batch_size`` (the split's evidence of what a per-sample tensor is) and move the split into
+        the loader's worker processes (``presplit``), when it has workers."""
+        size = getattr(dataloader, "batch_size", None)
+        if isinstance(size, int):
+            self._loader_batch_sizes.add(size)
+        self.advise_workers(dataloader)
         if not self.presplit or self.split_fn is not None or self.parallel_devices is None or len(self.parallel_devices) < 2:
             return dataloader  # one device: nothing to split
-        return presplit_loader(dataloader, len(self.parallel_devices), **self._split_options(), module=self.lightning_module)
+        options = self._split_options()
+        del options["batch_sizes"]  # the worker's split takes its own loader's
+        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module)
 
     # --- the step ------------------------------------------------------------------------------
     def _parallel_step(self, step_name: str, args: tuple, kwargs: dict, backward: bool = False) -> Any:
@@ -216,13 +227,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         module = self.lightning_module
         if module is None or not args:
             raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {step_name}.")
-        batch = one_device_batch(args[0], self.parallel_devices, self.split_fn)
+        # the batch-transfer hooks, run on each chunk as each DDP rank runs them on its batch (None: not overridden)
+        self._transfer = batch_transfer(module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        batch = one_device_batch(args[0], self.parallel_devices, self.split_fn, self._transfer)
         if batch is not None:  # one device: plain Lightning's step on the module itself (one_device.py)
             return getattr(module, step_name)(batch, *args[1:], **kwargs)
         self._timer.new_step()
         manual = step_name == "training_step" and not module.automatic_optimization  # needs chunks, hooks on replicas first
         threads = self._in_threads() and not manual  # each replica prepares in its thread, before its step
         inputs, plan = self._scatter_pending(args[0]) if threads else self.scatter(args[0])
+        self._say_idle(plan)
         in_threads = threads and type(self).replicate is SparseDataParallelStrategy.replicate  # not an overridden one
         apply = partial(self._apply, module, step_name, args, kwargs, inputs, plan, in_threads, manual)
         try:
@@ -230,6 +244,10 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         except StaleReplicas:  # the module changed since the replicas were built (DeferredCheck): rebuilt, run again
             outputs, replicas, installed, group, terms, weights = apply(rebuild=True)
         recorders, left = installed.recorders, installed.left  # left: merged back below
+        if any(o is None for o in outputs):  # None from some chunks: one device's result where it is known, else refused
+            outputs = check_skipped(
+                outputs, step_name, module, plan.chunk_samples, [r.calls if r is not None else {} for r in recorders]
+            )
         with self._timer.stage("weigh"):
             losses = [loss_of(o) for o in outputs]  # the replicas' own: a logged value that is one is reduced as the loss
             if weights is None:
@@ -242,7 +260,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         if backward and len(replicas) > 1 and torch.is_grad_enabled():
             # each replica will run its own backward, in its own thread, when Lightning calls backward on the loss
             assert self._replicas is not None
-            outputs = parallel_backward(outputs, self._replicas, executor=self._executor, group=group, times=self._timer)
+            outputs = parallel_backward(
+                outputs, self._replicas, executor=self._replica_threads(), group=group, times=self._timer
+            )
         with self._timer.stage("weigh"):
             if terms is not None:  # the losses shifted so that the gather's weighted sum is the whole batch's loss
                 outputs = terms.exact_outputs(outputs, weights)
@@ -324,7 +344,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
             chunks = [cut_chunk() for cut_chunk in cutters]
         with self._timer.stage("place"):
-            return place_chunks(chunks, self.parallel_devices or ()), plan
+            return place_chunks(chunks, self.parallel_devices or (), self._transfer), plan
 
     def _scatter_pending(self, batch: Any) -> tuple[list[Any], SplitPlan]:
         """:meth:`scatter` with chunk ``i`` cut and placed in replica ``i``'s thread (``prepare_in_threads``;
@@ -334,7 +354,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return self.scatter(batch)
         with self._timer.stage("split"):
             cutters, plan = step_cutters(batch, len(self.parallel_devices or ()), self.split_fn, **self._split_options())
-        return pending_chunks(cutters, self.parallel_devices or (), self._timer), plan
+        return pending_chunks(cutters, self.parallel_devices or (), self._timer, self._transfer), plan
 
     def _step_replicas(
         self, module: nn.Module, devices: Sequence[torch.device], rebuild: bool
@@ -404,25 +424,35 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             the replicas' outputs, replica order.
 
         Raises:
-            RuntimeError: before ``setup`` (there are no replica threads yet).
+            RuntimeError: a strategy that has no devices yet (not given to a Trainer).
             Exception: the first failing replica's error, with a note naming the replica and device.
         """
-        if self._executor is None:
+        if self.parallel_devices is None:
             raise RuntimeError(
-                "sparse_dp: a step ran before Strategy.setup; run it through a Trainer (fit/validate/test/predict)."
+                "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
+                "test / predict), which gives the strategy its devices."
             )
-        assert self.parallel_devices is not None
+        executor = self._replica_threads()
         devices = self.parallel_devices[: len(replicas)]
         effects = StepEffects(step_name, len(replicas)) if len(replicas) > 1 else None  # loggers' calls, files written
         steps = replica_steps(replicas, inputs, step_name, args, kwargs, terms, group, self._timer, before, after, effects)
         with self._timer.stage("apply"):
             try:
-                outputs = self._executor.run(steps, devices, meanwhile=meanwhile)
+                outputs = executor.run(steps, devices, meanwhile=meanwhile)
             except Exception as err:
                 raise err if plan is None else explain_replica_error(err, plan)
         if effects is not None:
             effects.say(self._warning_cache)
         return outputs
+
+    def _replica_threads(self) -> ReplicaExecutor:
+        """The replica threads: made at setup and shut down at teardown; a step run after teardown (Lightning's loop
+        driven by hand after ``fit``, as plain Lightning allows) makes them again, shut down with the strategy."""
+        if self._executor is None:
+            assert self.parallel_devices is not None
+            self._executor = ReplicaExecutor(len(self.parallel_devices))
+            weakref.finalize(self, self._executor.shutdown)
+        return self._executor
 
     def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.outputs.gather_outputs`).
@@ -436,20 +466,37 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._timer.stage("backward"):  # timed: each replica's backward runs in it (backward.py)
+        """Lightning's backward of the step's loss, timed, with autograd's device threads off in the calling thread (a
+        no-op on CPU): the node that runs the replicas' passes (:mod:`~lightning_sparse_dp.backward`) runs in this
+        thread on every device type, as on CPU, and each replica's pass in its own thread."""
+        with self._timer.stage("backward"), torch.autograd.set_multithreading_enabled(False):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _say_idle(self, plan: SplitPlan) -> None:
+        """Once per strategy: a batch split into fewer chunks than replicas (fewer samples than devices, or chunks kept
+        to two points for batch norm) leaves replicas idle in its step."""
+        devices = len(self.parallel_devices or ())
+        if plan.num_chunks < devices and not self._said_idle:
+            self._said_idle = True
+            self._warning_cache.info(
+                f"sparse_dp: a batch of {plan.num_samples} sample(s) ran on {plan.num_chunks} of the {devices} replicas "
+                f"(a chunk holds whole samples): {devices - plan.num_chunks} replica(s) idle in such steps (said once). "
+                f"A batch_size of at least {devices} (and drop_last=True for a short last batch) keeps every replica busy."
+            )
 
     def _in_threads(self) -> bool:
         return self.prepare_in_threads is not False
 
     def _split_options(self) -> dict[str, Any]:
-        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk``."""
+        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk`` and the
+        loaders' ``batch_sizes``."""
         pinned = self._core_groups is not None and self.split == "balanced"
         assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
         module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
         batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
         return {"layout": self.layout, "assignment": assignment,
-                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm)}
+                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
+                "batch_sizes": self._loader_batch_sizes}
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)
 

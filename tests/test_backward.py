@@ -288,10 +288,10 @@ def test_a_chunk_that_fails_in_its_replica_fails_the_step_at_once(monkeypatch):
     place = __import__("lightning_sparse_dp.place", fromlist=["place_chunk"])
     placing = place.place_chunk
 
-    def fails_in_replica_1(chunk, device):
+    def fails_in_replica_1(chunk, device, transfer=None):
         if threading.current_thread().name.startswith("sparse_dp-replica1"):
             raise MemoryError("no room for replica 1's chunk")
-        return placing(chunk, device)
+        return placing(chunk, device, transfer)
 
     monkeypatch.setattr(place, "place_chunk", fails_in_replica_1)
     monkeypatch.setattr(BufferHandOff.__init__, "__defaults__", (5.0,))  # replica 0's wait, were it left waiting
@@ -316,37 +316,77 @@ def test_stage_times_hold_each_synchronized_layer_and_the_wait():
         assert "emit" in step and "log" in step  # Lightning's own self.log apart from sparse_dp's reduction
 
 
-class _BackwardThreads(SparseNet):
-    """Records each replica's backward thread (a hook on its loss)."""
+BACKWARD_THREADS: list[tuple[str, str, bool]] = []  # outside the module: what a step appends there is merged
 
-    def __init__(self):
-        super().__init__(batch_norm=True)
-        self.backward_threads: list[tuple[str, str]] = []
+
+class _BackwardThreads(SparseNet):
+    """Records, during each replica's backward (a hook on its loss), the thread it runs in and whether autograd's
+    device threads are on there (``torch._C._is_multithreading_enabled()``): the threading model GPUs run too."""
+
+    def __init__(self, batch_norm=True):
+        super().__init__(batch_norm=batch_norm)
+        BACKWARD_THREADS.clear()
+
+    @property
+    def backward_threads(self) -> list[tuple[str, str, bool]]:
+        return BACKWARD_THREADS
+
+    def _probe(self, loss):
+        replica = threading.current_thread().name
+        loss.register_hook(
+            lambda g: BACKWARD_THREADS.append(
+                (replica, threading.current_thread().name, torch._C._is_multithreading_enabled())
+            ) or g
+        )
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        replica = threading.current_thread().name
-        loss.register_hook(lambda g: self.backward_threads.append((replica, threading.current_thread().name)) or g)
+        self._probe(loss)
         return loss
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_a_replica_served_by_the_calling_thread_runs_its_backward_there_reentrantly(monkeypatch, devices):
-    """On CUDA the replicas on the GPU whose autograd worker runs the step's backward node run their passes in
-    that worker, reentrantly (backward.served_here; a pass started elsewhere would wait for that worker forever).
-    Here, replica 0 is made to run so (on CPU the node runs in the thread that called backward, so this is
-    torch's reentrant backward for real), beside the others in their threads, synchronized batch norm waiting
-    across both kinds: the same step as one device, and replica 0's pass in the main thread."""
-    backward = __import__("lightning_sparse_dp.backward", fromlist=["served_here"])
-    asked = []
-    monkeypatch.setattr(backward, "served_here", lambda d, synchronized=False: asked.append(synchronized) or (0,))
-    ours, reference = same_start(_BackwardThreads)
+class _ManualBackwardThreads(_BackwardThreads):
+    def __init__(self, batch_norm=True):
+        super().__init__(batch_norm=batch_norm)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.loss(batch)
+        self._probe(loss)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+@pytest.mark.parametrize("sync", [False, True], ids=["plain-bn", "sync-bn"])
+@pytest.mark.parametrize("per_device", [2, 3])
+def test_every_replica_runs_its_backward_in_its_own_thread_with_autograds_device_threads_off(manual, sync, per_device):
+    """One threading model on every device type (issue 55): each replica's backward runs in that replica's own thread
+    with ``torch.autograd.set_multithreading_enabled(False)`` (on a GPU torch would otherwise run it in the device's
+    worker thread), replicas sharing one device included (``replicas_per_device``), with and without synchronized
+    batch norm, automatic and manual optimization; the parameters equal one device's."""
+    cls = _ManualBackwardThreads if manual else _BackwardThreads
+    ours, reference = same_start(cls, batch_norm=sync)
     batches = _batches(2)
-    trainer(strategy="sparse_dp", devices=devices, sync_batchnorm=True, max_steps=2, **F64).fit(ours, loader(*batches))
+    strategy = SparseDataParallelStrategy(replicas_per_device=per_device)
+    trainer(strategy=strategy, devices=1, sync_batchnorm=sync, max_steps=2, **F64).fit(ours, loader(*batches))
+    ran = sorted(set(ours.backward_threads))
     trainer(devices=1, max_steps=2, **F64).fit(reference, loader(*batches))
     assert_same_states(ours, reference)
-    assert asked == [True, True]
-    main = threading.current_thread().name
-    ran = sorted(set(ours.backward_threads))
-    assert ran == sorted([("sparse_dp-replica0_0", main)] + [(f"sparse_dp-replica{i}_0", f"sparse_dp-replica{i}_0")
-                                                               for i in range(1, devices)])
+    assert ran == [(f"sparse_dp-replica{i}_0", f"sparse_dp-replica{i}_0", False) for i in range(per_device)]
+
+
+def test_gradient_accumulation_keeps_the_threading_model_and_one_devices_parameters():
+    ours, reference = same_start(_BackwardThreads)
+    batches = _batches(4)
+    strategy = SparseDataParallelStrategy(replicas_per_device=3)
+    kwargs = dict(max_steps=2, accumulate_grad_batches=2, **F64)
+    trainer(strategy=strategy, devices=1, sync_batchnorm=True, **kwargs).fit(ours, loader(*batches))
+    ran = list(ours.backward_threads)
+    trainer(devices=1, **kwargs).fit(reference, loader(*batches))
+    assert_same_states(ours, reference)
+    assert {(a == b, a.startswith("sparse_dp-replica"), on) for a, b, on in ran} == {(True, True, False)}
+    assert len(ran) == 4 * 3

@@ -27,21 +27,48 @@ from tests.helpers import (
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 
 
-def test_before_transfer_hook_runs_and_skipped_hooks_warn():
-    class Hooks(SparseNet):
-        def on_before_batch_transfer(self, batch, dataloader_idx):
-            batch["labels"] = torch.zeros_like(batch["labels"])
-            return batch
+class Moved:
+    """A batch entry of the user's own type that only the user's transfer hook can move."""
 
-        def on_after_batch_transfer(self, batch, dataloader_idx):
-            return batch
+    def __init__(self, scale, device=None):
+        self.scale, self.device = scale, device
 
-        def training_step(self, batch, batch_idx):
-            assert int(batch["labels"].sum()) == 0
-            return super().training_step(batch, batch_idx)
 
-    with pytest.warns(UserWarning, match="does not call on_after_batch_transfer"):
-        trainer(strategy="sparse_dp", devices=3).fit(Hooks(), loader(collate_dict(random_samples(5))))
+class TransferHooks(SparseNet):
+    """The batch-transfer hooks overridden (issue 58): the step needs what they did to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.calls.append(("transfer", threading.current_thread().name, str(device), int(batch["labels"].numel())))
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return {**batch, "extra": Moved(batch["extra"].scale, device)}
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.calls.append(("after", threading.current_thread().name))
+        return {**batch, "features": batch["features"] * batch["extra"].scale}
+
+    def training_step(self, batch, batch_idx):
+        assert isinstance(batch["extra"], Moved) and batch["extra"].device == self.device
+        return super().training_step({k: v for k, v in batch.items() if k != "extra"}, batch_idx)
+
+
+def test_batch_transfer_hooks_run_on_each_chunk_in_its_replicas_thread_as_ddp_ranks_run_them(both_preparations):
+    batches = [{**collate_dict(random_samples(9, seed=s)), "extra": Moved(2.0)} for s in (1, 2)]
+    batches = [{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in b.items()}
+               for b in batches]
+    ours, reference = same_start(TransferHooks)
+    trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=2, precision="64-true").fit(reference, loader(*batches))
+    assert_same_states(ours, reference)
+    assert [c[0] for c in reference.calls] == ["transfer", "after"] * 2  # plain Lightning: once per batch
+    transfers = [c for c in ours.calls if c[0] == "transfer"]
+    assert len(transfers) == 6 and sum(c[3] for c in transfers) == 18  # once per chunk: 3 chunks of 9 samples a step
+    assert len([c for c in ours.calls if c[0] == "after"]) == 6
+    if both_preparations:  # each chunk's hooks in its replica's thread (the default), with its device
+        assert {c[1] for c in ours.calls} == {f"sparse_dp-replica{i}_0" for i in range(3)}
 
 
 def test_before_transfer_hook_runs_once_per_batch_as_under_plain_lightning():

@@ -179,58 +179,6 @@ def test_a_failing_cuda_replica_names_its_device(monkeypatch):
     assert "raised in replica 1 on device cuda:1" in "".join(getattr(info.value, "__notes__", []))
 
 
-def test_replicas_on_the_backward_workers_gpu_run_in_the_calling_thread_while_the_others_run_in_theirs(monkeypatch):
-    """``here``: replicas 0 and 1 (the caller's GPU) run in the calling thread, in order, after replica 2 has
-    started in its own thread, so a rendezvous between a local replica and replica 2 completes (each waits for
-    the other here; the waits time out, failing the test, instead of hanging). CUDA calls replaced (FakeCuda)."""
-    FakeCuda().install(monkeypatch)
-    met = threading.Barrier(2, timeout=20)
-    seen = []
-
-    def step(i):
-        def run():
-            seen.append((i, threading.current_thread().name))
-            if i in (0, 2):
-                met.wait()  # replica 0 (here) and replica 2 (its thread) at once
-            return i
-        return run
-
-    executor = ReplicaExecutor(3)
-    try:
-        devices = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]
-        assert executor.run([step(i) for i in range(3)], devices, here=(0, 1)) == [0, 1, 2]
-    finally:
-        executor.shutdown()
-    main = threading.current_thread().name
-    assert [t for i, t in seen if i < 2] == [main, main] and [i for i, _ in seen if i < 2] == [0, 1]
-    assert dict(seen)[2].startswith("sparse_dp-replica2")
-
-
-def test_the_calling_threads_gpu_decides_which_replicas_run_their_backward_there(monkeypatch):
-    """torch's autograd runs a GPU's nodes in that GPU's worker thread: the replicas on the caller's current
-    device run there (backward.served_here); on CPU none; with synchronized batch norm two there is an error."""
-    from lightning_sparse_dp.backward import served_here
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    shared = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)]
-    assert served_here(CUDA3) == (1,)
-    assert served_here(shared) == (2, 3)
-    assert served_here([torch.device("cpu")] * 3) == ()
-    assert served_here(CUDA3, synchronized=True) == (1,)
-    with pytest.raises(RuntimeError, match=r"replicas 0 and 1 on the same GPU \(cuda:0"):
-        served_here(shared, synchronized=True)
-
-
-def test_synchronized_batch_norm_on_replicas_sharing_a_gpu_is_refused_with_the_fix():
-    from lightning_sparse_dp.syncbn.replicas import check_shared_gpus
-
-    check_shared_gpus(CUDA3)
-    check_shared_gpus([torch.device("cpu")] * 3)  # CPU replicas never wait in an autograd worker
-    with pytest.raises(MisconfigurationException, match=r"replicas 1 and 2 on the same GPU \(cuda:1.*would hang.*"
-                       r"replicas_per_device=1.*without sync_batchnorm.*accelerator='cpu'"):
-        check_shared_gpus([torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)])
-
-
 def test_parameters_are_broadcast_once_to_each_gpu_and_copied_into_every_replica_there(monkeypatch):
     """``Replicas._copy_parameters`` with two replicas on one GPU: torch's broadcast gets each GPU once (after the
     root's), and both replicas there take that GPU's copies. The replicas are built on CPU; their devices are then
@@ -317,7 +265,7 @@ def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
     state.merge(combine, WarningCache())
     assert module.best.device.type == "meta"
     assert len(module.history) == 3 and all(t.device.type == "meta" for t in module.history)
-    assert [t.device.type for t in module.odd] == ["meta", "meta"]
+    assert module.odd.device.type == "meta" and module.odd.shape == (1,)  # the root replica's, as DDP keeps rank 0's
 
 
 @pytest.fixture
@@ -334,13 +282,17 @@ def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_devi
     only CPU tensors were looked at, so on GPUs such a value was reduced by the loss weights instead of exactly),
     reading them with one device-to-host copy per device (one ``torch.stack``), not one per tensor."""
     from lightning_sparse_dp import means
+    from lightning_sparse_dp.loss.capture import StepObserver
 
     values = [torch.tensor(0.25), torch.tensor([1.5], dtype=torch.float16), torch.tensor(3.0, dtype=torch.float64)]
     assert means.scalar_values(values) == [0.25, 1.5, 3.0] and stacks == [3]
-    with means.counting():
+
+    def step():  # the step's own thread's observer counts its means
         torch.mean(torch.arange(4.0))  # 1.5, of 4 elements
         second = torch.mean(torch.arange(6.0))  # 2.5, of 6
         assert means.count_of(second.item()) == 6 and means.count_of(1.5) == 4 and means.count_of(9.0) is None
+
+    StepObserver().run(step)
 
 
 def test_a_replica_mixing_devices_is_told_about_plain_tensor_attributes():

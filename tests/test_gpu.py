@@ -80,23 +80,22 @@ def _compare(name, ours, reference, batches, devices, steps=2, **strategy_kwargs
 @pytest.mark.parametrize("prepare_in_threads", [None, False])
 def test_replicas_sharing_one_gpu_equal_one_device(per_device, prepare_in_threads):
     """2 and 3 replicas on one GPU (``replicas_per_device``): the multi-replica CUDA paths (replica threads, the
-    replicas' backward passes in the GPU's autograd worker, gather, gradient reduction) on a one-GPU machine,
-    labelled ``shared-<k>``. (The first GPU run, 2026-11-26, hung here: every replica's backward waited for the
-    worker thread that waited for them; backward.served_here.)"""
+    replicas' backward passes in their own threads, gather, gradient reduction) on a one-GPU machine,
+    labelled ``shared-<k>``. Each replica's backward runs in its own thread with autograd's device threads off.)"""
     batches = [collate_dict(random_samples(7, seed=s)) for s in (3, 4)]
     ours, reference = same_start(SparseNet)
     _compare(f"classification-shared-{per_device}", ours, reference, batches, 1, replicas_per_device=per_device,
              prepare_in_threads=prepare_in_threads)
 
 
-@pytest.mark.skipif(ON_CPU, reason="CPU replicas may share a device with synchronized batch norm")
-def test_synchronized_batch_norm_on_replicas_sharing_a_gpu_is_refused_at_setup():
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    strategy = SparseDataParallelStrategy(replicas_per_device=2)
-    t = trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, sync_batchnorm=True, max_steps=1)
-    with pytest.raises(MisconfigurationException, match="on the same GPU.*would hang"):
-        t.fit(SparseNet(batch_norm=True), loader(collate_dict(random_samples(4, seed=1))))
+@pytest.mark.parametrize("per_device", [2, 3])
+def test_synchronized_batch_norm_on_replicas_sharing_one_gpu_equals_one_device(per_device):
+    """Replicas sharing one GPU meet in synchronized batch norm from their own threads, as CPU replicas do (one
+    threading model: autograd's device threads off in replica threads), labelled ``shared-syncbn-<k>``."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (3, 4)]
+    ours, reference = same_start(SparseNet, batch_norm=True)
+    _compare(f"classification-shared-syncbn-{per_device}", ours, reference, batches, 1, replicas_per_device=per_device,
+             sync_batchnorm=True)
 
 
 @pytest.mark.parametrize("devices", DEVICE_COUNTS)

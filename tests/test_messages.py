@@ -41,3 +41,38 @@ def test_every_warning_and_info_says_who_says_it():
     assert len(messages) > 20, "the source reading found too few messages to prove anything"
     unsigned = [(where, text[:60]) for where, text in messages if not text.startswith(SPEAKERS)]
     assert not unsigned, unsigned
+
+
+def test_replicas_left_idle_by_a_small_batch_are_said_once(caplog):
+    """devices=5 with 2 samples a batch: three replicas idle every step, said once (issue 59)."""
+    import logging
+
+    from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+
+    with caplog.at_level(logging.INFO):
+        trainer(strategy="sparse_dp", devices=5, max_steps=2).fit(
+            SparseNet(), loader(collate_dict(random_samples(2, seed=1)), collate_dict(random_samples(2, seed=2)))
+        )
+    said = [r.getMessage() for r in caplog.records if "replica(s) idle" in r.getMessage()]
+    assert len(said) == 1 and "a batch of 2 sample(s) ran on 2 of the 5 replicas" in said[0]
+
+
+def test_an_index_error_after_a_tensor_cut_as_points_names_it_and_the_layout():
+    """An integer tensor of row indices into the points, cut as per-point values: the user's step fails with its own
+    IndexError, and the error now names the entry and the layout role that fixes it (issue 59)."""
+    import pytest
+    import torch
+
+    from tests.helpers import SparseNet, collate_dict, loader, random_samples, trainer
+
+    class Gathers(SparseNet):
+        def training_step(self, batch, batch_idx):
+            picked = batch["features"][batch["order"]]  # row indices into the whole batch's points
+            return super().training_step({**batch, "features": picked}, batch_idx)
+
+    batch = collate_dict(random_samples(6, seed=3))
+    batch["order"] = torch.arange(batch["coordinates"].shape[0]).flip(0)
+    with pytest.raises(IndexError) as info:
+        trainer(strategy="sparse_dp", devices=3).fit(Gathers(), loader(batch))
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "batch['order'] was cut as one row per point" in notes and "{\"batch['order']\": 'indices'}" in notes

@@ -36,10 +36,10 @@ class PLNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(strategy, devices, **kwargs):
+def _fit(strategy, devices, model=None, **kwargs):
     batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
     batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    model = PLNet().double()
+    model = PLNet().double() if model is None else model
     t = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_steps=2, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
     t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
@@ -105,3 +105,81 @@ def test_importing_the_package_leaves_lightnings_messages_where_they_went(first)
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"{first or 'lightning.pytorch'}.utilities.rank_zero"
+
+
+def test_importing_the_package_imports_pytorch_lightning_only_once_the_process_does(tmp_path):
+    """``import lightning_sparse_dp`` imports nothing the user's code did not (issue 58): ``pytorch_lightning`` (which
+    changes Lightning's deprecation-warning class when imported) comes in only with the user's own import, whose
+    registry then holds the strategies."""
+    from tests.helpers import run_isolated
+
+    run_isolated(
+        """
+        import sys
+        import lightning_sparse_dp
+        assert "pytorch_lightning" not in sys.modules and "lightning_sparse_dp.pl" not in sys.modules
+        import pytorch_lightning as pl
+        assert {"sparse_dp", "sparse_ddp"} <= set(pl.strategies.StrategyRegistry)
+        assert lightning_sparse_dp.pl.SparseDataParallelStrategy.__module__ == "lightning_sparse_dp.pl.strategy"
+        """,
+        tmp_path,
+    )
+
+
+class LNet(__import__("lightning").LightningModule):
+    """PLNet on ``lightning.pytorch``'s classes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(8, NUM_CLASSES),
+        )
+
+    training_step = PLNet.training_step
+    configure_optimizers = PLNet.configure_optimizers
+
+
+def _fit_lightning(strategy, devices, model=None, **kwargs):
+    import lightning as L
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    model = LNet().double() if model is None else model
+    t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+    return model
+
+
+def test_a_pytorch_lightning_fit_and_a_lightning_fit_in_one_process_each_equal_one_device():
+    """The mirror holds no process state that can disagree with the original's (issue 57): one after the other, then
+    side by side in two threads, each fit equals its plain one-device reference."""
+    import threading
+
+    ref_pl, ref_l = _fit("auto", 1)[0], _fit_lightning("auto", 1)
+    runs = {"pl": _fit("sparse_dp", 3, sync_batchnorm=True)[0], "l": _fit_lightning("sparse_dp", 3, sync_batchnorm=True)}
+    errors = []
+
+    def side(name, fn):
+        try:
+            runs[f"{name}-threads"] = fn()
+        except BaseException as err:  # noqa: BLE001  (asserted below)
+            errors.append(err)
+
+    first, second = PLNet().double(), LNet().double()  # made here: two threads seeding torch at once would interleave
+    threads = [
+        threading.Thread(target=side, args=("pl", lambda: _fit("sparse_dp", 3, first, sync_batchnorm=True)[0])),
+        threading.Thread(target=side, args=("l", lambda: _fit_lightning("sparse_dp", 3, second, sync_batchnorm=True))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, model in runs.items():
+        reference = ref_pl if name.startswith("pl") else ref_l
+        for (key, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+            if a.is_floating_point():
+                assert relative_difference(a, b) <= 1e-10, (name, key)

@@ -203,10 +203,16 @@ def test_a_successful_step_keeps_its_group_for_the_backward_pass():
     assert [root for _, root in strategy.memberships] == [True, False, False]  # only the root replica updates stats
 
 
-def test_a_step_before_setup_says_so():
+def test_a_step_outside_setup_makes_its_replica_threads_and_one_without_devices_says_so():
+    """A step run before setup or after teardown (Lightning's loop driven by hand) runs, as under plain Lightning; a
+    strategy no Trainer gave devices says what is missing (issue 58)."""
+    with pytest.raises(RuntimeError, match="no devices yet.*through a Trainer"):
+        SparseDataParallelStrategy().parallel_apply([SparseNet()], [_batch()], "training_step", (0,))
     strategy = SparseDataParallelStrategy(parallel_devices=[torch.device("cpu")] * 2)
-    with pytest.raises(RuntimeError, match="before Strategy.setup"):
-        strategy.parallel_apply([SparseNet()], [_batch()], "training_step")
+    modules, batches = [SparseNet(), SparseNet()], [_batch(), _batch(seed=5)]
+    got = strategy.parallel_apply(modules, batches, "validation_step", (0,))
+    want = [m.validation_step(b, 0) for m, b in zip(modules, batches)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_sparse_ddp_says_what_auto_chose(caplog):

@@ -390,14 +390,15 @@ def test_log_reduction():
     assert calls["x"].value.item() == 10.0
 
 
-def test_logging_bad_values_from_a_replica_is_a_clear_error():
+def test_logging_bad_values_from_a_replica_raises_lightnings_own_errors():
     import torchmetrics
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises(TypeError, match="not an attribute of the LightningModule"):
+    with pytest.raises(MisconfigurationException, match="metric_attribute=name"):
         LogRecorder()("acc", torchmetrics.Accuracy(task="binary"))
-    with pytest.raises(TypeError, match="log a number, a one-element tensor or a torchmetrics Metric"):
+    with pytest.raises(ValueError, match="`str` values cannot be logged"):
         LogRecorder()("acc", "high")
-    with pytest.raises(ValueError, match="one element"):
+    with pytest.raises(ValueError, match="the tensor must have a single element"):
         LogRecorder()("v", torch.zeros(3))
 
 

@@ -365,7 +365,7 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     state = StepState(module, replicas)
     for i, r in enumerate(replicas):
         assert r.stats is not stats and r.stats["per_stage"] is not stats["per_stage"] and r.big is big
-        r.stats["sum"] += 10 * (i + 1)  # every replica: merged as an attribute (combine)
+        r.stats["sum"] += 10.0 * (i + 1)  # every replica: merged as an attribute (combine: numbers, tensors)
         r.stats[f"sample{i}"] = i  # each its own sample's key
         del r.stats["gone"]
         r.stats["per_stage"]["val"].append(i)
@@ -376,9 +376,9 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     state.merge(lambda values: merged.append(values) or (sum(values), True), cache)
     assert module.stats is stats and type(stats) is collections.defaultdict and stats.default_factory is list
     assert {k: v for k, v in stats.items() if k != "per_stage"} == {
-        "sum": 60, "flag": True, "sample0": 0, "sample1": 1, "sample2": 2
+        "sum": 60.0, "flag": True, "sample0": 0, "sample1": 1, "sample2": 2
     }
-    assert stats["per_stage"] == {"val": [3]} and merged == [[10, 20, 30], [0, 1, 2]]
+    assert stats["per_stage"] == {"val": [3]} and merged == [[10.0, 20.0, 30.0], [0, 1, 2]]
     assert module.big is big and len(big) == 20
     assert any("self.stats['flag'] was set or removed by some replicas' steps only" in m for m in cache)
     assert not any("sample" in m or "'sum'" in m for m in cache)

@@ -193,30 +193,32 @@ def test_gradient_is_scaled_by_the_terms_scale():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=0)
 
 
-def test_run_enters_the_mode_at_the_first_loss_and_restores_torch():
+def test_run_observes_the_step_in_its_thread_and_leaves_torch_as_it_was():
+    """The capture is the step's thread's torch function mode from the start (issue 57): nothing of torch is replaced,
+    and a loss imported by name is captured as ``F.*`` is."""
     from torch.nn.functional import cross_entropy  # imported by name: torch's own function
 
-    original = F.mse_loss
+    before = (F.mse_loss, F.cross_entropy, torch.mean)
     capture = TermCapture()
 
     def step():
-        assert torch._C._len_torch_function_stack() == 0  # the forward runs without the mode
-        first = nn.MSELoss()(x, y)  # nn.*Loss -> F.mse_loss, a trigger while the step runs
-        assert torch._C._len_torch_function_stack() == 1
-        return first + cross_entropy(logits, labels)  # by name: captured once the mode is in
+        assert torch._C._len_torch_function_stack() == 1  # the whole step runs under the thread's mode
+        assert (F.mse_loss, F.cross_entropy, torch.mean) == before and F.mse_loss is before[0]
+        first = nn.MSELoss()(x, y)  # nn.*Loss -> F.mse_loss
+        return first + cross_entropy(logits, labels)
 
     loss = capture.run(step)
-    assert torch._C._len_torch_function_stack() == 0 and F.mse_loss is original
+    assert torch._C._len_torch_function_stack() == 0 and F.mse_loss is before[0]
     assert [t.name for t in capture.terms] == ["F.mse_loss", "F.cross_entropy"]
     assert capture.combination(loss)[0] == [1.0, 1.0]
 
 
-def test_a_loss_imported_by_name_before_any_other_is_not_captured_and_said():
+def test_a_loss_imported_by_name_before_any_other_is_captured():
     from torch.nn.functional import cross_entropy
 
     capture = TermCapture()
     loss = capture.run(lambda: cross_entropy(logits, labels))
-    assert capture.terms == [] and "not computed from torch's mean-reduced losses" in capture.combination(loss)
+    assert [t.name for t in capture.terms] == ["F.cross_entropy"] and capture.combination(loss)[0] == [1.0]
 
 
 @pytest.mark.parametrize("keep", [True, False, torch.tensor(True), torch.tensor(False)])  # tensors: the CUDA path
@@ -231,7 +233,7 @@ def test_scaled_value_and_gradient(keep):
     assert float(out.detach()) == (2.0 if bool(keep) else 0.0) and float(a.grad) == (3.0 if bool(keep) else 0.0)
 
 
-def test_outside_capture_pops_the_mode_and_keeps_a_pending_capture_from_entering():
+def test_outside_capture_pops_the_mode():
     seen = []
 
     @outside_capture
@@ -242,10 +244,10 @@ def test_outside_capture_pops_the_mode_and_keeps_a_pending_capture_from_entering
     capture = TermCapture()
 
     def step():
-        metric_update(logits, labels)  # before the first loss: its loss call does not enter the capture
-        assert torch._C._len_torch_function_stack() == 0
+        metric_update(logits, labels)  # before the first loss: run with the mode popped, its loss not a term
+        assert torch._C._len_torch_function_stack() == 1
         loss = F.mse_loss(x, y)
-        metric_update(logits, labels)  # after it: run with the mode popped, then the mode is back
+        metric_update(logits, labels)  # after it: the same, then the mode is back
         assert torch._C._len_torch_function_stack() == 1
         return 2 * loss  # still followed
 
@@ -315,3 +317,51 @@ def test_the_arguments_every_row_shares_are_the_ones_compared_across_replicas():
     assert shared(F.binary_cross_entropy, p, p, weight=rows) == []
     assert shared(F.binary_cross_entropy, p[:1], p[:1], weight=rows[:1]) == []  # one row, its own weight
     assert shared(F.mse_loss, x, p) == []
+
+
+_H = (4, 8, 3, 3, 3)
+_PER_SAMPLE_HEADS = {
+    "adaptive_avg_pool3d": lambda h: F.adaptive_avg_pool3d(h, 1).flatten(1),
+    "adaptive_max_pool3d": lambda h: F.adaptive_max_pool3d(h, 1).flatten(1),
+    "adaptive_avg_pool2d": lambda h: F.adaptive_avg_pool2d(h[:, :, 0], 1).flatten(1),
+    "adaptive_avg_pool1d": lambda h: F.adaptive_avg_pool1d(h.flatten(2), 1).flatten(1),
+    "avg_pool3d": lambda h: F.avg_pool3d(h, 3).flatten(1),
+    "mean_of_spatial_dims": lambda h: h.mean(dim=(2, 3, 4)),
+    "mean_of_last_dim": lambda h: h.flatten(2).mean(-1),
+    "amax_of_negative_dims": lambda h: h.amax(dim=(-3, -2, -1)),
+}
+_CHUNK_STATISTICS = {
+    "mean_over_rows": lambda h: h.mean(0),
+    "mean_over_rows_negative": lambda h: h.mean(-5),
+    "mean_of_everything": lambda h: h.mean(),
+    "max_over_rows": lambda h: h.max(0).values,
+}
+
+
+@pytest.mark.parametrize("head", list(_PER_SAMPLE_HEADS))
+def test_per_sample_pooling_heads_are_not_a_statistic_of_the_chunk(head):
+    """Dense pooling heads pool each sample alone (issue 59: ``adaptive_avg_pool3d`` was taken for a statistic of the
+    chunk, autograd saving its dims -1..-3 as unsigned numbers, the first of which is a multiple of 5)."""
+    from lightning_sparse_dp.loss.sites import reduces_rows
+
+    h = torch.randn(*_H, requires_grad=True)
+    assert not reduces_rows(_PER_SAMPLE_HEADS[head](h))
+
+
+@pytest.mark.parametrize("head", list(_CHUNK_STATISTICS))
+def test_reductions_over_the_rows_are_a_statistic_of_the_chunk(head):
+    from lightning_sparse_dp.loss.sites import reduces_rows
+
+    h = torch.randn(*_H, requires_grad=True)
+    assert reduces_rows(_CHUNK_STATISTICS[head](h))
+
+
+@pytest.mark.parametrize("pool", ["MinkowskiGlobalAvgPooling", "MinkowskiGlobalMaxPooling", "MinkowskiGlobalSumPooling"])
+def test_me_global_pooling_is_one_row_per_sample_not_a_statistic(pool):
+    import MinkowskiEngine as ME
+
+    from lightning_sparse_dp.loss.sites import reduces_rows
+
+    coords = torch.tensor([[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.int32)
+    x = ME.SparseTensor(torch.randn(4, 3, requires_grad=True), coords)
+    assert not reduces_rows(getattr(ME, pool)()(x).F)

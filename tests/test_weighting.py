@@ -161,3 +161,23 @@ def test_a_batch_with_nothing_to_count_gives_zero_loss_not_nan():
     assert t.callback_metrics["train_loss"].item() == 0.0
     for k, v in model.state_dict().items():  # SGD with zero gradients: nothing moves, nothing is NaN
         assert torch.equal(v, before[k].to(v.dtype)), k
+
+
+def test_the_suggested_counting_callable_fits_the_batchs_own_structure():
+    """The fallback line's example reaches the labels as the chunk holds them (issue 59: it said chunk['labels'] to a
+    tuple batch), and runs on a chunk of that batch."""
+    import MinkowskiEngine as ME
+
+    from lightning_sparse_dp.loss.weights import counting_example
+    from lightning_sparse_dp.split import split_batch
+    from tests.helpers import random_samples
+
+    coords, feats, _ = zip(*random_samples(4))
+    coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
+    labels = torch.randint(0, 3, (coordinates.shape[0],))
+    for batch, want in (((coordinates, features, labels), "chunk[2]"),
+                        ({"coordinates": coordinates, "features": features, "seg": labels}, "chunk['seg']")):
+        chunks, plan = split_batch(batch, 2)
+        example = counting_example(plan)
+        assert example == f"lambda chunk: ({want} != 255).sum()"
+        assert int(eval(example)(chunks[0])) == len(chunks[0][2] if isinstance(batch, tuple) else chunks[0]["seg"])

@@ -1,9 +1,11 @@
 """Capture torch's mean-reduced losses inside a replica's step, and how its loss combines them.
 
-While a replica's step (a rank's, in ``sparse_ddp``) runs, a :class:`TermCapture` is the thread's
-``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own),
-from the step's first loss call on (:meth:`TermCapture.run`: before it, the network's forward runs
-without the mode's per-call cost).
+Every replica's step (a rank's, in ``sparse_ddp``) runs under a :class:`StepObserver`, the thread's
+``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own and no other
+thread sees anything): it counts the step's one-value means (:mod:`~lightning_sparse_dp.means`) and notes the
+collectives its own code calls (:mod:`~lightning_sparse_dp.loss.collectives`). Nothing of torch is replaced:
+``torch.mean``, ``F.cross_entropy`` and ``torch.distributed.all_reduce`` stay torch's own objects everywhere.
+With ``loss_weighting="terms"`` the observer is a :class:`TermCapture`.
 Every call of a loss in :data:`~lightning_sparse_dp.loss.denominators.CAPTURED` with a mean reduction,
 functional or through its ``nn.*Loss`` module (which calls the functional), becomes a *term*: its
 value ``L`` and its denominator ``D`` as torch defines it (:func:`~lightning_sparse_dp.loss.denominators.denominator`).
@@ -28,11 +30,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_sparse_dp._patch import SharedPatch
+from lightning_sparse_dp.loss.collectives import COLLECTIVE_FUNCTIONS, note_collective
 from lightning_sparse_dp.loss.denominators import (
     CAPTURED,
     UNCAPTURED,
@@ -45,43 +46,62 @@ from lightning_sparse_dp.loss.denominators import (
 )
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
-from lightning_sparse_dp.means import last_holding, scalar_values
+from lightning_sparse_dp.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
 
 T = TypeVar("T")
 
 
-_local = threading.local()  # .pending: the capture of this thread's step, until its first loss call enters it;
+_local = threading.local()  # .active: the observer of this thread's step, while it runs
 
 
-def _trigger(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``original`` (a loss of ``torch.nn.functional``) that first enters the thread's pending capture, if any."""
-
-    @functools.wraps(original)
-    def trigger(*args: Any, **kwargs: Any) -> Tensor:
-        capture = getattr(_local, "pending", None)
-        if capture is not None:
-            capture._activate()
-        return original(*args, **kwargs)  # with the mode entered, torch hands the call to it
-
-    return trigger
-
-
-_TRIGGERS = {f.__name__: _trigger(f) for f in (*CAPTURED, *UNCAPTURED)}
-
-
-_ORIGINALS: dict[Any, Any] = {_TRIGGERS[f.__name__]: f for f in (*CAPTURED, *UNCAPTURED)}
-
-
-#: ``torch.nn.functional``'s losses are triggers while any step runs under a capture
-_TRIGGERS_INSTALLED = SharedPatch({(F, name): trigger for name, trigger in _TRIGGERS.items()})
-
-
-_CAPTURED_KIND, _UNCAPTURED_KIND = "captured", "uncaptured"
-#: what ``__torch_function__`` does first with a loss it is handed (the originals and their triggers alike)
+_CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
+#: what ``__torch_function__`` does first with a function it is handed; anything else passes straight through
 _KINDS: dict[Any, str] = {
     **{f: _CAPTURED_KIND for f in CAPTURED}, **{f: _UNCAPTURED_KIND for f in UNCAPTURED},
+    **{f: _MEAN_KIND for f in MEAN_FUNCTIONS}, **{f: _COLLECTIVE_KIND for f in COLLECTIVE_FUNCTIONS},
 }
-_KINDS.update({trigger: _KINDS[original] for trigger, original in _ORIGINALS.items()})
+
+
+class StepObserver(TorchFunctionMode):
+    """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.means.
+    note_mean`) and, where ``collectives`` is a list, notes the ``torch.distributed`` collectives the user's code calls
+    (:func:`~lightning_sparse_dp.loss.collectives.note_collective`). Enter it with :meth:`run`, in the step's thread.
+
+    Every torch call of the step passes through :meth:`__torch_function__` (a dict lookup, then the call), which is
+    what observing per thread costs; torch's own functions are never replaced (that would be seen by every thread).
+    """
+
+    def __init__(self, collectives: list[str] | None = None) -> None:
+        super().__init__()
+        self.collectives = collectives
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
+        its means (:func:`~lightning_sparse_dp.means.counting`)."""
+        previous = getattr(_local, "active", None)
+        _local.active = self
+        try:
+            with counting(), self:
+                return fn()
+        finally:
+            _local.active = previous
+
+    def _observe(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if kind is _MEAN_KIND:
+            note_mean(args, kwargs, out)
+        elif kind is _COLLECTIVE_KIND and self.collectives is not None:
+            note_collective(func, self.collectives)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            kind = _KINDS.get(func)
+        except TypeError:  # an unhashable callable: nothing to observe
+            return out
+        if kind is not None:
+            self._observe(kind, func, args, kwargs, out)
+        return out
 
 
 class Term:
@@ -157,7 +177,7 @@ def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
     return torch.where(keep, value, torch.zeros_like(value)) * factor
 
 
-class TermCapture(TorchFunctionMode):
+class TermCapture(StepObserver):
     """The terms and forms of one replica's step (enter it in the replica's thread: :meth:`run`).
 
     Attributes:
@@ -165,12 +185,11 @@ class TermCapture(TorchFunctionMode):
         forms: ``id(tensor) -> Form`` of every tensor computed from terms (the tensors are kept alive).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, collectives: list[str] | None = None) -> None:
+        super().__init__(collectives)
         self.terms: list[Term] = []
         self.forms: dict[int, Form] = {}
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
-        self.blocked: str | None = None  # why the mode could not be entered
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -192,34 +211,6 @@ class TermCapture(TorchFunctionMode):
         i = last_holding(candidates, value)
         return None if i is None else candidates[i]
 
-    def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with this capture as the calling thread's torch function mode from its first loss call on.
-
-        Until then the step runs without the mode, at no cost: the losses of ``torch.nn.functional``
-        (which ``nn.*Loss`` modules call) are replaced, while any capture runs, by triggers that enter
-        the pending capture of their thread. A loss imported by name before (``from
-        torch.nn.functional import cross_entropy``) is captured once the mode is entered.
-        """
-        with _TRIGGERS_INSTALLED.held():
-            _local.pending = self
-            try:
-                return fn()
-            finally:
-                _local.pending = None
-                if getattr(_local, "active", None) is self:  # entered at a loss call of the step
-                    _local.active = None
-                    self.__exit__(None, None, None)
-
-    def _activate(self) -> None:
-        _local.pending = None
-        if torch._C._len_torch_function_stack() > 0:  # the step's own mode (e.g. ``with torch.device(...)``)
-            self.blocked = (
-                "the step had a torch function mode of its own active (e.g. `with torch.device(...)`) at its first loss"
-            )
-            return
-        self.__enter__()
-        _local.active = self
-
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         try:
@@ -227,11 +218,12 @@ class TermCapture(TorchFunctionMode):
         except TypeError:  # an unhashable callable: not a loss
             kind = None
         if kind is _CAPTURED_KIND:
-            return self._capture(_ORIGINALS.get(func, func), args, kwargs)
-        if kind is None and not self._touches_forms(args):
-            return func(*args, **kwargs)  # most calls (a metric's update, the network after a loss): nothing to follow
-        func = _ORIGINALS.get(func, func)
+            return self._capture(func, args, kwargs)
+        if kind is None and (not self.forms or not self._touches_forms(args)):
+            return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
+        if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND:
+            self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):
             return out
         if kind is _UNCAPTURED_KIND and is_mean(bind(func, args, kwargs)):
@@ -298,8 +290,6 @@ class TermCapture(TorchFunctionMode):
 
     def _combination(self, value: Any) -> tuple[list[float], float, float] | str:
         form = self.forms.get(id(value)) if isinstance(value, Tensor) else None
-        if form is None and self.blocked:
-            return self.blocked
         if form is None:
             return (
                 "it is not computed from torch's mean-reduced losses (F.cross_entropy, F.mse_loss, ... with "
@@ -321,36 +311,32 @@ class TermCapture(TorchFunctionMode):
 
 
 def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` that runs with its thread's :class:`TermCapture` out of the way (for a metric's ``update`` / ``forward``).
+    """``fn`` that runs with its thread's :class:`StepObserver` out of the way (for a metric's ``update`` / ``forward``).
 
     What a torchmetrics metric computes in a step is its own state (merged across replicas by
     :mod:`~lightning_sparse_dp.metrics`), never a term of the loss, so the capture has nothing to follow in
     it, while every torch call made under the mode costs a Python ``__torch_function__`` call (an
     accuracy update of 48 samples: about 53 us bare, 130 under the mode). The wrapped call runs with the
-    capture popped from the thread's torch function mode stack when it is the innermost mode (else, a
-    mode the step entered after it is on top, the call runs under both as before), and with a pending
-    capture not yet entered kept from entering: a mean-reduced loss a metric computes inside is not taken
-    for one of the step's terms. Without a capture in the thread it calls ``fn`` directly.
+    observer popped from the thread's torch function mode stack when it is the innermost mode (else, a
+    mode the step entered after it is on top, the call runs under both). Without an observer in the thread it
+    calls ``fn`` directly.
     """
 
     @functools.wraps(fn)
     def outside(*args: Any, **kwargs: Any) -> T:
-        pending, active = getattr(_local, "pending", None), getattr(_local, "active", None)
-        if pending is None and active is None:
+        active = getattr(_local, "active", None)
+        if active is None:
             return fn(*args, **kwargs)
         depth = torch._C._len_torch_function_stack()
-        popped = active is not None and depth > 0 and torch._C._get_function_stack_at(depth - 1) is active
-        _local.pending = None
-        if popped:
-            active.__exit__(None, None, None)
+        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not active:
+            return fn(*args, **kwargs)
+        active.__exit__(None, None, None)
         try:
             return fn(*args, **kwargs)
         finally:
-            if popped:
-                active.__enter__()
-            _local.pending = pending
+            active.__enter__()
 
     return outside
 
 
-__all__ = ["Term", "TermCapture", "outside_capture"]
+__all__ = ["StepObserver", "Term", "TermCapture", "outside_capture"]

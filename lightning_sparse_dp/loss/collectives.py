@@ -8,67 +8,45 @@ gradients::
     loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum() / num
 
 Such a step is already the global batch's under DDP's averaging; weighting its ranks again (``"auto"``, or a
-sum term read as the one-device coefficient) would move it away. :func:`watching` notes every collective a
+sum term read as the one-device coefficient) would move it away. :func:`note_collective` notes every collective a
 frame outside torch, Lightning, torchmetrics and this package calls while a step runs, so ``sparse_ddp``
-(:mod:`lightning_sparse_dp.ddp`) can weight such a step's ranks as DDP does and say so.
+(:mod:`lightning_sparse_dp.ddp`) can weight such a step's ranks as DDP does and say so. It is called by the step's own
+torch function mode (:class:`~lightning_sparse_dp.loss.capture.StepObserver`, per thread): ``torch.distributed``'s
+tensor collectives that dispatch ``__torch_function__`` (:data:`COLLECTIVE_FUNCTIONS`: ``all_reduce``, ``all_gather``,
+``reduce``, ``broadcast``) are seen, under any name they were imported by, and nothing of ``torch.distributed`` is
+replaced; ``all_gather_object``, ``all_gather_into_tensor`` and ``reduce_scatter*``, which do not dispatch, are not.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 
-from lightning_sparse_dp._patch import SharedPatch
 from lightning_sparse_dp.loss.sites import library_dirs
 
-#: ``torch.distributed``'s collectives that user code reduces a count or a loss with
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "broadcast",
-)
+#: ``torch.distributed``'s collectives that user code reduces a count or a loss with and that a torch function mode sees
+COLLECTIVE_FUNCTIONS: dict[Any, str] = {
+    getattr(dist, name): name for name in ("all_reduce", "all_gather", "reduce", "broadcast") if hasattr(dist, name)
+}
 
 
-_local = threading.local()  # .found: the list the calling thread's step notes its collectives in, while it watches
+def note_collective(func: Any, found: list[str]) -> None:
+    """Append ``"dist.all_reduce at file.py:line"`` to ``found`` when ``func`` (a :data:`COLLECTIVE_FUNCTIONS` entry a
+    torch function mode was handed) was called by the user's code: the frame that called it (the first up the stack
+    below the mode's own frames that is not torch's) is not this package's, Lightning's or torchmetrics' (their own
+    reductions are not noted)."""
+    frame = sys._getframe(1)
+    torch_dir = os.path.dirname(os.path.dirname(dist.__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    while frame is not None and frame.f_code.co_filename.startswith(here):  # the mode's own frames
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):  # the collective and its wrappers
+        frame = frame.f_back
+    if frame is not None and not frame.f_code.co_filename.startswith(library_dirs()):
+        found.append(f"dist.{COLLECTIVE_FUNCTIONS[func]} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
 
 
-def _watched(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def watched(*args: Any, **kwargs: Any) -> Any:
-        found = getattr(_local, "found", None)
-        caller = sys._getframe(1)
-        if found is not None and not caller.f_code.co_filename.startswith(library_dirs()):
-            found.append(f"dist.{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
-        return fn(*args, **kwargs)
-
-    return watched
-
-
-#: ``torch.distributed``'s collectives noted while any step watches
-_WATCHING = SharedPatch({(dist, name): _watched(name, getattr(dist, name)) for name in COLLECTIVES if hasattr(dist, name)})
-
-
-@contextmanager
-def watching(found: list[str]) -> Iterator[list[str]]:
-    """While the block runs, ``torch.distributed.<collective>`` called from the user's code appends
-    ``"dist.all_reduce at file.py:line"`` to ``found`` (calls by torch, Lightning, torchmetrics and this package
-    are not noted). Only attribute lookups on the module are seen (``dist.all_reduce(...)``, as user code and
-    mmdetection's ``reduce_mean`` write it), not a name imported before (``from torch.distributed import
-    all_reduce``). Each thread notes its own calls (the list is the calling thread's).
-    """
-    with _WATCHING.held():
-        previous = getattr(_local, "found", None)
-        _local.found = found
-        try:
-            yield found
-        finally:
-            _local.found = previous
-
-
-__all__ = ["COLLECTIVES", "watching"]
+__all__ = ["COLLECTIVE_FUNCTIONS", "note_collective"]

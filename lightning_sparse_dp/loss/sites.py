@@ -130,6 +130,7 @@ def reduces_rows(x: Any, limit: int = 16) -> bool:
             ndim = len(sizes) if sizes is not None else getattr(getattr(node, "_saved_self", None), "ndim", 0)
             dim = getattr(node, "_saved_dim", None)
             dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+            dims = tuple(d - 2**64 if d >= 2**63 else d for d in dims)  # autograd saves a negative dim as uint64
             if ndim and (not dims or any(d % ndim == 0 for d in dims)):
                 return True
             continue  # a reduction along the rows' other dims: per-row values

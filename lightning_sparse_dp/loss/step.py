@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Decision, SiteMemory, Summary, decide, summarize
 from lightning_sparse_dp.loss.values import is_loss_value, loss_of
-from lightning_sparse_dp.loss.weights import resolve_auto
+from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
 from lightning_sparse_dp.split import SplitPlan
 
 
@@ -45,26 +45,29 @@ def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: floa
     return [loss + (value - base) for loss in losses]
 
 
-def fallback_message(strategy: str, reason: str, choice: str, why: str) -> str:
-    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative.
+def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
+    """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative, its
+    example written for the batch's own structure (:func:`~lightning_sparse_dp.loss.weights.counting_example`).
 
     ``sparse_dp`` weights each replica's loss as ``"auto"`` does; ``sparse_ddp`` weights ranks equally, as DDP
     averages gradients, so that it is never further from one device than the DDP a user moved from.
     """
+    choice, why = resolve_auto(plan)
+    example = counting_example(plan)
     if strategy == "sparse_ddp":
         return (
             f"sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Its ranks are "
             "weighted equally, as DDP averages gradients (exact for a loss the step normalizes across ranks itself, "
             f"or for equal shares). If the loss is one mean over each rank's {choice} ({why}), pass "
             "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), pass "
-            "a callable counting it, e.g. SparseDDPStrategy(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
+            f"a callable counting it, e.g. SparseDDPStrategy(loss_weighting={example})."
         )
     who, cls = "replica", "SparseDataParallelStrategy"
     return (
         f"{strategy}: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Each {who}'s loss is "
         f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
         f"is one mean over those. For an exact loss pass a callable counting what the loss is a mean over, e.g. "
-        f"{cls}(loss_weighting=lambda chunk: (chunk['labels'] != 255).sum())."
+        f"{cls}(loss_weighting={example})."
     )
 
 
@@ -102,16 +105,16 @@ def rank_scale(
     world_size: int,
     memory: SiteMemory,
     warning_cache: WarningCache,
-    auto: Callable[[], tuple[str, str]],
+    plan: Callable[[], SplitPlan],
 ) -> float:
     """``sparse_ddp`` after a rank's training step (or at its ``manual_backward``): its loss scale, and each
     term's gradient scale, from every rank's :class:`Summary` of the loss (``summaries``, gathered in rank order).
 
     When the loss is a combination of terms the loss scale is 1 (the terms are scaled, ``world_size`` times
-    their share, DDP averaging gradients; ``auto()`` gives ``"auto"``'s choice and
-    reason for the line said once). Where the loss is not such a combination, or the step's own code called a
-    collective (a loss the user normalized across ranks, :mod:`lightning_sparse_dp.loss.collectives`), ranks are
-    weighted as DDP does (loss scale 1, terms unscaled), said once: never further from one device than DDP.
+    their share, DDP averaging gradients; ``plan()`` gives the rank's split, for the line said once). Where the
+    loss is not such a combination, or the step's own code called a collective (a loss the user normalized across
+    ranks, :mod:`lightning_sparse_dp.loss.collectives`), ranks are weighted as DDP does (loss scale 1, terms
+    unscaled), said once: never further from one device than DDP.
     """
     calls = sorted({c for s in summaries for c in s.collectives})
     if calls:
@@ -121,7 +124,7 @@ def rank_scale(
     say(decision, "sparse_ddp", warning_cache)
     if decision.value is None:
         if decision.reason is not None and summaries[rank].reason != "nothing was captured":
-            warning_cache.info(fallback_message("sparse_ddp", decision.reason, *auto()))
+            warning_cache.info(fallback_message("sparse_ddp", decision.reason, plan()))
         return 1.0
     set_scales(capture, decision.scales[rank], world_size)
     return 1.0
@@ -186,7 +189,7 @@ class StepTerms:
     def say_fallback(self, decision: Decision) -> None:
         """Say once why the loss is weighted per replica (as ``"auto"`` does for the step's batch) instead."""
         assert self.plan is not None
-        self.warning_cache.info(fallback_message("sparse_dp", decision.reason or "", *resolve_auto(self.plan)))
+        self.warning_cache.info(fallback_message("sparse_dp", decision.reason or "", self.plan))
 
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
         """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""

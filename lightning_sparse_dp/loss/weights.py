@@ -63,6 +63,15 @@ def resolve_auto(plan: SplitPlan) -> tuple[str, str]:
     return "samples", "the batch has neither per-sample tensors nor per-point targets"
 
 
+def counting_example(plan: SplitPlan, ignore_index: int = 255) -> str:
+    """A ``loss_weighting`` callable for the batch of ``plan``, as a message suggests it: counting the labeled entries
+    of its first per-point target, else of its first per-sample tensor, reached as the chunk holds it (``chunk[1]`` in
+    a tuple batch, ``chunk['labels']`` in a dict); ``chunk['labels']`` where the batch names neither."""
+    names = plan.point_targets or plan.sample_tensors
+    target = names[0].replace("batch", "chunk", 1) if names and names[0].startswith("batch") else "chunk['labels']"
+    return f"lambda chunk: ({target} != {ignore_index}).sum()"
+
+
 def _unbuilt(chunk: Any) -> Any:
     """A split chunk as the step would see it: a whole-batch SparseSpec becomes its source tensor."""
     return apply_to_collection(chunk, SparseSpec, lambda s: s.source if s.source is not None else s)

@@ -29,7 +29,7 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from operator import getitem
 from typing import Any
@@ -75,6 +75,7 @@ def split_batch(
     layout: Mapping[Any, str] | None = None,
     assignment: str | Assignment = "balanced",
     min_points: int = 1,
+    batch_sizes: Collection[int] | None = None,
 ) -> tuple[list[Any], SplitPlan]:
     """Split a collated batch into at most ``num_chunks`` chunks of whole samples.
 
@@ -88,7 +89,10 @@ def split_batch(
             whose column 0 is sorted and starts at 0 (what ``ME.utils.sparse_collate`` returns): every
             one when (1)-(3) found none, else those numbering the same ``B`` samples; or, when there is
             none at all, a floating-point one that is the batch's first tensor, goes up 0, 1, 2, ... in
-            column 0 and has a tensor of as many rows beside it (``sparse_collate(..., dtype=torch.float32)``).
+            column 0 and has a tensor of as many rows beside it (``sparse_collate(..., dtype=torch.float32)``),
+            or, failing that, floating-point ones that go up so and have more rows than the samples they
+            number (one tensor ``[N, 1 + D + k]`` of batch index, coordinates and per-point values, which a
+            module's own ``collate_fn`` makes: cut by column 0, the other columns travel with their rows).
             Every source is split by its own batch column with the same samples per chunk. Coordinates
             may be integer or float16/32/64 (column 0 must hold whole numbers); their dtype and values are
             kept in every chunk. Every other tensor of length ``N`` of a coordinate source is
@@ -115,6 +119,9 @@ def split_batch(
         min_points: the fewest points (samples, for a dense batch) a chunk may have when it can be
             helped: while a chunk has fewer, the batch is split into one chunk less (batch norm
             per replica needs more than one value per channel; the strategy asks for 2 then).
+        batch_sizes: the ``batch_size`` of the DataLoaders the batch may come from (``None``: unknown): a
+            tensor found by its look alone (rule 4) with as many rows as one of them and more rows than the
+            samples its column 0 numbers may be one row per sample, and is refused rather than guessed.
 
     Returns:
         ``(chunks, plan)``: a list of batches with the input's structure (SparseTensor /
@@ -131,7 +138,9 @@ def split_batch(
             collated; a batch with no tensor to split; a ``layout`` key that matches nothing; an
             assignment that does not cover every sample once.
     """
-    cutters, plan = plan_split(batch, num_chunks, layout=layout, assignment=assignment, min_points=min_points)
+    cutters, plan = plan_split(
+        batch, num_chunks, layout=layout, assignment=assignment, min_points=min_points, batch_sizes=batch_sizes
+    )
     chunks = [cut_chunk() for cut_chunk in cutters]
     return chunks, dataclasses.replace(plan, point_rows=tuple(tuple(rows) for rows in plan.point_rows))
 
@@ -143,6 +152,7 @@ def plan_split(
     layout: Mapping[Any, str] | None = None,
     assignment: str | Assignment = "balanced",
     min_points: int = 1,
+    batch_sizes: Collection[int] | None = None,
 ) -> tuple[list[Callable[[], Any]], SplitPlan]:
     """:func:`split_batch`'s decisions, its cuts left for later: ``cutters[j]()`` returns chunk ``j``.
 
@@ -162,7 +172,7 @@ def plan_split(
         chunks, plan = _split_sample_list(batch, num_chunks, assignment)
         return [partial(getitem, chunks, j) for j in range(len(chunks))], plan
     leaves, spec = flatten(batch, layout)
-    leaves, sources = find_sources(leaves)
+    leaves, sources = find_sources(leaves, batch_sizes)
     num_samples, sources = count_samples(leaves, sources)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
         chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)

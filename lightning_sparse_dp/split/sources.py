@@ -12,8 +12,11 @@ one of them is found:
    (:func:`~lightning_sparse_dp.split.records.names_coordinates`: ``target_coordinates``, ``coords0``,
    ``xyz1``...) that looks like collated coordinates (:func:`looks_like_collated_coordinates`);
 3. any other integer tensor ``[M, D+1]`` that looks like collated coordinates: when 1. and 2. found
-   none, every one (``sparse_collate``'s tuple; else a floating-point one by the stricter rule of
-   :func:`_float_coordinates`); when they found some, those whose column 0 numbers the same ``B``
+   none, every one (``sparse_collate``'s tuple; else floating-point ones by the stricter rules of
+   :func:`_float_coordinates` and :func:`_collated_points`: one float tensor ``[N, 1 + D + k]`` holding batch
+   index, coordinates and per-point values is collated points when it has more rows than the samples it numbers);
+   a look-alike with as many rows as the DataLoader's ``batch_size`` and more rows than samples could be either,
+   and is refused (:func:`_refuse_ambiguous`); when they found some, those whose column 0 numbers the same ``B``
    samples ``0..B-1`` as the first source and that have more rows than samples (``sinput1_C`` beside
    ``sinput0_C``; a per-sample integer tensor ``[B, c]`` whose column 0 happens to read 0..B-1 is not one).
 
@@ -24,6 +27,7 @@ never sources: they get the role ``"indices"`` (:mod:`.indices`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -134,13 +138,19 @@ def _as_source(leaves: list[Leaf], sources: list[Source], i: int, batch_index: T
     sources.append(Source(leaves[i].name, i, batch_index.cpu()))
 
 
-def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Source, ...]]:
+def find_sources(
+    leaves: tuple[Leaf, ...], batch_sizes: Collection[int] | None = None
+) -> tuple[tuple[Leaf, ...], tuple[Source, ...]]:
     """The leaves with their coordinate leaves marked (role ``"coordinates"``) and index tensors named as
     such (role ``"indices"``), and the sources found (the module docstring gives the rules, in order).
 
+    ``batch_sizes``: the ``batch_size`` of the DataLoaders the batch may come from (``None`` or empty: unknown), the
+    evidence that tells a tensor of one row per sample from collated points when its look cannot.
+
     Raises:
         BatchLayoutError: coordinates that are numpy arrays or not ``[N, D+1]`` tensors (see
-            :func:`check_coordinates`), or a list of per-sample coordinate tensors (not collated).
+            :func:`check_coordinates`), a list of per-sample coordinate tensors (not collated), or a tensor found by
+            its look alone that may be either collated points or one row per sample (:func:`_refuse_ambiguous`).
     """
     out, sources = list(leaves), []
     for i, leaf in enumerate(leaves):
@@ -182,7 +192,9 @@ def find_sources(leaves: tuple[Leaf, ...]) -> tuple[tuple[Leaf, ...], tuple[Sour
         if len(parents) != len(set(parents)):  # several in one list: per-sample coordinates, not collated
             raise BatchLayoutError(uncollated_hint(out))
         integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
-        for i in integer or _float_coordinates(out, candidates):
+        found = integer or _float_coordinates(out, candidates) or _collated_points(out, candidates)
+        for i in found:
+            _refuse_ambiguous(out[i], batch_sizes)
             _as_source(out, sources, i, out[i].value[:, 0].long())
     else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
         num_samples = int(sources[0].batch_index.max()) + 1 if candidates and sources[0].num_points else 0
@@ -218,6 +230,47 @@ def _float_coordinates(leaves: list[Leaf], candidates: list[int]) -> list[int]:
     n = leaves[candidates[0]].value.shape[0]
     others = [leaves[i].value for i in tensors[1:]]
     return candidates[:1] if any(x.dim() > 0 and x.shape[0] == n for x in others) else []
+
+
+def _collated_points(leaves: list[Leaf], candidates: list[int]) -> list[int]:
+    """Float look-alike coordinates that are collated points on their own (a module's ``collate_fn`` making one
+    tensor ``[N, 1 + D + k]``: batch index, coordinates, then per-point values such as time or label): more rows
+    than the samples column 0 numbers (it goes 0, 1, 2, ... in steps of 0 or 1, one run per sample, so some sample
+    has several rows; a tensor of one row per sample has exactly as many), every such tensor numbering the same
+    samples, and every other tensor of the batch one row per point of one of them or per sample (a tensor of
+    another length means the batch is not so collated: it is left to the dense rules, which say what disagrees)."""
+    numbered = {i: int(leaves[i].value[-1, 0]) + 1 for i in candidates}  # sorted from 0 in steps of 0 or 1: B - 1 last
+    found = [i for i in candidates if leaves[i].value.dtype.is_floating_point and leaves[i].value.shape[0] > numbered[i]]
+    if not found or len({numbered[i] for i in found}) > 1:
+        return []
+    num_samples = numbered[found[0]]
+    lengths = {num_samples, *(int(leaves[i].value.shape[0]) for i in found)}
+    for k, leaf in enumerate(leaves):
+        x = leaf.value
+        if k not in found and isinstance(x, Tensor) and x.dim() > 0 and int(x.shape[0]) not in lengths:
+            return []
+    return found
+
+
+def _refuse_ambiguous(leaf: Leaf, batch_sizes: Collection[int] | None) -> None:
+    """Refuse a tensor taken for collated coordinates by its look alone when the DataLoader says its rows may be the
+    batch's samples: as many rows as a loader's ``batch_size`` and more rows than the samples its column 0 numbers.
+
+    Raises:
+        BatchLayoutError: naming the entry and the two ``layout`` roles that settle it.
+    """
+    x = leaf.value
+    rows, num_samples = int(x.shape[0]), int(x[:, 0].max()) + 1
+    if not batch_sizes or rows not in batch_sizes or rows <= num_samples:
+        return
+    key = key_of(leaf.path)
+    key = "batch" if key is None else key
+    raise BatchLayoutError(
+        f"{leaf.name} [{rows}, {x.shape[1]}] could be collated points (its column 0 reads as a batch index "
+        f"0..{num_samples - 1}, one run per sample) or one row per sample (it has {rows} rows, the DataLoader's "
+        f"batch_size), and a split cuts the two differently. Say which in the strategy's layout=: "
+        f"{{{key!r}: 'coordinates'}} (cut by the batch index in column 0) or {{{key!r}: 'samples'}} (one row per sample)."
+    )
 
 
 def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[int, tuple[Source, ...]]:

@@ -27,44 +27,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
-
-
-def shared_gpus(devices: Sequence[torch.device]) -> str | None:
-    """Why synchronized batch norm cannot run on replicas ``devices`` (one entry per replica), or ``None``: two
-    replicas on one CUDA device. Torch's autograd engine runs all backward work of a GPU in that GPU's one worker
-    thread (torch/csrc/autograd/engine.cpp, Note [Reentrant backwards]), so the first replica's batch-norm backward
-    would wait for the second's, which the same thread can never run: the step would hang."""
-    seen: dict[torch.device, int] = {}
-    for i, d in enumerate(devices):
-        if d.type != "cuda":
-            continue
-        if d in seen:
-            return (
-                f"sparse_dp: synchronized batch norm with replicas {seen[d]} and {i} on the same GPU ({d}; replicas "
-                f"{[str(x) for x in devices]}). Torch's autograd runs all backward work of one GPU in one worker "
-                "thread, so two replicas there cannot wait for each other in batch norm's backward: the step would "
-                "hang. Give each replica its own GPU (replicas_per_device=1), train without sync_batchnorm, or "
-                "use CPU replicas (accelerator='cpu') to test several replicas on a one-GPU machine."
-            )
-        seen[d] = i
-    return None
-
-
-def check_shared_gpus(devices: Sequence[torch.device]) -> None:
-    """Refuse synchronized batch norm on replicas that share a GPU (:func:`shared_gpus` says why).
-
-    Raises:
-        MisconfigurationException: two replicas of ``devices`` on one CUDA device.
-    """
-    problem = shared_gpus(devices)
-    if problem is not None:
-        raise MisconfigurationException(problem)
 
 
 def sync_layers(module: nn.Module) -> list[SyncBatchNorm]:
@@ -108,4 +74,4 @@ def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGr
         raise
 
 
-__all__ = ["check_shared_gpus", "shared_gpus", "sync_layers", "synchronized"]
+__all__ = ["sync_layers", "synchronized"]
