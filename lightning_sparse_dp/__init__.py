@@ -53,7 +53,7 @@ from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.collective import Collective, ThreadGroup
 from lightning_sparse_dp.timing import StageTimes
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BatchLayoutError",

@@ -76,3 +76,33 @@ def test_an_index_error_after_a_tensor_cut_as_points_names_it_and_the_layout():
         trainer(strategy="sparse_dp", devices=3).fit(Gathers(), loader(batch))
     notes = "\n".join(getattr(info.value, "__notes__", ()))
     assert "batch['order'] was cut as one row per point" in notes and "{\"batch['order']\": 'indices'}" in notes
+
+
+def _literal_parts(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value for v in node.values if isinstance(v, ast.Constant)]
+    if isinstance(node, ast.BinOp):
+        return _literal_parts(node.left) + _literal_parts(node.right)
+    return []
+
+
+def test_every_message_is_listed_in_troubleshooting_with_its_meaning():
+    """docs/troubleshooting.md holds every warning and info the package says (issue 59): each message's literal text
+    (24 characters of it at least) appears there, where its meaning and fix are written."""
+    doc = (PACKAGE.parent / "docs" / "troubleshooting.md").read_text()
+    found, missing = 0, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            parts = [p.strip() for p in _literal_parts(node.args[0]) if len(p.strip()) >= 24] if name in SAYING else []
+            if not parts:
+                continue
+            found += 1
+            if not any(p[i:i + 24] in doc for p in parts for i in range(0, len(p) - 23, 6)):
+                missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {parts[0][:60]}")
+    assert found > 20, "the source reading found too few messages to prove anything"
+    assert not missing, missing
