@@ -299,8 +299,9 @@ def headline(raw: dict, global_batch: int, steps: int, warmup: int) -> dict:
 def main_gpu(args) -> None:
     """``--accelerator gpu``: plain Lightning on one GPU, sparse_dp on 1..N GPUs (with sync BN on N), DDP with 2
     processes (NCCL) where there are 2 GPUs, and, where fewer GPUs than 3 are visible, 2 and 3 replicas sharing one
-    GPU (``replicas_per_device``, labelled ``shared``; no sync BN: refused there). Tables, stage medians and one JSON line:
+    GPU (``replicas_per_device``, labelled ``shared``; 3 of them with sync BN too). Tables, stage medians and one JSON line:
     ``overhead_ratio_gpu`` (segmentation; ``digits_overhead_ratio_gpu``), ``speedup_sparse_dp_<d>_gpu``,
+    ``<model>_syncbn_cost_ratio_shared_gpu`` (3 replicas sharing a GPU, with sync BN over without),
     ``<model>_thread_prep_ratio_gpu`` (the most replicas' step, prepared in the replicas' threads as by default on
     GPUs, over the same step prepared on the main thread, ``prepare_in_threads=False``: below 1, the threads win), each case's
     ms per step and sparse_dp-1's stage medians per model, and ``failed``: a case that raised is reported there and
@@ -326,6 +327,10 @@ def main_gpu(args) -> None:
             if k > gpus:
                 cases[f"sparse_dp-{k} shared"] = (k, partial(run_case, model_name, sdp(replicas_per_device=k, **kwargs),
                                                              1, global_batch, steps, warmup, "gpu"))
+        if gpus < 3:  # synchronized batch norm on replicas sharing a GPU: their own threads meet, as CPU replicas do
+            cases["sparse_dp-3 shared syncBN"] = (3, partial(
+                run_case, model_name, sdp(replicas_per_device=3, sync_batchnorm=True, **kwargs), 1, global_batch, steps,
+                warmup, "gpu"))
         if gpus >= 2:
             cases[f"sparse_dp-{gpus} syncBN"] = (gpus, partial(run_case, model_name, sdp(sync_batchnorm=True, **kwargs),
                                                                gpus, global_batch, steps, warmup, "gpu"))
@@ -360,6 +365,9 @@ def main_gpu(args) -> None:
                 ours = results.get(f"sparse_dp-{d}")
                 headline[f"speedup_sparse_dp_{d}_gpu"] = round(plain["step_s"] / ours["step_s"], 3) \
                     if plain and ours else None
+        synced, unsynced = results.get("sparse_dp-3 shared syncBN"), results.get("sparse_dp-3 shared")
+        headline[f"{model_name}_syncbn_cost_ratio_shared_gpu"] = (
+            round(synced["step_s"] / unsynced["step_s"], 4) if synced and unsynced else None)
         threads, main_prep = results.get(prep_base), results.get(f"{prep_base} main-prep")
         headline[f"{model_name}_thread_prep_ratio_gpu"] = (
             round(threads["step_s"] / main_prep["step_s"], 4) if threads and main_prep else None)

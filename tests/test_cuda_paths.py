@@ -443,10 +443,12 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
         per = getattr(strategy, "replicas_per_device", 1)
         label = f"{strategy if isinstance(strategy, str) else 'sparse_dp'}-{devices}x{per}"
         label += " main-prep" if getattr(strategy, "prepare_in_threads", None) is False else ""
+        label += " syncBN" if getattr(strategy, "sync_batchnorm", False) else ""
         asked.append((model_name, label))
         if model_name == "digits" and label == "auto-1x1":
             raise RuntimeError("boom\nsegmentation fault")
-        step = {"auto-1x1": 0.010, "sparse_dp-1x1": 0.011, "sparse_dp-1x3 main-prep": 0.025}.get(label, 0.02)
+        step = {"auto-1x1": 0.010, "sparse_dp-1x1": 0.011, "sparse_dp-1x3 main-prep": 0.025,
+                "sparse_dp-1x3 syncBN": 0.023}.get(label, 0.02)
         return {"step_s": step, "times": [step], "stages": {}, "points_per_sample": 10.0, "rank": 0, "cpu_s": step}
 
     monkeypatch.setattr(bench, "run_case", run_case)
@@ -457,13 +459,15 @@ def test_gpu_bench_reports_a_failed_case_and_goes_on(monkeypatch, capsys):
     line = json.loads(out.strip().splitlines()[-1])
     assert "bench: segmentation sparse_dp-1: 11.000 ms a step" in out  # each case as it ends (a later hang keeps it)
     labels = {label for _, label in asked}
-    assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3", "sparse_dp-1x3 main-prep"}
-    assert len(asked) == 2 * 5  # per model: plain, one replica, 2 and 3 shared (no sync BN: refused), 3 main-prep
+    assert labels == {"auto-1x1", "sparse_dp-1x1", "sparse_dp-1x2", "sparse_dp-1x3", "sparse_dp-1x3 syncBN",
+                      "sparse_dp-1x3 main-prep"}
+    assert len(asked) == 2 * 6  # per model: plain, one replica, 2 and 3 shared, 3 shared with sync BN, 3 main-prep
+    assert line["segmentation_syncbn_cost_ratio_shared_gpu"] == 1.15  # 3 shared with sync BN over without
     assert line["overhead_ratio_gpu"] == 1.1 and line["digits_overhead_ratio_gpu"] is None
     assert line["segmentation_thread_prep_ratio_gpu"] == 0.8  # 3 shared (threads prepare) over 3 shared, main-prep
     assert list(line["failed"]) == ["digits auto-1"] and "segmentation fault" in line["failed"]["digits auto-1"]
     assert set(line["segmentation_step_ms"]) == {"auto-1", "sparse_dp-1", "sparse_dp-2 shared", "sparse_dp-3 shared",
-                                                 "sparse_dp-3 shared main-prep"}
+                                                 "sparse_dp-3 shared syncBN", "sparse_dp-3 shared main-prep"}
     assert "auto-1" not in line["digits_step_ms"] and "sparse_dp-3 shared" in line["digits_step_ms"]
 
 

@@ -15,16 +15,21 @@ import lightning_sparse_dp  # noqa: E402
 from tests.helpers import IN_CHANNELS, NUM_CLASSES, collate_dict, random_samples, relative_difference  # noqa: E402
 
 
+def _network() -> torch.nn.Sequential:
+    """The test network, the same weights every time (seeded)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8),
+        ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(8, NUM_CLASSES),
+    )
+
+
 class PLNet(pl.LightningModule):
     """ME's multigpu_lightning.py in small: a pytorch_lightning module, the SparseTensor built in the step."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8),
-            ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(8, NUM_CLASSES),
-        )
+        self.net = _network()
 
     def training_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
@@ -36,13 +41,16 @@ class PLNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(strategy, devices, model=None, precision="64-true", **kwargs):
+def _fit(strategy, devices, model=None, precision="64-true", trainer_cls=None, **kwargs):
+    """Two steps of ``model`` (default: a new PLNet) with ``trainer_cls`` (default: ``pytorch_lightning.Trainer``)."""
     batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
     if precision == "64-true":
         batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
     model = (PLNet().double() if precision == "64-true" else PLNet()) if model is None else model
-    t = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=2, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    t = (trainer_cls or pl.Trainer)(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
+    )
     t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     return model, t
 
@@ -132,27 +140,18 @@ class LNet(__import__("lightning").LightningModule):
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3), ME.MinkowskiBatchNorm(8),
-            ME.MinkowskiReLU(), ME.MinkowskiGlobalAvgPooling(), ME.MinkowskiLinear(8, NUM_CLASSES),
-        )
+        self.net = _network()
 
     training_step = PLNet.training_step
     configure_optimizers = PLNet.configure_optimizers
 
 
 def _fit_lightning(strategy, devices, model=None, precision="64-true", **kwargs):
+    """:func:`_fit` of an LNet on ``lightning.pytorch``'s Trainer; the model."""
     import lightning as L
 
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
-    if precision == "64-true":
-        batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
     model = (LNet().double() if precision == "64-true" else LNet()) if model is None else model
-    t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=2, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
-    t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
-    return model
+    return _fit(strategy, devices, model, precision, L.Trainer, **kwargs)[0]
 
 
 def test_a_pytorch_lightning_fit_and_a_lightning_fit_in_one_process_each_equal_one_device():
