@@ -38,9 +38,10 @@ _EVALUATION_HOOKS = {"validation_step": "on_validation_batch_end", "test_step": 
 
 
 def output_readers(step_name: str, module: Any) -> list[str]:
-    """Who reads ``step_name``'s return value on one device: ``["training loop"]`` / ``["predict loop"]`` for a
-    training / predict step, else the module and the non-Lightning callbacks that implement the step's batch-end
-    hook (Lightning's own callbacks, progress bars and checkpoints among them, never read it)."""
+    """Who reads ``step_name``'s return value on one device, as names for a message: the training loop (the loss) or
+    the predict loop (the predictions) for a training / predict step, else the module and the non-Lightning callbacks
+    that implement the step's batch-end hook (Lightning's own callbacks, progress bars and checkpoints among them,
+    never read it); ``[]`` when nothing does."""
     hook = _EVALUATION_HOOKS.get(step_name)
     if hook is None:
         return ["the training loop (the loss)" if step_name == "training_step" else "the predict loop (the predictions)"]

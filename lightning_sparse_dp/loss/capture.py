@@ -219,7 +219,7 @@ class TermCapture(StepObserver):
             kind = None
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
-        if kind is None and (not self.forms or not self._touches_forms(args)):
+        if kind is None and not self._touches_forms(args):
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND:

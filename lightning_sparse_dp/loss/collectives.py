@@ -33,17 +33,19 @@ COLLECTIVE_FUNCTIONS: dict[Any, str] = {
 }
 
 
+_TORCH_DIR = os.path.dirname(os.path.dirname(dist.__file__))  # torch's own frames
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this package's
+
+
 def note_collective(func: Any, found: list[str]) -> None:
     """Append ``"dist.all_reduce at file.py:line"`` to ``found`` when ``func`` (a :data:`COLLECTIVE_FUNCTIONS` entry a
     torch function mode was handed) was called by the user's code: the frame that called it (the first up the stack
     below the mode's own frames that is not torch's) is not this package's, Lightning's or torchmetrics' (their own
     reductions are not noted)."""
     frame = sys._getframe(1)
-    torch_dir = os.path.dirname(os.path.dirname(dist.__file__))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    while frame is not None and frame.f_code.co_filename.startswith(here):  # the mode's own frames
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):  # the mode's own frames
         frame = frame.f_back
-    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):  # the collective and its wrappers
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):  # the collective and its wrappers
         frame = frame.f_back
     if frame is not None and not frame.f_code.co_filename.startswith(library_dirs()):
         found.append(f"dist.{COLLECTIVE_FUNCTIONS[func]} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")

@@ -260,8 +260,11 @@ def _refuse_ambiguous(leaf: Leaf, batch_sizes: Collection[int] | None) -> None:
         BatchLayoutError: naming the entry and the two ``layout`` roles that settle it.
     """
     x = leaf.value
-    rows, num_samples = int(x.shape[0]), int(x[:, 0].max()) + 1
-    if not batch_sizes or rows not in batch_sizes or rows <= num_samples:
+    rows = int(x.shape[0])
+    if not batch_sizes or rows not in batch_sizes:  # the usual case: no coincidence, nothing read from the tensor
+        return
+    num_samples = int(x[-1, 0]) + 1  # a look-alike's column 0 is sorted from 0: its last value is B - 1
+    if rows <= num_samples:
         return
     key = key_of(leaf.path)
     key = "batch" if key is None else key
