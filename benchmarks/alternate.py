@@ -3,8 +3,8 @@
     git worktree add /tmp/before <commit>
     .venv/bin/python benchmarks/alternate.py /tmp/before lightning_sparse_dp.split.assign assign \
         --patch lightning_sparse_dp.split
-    .venv/bin/python benchmarks/alternate.py /tmp/before lightning_sparse_dp.outputs gather_outputs \
-        --patch lightning_sparse_dp.strategy --model digits --devices 3 --steps 60
+    .venv/bin/python benchmarks/alternate.py /tmp/before lightning_sparse_dp.step.gather gather_outputs \
+        --patch lightning_sparse_dp.strategies.sparse_dp --model digits --devices 3 --steps 60
 
 The main thread's share of a sparse_dp step is many small calls that run on caches the replicas' passes have
 just flushed: inside a fit each costs two to four times its time in a loop (measured: the digits split's plan, 157 us

@@ -28,7 +28,7 @@ from harness import GLOBAL_BATCH, wait_env  # the scripts' shared settings (no t
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from lightning_sparse_dp.ddp import SparseDDPStrategy
+from lightning_sparse_dp.strategies.sparse_ddp import SparseDDPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).with_name("bench.py")  # the entry point every case process runs
@@ -89,10 +89,10 @@ def _workload(model_name: str, global_batch: int, steps: int):
 
 
 def _on_current_gpu(collate, samples):
-    """``collate(samples)`` with its ME tensors built on the current GPU (:func:`lightning_sparse_dp.place.place_batch`):
+    """``collate(samples)`` with its ME tensors built on the current GPU (:func:`lightning_sparse_dp.step.scatter.place_batch`):
     plain Lightning's ``batch_to_device`` cannot move an ``ME.TensorField``, and a CPU one meeting CUDA weights crashes
     ME's CUDA build (the segmentation reference segfaulted on the H200)."""
-    from lightning_sparse_dp.place import place_batch
+    from lightning_sparse_dp.step.scatter import place_batch
 
     return place_batch(collate(samples), torch.device("cuda", torch.cuda.current_device()))
 

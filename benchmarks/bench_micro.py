@@ -17,7 +17,7 @@ from bench_cases import LogNormalScenes, _workload, run_case
 from harness import GLOBAL_BATCH  # the scripts' shared settings (no torch import there)
 
 from lightning_sparse_dp import ReplicaExecutor, SparseDataParallelStrategy, split_batch
-from lightning_sparse_dp.sampler import PointBalancedBatchSampler
+from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).with_name("bench.py")  # the entry point every case process runs

@@ -5,7 +5,7 @@ Plain Lightning's step (:class:`NetworkClock` times its parts, inside the Traine
 the optimizer step, the hooks, the step's ``self.log`` calls. Replicas that are threads of one process can at best
 run the network part as ``R`` bare threads do (:func:`bare_thread_times`): each thread with its own copy of the
 module (``copy.deepcopy``) on ``1/R`` of the batch's samples (consecutive, collated with the model's own collate),
-with the thread shares sparse_dp gives its replicas (:func:`lightning_sparse_dp.threads.split_threads`, each thread
+with the thread shares sparse_dp gives its replicas (:func:`lightning_sparse_dp.runtime.threads.split_threads`, each thread
 ``torch.set_num_threads(share)``), and nothing else: no split, placing, replication, loss gather, gradient
 reduction or logging. So, with ``plain`` plain Lightning's step, ``serial`` its serial part and ``bare`` the bare
 threads' wall time (started together, to the slowest one's end), all measured in one process::
@@ -43,7 +43,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_sparse_dp.threads import split_threads, threads_per_replica
+from lightning_sparse_dp.runtime.threads import split_threads, threads_per_replica
 
 
 class NetworkClock(L.Callback):
@@ -118,7 +118,7 @@ def bare_thread_times(
 
     Each pass starts the threads' ``training_step`` + backward together (a barrier) and ends with the slowest
     thread's. ME's OpenMP and OpenBLAS get sparse_dp's share of the cores for the passes
-    (:func:`~lightning_sparse_dp.threads.split_threads`, undone after), and each thread that intra-op count.
+    (:func:`~lightning_sparse_dp.runtime.threads.split_threads`, undone after), and each thread that intra-op count.
 
     Raises:
         ValueError: ``replicas < 2`` or fewer samples than ``replicas``.

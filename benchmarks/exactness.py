@@ -24,8 +24,8 @@ warnings.filterwarnings("ignore")
 
 import lightning_sparse_dp  # noqa: E402,F401
 from lightning_sparse_dp import SparseDataParallelStrategy  # noqa: E402
-from tests.clients import CLIENTS, fresh_loader  # noqa: E402
-from tests.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer  # noqa: E402
+from tests.support.clients import CLIENTS, fresh_loader  # noqa: E402
+from tests.support.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples, trainer  # noqa: E402
 
 
 def differences(ours, reference):

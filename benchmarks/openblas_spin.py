@@ -46,8 +46,9 @@ def thread_usage() -> list[tuple[float, int]]:
 def child(model: str, case: str, steps: int, warmup: int) -> None:
     sys.path.insert(0, str(HERE))
     import bench  # noqa: PLC0415  (its allocator settings apply to this process)
+    from bench_cases import case_strategy  # noqa: PLC0415
 
-    strategy, devices = bench.case_strategy(model, case)
+    strategy, devices = case_strategy(model, case)
     r = bench.run_case(model, strategy, devices, GLOBAL_BATCH[model], steps, warmup)
     busiest = thread_usage()[0]
     print(RESULT + json.dumps({"step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3, "thread_cpu_s": busiest[0],

@@ -37,7 +37,7 @@ def median_us(fn, n: int = 2000, skip: int = 100) -> float:
 
 
 def _gather(rank: int, port: int) -> None:
-    from lightning_sparse_dp.exchange import gather_objects
+    from lightning_sparse_dp.ddp.exchange import gather_objects
     from lightning_sparse_dp.loss.decide import SiteTerms, Summary
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,8 +65,8 @@ def _gather(rank: int, port: int) -> None:
 def main() -> None:
     from lightning_sparse_dp.loss.capture import TermCapture
     from lightning_sparse_dp.loss.sites import call_site, reduces_rows
-    from lightning_sparse_dp.state import StepState
-    from tests.helpers import SparseNet
+    from lightning_sparse_dp.replica.state import StepState
+    from tests.support.helpers import SparseNet
 
     x = torch.randn(100, 10, requires_grad=True)
     y = torch.randint(0, 10, (100,))

@@ -1,6 +1,6 @@
 """Sphinx configuration: the API reference from the package's docstrings, with the user pages (Markdown, MyST).
 
-Build: ``python -m sphinx -W -b html docs docs/_build/html`` (``tests/test_docs.py`` runs it with warnings as errors).
+Build: ``python -m sphinx -W -b html docs docs/_build/html`` (``tests/project/test_docs.py`` runs it with warnings as errors).
 """
 
 from __future__ import annotations

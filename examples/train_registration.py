@@ -7,7 +7,7 @@ scans) and ``negatives [K]`` (for each correspondence, a row of the second scan 
 its match). Row indices into point sets must be re-based to each chunk's rows: ``correspondences`` is found by
 its key, ``negatives`` is named with ``layout={"negatives": "indices:sinput1_C"}``. The loss, a contrastive loss
 over pairs, is a hand-written mean over the correspondences, so the strategy weights each replica by its pairs
-(``loss_weighting=`` a callable counting them): exact against one device (``tests/test_examples.py``).
+(``loss_weighting=`` a callable counting them): exact against one device (``tests/project/test_examples.py``).
 
     .venv/bin/python examples/train_registration.py                  # 3 CPU replicas (3 GPUs where there are)
     .venv/bin/python examples/train_registration.py --devices 1      # the same on one device

@@ -123,7 +123,7 @@ except m.PackageNotFoundError:
     print("")
 PYEOF
 )
-# The marker lightning_sparse_dp reads (lightning_sparse_dp/_me.py: build_info): which recipe and patches
+# The marker lightning_sparse_dp reads (lightning_sparse_dp/runtime/me.py: build_info): which recipe and patches
 # built the installed MinkowskiEngine, written into its package folder at every install of this script's wheel.
 write_marker() {
     "$PY" - "$KEY" "$RECIPE" "$PATCH_HASH" "$VARIANT" "$PATCHES"/*.patch <<'PYEOF' || die "could not write the build marker"
@@ -295,7 +295,7 @@ PYEOF
     #  13 Building a coordinate map (SparseTensor, TensorField.sparse()) hashed the coordinates with
     #     the GIL held: replica threads built their maps in turn. The hashing releases it now.
     #  14 CUDA global max pooling of a one-sample batch: patch 10's defect in global_pooling_gpu.cu.
-    # Found with tests/test_me_invariance.py, tests/test_me_layers.py and ME's own tests
+    # Found with tests/project/test_me_invariance.py, tests/project/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do
         log "applying $(basename "$patch_file")"

@@ -19,9 +19,9 @@ CUDA build of torch and this package installed. Steps:
 2. MinkowskiEngine with CUDA: the installed one if its backend was built with CUDA, else
    ``scripts/build_minkowski.sh --cuda PYTHON`` builds and caches one for the visible GPUs'
    architectures (about 20 minutes for one architecture on 2 cores; minutes on a large machine).
-3. Exactness on GPUs: ``tests/test_gpu.py`` (sparse_dp on ``accelerator="gpu"`` with 1..N devices
+3. Exactness on GPUs: ``tests/strategies/test_gpu.py`` (sparse_dp on ``accelerator="gpu"`` with 1..N devices
    against plain Lightning on one GPU with the whole batch, float64, 1e-10 relative per tensor) and
-   ``tests/test_cuda_paths.py``.
+   the CUDA paths' tests (``tests/runtime/test_cuda_paths_*.py``, ``tests/project/test_cuda_paths_scripts.py``).
 4. Speed: ``benchmarks/bench.py --accelerator gpu`` (``--quick`` for a short run).
 5. One summary line, ``gpu_check: PASS ...`` or ``gpu_check: FAIL ...``; the full outputs are in
    ``gpu_check_logs/`` (or ``--logs DIR``). Put its figures in docs/cuda.md.
@@ -296,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             *xdist,
             *hang,
             "--durations=12",
-            "tests/test_gpu.py",
-            "tests/test_cuda_paths.py",
+            "tests/strategies/test_gpu.py",
+            "tests/runtime/test_cuda_paths_devices.py",
+            "tests/runtime/test_cuda_paths_tensors.py",
+            "tests/project/test_cuda_paths_scripts.py",
         ],
         args.logs / "tests.log",
         env,

@@ -10,6 +10,8 @@ One module per idea, in the order a step meets them:
   denominator, call site), its gradient scalable after the step; :mod:`~lightning_sparse_dp.loss.forms`: how the
   step's arithmetic combines terms; :mod:`~lightning_sparse_dp.loss.sites`: where the user's code called a loss and
   what its input is;
+- :mod:`~lightning_sparse_dp.loss.means`: which elements a logged mean is over (each one-value ``torch.mean`` a step
+  computes, counted), and the names a mean goes by (:data:`~lightning_sparse_dp.loss.means.MEAN_NAMES`);
 - :mod:`~lightning_sparse_dp.loss.decide`: the replicas' summaries read as matched terms or per-sample losses, and
   each term's weight; :mod:`~lightning_sparse_dp.loss.step`: that decision applied to a step and said once where it
   falls back;

@@ -2,7 +2,7 @@
 
 Every replica's step (a rank's, in ``sparse_ddp``) runs under a :class:`StepObserver`, the thread's
 ``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own and no other
-thread sees anything): it counts the step's one-value means (:mod:`~lightning_sparse_dp.means`) and notes the
+thread sees anything): it counts the step's one-value means (:mod:`~lightning_sparse_dp.loss.means`) and notes the
 collectives its own code calls (:mod:`~lightning_sparse_dp.loss.collectives`). Nothing of torch is replaced:
 ``torch.mean``, ``F.cross_entropy`` and ``torch.distributed.all_reduce`` stay torch's own objects everywhere.
 With ``loss_weighting="terms"`` the observer is a :class:`TermCapture`.
@@ -25,7 +25,6 @@ combines replicas' terms into whole-batch values.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,13 +44,11 @@ from lightning_sparse_dp.loss.denominators import (
     shared_arguments,
 )
 from lightning_sparse_dp.loss.forms import Form, follow
+from lightning_sparse_dp.loss.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
 from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
-from lightning_sparse_dp.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
+from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
-
-
-_local = threading.local()  # .active: the observer of this thread's step, while it runs
 
 
 _CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
@@ -63,7 +60,7 @@ _KINDS: dict[Any, str] = {
 
 
 class StepObserver(TorchFunctionMode):
-    """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.means.
+    """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.loss.means.
     note_mean`) and, where ``collectives`` is a list, notes the ``torch.distributed`` collectives the user's code calls
     (:func:`~lightning_sparse_dp.loss.collectives.note_collective`). Enter it with :meth:`run`, in the step's thread.
 
@@ -77,7 +74,7 @@ class StepObserver(TorchFunctionMode):
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
-        its means (:func:`~lightning_sparse_dp.means.counting`)."""
+        its means (:func:`~lightning_sparse_dp.loss.means.counting`)."""
         previous = getattr(_local, "active", None)
         _local.active = self
         try:
@@ -193,7 +190,7 @@ class TermCapture(StepObserver):
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
-        (:func:`~lightning_sparse_dp.means.scalar_values`) instead of two waits on the GPU per term and reader."""
+        (:func:`~lightning_sparse_dp.loss.means.scalar_values`) instead of two waits on the GPU per term and reader."""
         todo = [t for t in self.terms if t._numbers is None and t.value is not None]
         tensors = [t.value for t in todo] + [t.denominator for t in todo if isinstance(t.denominator, Tensor)]
         read = iter(scalar_values(tensors))  # type: ignore[arg-type]
@@ -314,7 +311,7 @@ def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` that runs with its thread's :class:`StepObserver` out of the way (for a metric's ``update`` / ``forward``).
 
     What a torchmetrics metric computes in a step is its own state (merged across replicas by
-    :mod:`~lightning_sparse_dp.metrics`), never a term of the loss, so the capture has nothing to follow in
+    :mod:`~lightning_sparse_dp.replica.metrics`), never a term of the loss, so the capture has nothing to follow in
     it, while every torch call made under the mode costs a Python ``__torch_function__`` call (an
     accuracy update of 48 samples: about 53 us bare, 130 under the mode). The wrapped call runs with the
     observer popped from the thread's torch function mode stack when it is the innermost mode (else, a

@@ -4,7 +4,7 @@ A call of ``F.cross_entropy(..., reduction="mean")`` (or of ``nn.CrossEntropyLos
 returns ``S / D``: the ``reduction="sum"`` result ``S`` over the call's denominator ``D``. The
 whole batch's value of such a term, computed in parts ``i``, is ``sum_i D_i L_i / sum_i D_i``
 (docs/exactness.md). :func:`denominator` gives ``D`` for a call as torch
-defines it (``tests/test_terms.py`` checks every case against torch's own ``reduction="sum"``):
+defines it (``tests/loss/test_terms.py`` checks every case against torch's own ``reduction="sum"``):
 
 - ``cross_entropy`` / ``nll_loss`` with class-index targets: the targets that are not
   ``ignore_index``; with a class ``weight``, the sum of ``weight[target]`` over those targets
@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
+
+from lightning_sparse_dp.runtime.process import LOSS_PARAMETERS as _PARAMETERS
 
 Arguments = dict[str, Any]  # a call's arguments by name, defaults filled in (:func:`bind`)
 Denominator = Callable[[Arguments], "float | Tensor"]
@@ -88,8 +90,6 @@ UNCAPTURED: tuple[Callable[..., Tensor], ...] = tuple(
     )
     if hasattr(F, name)
 )
-
-_PARAMETERS: dict[Callable[..., Any], tuple[list[str], dict[str, Any]]] = {}
 
 
 def bind(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Arguments:

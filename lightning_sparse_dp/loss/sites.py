@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse_dp.loss.denominators import Arguments
+from lightning_sparse_dp.runtime.process import LOSS_SITES as _SITES
 
 
 @functools.cache
@@ -33,9 +34,6 @@ def library_dirs() -> tuple[str, ...]:
         if spec is not None and spec.origin:
             dirs.append(os.path.dirname(spec.origin) + os.sep)
     return tuple(dirs)
-
-
-_SITES: dict[tuple[Any, int], CallSite] = {}  # (code, offset) -> that instruction's site
 
 
 _JUMPS = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})

@@ -215,7 +215,7 @@ class StepTerms:
     def scale_terms(self, losses: Sequence[Tensor], weights: Sequence[float]) -> Decision:
         """The decision on the replicas' ``losses`` (its notes said); when exact, every term's gradient scaled by
         its share over its replica's weight in ``weights`` (0 for a weight of 0); else why not, said once. After the
-        step (:meth:`weigh`), or at a ``manual_backward`` in it (:mod:`~lightning_sparse_dp.manual`)."""
+        step (:meth:`weigh`), or at a ``manual_backward`` in it (:mod:`~lightning_sparse_dp.step.manual`)."""
         decision = self.decide(losses)
         say(decision, "sparse_dp", self.warning_cache)
         if decision.value is None:

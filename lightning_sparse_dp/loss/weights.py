@@ -13,9 +13,9 @@ share instead (:mod:`lightning_sparse_dp.loss.decide`); the per-replica weights 
 ``"auto"``, used for the other outputs and logged values, and for the loss when the step's loss is not
 a combination of such terms.
 
-The gather (:func:`lightning_sparse_dp.outputs.gather_outputs`) sums the losses with these weights
+The gather (:func:`lightning_sparse_dp.step.gather.gather_outputs`) sums the losses with these weights
 (:func:`weighted_sum`) and merges the other outputs; ``sparse_ddp`` scales each rank's loss by the
-same counts (:mod:`lightning_sparse_dp.ddp`).
+same counts (:mod:`lightning_sparse_dp.strategies.sparse_ddp`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan
 
 #: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.loss.decide`).
 LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
-
-_warning_cache = WarningCache()
 
 
 def check_loss_weighting(loss_weighting: Any) -> None:

@@ -24,6 +24,9 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 - :mod:`.merge`: the inverse, for outputs (:func:`merge_chunks`, :func:`merge_rows`) and whole batches
   (:func:`merge_batch`);
 - :mod:`.records`: the immutable records these pass on, :class:`SplitPlan` and :class:`SparseSpec`.
+
+Beside them, :mod:`.presplit`: the split done in DataLoader worker processes (:class:`~.presplit.PreSplitCollate`),
+whose chunks reach the step as a :class:`~.presplit.PreSplitBatch`.
 """
 
 from __future__ import annotations

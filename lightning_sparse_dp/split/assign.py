@@ -70,7 +70,7 @@ def balanced_assignment(sample_sizes: Tensor, num_chunks: int, groups: Sequence[
     index on ties). Deterministic; sample ids ascend inside each chunk, so sample order is kept.
 
     With ``groups`` (chunks that share a resource, e.g. replicas pinned to one CPU core:
-    :func:`~lightning_sparse_dp.threads.plan_cores`), the groups are balanced first and the chunks inside
+    :func:`~lightning_sparse_dp.runtime.threads.plan_cores`), the groups are balanced first and the chunks inside
     each group second: samples go to groups by the rule above (groups in place of chunks), then single
     moves and swaps between the most and the least loaded group narrow their gap while they can (the
     rule leaves up to the last sample's size), then each group's samples go to its chunks by the rule

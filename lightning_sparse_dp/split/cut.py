@@ -2,7 +2,7 @@
 
 Rows keep their order (sample order and point order inside a chunk). ``ME.SparseTensor`` /
 ``ME.TensorField`` leaves are not built here: a chunk holds a :class:`~lightning_sparse_dp.split.records.SparseSpec`,
-which :mod:`lightning_sparse_dp.place` builds on its device.
+which :mod:`lightning_sparse_dp.step.scatter` builds on its device.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse_dp._me import is_tensor_field
+from lightning_sparse_dp.runtime.me import is_tensor_field
 from lightning_sparse_dp.split.indices import cut_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor
 from lightning_sparse_dp.split.records import Leaf, Role, Source, SparseSpec, numpy_readable

@@ -14,7 +14,8 @@ import numpy as np
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from lightning_sparse_dp._me import is_me_tensor
+from lightning_sparse_dp.runtime.me import is_me_tensor
+from lightning_sparse_dp.runtime.process import ONE_LEVEL_LAYOUTS as _ONE_LEVEL
 from lightning_sparse_dp.split.records import ROLES, ROLES_WITH_SOURCES, BatchLayoutError, Leaf, Role, names_indices
 
 
@@ -122,7 +123,6 @@ def _leaf(path: tuple[Any, ...], value: Any, role: str | None, refs: tuple[str, 
 
 
 #: (container type, its keys or length) -> ``(spec, paths, names)`` of a one-level batch (:func:`_one_level`)
-_ONE_LEVEL: dict[tuple[Any, ...], tuple[Any, tuple[tuple[Any, ...], ...], tuple[str, ...]]] = {}
 
 
 def _one_level(batch: dict | list | tuple) -> tuple[Any, tuple[tuple[Any, ...], ...], tuple[str, ...]]:
@@ -179,4 +179,7 @@ def list_parent(leaf: Leaf) -> str | None:
     return None
 
 
-__all__ = ["flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "layout_entry", "leaf_predicate", "list_parent", "path_name"]
+__all__ = [
+    "flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "layout_entry", "leaf_predicate", "list_parent",
+    "path_name",
+]

@@ -1,4 +1,10 @@
-"""Merge: per-chunk results back into the batch's order, and a split batch back into the batch."""
+"""Merge: per-chunk results back into the batch's order, and a split batch back into the batch.
+
+For the gather of step outputs and the merge of metric states: :func:`row_order` tells which of the batch's rows
+per-chunk rows of given lengths are (the chunks' samples, else the points of a coordinate source with those points per
+chunk), and :func:`coordinates_back` gives coordinates that a step returned (``x.C``) the batch's sample ids back in
+column 0.
+"""
 
 from __future__ import annotations
 
@@ -106,4 +112,63 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
     return pytree.tree_unflatten(merged, spec)
 
 
-__all__ = ["MERGES", "merge_batch", "merge_chunks", "merge_rows", "restore_batch_indices"]
+def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
+    source = _point_source(plan, lengths)
+    return None if source is None else plan.point_rows[source]
+
+
+def _point_source(plan: SplitPlan, lengths: list[int]) -> int | None:
+    """The first coordinate source whose points per chunk are ``lengths``."""
+    for source, rows in enumerate(plan.point_rows):
+        if lengths == [r.numel() for r in rows]:
+            return source
+    return None
+
+
+def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int = 0) -> list[Tensor]:
+    """The replicas' tensor outputs with the batch's sample ids in column 0 where they are coordinates of their chunks;
+    ``values`` as they are otherwise.
+
+    A step that returns coordinates (``x.C``, ``batch["coordinates"]``) returns its chunk's, whose column 0 counts the
+    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32 ``[m_i, D+1]``
+    tensors (ME's ``.C`` and collated coordinates are int32; ``D+1`` the columns of a coordinate source of the batch,
+    ``plan.coordinate_columns``, so that an int32 ``(prediction, label)`` pair is not) whose column 0 holds, in every
+    chunk, each of the chunk's ``b_i`` samples as many times as ``rows`` says: ``"points"``, its points in coordinate
+    source ``source`` (``plan.sample_points``: a stride-1 tensor's ``.C``, the batch's coordinates); ``"samples"``,
+    once (a globally pooled tensor's ``.C``); ``"cat"``, at least once (a strided tensor's ``.C``, concatenated in
+    chunk order, each row still beside its features). Mapped through ``plan.chunk_samples[i]``
+    (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`).
+    """
+    widths = set(plan.coordinate_columns) if rows != "points" else set(plan.coordinate_columns[source : source + 1])
+    if len(values) != len(plan.chunk_samples) or not all(
+        v.dtype == torch.int32 and v.dim() == 2 and v.shape[1] in widths for v in values
+    ):
+        return values
+    if rows == "points" and (source >= len(plan.sample_points) or plan.sample_points[source].numel() == 0):
+        return values
+    for v, samples in zip(values, plan.chunk_samples):
+        column = v[:, 0].long()
+        if column.numel() == 0 or int(column.min()) < 0 or int(column.max()) >= samples.numel():
+            return values
+        found = torch.bincount(column, minlength=samples.numel()).cpu()
+        if rows == "points":
+            expected = plan.sample_points[source][samples].cpu()
+        elif rows == "samples":
+            expected = torch.ones_like(found)
+        else:
+            expected = found.clamp(min=1)
+        if not torch.equal(found, expected):
+            return values
+    return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]
+
+
+def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
+    """Per chunk, the batch's ids of rows of the given ``lengths`` (one per chunk): its samples
+    (``plan.chunk_samples``) when they are the chunks' numbers of samples, else a coordinate source's points
+    (``plan.point_rows``) when they are its points per chunk; ``None`` for neither."""
+    if lengths == plan.samples_per_chunk:
+        return plan.chunk_samples
+    return _point_rows(plan, lengths)
+
+
+__all__ = ["MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "restore_batch_indices"]

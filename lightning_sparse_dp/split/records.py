@@ -73,7 +73,7 @@ class BatchLayoutError(ValueError):
 
 @dataclass
 class SparseSpec:
-    """A SparseTensor / TensorField still to be built on a device by :mod:`~lightning_sparse_dp.place`.
+    """A SparseTensor / TensorField still to be built on a device by :mod:`~lightning_sparse_dp.step.scatter`.
 
     Attributes:
         cls: ``ME.SparseTensor`` or ``ME.TensorField``.

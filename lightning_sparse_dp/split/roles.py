@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split.indices import check_sample_lists, resolve_indices
 from lightning_sparse_dp.split.leaves import is_me_tensor, key_of
 from lightning_sparse_dp.split.records import BatchLayoutError, Leaf, Role, Source, names_indices, replace
@@ -138,7 +138,6 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
 
 #: keys that name indices but are not taken for them without ``layout`` (``corr``, ``match``, ``pair`` are: records.py)
 _NAMES_INDICES_TOO = re.compile(r"neg|idx|index|indices|neighbo|knn|anchor|(^|_)pos(itive)?s?(_|$|\d)", re.IGNORECASE)
-_warning_cache = WarningCache()
 
 
 def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:

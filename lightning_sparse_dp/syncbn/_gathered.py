@@ -25,7 +25,7 @@ replica order, are the one-device gradients.
 The layer is then the one-device computation: the same kernels on the same values in the same order, bit
 for bit where the kernels split their sums alike (the same number of intra-op threads, or a layer small
 enough for one). Which replica completes the rendezvous changes nothing: every replica thread runs with the
-same intra-op thread count (:mod:`lightning_sparse_dp.threads`), so runs repeat as the per-rank path's do. In
+same intra-op thread count (:mod:`lightning_sparse_dp.runtime.threads`), so runs repeat as the per-rank path's do. In
 float32 the precision is then torch's own: input whose mean is thousands of times its deviation loses digits
 here as on one device (the per-rank path centers each rank's input first). At the cost
 of a copy of the layer's input and output gradient (at most :data:`GATHER_MAX_BYTES` bytes each) and of

@@ -37,6 +37,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from lightning_sparse_dp.runtime.executor import ReplicaAborted
+from lightning_sparse_dp.runtime.process import FUSED_BATCH_NORM as _FUSED
+
 T = TypeVar("T")
 
 
@@ -52,10 +55,6 @@ def gather_reduce(collective: Collective, tensor: Tensor, fn: Callable[[list[Ten
     if is_fused(collective):
         return collective.all_gather_reduce(tensor, fn)  # type: ignore[attr-defined]
     return fn(collective.all_gather(tensor))
-
-
-class ReplicaAborted(RuntimeError):
-    """A replica stopped because another one failed (a secondary error: the other one's is raised)."""
 
 
 @runtime_checkable
@@ -103,9 +102,6 @@ class FusedCollective(Collective, Protocol):
     def record(self, seconds: float, layer: int | None = None) -> int:
         """Add ``seconds`` to this rank's time in a synchronized layer (:meth:`LayerTimes.record`); its index."""
         ...
-
-
-_FUSED: dict[type, bool] = {}
 
 
 def is_fused(collective: Collective) -> bool:

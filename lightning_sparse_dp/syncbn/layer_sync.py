@@ -9,7 +9,7 @@ strategy: in one process it runs plain batch norm on each replica's chunk, and i
 ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
 :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
 (state-dict keys unchanged), and both strategies take it (or a subclass) in place of
-``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.base.SparseStrategyMixin`); a ``LayerSync``
+``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.strategies.base.SparseStrategyMixin`); a ``LayerSync``
 plugin of the user's own (``Trainer(plugins=[...])``) is kept. ``sparse_dp`` applies and reverts it
 with :func:`apply_layer_sync` / :func:`revert_layer_sync`, the steps of ``DDPStrategy.setup`` /
 ``teardown``, which ``sparse_ddp`` inherits.

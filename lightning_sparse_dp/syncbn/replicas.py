@@ -16,7 +16,7 @@ Every step with several replicas gets a new group: :func:`synchronized` gives re
 layers the group's rank-``r`` member, and lets only the root replica's layers (which share the
 module's buffers) update the running statistics, once per step, with the global ones. The step's
 forward is the group's first phase, the replicas' backward passes (run in their own threads by
-:mod:`lightning_sparse_dp.backward`) its second. A replica that raises aborts the group, so the
+:mod:`lightning_sparse_dp.step.backward`) its second. A replica that raises aborts the group, so the
 others stop at once with :class:`~lightning_sparse_dp.syncbn.collective.ReplicaAborted`; a replica that
 runs fewer batch-norm layers than another (data-dependent control flow) aborts it with an error
 naming the call counts. Eval mode uses the running statistics and never synchronizes.
@@ -45,7 +45,7 @@ def synchronized(layers: Sequence[Sequence[SyncBatchNorm]]) -> Iterator[ThreadGr
     Replica ``r``'s layers get the group's rank-``r`` member, and only the root replica's layers (which
     share the module's buffers) update the running statistics. The membership outlives a body that
     ends normally: the replicas' backward passes are the group's second phase (the group is handed to
-    :mod:`lightning_sparse_dp.backward`, and activation checkpointing re-runs the forward then), and the
+    :mod:`lightning_sparse_dp.step.backward`, and activation checkpointing re-runs the forward then), and the
     next step's group replaces it. A body that raises detaches the layers (a replica that raised has
     already aborted the group: :meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.run`).
 

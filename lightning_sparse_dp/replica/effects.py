@@ -1,0 +1,199 @@
+"""What a replica's step does outside the module: its loggers' calls.
+
+On one device a step runs once per batch, so what it does outside the module happens once, with the whole batch:
+``self.logger.experiment.add_image(...)`` logs one image, ``np.save(f"{out}/{batch_idx}_{i}.npy", pred[i])`` writes
+one file per sample of the batch. Every replica runs the step on its chunk of the batch (and every replica of one
+process is global rank 0, so ``rank_zero_only`` guards let them all through): each would log its own image. Here,
+replicas behave as Lightning's DDP ranks do, the root replica as rank 0:
+
+- **Loggers.** During a step of several replicas each replica's ``self.trainer`` (and so ``self.logger``,
+  ``self.loggers``, ``self.trainer.logger``) is a view of the trainer (:func:`trainer_view`): the same object state
+  (its ``__dict__`` shared, ``isinstance`` checks hold), but its loggers are views too, whose public methods and whose
+  ``experiment``'s public methods run in replica 0's step only, as ``self.print`` does
+  (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`); in the other replicas they return ``None`` (methods named
+  ``get*`` run everywhere: they read). Attributes that are not methods (``log_dir``, ``save_dir``, ``version``) read as
+  they are. A call made is said once per step name and call (:meth:`StepEffects.say`), with the fix: return what to log
+  from the step and log it in ``on_*_batch_end``, which gets the gathered outputs and the whole batch.
+- **Files.** Nothing is intercepted (``open`` stays Python's own in every thread): a file a step writes is written
+  by every replica, as every DDP rank writes it, each with its own chunk; a file named by a position in the batch (or
+  by ``batch_idx``) is then written once per replica and the last write wins. Write per-sample files from
+  ``on_*_batch_end`` (which gets the gathered outputs and the whole batch) or a ``BasePredictionWriter``, and name
+  them by what the sample carries (an id or a path in the batch); README and docs/troubleshooting.md say this rule.
+
+Nothing here changes a step of one replica (one device, or a one-chunk batch): the step is the module's, as on one
+device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
+
+T = TypeVar("T")
+
+
+class StepEffects:
+    """What the replicas' steps of one step did outside the module.
+
+    Args:
+        step_name: ``"training_step"``, ...; named in what is said.
+        count: the number of replicas (``>= 2``).
+    """
+
+    def __init__(self, step_name: str, count: int) -> None:
+        self.step_name = step_name
+        self.count = count
+        self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
+
+    def watch(self, index: int, step: Callable[[], T]) -> T:
+        """``step()`` as replica ``index``'s step: its loggers' calls noted (in the replica's thread)."""
+        _current.effects, _current.index = self, index
+        try:
+            return step()
+        finally:
+            _current.effects = None
+
+    def say(self, warning_cache: WarningCache) -> None:
+        """After the step, on the calling thread: each logger call the replicas made, said once (per step name and
+        call)."""
+        if not any(self.calls):
+            return
+        for what in sorted(set().union(*self.calls)):
+            if _said(warning_cache, f"{self.step_name} {what}"):
+                continue
+            callers = [i for i, calls in enumerate(self.calls) if what in calls]
+            ran = "ran in replica 0's step only, with replica 0's chunk" if callers[0] == 0 else "ran in none of them"
+            warning_cache.warn(
+                f"sparse_dp: {self.step_name} called {what} in replicas {callers} (of {self.count}, each running the "
+                f"step on its chunk of the batch), where one device calls it once a step, with the whole batch. It "
+                f"{ran}: a logger's calls run in replica 0's step only (as self.print does), the other replicas' are "
+                f"skipped. To log from the whole batch, return what you need from {self.step_name} and call the logger "
+                f"in {_batch_end(self.step_name)}(outputs, batch, batch_idx), which gets the gathered outputs and the "
+                "whole batch."
+            )
+
+
+def _said(warning_cache: WarningCache, key: str) -> bool:
+    """Whether ``key`` was said already; noted as said (in the strategy's warning cache, a set of what was said)."""
+    key = f"sparse_dp effects: {key}"
+    if key in warning_cache:
+        return True
+    warning_cache.add(key)
+    return False
+
+
+def _batch_end(step_name: str) -> str:
+    return f"on_{step_name.removesuffix('_step')}_batch_end"
+
+
+def _context() -> tuple[int, StepEffects] | None:
+    effects = getattr(_current, "effects", None)
+    return None if effects is None else (_current.index, effects)
+
+
+# --- loggers --------------------------------------------------------------------------------------------------------
+def _skipped(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _call_once(method: Callable[..., T]) -> Callable[..., T]:
+    """Replica 0's ``method``: run, with what it calls of the loggers in turn not noted again."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> T:
+        if getattr(_current, "inside", False):
+            return method(*args, **kwargs)
+        _current.inside = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _current.inside = False
+
+    return call
+
+
+def _is_view(obj: Any) -> bool:
+    return type(obj).__dict__.get("_lsdp_view", False) is True
+
+
+@functools.cache
+def _view_class(cls: type, path: str) -> type:
+    """A subclass of ``cls`` whose public methods (and ``experiment``, for a logger) behave as this module says,
+    for views that share an instance's ``__dict__``."""
+    base_get = cls.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = base_get(self, name)
+        if name.startswith("_"):
+            return value
+        context = _context()
+        if context is None or getattr(_current, "inside", False):
+            return value
+        index, effects = context
+        if name == "experiment" and not path.endswith(".experiment"):  # a logger's: its calls are followed too
+            return view(value, f"{path}.experiment")
+        if not callable(value) or isinstance(value, type) or name.startswith("get"):
+            return value
+        effects.calls[index].add(f"{path}.{name}")
+        return _call_once(value) if index == 0 else _skipped
+
+    namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "_lsdp_view": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def view(obj: Any, path: str) -> Any:
+    """A view of the logger or experiment ``obj`` (``path``: how the step reaches it, e.g. ``"self.logger"``) that
+    shares its state; ``obj`` itself when it cannot have one (no ``__dict__``, ``None``)."""
+    if obj is None or not hasattr(obj, "__dict__") or type(obj).__module__ == "builtins" or _is_view(obj):
+        return obj
+    try:
+        cls = _view_class(type(obj), path)
+        shown = object.__new__(cls)
+        shown.__dict__ = obj.__dict__
+    except (TypeError, AttributeError):  # slots, a C type, a __new__ of its own: left as it is
+        return obj
+    return shown
+
+
+@functools.cache
+def _trainer_class(cls: type) -> type:
+    def logger(self: Any) -> Any:
+        return view(cls.logger.fget(self), "self.logger")
+
+    def loggers(self: Any) -> list[Any]:
+        return [view(lg, "self.logger") for lg in cls.loggers.fget(self)]
+
+    namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),
+                 "__module__": cls.__module__, "_lsdp_view": True}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def trainer_view(trainer: Any) -> Any:
+    """What a replica's step sees as its trainer: ``trainer``'s state (its ``__dict__`` shared: what the step sets on
+    it, e.g. ``should_stop``, is set on the trainer), with :func:`view`\\ s of its loggers. ``trainer`` itself when it
+    is ``None``, already a view, or has no ``logger`` / ``loggers`` properties."""
+    if trainer is None or _is_view(trainer):
+        return trainer
+    cls = type(trainer)
+    if not isinstance(getattr(cls, "logger", None), property) or not isinstance(getattr(cls, "loggers", None), property):
+        return trainer
+    try:
+        shown = object.__new__(_trainer_class(cls))
+        shown.__dict__ = trainer.__dict__
+    except (TypeError, AttributeError):  # a trainer without a __dict__ of its own: left as it is
+        return trainer
+    return shown
+
+
+def give_view(replica: Any) -> None:
+    """The replica's ``_trainer`` (Lightning's ``self.trainer``) a :func:`trainer_view`, for its step; the replica's
+    next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it)."""
+    replica.__dict__["_trainer"] = trainer_view(replica.__dict__.get("_trainer"))
+
+
+__all__ = ["StepEffects", "give_view", "trainer_view", "view"]

@@ -1,0 +1,156 @@
+"""Install: each replica's per-step state put in place before its step and taken back after it.
+
+:func:`replica_state` (entered by the step's state stage, :func:`~lightning_sparse_dp.step.state.install_step`) gives a
+:class:`ReplicaState` whose part for each replica (:meth:`ReplicaState.enter`, in the replica's own thread where it
+can be) installs its buffer copies and refresh from the module where its thread makes them, its empty metric copies,
+its ``self.log`` recorder and ``self.print``, its view of the loggers (whose calls run once:
+:mod:`lightning_sparse_dp.replica.effects`), and the :class:`~lightning_sparse_dp.replica.state.StepState` that notes
+what its step sets on the module. With the strategy's deferred check of the replicas
+(:class:`~lightning_sparse_dp.step.check.DeferredCheck`) the calling thread installs it once the check passed, and each
+replica waits for it before its step (:func:`enter_checked`, :func:`leave_checked`). At exit the recorders are removed
+and the metric copies merged into the root's metrics; buffers the replicas' steps updated to different values are said
+(:func:`say_diverged_buffers`). The step's types are imported for annotations only: this folder does not import the
+step's stages (they import it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_sparse_dp.replica.effects import give_view
+from lightning_sparse_dp.replica.metrics import ReplicaMetrics, StepMetrics
+from lightning_sparse_dp.replica.recorder import install_recorder, remove_recorders
+from lightning_sparse_dp.replica.state import StepState
+from lightning_sparse_dp.split import SplitPlan
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+
+if TYPE_CHECKING:  # the step's types only: nothing here imports the step's stages
+    from lightning_sparse_dp.step.check import DeferredCheck
+    from lightning_sparse_dp.step.copies import BufferHandOff
+    from lightning_sparse_dp.step.replicate import Replicas
+
+
+class ReplicaState:
+    """The replicas' per-step state (:func:`replica_state`): the log ``recorders`` (one per replica, ``None`` until
+    its :meth:`enter`), the batch-norm ``group`` (``None`` without synchronized layers) and ``left``, the
+    :class:`StepState` of what the step sets on the module."""
+
+    def __init__(
+        self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
+        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None,
+    ) -> None:
+        self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
+        self.left, self.buffers = left, buffers
+        self.recorders: list[Any] = [None] * len(replicas)
+
+    def enter(self, i: int) -> Callable[[], None] | None:
+        """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
+        step): its buffer copies (``buffers``: a :class:`~lightning_sparse_dp.step.copies.BufferHandOff`, replicas after
+        the root one), its refresh from the module (``refresh(i)``:
+        :meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`), its empty metric copies
+        (:meth:`~lightning_sparse_dp.replica.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
+        replica's copy), its ``self.log`` recorder and ``self.print``
+        (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
+        attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
+        writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
+        if self.buffers is not None and i > 0:
+            self.buffers.copy(i)
+        if self.refresh is not None:
+            self.refresh(i)
+        self.metrics.install(i)
+        # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
+        self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.copies(i) if self.own else None)
+        if self.own and len(self.replicas) > 1:  # its loggers' calls run in replica 0's step only (effects.py)
+            give_view(self.replicas[i])
+        self.left.enter(i)
+        return self.buffers.wait if self.buffers is not None and i == 0 else None
+
+    def leave(self, i: int) -> None:
+        """Replica ``i``'s part after its step, in its thread: what it set on its copies of the module's submodules
+        (:meth:`StepState.leave`)."""
+        self.left.leave(i)
+
+
+def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
+    """Replica ``i``'s part (:meth:`ReplicaState.enter`) of the state the calling thread installs once its check of the
+    replicas passed (:class:`~lightning_sparse_dp.step.check.DeferredCheck`, whose ``prepare`` enters
+    :func:`replica_state`).
+
+    Raises:
+        StaleReplicas: the check failed (from :meth:`~lightning_sparse_dp.step.check.DeferredCheck.wait`).
+    """
+    return check.wait().enter(i)
+
+
+def leave_checked(check: DeferredCheck, i: int) -> None:
+    """Replica ``i``'s part after its step (:meth:`ReplicaState.leave`) of the state its check installed
+    (:func:`enter_checked`)."""
+    check.wait().leave(i)
+
+
+def say_diverged_buffers(names: Sequence[str]) -> None:
+    """A warning for each of the module's buffers the replicas' steps updated to different values
+    (:meth:`~lightning_sparse_dp.step.replicate.Replicas.diverged_buffers`, which names each once)."""
+    for name in names:
+        rank_zero_warn(
+            f"sparse_dp: the step updated the module's buffer {name!r} to a different value in each replica (from each "
+            "one's chunk, e.g. a histogram of its labels): the module keeps the first replica's, as nn.DataParallel and "
+            "DDP's buffer broadcast keep the first device's, not one device's update from the whole batch. Update it "
+            "from the whole batch (the gathered step outputs in on_train_batch_end), or keep it in a torchmetrics "
+            "metric, whose replicas' states are merged."
+        )
+
+
+@contextmanager
+def replica_state(
+    module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
+    persistent: Replicas | None, group: ThreadGroup | None, deferred: bool = False, plan: SplitPlan | None = None,
+) -> Iterator[ReplicaState]:
+    """The replicas' per-step state, installed for the apply stage and undone after it.
+
+    Each replica's part (:meth:`ReplicaState.enter`) runs here for every replica, or, ``deferred``, in each
+    replica's own thread before its step (then with the replica's refresh from the module first, which the caller
+    leaves out: :meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_tensors` only, without the buffers where
+    :attr:`~lightning_sparse_dp.step.replicate.Replicas.buffers_in_threads`). Undone at exit, in this order: the
+    recorders removed before the calls are logged through the root module, which may itself be replica 0
+    (:func:`~lightning_sparse_dp.replica.recorder.remove_recorders`), the metric copies merged into the root's metrics (when the
+    body raised nothing) and the replicas' own metrics back
+    (:meth:`~lightning_sparse_dp.replica.metrics.ReplicaMetrics.step_copies`).
+
+    Args:
+        plan: the step's split (the replicas' metrics' concatenated states are merged in the batch's order).
+        persistent: the strategy's :class:`~lightning_sparse_dp.step.replicate.Replicas` (the step's ``replicas`` are
+            theirs, unless the one replica is the module itself).
+        group: the step's batch-norm group (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`, entered by the
+            caller before the replicas start; ``None`` without synchronized layers).
+    """
+    with ExitStack() as stack:
+        own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
+        step_metrics = stack.enter_context(
+            metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan)
+        )
+        stack.callback(remove_recorders, replicas)
+        refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
+        buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
+        attributes = persistent.attributes if own and persistent is not None else None
+        left = StepState(module, replicas, deferred=True, attributes=attributes)
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers)
+        marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
+        if not deferred:
+            for i in range(len(replicas)):
+                state.enter(i)
+        yield state
+        if marks:
+            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)))  # type: ignore[union-attr]
+
+
+__all__ = [
+    "enter_checked", "leave_checked", "replica_state",
+    "ReplicaState",
+]

@@ -1,0 +1,156 @@
+"""Snapshot: which of the module's attributes a step's state follows, and how their values are copied and compared.
+
+The helpers of :class:`~lightning_sparse_dp.replica.state.StepState`: which ``__dict__`` entries are the user's
+(:func:`is_followed`, not Lightning's or torch's own: :func:`library_keys`), which objects are the user's own plain
+objects whose public attributes are compared before and after a step (:func:`is_plain_object`, :func:`public_state`,
+:func:`changed_keys`), when values are one value (:func:`all_same`), and the lists and dicts each replica gets its own
+copy of (:func:`is_copied`: lists, and dicts of at most :data:`SHORT` entries, to :data:`DEPTH` levels:
+:func:`copy_nested`), with their sizes (:func:`nested_sizes`) and the tensors in them (:func:`nested_tensors`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_sparse_dp.runtime.process import PLAIN_TYPES as PLAIN
+
+
+def equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both ``None``, or tensors of one shape and dtype with equal values (``a`` read on ``b``'s device, so tensors on
+    two GPUs compare too)."""
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.to(b.device), b))
+
+
+@functools.cache
+def library_keys() -> frozenset[str]:
+    """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), its hyperparameters'
+    (``save_hyperparameters``), plus what the strategy installs."""
+    return frozenset(pl.LightningModule().__dict__) | {"log", "print", "_hparams", "_hparams_initial", "_hparams_name"}
+
+
+def is_followed(key: str, value: Any) -> bool:
+    return key not in library_keys() and not isinstance(value, (nn.Module, nn.Parameter))
+
+
+#: per type: whether a value of it is a plain object of the user's (:func:`is_plain_object`)
+
+
+LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "MinkowskiEngine", "numpy")
+
+
+def is_plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object of a class of the user's (or another library's than torch's, Lightning's, ME's,
+    NumPy's) with a ``__dict__``, such as an ``AverageMeter``: not a tensor, module, container, function or class."""
+    kind = type(value)
+    plain = PLAIN.get(kind)
+    if plain is None:
+        plain = PLAIN[kind] = (
+            hasattr(value, "__dict__") and kind.__module__ not in ("builtins", "types", "functools")
+            and not kind.__module__.startswith(LIBRARIES)
+            and not isinstance(value, (Tensor, nn.Module, list, dict, tuple, set, type))
+        )
+    return plain
+
+
+def public_state(value: Any) -> dict[str, tuple[Any, int]]:
+    """An object's public attributes: ``name -> (value, length or -1)``, compared by identity (and length) after the
+    step."""
+    return {k: (v, len(v) if isinstance(v, (list, dict, set)) else -1) for k, v in vars(value).items() if k[:1] != "_"}
+
+
+def changed_keys(before: dict[str, tuple[Any, int]], after: dict[str, tuple[Any, int]]) -> list[str]:
+    """The attributes that differ between two :func:`public_state`\\ s of one object: added, removed, replaced, or a
+    list / dict / set among them of another length."""
+    return sorted(k for k in before.keys() | after.keys() if k not in before or k not in after
+                  or before[k][0] is not after[k][0] or before[k][1] != after[k][1])
+
+
+def all_same(values: Sequence[Any]) -> bool:
+    first = values[0]
+    for v in values[1:]:
+        if v is first:
+            continue
+        if isinstance(first, Tensor) or isinstance(v, Tensor):
+            if not (isinstance(first, Tensor) and isinstance(v, Tensor) and equal_tensors(v, first)):
+                return False
+            continue
+        try:
+            if not bool(v == first):
+                return False
+        except Exception:  # noqa: BLE001  (a value whose == raises or is not a bool cannot be told equal)
+            return False
+    return True
+
+
+#: dicts and lists up to this long have the lists and dicts in them copied for each replica too (a dict of per-stage
+#: output lists, a counter, one list per dataloader: ``self.outputs[dataloader_idx].append(...)``); a longer list (one
+#: that grows each step) is copied itself only, and a longer dict (a per-sample cache, which the replicas fill with
+#: their own samples' keys) is shared as it is, so that what a step copies stays proportional to what it may change
+SHORT = 16
+
+
+DEPTH = 8  # nesting levels of lists and dicts copied and merged
+
+
+def is_container(value: Any) -> bool:
+    """A list or dict (a subclass too: ``OrderedDict``, ``defaultdict``, Lightning's ``AttributeDict``) that a step may
+    change in place."""
+    return isinstance(value, (list, dict))
+
+
+def is_copied(value: Any) -> bool:
+    """Whether :func:`copy_nested` gives each replica its own copy of ``value``: a list, or a dict of at most :data:`SHORT`
+    entries."""
+    return isinstance(value, list) or (isinstance(value, dict) and len(value) <= SHORT)
+
+
+def nested_entries(value: Any, depth: int) -> Iterable[tuple[Any, Any]]:
+    """The ``(key or index, entry)`` pairs of ``value`` at nesting level ``depth`` whose entries :func:`copy_nested` copies
+    too: a dict or list of at most :data:`SHORT` entries above :data:`DEPTH` levels; none for anything else."""
+    if depth >= DEPTH or not is_copied(value) or len(value) > SHORT:
+        return ()
+    return value.items() if isinstance(value, dict) else enumerate(value)
+
+
+def copy_nested(value: Any, depth: int = 0) -> Any:
+    """``value`` (a list or dict) copied for one replica where :func:`is_copied` (else itself): the lists and dicts in a
+    dict or list of at most :data:`SHORT` entries copied likewise (to :data:`DEPTH` levels), everything else shared.
+    A container that cannot be copied is shared as it is."""
+    if not is_copied(value):
+        return value
+    try:
+        copied = list(value) if type(value) is list else copy.copy(value)
+    except Exception:  # noqa: BLE001  (an exotic subclass): shared, as before this copy existed
+        return value
+    for key, entry in nested_entries(value, depth):
+        if is_container(entry):
+            copied[key] = copy_nested(entry, depth + 1)
+    return copied
+
+
+def nested_sizes(value: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
+    """``(container, len(container))`` for ``value`` (a list or dict that :func:`copy_nested` copies) and every list and dict
+    in it that :func:`copy_nested` copies too."""
+    if is_copied(value):
+        yield value, len(value)
+    for _, entry in nested_entries(value, depth):
+        if is_container(entry):
+            yield from nested_sizes(entry, depth + 1)
+
+
+def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
+    """The tensors in ``value`` (itself, or in the dicts and lists :func:`copy_nested` copies with their entries), with their
+    paths from ``name``."""
+    if isinstance(value, Tensor):
+        yield name, value
+    for key, entry in nested_entries(value, depth):
+        yield from nested_tensors(entry, f"{name}[{key!r}]", depth + 1)

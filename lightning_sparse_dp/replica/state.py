@@ -1,0 +1,399 @@
+"""State: what a step leaves on the LightningModule, from its replicas, as one device's step leaves it.
+
+Replicas are copies of the module (:mod:`lightning_sparse_dp.step.replicate`), so what a step sets on ``self``
+(``self.flag = True``, ``self.last_loss = loss.detach()``) lands on a replica and is lost, and what it
+appends to a list of the module (``self.validation_step_outputs.append(...)``, the pattern Lightning 2
+recommends since ``validation_epoch_end`` was removed) is appended once per replica, and so is what it appends to a
+list in a dict (``self.outputs["val"].append(...)``) or counts in one (``self.counts["steps"] += 1``). :class:`StepState`
+gives each replica its own copy of the module's list attributes and dict attributes of at most 16 entries before the
+step (the lists and dicts in those copied too, to 8 levels: :func:`~.snapshot.copy_nested`; a longer dict, such as
+a per-sample cache that the replicas fill with their own samples' keys, is shared as before) and, after it:
+
+- an attribute the replicas set to one value (``==``, or equal tensors) gets that value on the module;
+  tensors they set to different values get them merged as the step's outputs are
+  (:func:`~lightning_sparse_dp.step.gather.gather_outputs`: a combination of the losses its whole-batch value, other
+  0-dim tensors the mean weighted like the loss, per-sample rows in sample order); any other value they set
+  differently (an object made lazily in the step, a count) keeps the root replica's, as Lightning's DDP keeps rank
+  0's, never a list of the replicas' values; a one-time warning names what was not one device's for certain;
+- the ``j``-th entry every replica appended to a list is merged the same way into one entry appended to
+  the module's list: one entry per step, as on one device;
+- a dict's entries are merged as attributes are (set or removed by every replica; a key some replicas added, such
+  as a per-sample key, gets their value; one changed by some replicas only is said), and the lists and dicts in it,
+  and in a list of at most 16 entries (one per dataloader), likewise, in place, so the module keeps its own objects
+  (a ``defaultdict`` stays one).
+
+A tensor of the module changed in place in the step (``self.ema.mul_(0.9).add_(...)``) is said once: the replicas
+share it, so each applies its chunk's change (a decay once per replica), which no merge can undo. So is an object
+of the user's own class (an ``AverageMeter``: :func:`~lightning_sparse_dp.replica.snapshot.is_plain_object`) whose public
+attributes the step changed, and a list or dict
+of the module (one the replicas got copies of) that changed during the step: only code holding the module itself, not
+the replica, reaches it (a forward hook whose closure holds ``self``), once per replica, in thread order; its copies
+are not merged then.
+
+Plain attributes of the module object itself are followed (not Lightning's and torch's own), and, with ``attributes``
+(:class:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges`), those a step sets, replaces or removes on its
+replica's copies of the module's submodules (``self.calls += 1`` in a layer), merged into the module's submodules by the same
+rules, the submodules' lists and short dicts copied for each replica and merged as the module's are
+(``self.history.append(x)`` in a layer). The entries of a longer list (one added each step) are not copied, so a step
+that changes an earlier entry in place changes the module's, once per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor, nn
+
+from lightning_sparse_dp.replica import snapshot
+from lightning_sparse_dp.replica.attributes import SubmoduleChanges
+
+_MISSING = object()
+
+
+class StepState:
+    """The module's attributes around one step of ``replicas`` (copies of ``module``; the module itself, when it is
+    among them, keeps what it sets, as one device does).
+
+    Args:
+        module: the LightningModule.
+        replicas: this step's replicas, in replica order.
+        deferred: each replica's part (:meth:`enter`) is left to the caller, to run in the replica's own thread.
+        attributes: the replicas' copies of the module's submodules (the persistent replicas'
+            :attr:`~lightning_sparse_dp.step.replicate.Replicas.attributes`): what the step set on them is merged into the
+            module's submodules too; ``None``: the module's own attributes only.
+    """
+
+    def __init__(
+        self, module: nn.Module, replicas: Sequence[nn.Module], deferred: bool = False,
+        attributes: SubmoduleChanges | None = None,
+    ) -> None:
+        self.module = module
+        self.replicas = list(replicas)
+        self.active = module not in self.replicas and len(self.replicas) > 1
+        self.attributes = attributes if self.active else None
+        self.before: dict[str, Any] = {}
+        self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
+        self.found: list[list[tuple[int, str]] | None] = [None] * len(self.replicas)  # in each one's submodules (leave)
+        self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
+        self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
+        if not self.active:
+            return
+        self.before = {k: v for k, v in module.__dict__.items() if snapshot.is_followed(k, v)}
+        self.containers = [k for k, v in self.before.items() if snapshot.is_copied(v)]  # each replica gets its own copies
+        # which the module's own containers must not see change: only code holding the module itself (a hook's
+        # closure) reaches them during the step (said in merge)
+        self.sizes = {f"self.{k}": list(snapshot.nested_sizes(self.before[k])) for k in self.containers}
+        if self.attributes is not None:  # the submodules' lists and dicts, copied and merged likewise
+            found = self.attributes
+            self.sub_containers = [(j, k) for j, k in found.containers() if snapshot.is_copied(found.sources[j].__dict__[k])]
+            self.sizes.update(
+                {found.name(j, k): list(snapshot.nested_sizes(found.sources[j].__dict__[k])) for j, k in self.sub_containers}
+            )
+        # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
+        self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in snapshot.nested_tensors(v,
+        f"self.{k}")]
+        # and its plain objects (an AverageMeter): one the step changed was changed by each replica (said in merge)
+        self.objects = [(k, v, snapshot.public_state(v)) for k, v in self.before.items() if snapshot.is_plain_object(v)]
+        if not deferred:
+            for i in range(len(self.replicas)):
+                self.enter(i)
+
+    def enter(self, i: int) -> None:
+        """Replica ``i`` given its own copies of the module's lists and dicts (:func:`~.snapshot.copy_nested`), its
+        attributes noted, before its step (``deferred``: in replica ``i``'s thread after its refresh; else at construction)."""
+        if not self.active:
+            return
+        replica = self.replicas[i]
+        for key in self.containers:
+            replica.__dict__[key] = snapshot.copy_nested(self.before[key])  # each replica appends to (or changes) its own
+        self.entered[i] = dict(replica.__dict__)
+        if self.sub_containers:
+            found, given = self.attributes, self.sub_given[i]
+            for j, key in self.sub_containers:  # after the replica's refresh (which gave it the module's objects)
+                copied = snapshot.copy_nested(found.sources[j].__dict__[key])
+                given[(j, key)] = found.copies[i][j].__dict__[key] = copied  # type: ignore[union-attr]
+
+    def leave(self, i: int) -> None:
+        """After replica ``i``'s step, in its thread: what it set on its copies of the module's submodules, noted for
+        :meth:`merge` (which finds it on the calling thread for a replica that did not leave)."""
+        if self.attributes is not None:
+            self.found[i] = self.attributes.changed(i)
+
+    def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
+        """After the step: set on the module what the replicas left (see the module docstring).
+
+        ``combine(values)``: the replicas' values of one output leaf merged as the step's outputs are, and whether
+        that is one device's value for certain (a combination of the step's captured losses).
+        """
+        if not self.active:
+            return
+        for name, tensor, version in self.versions:
+            if tensor._version != version:
+                warning_cache.warn(
+                    f"sparse_dp: {name} (a tensor of the module) was changed in place in the step: the replicas share "
+                    "it, so each applied its own chunk's change to it, one after another or at once (a sum adds up to "
+                    "the whole batch's, but a decay, an average or a copy is applied once per replica, and in-place "
+                    "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
+                    "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
+                )
+        for key, value, state in self.objects:
+            changed = snapshot.changed_keys(state, snapshot.public_state(value))
+            if changed:
+                warning_cache.warn(
+                    f"sparse_dp: self.{key} (a {type(value).__name__}) was changed in the step ({', '.join(changed)}): the "
+                    "replicas share the module's objects, so each replica's step changed it with its own chunk, one "
+                    "after another in thread order (and updates from several threads may interleave): a running sum or "
+                    "count adds up to the whole batch's, but a last value is the last replica's chunk's, and a history "
+                    "gets one entry per replica, where one device's step changes it once with the whole batch. Keep "
+                    "such state in a torchmetrics metric (merged across the replicas as one device's: MeanMetric, "
+                    "SumMetric), or change it from the whole batch in on_train_batch_end(outputs, batch, batch_idx) "
+                    "(outputs['loss'] is the batch's loss)."
+                )
+        reached = {name for name, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)}
+        for name in reached:
+            kind = "list" if isinstance(self.sizes[name][0][0], list) else "dict"
+            warning_cache.warn(
+                f"sparse_dp: {name} (a {kind} of the module) changed in the step through the module itself, not "
+                "the replica's copy: code that holds the module (a forward hook or closure made with `self`, e.g. "
+                "`layer.register_forward_hook(lambda m, i, o: self.features.append(o))`) runs in every replica's step, "
+                "so it holds what each replica's chunk gave, in the order their threads ran, where one device's holds "
+                "one entry per step. Return such values from the step (outputs are gathered in the batch's order) or "
+                "log them, or append through the replica the step runs on."
+            )
+        skip = {k for k in self.containers if f"self.{k}" in reached}  # not merged: the module's object holds the step's
+        keys = [k for k in self.containers if k not in skip]  # what the step set (or may have changed: its copies)
+        for replica, entered in zip(self.replicas, self.entered):
+            keys.extend(  # the identity test first: most attributes are the objects the step found
+                k for k, v in replica.__dict__.items()
+                if entered.get(k, _MISSING) is not v and k not in keys and k not in skip and snapshot.is_followed(k, v)
+            )
+            keys.extend(k for k in self.before if k not in replica.__dict__ and k not in keys)  # removed by the step
+            for key in skip:
+                replica.__dict__[key] = self.before[key]
+        dicts = [r.__dict__ for r in self.replicas]
+        for key in keys:
+            copies = [e.get(key, _MISSING) for e in self.entered]
+            if key in self.containers:
+                self._merge_copied(self.module, key, f"self.{key}", self.before[key], dicts, copies, combine, warning_cache)
+            else:
+                values = [d.get(key, _MISSING) for d in dicts]
+                self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
+        self._merge_submodules(combine, warning_cache, reached)
+
+    def _merge_copied(
+        self, target: nn.Module, key: str, name: str, before: Any, dicts: list[dict[str, Any]], given: list[Any],
+        combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,
+    ) -> None:
+        """``target.<key>``, the list or dict ``before`` of which each replica was given its own copy (``given``;
+        ``dicts``: the replicas' ``__dict__`` holding it): removed when every replica's step removed it, as one
+        device's step does; a list, or copies changed in place, merged into ``before`` (replaced lists said), after
+        which the replicas hold ``before`` again (what runs after the step, a backward hook, changes it); else
+        (replaced by every replica) an attribute (:meth:`_merge_attribute`)."""
+        values = [d.get(key, _MISSING) for d in dicts]
+        if all(v is _MISSING for v in values):
+            target.__dict__.pop(key, None)
+            return
+        if type(before) is list or all(v is g for v, g in zip(values, given)):
+            self._merge_container(name, before, values, combine, warning_cache, 0)
+            for d in dicts:
+                d[key] = before
+            return
+        self._merge_attribute(target, key, name, values, given, combine, warning_cache)
+
+    def _merge_attribute(
+        self, target: nn.Module, key: str, name: str, values: list[Any], copies: list[Any],
+        combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,
+    ) -> None:
+        """``target.<key>`` from the replicas' ``values`` (``_MISSING``: removed), which their steps found as
+        ``copies``:
+        one value when every replica set it (merged, :meth:`_combined`), removed when every replica removed it, the
+        first setter's when some did (said once)."""
+        changed = [v is not c for v, c in zip(values, copies)]
+        if not any(changed):
+            return
+        if all(v is _MISSING for v in values):
+            target.__dict__.pop(key, None)
+            return
+        if not all(changed) or any(v is _MISSING for v in values):
+            warning_cache.warn(
+                f"sparse_dp: {name} was set (or removed) by some replicas' steps only (a branch on the chunk): "
+                "the module gets what the first did. Set it in every replica's step, from the whole batch's values."
+            )
+            value = next(v for v, c in zip(values, changed) if c)
+            if value is _MISSING:
+                target.__dict__.pop(key, None)
+            else:
+                setattr(target, key, self._to_root(value))
+            return
+        setattr(target, key, self._combined(name, values, combine, warning_cache))
+
+    def _merge_submodules(
+        self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache, reached: set[str]
+    ) -> None:
+        """What the replicas' steps set on their copies of the module's submodules (:meth:`leave`), and what they
+        changed in their copies of the submodules' lists and dicts, merged into the module's submodules as the module's
+        own attributes and containers are (``reached``: the names of containers the step changed through the module)."""
+        found = self.attributes
+        if found is None:
+            return
+        count = len(self.replicas)
+        changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)]
+        for j, key in self.sub_containers:
+            target, name = found.sources[j], found.name(j, key)
+            dicts = [found.copies[r][j].__dict__ for r in range(count)]
+            if name in reached:  # said above; the module's object holds what the step did, the copies hold it again
+                for d in dicts:
+                    d[key] = target.__dict__[key]
+                continue
+            given = [self.sub_given[r].get((j, key), _MISSING) for r in range(count)]
+            self._merge_copied(target, key, name, target.__dict__[key], dicts, given, combine, warning_cache)
+        handled = set(self.sub_containers)
+        for i, key in dict.fromkeys(k for replica in changes for k in replica):
+            if (i, key) in handled:
+                continue
+            target = found.sources[i]
+            before = target.__dict__.get(key, _MISSING)
+            values = [found.copies[r][i].__dict__.get(key, _MISSING) for r in range(count)]
+            self._merge_attribute(target, key, found.name(i, key), values, [before] * len(values), combine, warning_cache)
+
+    def _combined(
+        self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache
+    ) -> Any:
+        """The replicas' values of one attribute or container entry as one value: theirs when they agree; a combination
+        of the step's losses (or its ``.item()``) by its whole-batch value; other tensors merged as step outputs are
+        (said once when that is not one device's value for certain); anything else (an object the step made, a count,
+        a name) the root replica's value, as Lightning's DDP keeps rank 0's (the one it checkpoints), said once."""
+        if snapshot.all_same(values):
+            return values[0]
+        if all(isinstance(v, (Tensor, float)) for v in values):
+            try:
+                value, exact = combine(values)
+            except Exception:  # noqa: BLE001  (values the output merge cannot read)
+                value, exact = None, False
+            if exact:
+                return value
+            if value is not None and all(isinstance(v, Tensor) for v in values):
+                warning_cache.warn(
+                    f"sparse_dp: {name} was set to different tensors by the replicas' steps: the module gets them "
+                    "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in "
+                    "sample order). Log it, or return it from the step, to get one device's value in every case."
+                )
+                return value
+        warning_cache.warn(
+            f"sparse_dp: {name} was set to different values by the replicas' steps (each ran on its chunk of the "
+            "batch): the module keeps the root replica's (replica 0's), as Lightning's DDP keeps rank 0's. Set it from "
+            "the whole batch (in on_*_batch_end, which gets the gathered outputs) for one device's value."
+        )
+        return self._to_root(values[0])
+
+    def _to_root(self, value: Any) -> Any:
+        """``value`` with its tensors moved to the module's device (a replica's on another GPU would stay there)."""
+        device = getattr(self.module, "device", None)
+        return value if not isinstance(device, torch.device) else move_data_to_device(value, device)
+
+    def _merge_container(
+        self, name: str, before: Any, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
+    ) -> None:
+        """The replicas' copies ``values`` of the module's list or dict ``before``, as their steps left them, merged
+        into ``before`` in place (``name``: its path, for the warnings)."""
+        if isinstance(before, dict):
+            self._merge_dict(name, before, values, combine, warning_cache, depth)
+        else:
+            self._merge_list(name, before, values, combine, warning_cache, depth)
+
+    def _nested(self, before: Any, values: list[Any], depth: int) -> bool:
+        """Whether ``values`` are the replicas' own copies of the container ``before`` (made by
+        :func:`~.snapshot.copy_nested`)."""
+        if depth > snapshot.DEPTH or not snapshot.is_container(before):
+            return False
+        return all(type(v) is type(before) and v is not before for v in values)
+
+    def _merge_dict(
+        self, name: str, before: dict, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
+    ) -> None:
+        """A dict: each key the replicas set or removed, as attributes are (:meth:`merge`); a key some replicas added
+        (a per-sample key: its replica's) added with their value; the lists and dicts in it merged likewise, in
+        place."""
+        keys = list(dict.fromkeys([*before, *(k for v in values for k in v)]))
+        for key in keys:
+            mine = dict.get(before, key, _MISSING)  # dict.get: a defaultdict makes no entry
+            theirs = [dict.get(v, key, _MISSING) for v in values]
+            entry = f"{name}[{key!r}]"
+            if self._nested(mine, theirs, depth + 1):
+                self._merge_container(entry, mine, theirs, combine, warning_cache, depth + 1)
+                continue
+            setters = [v for v in theirs if v is not mine]
+            if not setters:
+                continue
+            if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
+                value = self._combined(entry, theirs, combine, warning_cache)
+            elif mine is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
+                value = setters[0]
+            elif all(v is _MISSING for v in theirs):  # removed by every replica
+                value = _MISSING
+            else:
+                warning_cache.warn(
+                    f"sparse_dp: {entry} was set or removed by some replicas' steps only, or added with different values "
+                    "(a branch on the chunk): the module gets what the first did. Change it in every replica's step, "
+                    "from the whole batch's values."
+                )
+                value = setters[0]
+            if value is _MISSING:
+                before.pop(key, None)
+            else:
+                before[key] = self._to_root(value)
+
+    def _merge_list(
+        self, name: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
+        depth: int,
+    ) -> None:
+        """A list: the ``j``-th entry every replica appended merged into one appended entry; the lists and dicts in a
+        short list (:data:`SHORT`) merged likewise, in place."""
+        lists = [v for v in values if type(v) is type(before)]
+        kept = len(lists) == len(values) and all(len(v) >= len(before) for v in lists)
+        for j, mine in enumerate(before if kept else ()):
+            theirs = [v[j] for v in lists]
+            if len(before) <= snapshot.SHORT and self._nested(mine, theirs, depth + 1):
+                self._merge_container(f"{name}[{j}]", mine, theirs, combine, warning_cache, depth + 1)
+            elif any(v is not mine for v in theirs):
+                kept = False
+        if not kept:
+            warning_cache.warn(
+                f"sparse_dp: {name} (a list) was replaced or changed in place by the replicas' steps: only entries "
+                "appended to it are merged back into the module's list."
+            )
+        added = [v[len(before):] if type(v) is type(before) else [] for v in values]
+        counts = {len(a) for a in added}
+        if counts == {0}:
+            return
+        if len(counts) > 1:
+            warning_cache.warn(
+                f"sparse_dp: the replicas' steps appended different numbers of entries to {name} "
+                f"({[len(a) for a in added]}): the module's list gets each replica's entries in replica order, not one "
+                "device's entries."
+            )
+            for a in added:
+                before.extend(self._to_root(a))
+            return
+        merged = []
+        for j in range(counts.pop()):
+            try:
+                merged.append(combine([a[j] for a in added])[0])
+            except Exception as err:  # noqa: BLE001  (entries the output merge cannot read: kept as they are)
+                warning_cache.warn(
+                    f"sparse_dp: the entries the replicas' steps appended to {name} cannot be merged as step outputs "
+                    f"are ({type(err).__name__}: {err}): the module's list gets each replica's entries in replica order."
+                )
+                for a in added:
+                    before.extend(self._to_root(a))
+                return
+        before.extend(merged)
+
+
+__all__ = ["StepState"]

@@ -1,0 +1,123 @@
+"""Pre-split: do the split in DataLoader worker processes instead of on the step's critical path.
+
+:class:`PreSplitCollate` wraps a collate function: in each worker it collates the samples, then
+splits the batch (:func:`~lightning_sparse_dp.split.split_batch`: batch indices, sample and point
+rows, renumbering, the balanced assignment) and hands the main process a :class:`PreSplitBatch`,
+so the main process only places the chunks on their devices. The ``sparse_dp`` strategy installs it
+on DataLoaders with ``num_workers > 0`` by itself (``presplit=True``: :func:`presplit_loader`, on a copy of the
+DataLoader, not where ``on_before_batch_transfer``, which must see the whole batch, is overridden); it can be used
+directly too.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.utils._pytree as pytree
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader, default_collate
+
+from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
+from lightning_sparse_dp.split.assign import Assignment
+
+
+@dataclass(init=False)
+class PreSplitBatch:
+    """A batch split in a worker: the chunks (SparseTensor / TensorField as SparseSpec) and the plan.
+
+    ``PreSplitBatch(chunks, plan)``. Lightning's precision plugins convert a batch before the step
+    (``convert_input``: ``apply_to_collection`` over dataclass fields, e.g. floating tensors to float64
+    for ``precision="64-true"``); the chunks are converted as a whole batch would be, and the plan, a
+    frozen dataclass that holds no floating-point data, is a non-init field, so it is passed on as it is
+    (``apply_to_collection`` cannot rebuild a frozen dataclass and raised here before).
+    """
+
+    chunks: list[Any]
+    plan: SplitPlan = field(init=False)
+
+    def __init__(self, chunks: list[Any], plan: SplitPlan) -> None:
+        self.chunks = chunks
+        self.plan = plan
+
+
+class PreSplitCollate:
+    """``collate_fn`` for a DataLoader: collate with ``collate_fn``, then split into ``num_chunks``.
+
+    Args:
+        collate_fn: the collate function to wrap (default ``torch.utils.data.default_collate``),
+            e.g. one that calls ``ME.utils.sparse_collate``.
+        num_chunks: the number of devices.
+        layout, assignment, min_points, batch_sizes: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
+            assignment must be picklable, e.g. ``functools.partial(balanced_assignment, groups=...)``).
+
+    Picklable when ``collate_fn`` is, so it runs in worker processes.
+    """
+
+    def __init__(
+        self,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_chunks: int,
+        layout: Mapping[Any, str] | None = None,
+        assignment: str | Assignment = "balanced",
+        min_points: int = 1,
+        batch_sizes: Collection[int] | None = None,
+    ) -> None:
+        check_num_chunks(num_chunks)
+        self.collate_fn = collate_fn or default_collate
+        self.num_chunks = num_chunks
+        self.layout = dict(layout) if layout else None
+        self.assignment = assignment
+        self.min_points = min_points
+        self.batch_sizes = batch_sizes
+
+    def __call__(self, samples: list[Any]) -> PreSplitBatch:
+        chunks, plan = split_batch(
+            self.collate_fn(samples),
+            self.num_chunks,
+            layout=self.layout,
+            assignment=self.assignment,
+            min_points=self.min_points,
+            batch_sizes=self.batch_sizes,
+        )
+        for chunk in chunks:  # a whole-batch chunk's source tensor cannot cross processes; it is rebuilt
+            for spec in _specs(chunk):
+                spec.source = None
+        return PreSplitBatch(chunks, plan)
+
+
+def presplit_loader(
+    dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
+    module: Any = None,
+) -> Any:
+    """A shallow copy of ``dataloader`` whose collate function is wrapped in :class:`PreSplitCollate`, when that
+    helps and is safe; the user's DataLoader itself is never changed (after ``fit`` it yields what it yielded).
+
+    Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
+    and only when neither ``module`` (the LightningModule) nor its Trainer's datamodule overrides
+    ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
+    """
+    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None) if module is not None else None
+    if (
+        isinstance(dataloader, DataLoader)
+        and dataloader.num_workers > 0
+        and not isinstance(dataloader.collate_fn, PreSplitCollate)
+        and not (module is not None and is_overridden("on_before_batch_transfer", module))
+        and not (datamodule is not None and is_overridden("on_before_batch_transfer", datamodule))
+    ):
+        loader = copy.copy(dataloader)  # DataLoader.__setattr__ is bypassed: the copy has the same settings
+        loader.__dict__["_iterator"] = None  # a persistent-workers iterator stays the user's
+        sizes = (dataloader.batch_size,) if dataloader.batch_size is not None else None  # this loader's own
+        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes)
+        return loader
+    return dataloader
+
+
+def _specs(chunk: Any) -> list[SparseSpec]:
+    leaves = pytree.tree_leaves(chunk, is_leaf=lambda x: isinstance(x, SparseSpec))
+    return [x for x in leaves if isinstance(x, SparseSpec)]
+
+
+__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader"]

@@ -1,0 +1,389 @@
+"""Gather: the replicas' step outputs combined on the root device into the output one device returns.
+
+Leaf by leaf (:func:`gather_outputs`): a loss or metric (0-dim) is the weighted mean
+(:func:`~lightning_sparse_dp.loss.weights.weighted_sum`), per-sample and per-point rows are merged back into the batch's
+order, other tensors concatenated; ``output_layout`` names a role (:data:`OUTPUT_ROLES`) where lengths cannot tell.
+Per-sample sequences (a list or tuple with one entry per sample of the replica's chunk, as
+``SparseTensor.decomposed_features`` returns, or a list of ``(coordinates, features)`` pairs) are concatenated in sample
+order into the length-``B`` sequence one device returns (:func:`per_sample_nodes`). Coordinates among the outputs
+(``x.C``, ``batch["coordinates"]``) get the batch's sample ids back in column 0
+(:func:`~lightning_sparse_dp.split.merge.coordinates_back`), and ``ME.SparseTensor`` outputs become one SparseTensor of
+the batch (:func:`merge_sparse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_sparse_dp.loss.weights import weighted_sum
+from lightning_sparse_dp.runtime.me import ME
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
+from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
+from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
+from lightning_sparse_dp.split.merge import _point_rows, _point_source, coordinates_back
+from lightning_sparse_dp.step.scatter import build_sparse
+from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
+
+#: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
+#: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
+OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list", "fixed")
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Two entries of one sequence that could be two samples' values: the same kind, recursively
+    (tensors of the same dimensionality and dtype; sequences of the same length; dicts of the same keys)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Tensor):
+        return a.dim() == b.dim() and a.dtype == b.dtype
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b))
+    return True
+
+
+def _is_sequence(x: Any) -> bool:
+    return type(x) in (list, tuple)
+
+
+def per_sample_nodes(
+    outputs: Sequence[Any], plan: SplitPlan, output_layout: Mapping[Any, str] | None, warning_cache: WarningCache
+) -> set[int]:
+    """The ids of the lists / tuples in the replicas' outputs that hold one entry per sample.
+
+    The rule, at every position of the outputs' common structure: a plain ``list`` or ``tuple`` (not a
+    namedtuple) is per-sample when its length is its replica's number of samples in every replica
+    and all its entries, in every replica, are alike (:func:`_alike`: a tuple ``(loss, logits)`` mixes a
+    0-dim and a 2-dim tensor, so it is a fixed structure). When every chunk has the same number of samples,
+    a sequence of alike entries could still be a fixed structure (``(logits_a, logits_b)`` in chunks of
+    two samples): it is taken as per-sample and a warning (once) names the fix,
+    ``output_layout={key: 'fixed'}`` (``'samples'`` silences it). ``output_layout`` decides first.
+
+    Raises:
+        ValueError: ``output_layout`` names a sequence ``'samples'`` whose lengths are not the chunks' samples.
+    """
+    marked: set[int] = set()
+
+    def visit(values: list[Any], path: tuple[Any, ...]) -> None:
+        first = values[0]
+        if _is_sequence(first) and all(type(v) is type(first) for v in values):
+            lengths = [len(v) for v in values]
+            role = _output_role(path, output_layout)
+            entries = [x for v in values for x in v]
+            if role == "samples" and lengths != plan.samples_per_chunk:
+                raise ValueError(
+                    f"output_layout gives step output {_output_name(path)} the role 'samples' but its lengths {lengths} "
+                    f"are not the chunks' numbers of samples {plan.samples_per_chunk}."
+                )
+            per_sample = role == "samples" or (
+                role not in OUTPUT_ROLES
+                and lengths == plan.samples_per_chunk
+                and all(_alike(entries[0], x) for x in entries[1:])
+            )
+            if per_sample:
+                if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:
+                    warning_cache.warn(
+                        f"sparse_dp: step output {_output_name(path)} is a {type(first).__name__} of {lengths[0]} alike "
+                        "entries in every chunk, which is also each chunk's number of samples: it is taken as one entry "
+                        "per sample and the chunks' entries are concatenated in sample order. If it is a fixed "
+                        f"structure (e.g. the outputs of two levels), say so: SparseDataParallelStrategy(output_layout="
+                        f"{{{_output_key(path)!r}: 'fixed'}}); name it 'samples' to silence this warning."
+                    )
+                marked.update(id(v) for v in values)
+                return
+            if len(set(lengths)) == 1:
+                for k in range(lengths[0]):
+                    visit([v[k] for v in values], (*path, pytree.SequenceKey(k)))
+        elif isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
+            for k in first:
+                visit([v[k] for v in values], (*path, pytree.MappingKey(k)))
+        elif isinstance(first, tuple) and hasattr(first, "_fields") and all(type(v) is type(first) for v in values):
+            for k in first._fields:
+                visit([getattr(v, k) for v in values], (*path, pytree.GetAttrKey(k)))
+
+    visit(list(outputs), ())
+    return marked
+
+
+def _lengths(values: list[Any]) -> list[int] | None:
+    if all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+        return [v.shape[0] for v in values]
+    if all(isinstance(v, np.ndarray) and v.ndim > 0 or type(v) in (list, tuple) for v in values):
+        return [len(v) for v in values]
+    return None
+
+
+def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> Any:
+    """The replicas' ``ME.SparseTensor`` outputs (a predict step's ``return self(x)``) as one SparseTensor of the whole
+    batch on ``device``, as one device returns it; ``None`` where their rows cannot be placed (tensor strides that
+    differ, coordinates that are not their chunks', see :func:`coordinates_back`).
+
+    Its coordinates carry the batch's sample ids in column 0; its rows are in the batch's point order where each
+    chunk's are its points (a stride-1 tensor: one device's rows), in sample order where one per sample (after global
+    pooling), else in chunk order (a strided tensor: the same rows as one device's, in another order, ME's being its
+    coordinate map's). Built by :func:`~lightning_sparse_dp.step.scatter.build_sparse` (a coordinate manager of its own on
+    ``device``, with the replicas' ``tensor_stride``); features keep their autograd graph.
+    """
+    strides = {tuple(v.tensor_stride) for v in values}
+    if len(strides) != 1:
+        return None
+    coordinates, features = [v.C for v in values], [v.F for v in values]
+    lengths = [c.shape[0] for c in coordinates]
+    source = _point_source(plan, lengths)
+    if source is not None:
+        restored = coordinates_back(coordinates, plan, "points", source)
+        merged = [merge_chunks(restored, plan.point_rows[source]), merge_chunks(features, plan.point_rows[source])]
+    elif lengths == plan.samples_per_chunk:
+        restored = coordinates_back(coordinates, plan, "samples")
+        merged = [merge_chunks(restored, plan.chunk_samples), merge_chunks(features, plan.chunk_samples)]
+    else:
+        restored = coordinates_back(coordinates, plan, "cat")
+        first = features[0].device
+        merged = [torch.cat([c.to(first) for c in restored]), torch.cat([f.to(first) for f in features])]
+    if restored is coordinates:
+        return None
+    stride = {"tensor_stride": list(strides.pop())}
+    spec = SparseSpec(cls=ME.SparseTensor, features=merged[1], coordinates=merged[0], kwargs=stride)
+    return build_sparse(spec, device)
+
+
+def _guess_role(
+    name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache, say_lists: bool = True
+) -> str:
+    """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure, and
+    (``say_lists``) when differing values that are not tensors become the list of the replicas' values.
+
+    ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
+    """
+    first = values[0]
+    if isinstance(first, Tensor) and first.dim() == 0:
+        return "mean"
+    lengths = _lengths(values)
+    if lengths is None:
+        return _first_or_list(name, key, values, warning_cache, say_lists)
+    samples = lengths == plan.samples_per_chunk
+    points = _point_rows(plan, lengths) is not None
+    same = plan.num_chunks > 1 and len(set(lengths)) == 1
+    if samples or points:
+        role = "samples" if samples else "points"
+        if same:
+            warning_cache.warn(
+                f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
+                f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
+                f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
+                f"output_layout={{{key!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
+                f"'{role}' to silence this warning."
+            )
+        return role
+    if not isinstance(first, Tensor):
+        return _first_or_list(name, key, values, warning_cache, say_lists)
+    if same:
+        warning_cache.warn(
+            f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
+            "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
+            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
+            f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
+        )
+    return "cat"
+
+
+def _first_or_list(name: str, key: Any, values: list[Any], warning_cache: WarningCache, say: bool) -> str:
+    """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
+    value there, not one per chunk."""
+    if _comparable(values):
+        return "first"
+    if say:  # the message names the output only, so that it is said once, whatever the values
+        warning_cache.warn(
+            f"sparse_dp: step output {name} ({type(values[0]).__name__}) differs between the replicas' chunks: it is "
+            "given as the list of the replicas' values, in chunk order, where one device's step returns one value. "
+            "Return it as a tensor (a 0-dim tensor is the batch's weighted mean, per-sample rows come back in sample "
+            f"order), or say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) (roles "
+            f"{', '.join(OUTPUT_ROLES)}); name it 'list' to silence this warning."
+        )
+    return "list"
+
+
+def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weights: Sequence[float], device: torch.device) -> Any:
+    if role == "sequence":  # one entry per sample: the chunks' entries in sample order, on the root device
+        moved = [apply_to_collection(v, Tensor, lambda t: t.to(device)) for v in values]
+        return merge_rows(moved, plan.chunk_samples)
+    tensors = [isinstance(v, Tensor) for v in values]
+    if any(tensors) and not all(tensors):
+        raise TypeError(
+            f"step output {name}: replica(s) {[i for i, t in enumerate(tensors) if t]} returned a tensor and "
+            f"replica(s) {[i for i, t in enumerate(tensors) if not t]} returned "
+            f"{', '.join(sorted({type(v).__name__ for v in values if not isinstance(v, Tensor)}))}; every replica's "
+            "step must return the same kind of value."
+        )
+    on_device = [v.to(device) for v in values] if all(tensors) else values
+    if role == "first":
+        return values[0]
+    if role == "list":
+        return list(on_device)
+    if role == "mean":
+        if not all(tensors):
+            total = sum(w for w in weights)
+            return sum(w * v for w, v in zip(weights, values) if w != 0) / total if total else 0.0
+        return weighted_sum(on_device, weights, device)
+    if role == "sum":
+        out = on_device[0]
+        for v in on_device[1:]:
+            out = out + v
+        return out
+    if role == "cat":
+        if all(tensors):
+            return torch.cat(coordinates_back(on_device, plan, "cat"))
+        if isinstance(values[0], np.ndarray):
+            return np.concatenate(values)
+        return type(values[0])(x for v in values for x in v)
+    lengths = _lengths(values)
+    if role == "samples":
+        if lengths != plan.samples_per_chunk:
+            raise ValueError(
+                f"output_layout gives step output {name} the role 'samples' but its lengths {lengths} are not the "
+                f"chunks' numbers of samples {plan.samples_per_chunk}."
+            )
+        return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
+    source = _point_source(plan, lengths) if lengths is not None else None
+    if source is None:
+        raise ValueError(
+            f"output_layout gives step output {name} the role 'points' but its lengths {lengths} are not the chunks' "
+            f"numbers of points {plan.points_per_chunk}."
+        )
+    rows = plan.point_rows[source]
+    return merge_chunks(coordinates_back(on_device, plan, "points", source), rows) if all(tensors) else merge_rows(values, rows)
+
+
+def _comparable(values: list[Any]) -> bool:
+    try:
+        return all(bool(v == values[0]) for v in values[1:])
+    except Exception:
+        return False
+
+
+def _output_name(path: Sequence[Any]) -> str:
+    return path_name(path, root="output")
+
+
+def _output_key(path: Sequence[Any]) -> Any:
+    """What to suggest for ``output_layout``: the innermost dict key / index of an output leaf, else its name."""
+    key = key_of(path)
+    return _output_name(path) if key is None else key
+
+
+def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
+    entry = layout_entry(path, output_layout, root="output")
+    if entry is not None and entry[1] not in OUTPUT_ROLES:
+        raise ValueError(f"output_layout[{entry[0]!r}] = {entry[1]!r}; use one of {OUTPUT_ROLES}.")
+    return None if entry is None else entry[1]
+
+
+def _check_none(outputs: Sequence[Any]) -> None:
+    nones = [i for i, o in enumerate(outputs) if o is None]
+    if nones and len(nones) < len(outputs):
+        others = [i for i in range(len(outputs)) if i not in nones]
+        err = ValueError(
+            f"replica(s) {nones} returned None and replica(s) {others} an output; a step is skipped only when every "
+            f"replica returns None. {SKIPPED_STEP_HELP}"
+        )
+        raise err
+
+
+def gather_outputs(
+    outputs: Sequence[Any],
+    plan: SplitPlan,
+    weights: Sequence[float],
+    device: torch.device,
+    output_layout: Mapping[Any, str] | None = None,
+    warning_cache: WarningCache | None = None,
+    say_lists: bool = True,
+) -> Any:
+    """One step output from the replicas' outputs.
+
+    Leaf by leaf over the outputs' common structure (a tensor, or dict / list / tuple of them,
+    e.g. ``{"loss": ..., "preds": ...}``; a list / tuple of non-tensors under a dict key, e.g. scene
+    names, is one leaf). A leaf is combined by the role ``output_layout`` gives it (by dict key,
+    index, or path name such as ``"output['hist']"``):
+
+    - ``"mean"``: ``sum_i w_i * x_i`` on ``device`` (gradients flow; weight-0 chunks add 0);
+    - ``"sum"``: ``sum_i x_i`` (e.g. a histogram or a count over the chunk);
+    - ``"samples"`` / ``"points"``: per-sample / per-point rows, merged in the original order;
+    - ``"cat"``: concatenated along dim 0 in chunk order;
+    - ``"list"``: the list of the replicas' values, in chunk order;
+    - ``"fixed"`` (a list / tuple): a fixed structure, combined entry by entry, never per-sample.
+
+    First, lists and tuples with one entry per sample of their chunk (:func:`per_sample_nodes` gives the
+    rule: lengths equal to the chunks' numbers of samples, entries alike) are concatenated in sample
+    order into the length-``B`` sequence one device returns, entries moved to ``device`` and otherwise
+    untouched: ``SparseTensor.decomposed_features`` / ``decomposed_coordinates``, a list of
+    ``(coordinates, features)`` pairs, per-sample dicts, tensors of any (variable) shape.
+
+    A leaf it does not name is combined by these rules: an ``ME.SparseTensor`` is one SparseTensor of the batch
+    (:func:`merge_sparse`; the list of the replicas' otherwise, said); a 0-dim tensor (a loss, a metric) is a
+    ``"mean"``; a tensor or list whose lengths are the chunks' numbers of samples is ``"samples"``,
+    else of points ``"points"``; other tensors are ``"cat"``; equal non-tensors give the value,
+    differing ones the list (said once, unless not ``say_lists``: a caller with its own word for it). When
+    every chunk gives the same length (a fixed leading dimension that may or may not be per-sample), a
+    warning says which rule was taken and how to name the role.
+    ``None`` from every replica gives ``None``. Warnings go through ``warning_cache`` (each once).
+
+    Raises:
+        ValueError: some replicas returned ``None`` and others an output (the message says what
+            skipping a step means with replicas); outputs of different structure; an unknown role,
+            or a role whose lengths do not fit.
+        TypeError: a leaf that is a tensor in some replicas and not in others.
+    """
+    if all(o is None for o in outputs):
+        return None
+    _check_none(outputs)
+    cache = _warning_cache if warning_cache is None else warning_cache
+    combine = partial(
+        _combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache, say_lists=say_lists
+    )
+    if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
+        return combine((), list(outputs), False)
+    sequences = per_sample_nodes(outputs, plan, output_layout, cache)
+    is_leaf = leaf_predicate(lambda x: id(x) in sequences)
+    flat = [pytree.tree_flatten_with_path(o, is_leaf=is_leaf) for o in outputs]
+    spec = flat[0][1]
+    for i, (_, s) in enumerate(flat[1:], start=1):
+        if s != spec:
+            raise ValueError(
+                f"replica {i} returned an output of another structure than replica 0 ({s} vs {spec}); every replica's "
+                "step must return the same kind of output."
+            )
+    leaves = []
+    for n, (path, _) in enumerate(flat[0][0]):
+        values = [f[0][n][1] for f in flat]
+        leaves.append(combine(path, values, id(values[0]) in sequences))
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _combine(
+    path: Sequence[Any], values: list[Any], sequence: bool, *, plan: SplitPlan, weights: Sequence[float],
+    device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache, say_lists: bool = True,
+) -> Any:
+    """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
+    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`."""
+    name = _output_name(path)
+    role = "sequence" if sequence else _output_role(path, output_layout)
+    if role is None and all(type(v) is ME.SparseTensor for v in values):
+        merged = merge_sparse(values, plan, device)
+        if merged is not None:
+            return merged
+    if role in (None, "fixed"):
+        role = _guess_role(name, _output_key(path), values, plan, cache, say_lists)
+    return _gather_leaf(name, values, role, plan, weights, device)
+
+
+__all__ = ["OUTPUT_ROLES", "gather_outputs", "merge_sparse", "per_sample_nodes"]

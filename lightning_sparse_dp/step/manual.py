@@ -1,0 +1,203 @@
+"""Manual optimization on replicas: ``manual_backward`` and the optimizer's calls of a step, met by every replica.
+
+With ``automatic_optimization = False`` the step itself calls ``opt.zero_grad()``, ``self.manual_backward(loss)``
+and ``opt.step()`` (a GAN's two optimizers, a step that backpropagates twice). Each replica runs the step on its
+chunk, in its own thread, so each of those calls is made once per replica. :func:`installed` puts stand-ins on
+every replica for the step; at each such call the replicas meet (a call of the step's
+:class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup`, ``all_gather_apply``: the replica that completes it
+does the work once, the others wait):
+
+- ``manual_backward(loss)``: the whole batch's weights of the replicas' losses are decided once, from every
+  replica's loss (``loss_weighting="terms"``: each captured loss's own share, as after an automatic step,
+  :mod:`~lightning_sparse_dp.loss.decide`; else the chunks' weights); then each replica runs its own backward in
+  its own thread with its weight, and once all are done their gradients are added in replica order into the
+  module's ``.grad`` (:meth:`~lightning_sparse_dp.step.replicate.Replicas.reduce_gradients`), then
+  ``on_after_backward`` runs once;
+- ``opt.step()``, ``opt.zero_grad()``, ``lr_schedulers().step()`` and ``self.clip_gradients(...)`` run once, on
+  the module (CUDA replicas on other devices then get the stepped parameters).
+
+So a manual step on N replicas is the step on one device with the whole batch (``tests/step/test_manual.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sparse_dp.loss.step import StepTerms
+from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+
+
+class ManualStep:
+    """What the replicas of one manual-optimization step share.
+
+    Args:
+        module: the LightningModule.
+        replicas: the persistent replicas (their first ``count`` run the step).
+        count: replicas in the step.
+        group: the step's thread group (the batch-norm group when there is one, so that every rendezvous of a
+            replica, batch norm's and these, is numbered in one sequence).
+        weights: the chunks' weights (``"auto"``'s or the given ``loss_weighting``'s).
+        terms: the step's term captures under ``loss_weighting="terms"`` (its plan set), else ``None``.
+    """
+
+    def __init__(
+        self, module: nn.Module, replicas: Replicas, count: int, group: ThreadGroup, weights: Sequence[float],
+        terms: StepTerms | None,
+    ) -> None:
+        self.module, self.replicas, self.count, self.group = module, replicas, count, group
+        self.weights, self.terms = list(weights), terms
+
+    # --- the stand-ins, called in replica threads ------------------------------------------------
+    def manual_backward(self, rank: int, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs.get("retain_graph") or kwargs.get("create_graph"):
+            raise RuntimeError(
+                "sparse_dp: manual_backward(loss, ...) takes no backward arguments on replicas (each replica's graph "
+                "runs once, first order). Call it once per loss."
+            )
+        weight = self.group.all_gather_apply(rank, loss, ("manual_backward",), self._decide)[rank]
+        if loss.requires_grad:
+            torch.autograd.backward(loss if weight != 0 else zeroed(loss), torch.full_like(loss, weight))
+        self.group.all_gather_apply(rank, None, ("reduce",), lambda _: self._reduce())
+
+    def once(self, rank: int, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run once for the step's replicas (by the replica that arrives last), its result to every one."""
+        return self.group.all_gather_apply(rank, None, (name,), lambda _: fn())
+
+    # --- run once, by the replica that completes the rendezvous ------------------------------------
+    def _decide(self, losses: list[Tensor]) -> list[float]:
+        if self.terms is not None:
+            self.terms.scale_terms(losses, self.weights)
+        scale = self._loss_scale()
+        return [w * scale for w in self.weights]
+
+    def _loss_scale(self) -> float:
+        """The precision plugin's loss scale (16-mixed's ``GradScaler``), else 1: Lightning's ``manual_backward``
+        scales the loss (``precision_plugin.pre_backward``) and the optimizer step unscales the gradients, so each
+        replica's backward must start from the scaled weight too. Scaling a root-device tensor also makes the scaler
+        set up its scale there, where the step's ``unscale_`` looks for it."""
+        trainer = getattr(self.module, "_trainer", None)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.scale(torch.ones((), device=self.replicas.devices[0])).item())
+
+    def _reduce(self) -> None:
+        grads = self.replicas.reduce_gradients(self.count)
+        for parameter, grad in zip(self.replicas.trainable, grads):
+            if grad is None:
+                continue
+            grad = grad.to(parameter.device)
+            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+        trainer = getattr(self.module, "_trainer", None)
+        if trainer is not None:
+            from lightning.pytorch.trainer import call
+
+            call._call_callback_hooks(trainer, "on_after_backward")
+            call._call_lightning_module_hook(trainer, "on_after_backward")
+
+    def stepped(self) -> None:
+        """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""
+        self.replicas._copy_parameters(self.count)
+
+
+class _Once:
+    """Stands in for an optimizer or scheduler in a replica: ``step`` / ``zero_grad`` run once per step's replicas."""
+
+    def __init__(self, manual: ManualStep, rank: int, target: Any, name: str) -> None:
+        self._manual, self._rank, self._target, self._name = manual, rank, target, name
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        def run() -> Any:
+            out = self._target.step(*args, **kwargs)
+            if self._name.startswith("optimizer"):
+                self._manual.stepped()
+            return out
+
+        return self._manual.once(self._rank, f"{self._name}.step", run)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        self._manual.once(self._rank, f"{self._name}.zero_grad", lambda: self._target.zero_grad(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+@contextmanager
+def installed(manual: ManualStep, replicas: Sequence[nn.Module]) -> Iterator[None]:
+    """For the ``with`` body (the replicas' step), each replica's ``manual_backward``, ``optimizers()``,
+    ``lr_schedulers()`` and ``clip_gradients`` are :class:`ManualStep`'s stand-ins (instance attributes, removed
+    after)."""
+    module = manual.module
+    for rank, replica in enumerate(replicas):
+        replica.manual_backward = _bound(manual.manual_backward, rank)
+        replica.optimizers = _optimizers(manual, rank, module)
+        replica.lr_schedulers = _schedulers(manual, rank, module)
+        replica.clip_gradients = _clip(manual, rank, module)
+    try:
+        yield
+    finally:
+        for replica in replicas:
+            for name in ("manual_backward", "optimizers", "lr_schedulers", "clip_gradients"):
+                replica.__dict__.pop(name, None)
+
+
+def _bound(fn: Callable[..., Any], rank: int) -> Callable[..., Any]:
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return fn(rank, *args, **kwargs)
+
+    return bound
+
+
+def _optimizers(manual: ManualStep, rank: int, module: Any) -> Callable[..., Any]:
+    def optimizers(use_pl_optimizer: bool = True) -> Any:
+        found = type(module).optimizers(module, use_pl_optimizer)
+        if isinstance(found, list):
+            return [_Once(manual, rank, o, f"optimizer{i}") for i, o in enumerate(found)]
+        return _Once(manual, rank, found, "optimizer0")
+
+    return optimizers
+
+
+def _schedulers(manual: ManualStep, rank: int, module: Any) -> Callable[[], Any]:
+    def lr_schedulers() -> Any:
+        found = type(module).lr_schedulers(module)
+        if found is None:
+            return None
+        if isinstance(found, list):
+            return [_Once(manual, rank, s, f"scheduler{i}") for i, s in enumerate(found)]
+        return _Once(manual, rank, found, "scheduler0")
+
+    return lr_schedulers
+
+
+def _clip(manual: ManualStep, rank: int, module: Any) -> Callable[..., None]:
+    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        target = optimizer._target if isinstance(optimizer, _Once) else optimizer
+        manual.once(rank, "clip_gradients", lambda: type(module).clip_gradients(module, target, *args, **kwargs))
+
+    return clip_gradients
+
+
+@contextmanager
+def manual_step(
+    module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
+    weights: Sequence[float], terms: StepTerms | None, plan: Any,
+) -> Iterator[ThreadGroup]:
+    """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
+    (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
+    ``weights``, needed inside the step, so computed before it; yields the group."""
+    group = group if group is not None else ThreadGroup(len(step_replicas))
+    if terms is not None:
+        terms.set_plan(plan)
+    with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
+        yield group
+
+
+__all__ = ["ManualStep", "installed", "manual_step"]

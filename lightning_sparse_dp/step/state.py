@@ -1,0 +1,107 @@
+"""State: the stage that installs the replicas' per-step state around the apply stage and merges what the step left.
+
+Two calls of the hub (:meth:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy.training_step`),
+both timed as stage ``state``: :func:`install_step` around :meth:`parallel_apply` (the step's batch-norm group, the
+capture of the replicas' losses, :func:`~lightning_sparse_dp.replica.install.replica_state` installed by the deferred
+check or here, manual optimization's calls met once), and after the weigh stage :func:`merge_into_module`: what the
+replicas' steps set on the module, merged as one device's step leaves it, a value that is a combination of captured
+losses by its whole-batch value, any other as step outputs are gathered (:func:`combine_values`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor
+
+from lightning_sparse_dp.loss.step import StepTerms
+from lightning_sparse_dp.loss.weights import step_weights
+from lightning_sparse_dp.replica.install import enter_checked, leave_checked, replica_state
+from lightning_sparse_dp.replica.metrics import ReplicaMetrics
+from lightning_sparse_dp.split import SplitPlan
+from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.gather import gather_outputs
+from lightning_sparse_dp.step.manual import manual_step
+from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.syncbn.replicas import synchronized
+
+
+def combine_values(
+    plan: SplitPlan, weights: Sequence[float], terms: StepTerms | None, root: torch.device,
+    output_layout: Mapping[str, str] | None, warning_cache: WarningCache, values: list[Any],
+) -> tuple[Any, bool]:
+    """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
+    a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
+    step outputs are (``False``; :func:`~lightning_sparse_dp.step.gather.gather_outputs`)."""
+    if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
+        value = terms.log_value(list(range(len(values))), values)
+        if value is not None:
+            return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
+    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=False), False
+
+
+@contextmanager
+def install_step(
+    step: StepContext, persistent: Replicas | None, sync_layers: Sequence[Sequence[Any]], metrics: ReplicaMetrics,
+    loss_weighting: Any, site_memory: Any,
+) -> Iterator[None]:
+    """The replicas' per-step state around the apply stage (stage ``state``), undone at exit: the step's batch-norm
+    group (``step.group``, :func:`~lightning_sparse_dp.syncbn.replicas.synchronized` of ``sync_layers``), the capture of
+    the replicas' mean-reduced losses (``step.terms``, :meth:`~lightning_sparse_dp.loss.step.StepTerms.for_step`) and
+    :func:`replica_state` (``step.state``), which ``step.check`` installs once it passed (each replica waits for it in
+    its ``step.before``: :func:`enter_checked`), else installed here, each replica's part in its own thread when
+    ``step.refresh_in_threads``; under manual optimization the replicas' optimizer calls, met once, with the weights
+    known before the step (``step.weights``, :func:`~lightning_sparse_dp.step.manual.manual_step`).
+
+    Args:
+        persistent: the strategy's :class:`~lightning_sparse_dp.step.replicate.Replicas` (``None`` before any).
+        metrics: the strategy's :class:`~lightning_sparse_dp.replica.metrics.ReplicaMetrics`; ``loss_weighting`` and
+            ``site_memory``: its options for :class:`~lightning_sparse_dp.loss.step.StepTerms`.
+    """
+    n = len(step.replicas)
+    with ExitStack() as stack:
+        with step.timer.stage("state"):
+            step.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
+            install = partial(stack.enter_context, replica_state(
+                step.module, step.replicas, step.devices, metrics, persistent, step.group, step.refresh_in_threads,
+                step.plan,
+            ))
+            step.terms = StepTerms.for_step(loss_weighting, step.name, n, step.warnings, site_memory)
+            if step.terms is not None:
+                step.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+            if step.check is not None:  # installed by the check, on the calling thread, once it passed
+                step.check.prepare = install
+                step.before = [partial(enter_checked, step.check, i) for i in range(n)]
+                step.after = [partial(leave_checked, step.check, i) for i in range(n)]
+            else:
+                step.state = install()
+                step.before = [partial(step.state.enter, i) for i in range(n)] if step.refresh_in_threads else None
+                step.after = [partial(step.state.leave, i) for i in range(n)] if step.refresh_in_threads else None
+        if step.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
+            assert persistent is not None and step.plan is not None
+            step.weights = step_weights(step.plan, step.inputs, loss_weighting, step.warnings)
+            step.group = stack.enter_context(
+                manual_step(step.module, persistent, step.replicas, step.group, step.weights, step.terms, step.plan)
+            )
+        yield
+        if step.check is not None:
+            step.state = step.check.prepared
+        with step.timer.stage("state"):  # ... and undone (metrics merged into the root's)
+            stack.close()
+
+
+def merge_into_module(step: StepContext, root: torch.device, output_layout: Mapping[str, str] | None) -> None:
+    """What the replicas' steps set on the module (``step.state.left``), merged into it as one device's step would have
+    left it (stage ``state``; :meth:`~lightning_sparse_dp.replica.state.StepState.merge` by :func:`combine_values`)."""
+    assert step.state is not None and step.plan is not None and step.weights is not None
+    with step.timer.stage("state"):
+        combine = partial(combine_values, step.plan, step.weights, step.terms, root, output_layout, step.warnings)
+        step.state.left.merge(combine, step.warnings)
+
+
+__all__ = ["combine_values", "install_step", "merge_into_module"]

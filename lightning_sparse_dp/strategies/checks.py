@@ -1,0 +1,83 @@
+"""Checks: the strategies' checks of the module for steps that run on chunks of the batch, and what they say.
+
+A replica (a ``sparse_ddp`` rank) runs the user's step on a chunk of the batch, not on the whole batch as one device
+does; these are the module's traits that matter then, looked at before the steps run:
+
+- :func:`refuse_dataloader_iter`: a ``sparse_dp`` step written as ``step(self, dataloader_iter)`` fetches its batches
+  itself, so it cannot be split before it runs: refused at setup;
+- :func:`warn_unsynchronized_batchnorm`: batch norm without ``sync_batchnorm`` normalizes each chunk with its own
+  statistics: said once at setup (SyncBatchNorm layers left unsynchronized as a warning);
+- :func:`min_points_per_chunk`: the fewest points the split gives a chunk, 2 where batch norm runs per replica (it
+  needs more than one value per channel), for every step's split; what a chunk still raises is explained by
+  :func:`~lightning_sparse_dp.step.errors.explain_replica_error`.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_sparse_dp.step.replicate import has_batch_norm
+from lightning_sparse_dp.strategies.base import dataloader_iter_steps
+
+
+def min_points_per_chunk(module: nn.Module, synchronized: bool, batch_norm: bool | None = None) -> int:
+    """The fewest points a replica's chunk should get: 2 when ``module`` has batch norm that each
+    replica runs on its own chunk (``synchronized`` False), else 1. ``batch_norm``: whether it has, when known
+    already (the strategy's replicas note it when they are built), else ``module``'s submodules are looked through.
+
+    Batch norm in training mode needs more than one value per channel (torch raises otherwise), so a
+    chunk of one point, e.g. the short last batch holding a one-point sample, is avoided when the
+    batch allows (:func:`~lightning_sparse_dp.split.split_batch`'s ``min_points``). Strided layers
+    can still leave a chunk one value; :func:`~lightning_sparse_dp.step.errors.explain_replica_error` names the fix then.
+    """
+    if synchronized:
+        return 1
+    return 2 if (has_batch_norm(module.modules()) if batch_norm is None else batch_norm) else 1
+
+
+def refuse_dataloader_iter(module: nn.Module) -> None:
+    """``sparse_dp`` at setup: a step written as ``step(self, dataloader_iter)`` cannot be split before it runs.
+
+    Raises:
+        MisconfigurationException: naming the steps, how to write them, and ``sparse_ddp``, which runs them.
+    """
+    iterating = dataloader_iter_steps(module)
+    if iterating:
+        raise MisconfigurationException(
+            f"sparse_dp does not support {', '.join(iterating)}(self, dataloader_iter): it splits each batch before the "
+            "step runs, and such a step fetches its batches itself. Write the step as step(self, batch, batch_idx), or "
+            "use strategy='sparse_ddp', which runs such steps as DDP does."
+        )
+
+
+def warn_unsynchronized_batchnorm(module: nn.Module, replicas: int = 2, strategy: str = "sparse_dp") -> None:
+    """At setup without ``sync_batchnorm``, with ``replicas`` replicas (``sparse_dp``) or ranks (``sparse_ddp``) of two
+    or more: say once that batch norm runs per chunk. SyncBatchNorm layers (``ME.MinkowskiSyncBatchNorm``), which
+    the user meant to synchronize, as a warning, from ``sparse_dp`` only (``sparse_ddp`` says its own); plain batch
+    norm (torch's ``BatchNorm1d/2d/3d``, so ``ME.MinkowskiBatchNorm``'s inner ``bn``; the kinds both strategies
+    synchronize) as one info line naming the layers' count and the fix, as its statistics are each chunk's, not the
+    whole batch's one device computes."""
+    if replicas < 2:
+        return
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    if strategy == "sparse_dp" and any(isinstance(m, nn.SyncBatchNorm) for m in layers):
+        rank_zero_warn(
+            "sparse_dp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm) but sync_batchnorm is off: "
+            "in one process they run as plain batch norm on each replica's chunk. Pass Trainer(sync_batchnorm=True) to "
+            "synchronize them across sparse_dp replicas."
+        )
+        return
+    plain = [m for m in layers if not isinstance(m, nn.SyncBatchNorm)]
+    if plain:
+        what = "replica" if strategy == "sparse_dp" else "rank"
+        rank_zero_info(
+            f"{strategy}: {len(plain)} batch-norm layer{'s' if len(plain) > 1 else ''} (e.g. ME.MinkowskiBatchNorm) "
+            f"normalize each {what}'s chunk with its own statistics, not the whole batch's as on one device; pass "
+            "Trainer(sync_batchnorm=True) to synchronize them."
+        )
+
+
+__all__ = ["min_points_per_chunk", "refuse_dataloader_iter", "warn_unsynchronized_batchnorm"]

@@ -1,0 +1,379 @@
+"""The ``sparse_ddp`` strategy: Lightning's DDP with exact losses, point-balanced batches and sync batch norm.
+
+``sparse_dp`` runs replicas in one process; ``sparse_ddp`` is the same training across processes and
+machines on ``torch.distributed``, as a thin subclass of Lightning's ``DDPStrategy`` (its launchers,
+cluster environments, process groups and gradient all-reduce are used as they are). What it adds:
+
+- **exact loss**: DDP averages gradients equally over ranks: the global batch's gradient only for equal
+  shares. By default (``loss_weighting="terms"``) each of torch's mean-reduced losses the step calls is
+  captured with its denominator ``D_rk`` (:mod:`~lightning_sparse_dp.loss.capture`) and its gradient scaled
+  by ``world_size * D_rk / D_k``, ``D_k = sum_r D_rk``, from every rank's summary of its terms, gathered
+  in one fixed-size all-gather after the step (:func:`~lightning_sparse_dp.ddp.exchange.gather_objects`; at each
+  ``manual_backward``
+  under manual optimization) and read alike by every rank (:mod:`~lightning_sparse_dp.loss.decide`):
+  exact for any linear combination of such losses, per-sample losses included.
+  Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
+  gather) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
+  ``n_r`` counts;
+- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
+  that are combinations of captured losses are the global batch's, other means are
+  ``sum_r n_r v_r / N``; epoch means weight each rank's step by ``n_r`` (Lightning's ``batch_size``),
+  so they equal one device's for means over what ``n_r`` counts (not for terms with other
+  denominators, e.g. a loss with an ignore label);
+- **point-balanced batches**: the ``DistributedSampler`` Lightning injects is replaced by
+  :class:`~lightning_sparse_dp.ddp.sampler.PointBalancedBatchSampler` (whole samples, even point
+  counts, no padding, the same number of steps on every rank);
+- **sync batch norm over the process group** on CPU (gloo) and CUDA, through Lightning's
+  ``LayerSync`` plugin (``Trainer(sync_batchnorm=True)``), reverted at teardown;
+- **predictions in dataset order on every rank**: a predict DataLoader in dataset order gets the same
+  point-balanced shares, and each step's outputs are all-gathered and merged as ``sparse_dp`` merges
+  its replicas' (:mod:`~lightning_sparse_dp.step.gather`: per-sample lists and rows in the global batch's
+  order), so ``trainer.predict`` returns one device's predictions on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_sparse_dp.ddp.exchange import (
+    count_and_plan,
+    destroy_process_group_at_exit,
+    gather_objects,
+    gather_step_outputs,
+)
+from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
+from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
+from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
+from lightning_sparse_dp.loss.decide import ChunkShape, Summary, decide, summarize
+from lightning_sparse_dp.loss.means import MEAN_NAMES, count_of
+from lightning_sparse_dp.loss.step import rank_scale
+from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.runtime.threads import ThreadSplit, follow_omp_num_threads
+from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
+from lightning_sparse_dp.step.scatter import check_me_devices, place_batch
+from lightning_sparse_dp.strategies.base import SparseStrategyMixin, dataloader_iter_steps
+from lightning_sparse_dp.strategies.checks import warn_unsynchronized_batchnorm
+from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
+
+
+class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
+    """Lightning's DDP for MinkowskiEngine sparse batches, registered as ``"sparse_ddp"``.
+
+    ``Trainer(strategy="sparse_ddp", devices=M, num_nodes=N)`` launches and connects processes as
+    ``"ddp"`` does (popen launcher, torchrun / SLURM / ``MASTER_ADDR`` + ``NODE_RANK`` environments,
+    gloo on CPU, NCCL on CUDA); the module docstring lists what it adds.
+
+    Args:
+        loss_weighting: ``"terms"`` (default: each of torch's mean-reduced losses weighted by its own
+            share, :mod:`~lightning_sparse_dp.loss.decide`; ``"auto"`` where the loss is not a linear
+            combination of them, said once), ``"auto"`` (samples when the batch has a per-sample tensor, else
+            points when it has a per-point target; :func:`~lightning_sparse_dp.loss.weights.resolve_auto`), ``"samples"
+            (exact for losses averaged over samples), ``"points"`` (exact for losses averaged over points),
+            ``"equal"`` (plain DDP: every rank weighs the same) or a callable ``fn(batch) -> number`` (e.g.
+            the points whose label is not ``ignore_index``), as in ``sparse_dp``.
+        split: how the samples of a global batch are dealt to ranks: ``"balanced"`` (default; even
+            point counts) or ``"contiguous"`` (consecutive samples, a plain index split).
+        count_points: ``count_points(dataset[i]) -> int``, points of one sample, used when the
+            dataset has no ``point_counts`` attribute; default: rows of the sample's first tensor.
+            Counts are measured once per dataset, each rank measuring ``1/world_size`` of it.
+        layout: roles for batch entries that cannot be told apart, as for ``split_batch`` (used to
+            count ``n_r``).
+        allow_unpatched_me: go on with CPU ranks on a MinkowskiEngine this project's recipe did not build (refused
+            at setup otherwise: its CPU defects make a rank's result depend on its share of the batch).
+        **kwargs: passed to ``DDPStrategy``: what the Trainer fills (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``) and its options
+            (``start_method``, ``timeout``, ``process_group_backend``, ``find_unused_parameters``,
+            ``static_graph``...).
+
+    Raises:
+        ValueError: an unknown ``loss_weighting`` or ``split``.
+    """
+
+    strategy_name = "sparse_ddp"
+    description = "DDP with exact losses, point-balanced batches and sync batch norm for MinkowskiEngine (lightning-sparse-dp)"
+    own_layer_sync = ProcessGroupSyncBatchNorm  # Trainer(sync_batchnorm=True): batch norm over the process group
+
+    def __init__(
+        self,
+        *,
+        loss_weighting: Any = "terms",
+        split: str = "balanced",
+        count_points: Callable[[Any], int] | None = None,
+        layout: Mapping[Any, str] | None = None,
+        allow_unpatched_me: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
+        super().__init__(**kwargs)
+        self.count_points = count_points
+        self._count: float | None = None  # n_r during a training / validation / test step
+        self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
+        self._batch: Any = None  # this rank's batch during a step
+        self._plan: SplitPlan | None = None  # its split as one chunk, made when the terms need it
+        self._collectives: list[str] = []  # torch.distributed calls of the user's code in this step
+        self._iterating: list[str] = []  # steps written as step(self, dataloader_iter), found at setup
+        self._loss_scale = 1.0
+        self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
+        self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
+        self._warning_cache = WarningCache()
+        self._threads: ThreadSplit | None = None  # ME's and OpenBLAS's thread counts changed for the run
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        atexit.unregister(destroy_process_group_at_exit)  # registered once per process, however many runs
+        atexit.register(destroy_process_group_at_exit)
+        self._threads = follow_omp_num_threads()  # the launcher's OMP_NUM_THREADS, set after ME read it
+
+    @override
+    def teardown(self) -> None:
+        if self._threads is not None:
+            self._threads.restore()
+            self._threads = None
+        super().teardown()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        self._check_minkowski_build(self.root_device.type, self.world_size)
+        self._iterating = dataloader_iter_steps(module)
+        self._resolve_layer_sync()
+        if (
+            self._layer_sync is None
+            and self.root_device.type == "cpu"
+            and self.world_size > 1
+            and module is not None
+            and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+        ):
+            rank_zero_warn(
+                "sparse_ddp: the model has SyncBatchNorm layers (e.g. ME.MinkowskiSyncBatchNorm), which torch runs on "
+                "GPUs only; on CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over "
+                "the process group (gloo), on CPU too."
+            )
+        if self._layer_sync is None and module is not None:  # said once: batch norm per rank
+            warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
+        super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
+
+    # --- exact loss and logs ---------------------------------------------------------------------
+    def global_count(self, n: float) -> float:
+        """``N = sum_r n_r`` over the ranks (one all-reduce; every rank must call it, in the same order)."""
+        if self.loss_weighting == "equal" or not dist.is_available() or not dist.is_initialized():
+            return n * self.world_size
+        total = torch.tensor([n], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total.item())
+
+    def _weighted(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+        if step_name in self._iterating:  # step(self, dataloader_iter): its batches are fetched inside it
+            self._warning_cache.info(
+                f"sparse_ddp: {step_name}(self, dataloader_iter) fetches its batches itself, so they cannot be weighted: "
+                "its ranks are averaged as DDP does (the point-balanced sampler still deals the batches)."
+            )
+            return getattr(super(), step_name)(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        n, plan = count_and_plan(batch, self.loss_weighting, self.layout, self._warning_cache)
+        terms = self.loss_weighting == "terms"
+        if step_name == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
+            total = self.global_count(n)
+            # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
+            self._loss_scale = self.world_size * n / total if total > 0 else 0.0
+        self._count = n
+        results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
+        if results is not None and self.loss_weighting != "equal":
+            results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
+        self._batch, self._plan, self._collectives = batch, plan, []
+        self._capture = TermCapture(self._collectives) if terms else None
+        observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
+        step = partial(getattr(super(), step_name), *args, **kwargs)
+        try:
+            output = observer.run(step)
+            module = self.lightning_module
+            if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
+                self._loss_scale = self._term_scale(output)
+            return output
+        finally:
+            self._count = None
+            self._capture = None
+            self._batch = self._plan = None
+            self._collectives = []
+
+    def _step_plan(self) -> SplitPlan:
+        """This rank's batch split as one chunk (what the terms are read against), once per step."""
+        if self._plan is None:
+            self._plan = split_batch(self._batch, 1, layout=self.layout)[1]
+        return self._plan
+
+    def _summary(self, value: Any) -> Summary:
+        """This rank's :class:`Summary` of ``value`` (its loss, or a logged value) on its share of the batch."""
+        assert self._capture is not None
+        return summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives)
+
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (:func:`~lightning_sparse_dp.ddp.exchange.gather_objects`); ``[obj]``
+        without a process group of several."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [obj]
+        return gather_objects(obj, self.root_device)
+
+    def _term_scale(self, output: Any) -> float:
+        """After the step (or at a ``manual_backward`` in it): the loss scale, and each term's gradient scale, from
+        every rank's summary of the loss (:func:`rank_scale`)."""
+        assert self._capture is not None
+        summaries = self._gather(self._summary(loss_of(output)))
+        return rank_scale(
+            summaries, self.global_rank, self._capture, self.world_size, self._site_memory, self._warning_cache,
+            self._step_plan,
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._weighted("test_step", args, kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward of ``closure_loss * world_size * n_r / N`` (the step output itself is left unscaled).
+
+        Under manual optimization (``self.manual_backward(loss)`` inside the step) with ``loss_weighting="terms"``,
+        the ranks decide on ``loss`` here, before its backward runs: every rank calls ``manual_backward`` alike.
+        """
+        module = self.lightning_module
+        if self._capture is not None and module is not None and not module.automatic_optimization:
+            self._loss_scale = self._term_scale(closure_loss)
+        if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
+            closure_loss = zeroed(closure_loss)
+        elif self._loss_scale != 1.0:
+            closure_loss = closure_loss * self._loss_scale
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """As ``DDPStrategy.reduce``; inside a training / validation / test step a ``"mean"``
+        (``self.log(..., sync_dist=True)`` uses it) is, from one gather of every rank's value
+        (:func:`_rank_mean`): the whole batch's value of a combination of captured losses (or of its ``.item()``);
+        else a mean the step computed (``x[mask].mean()``) weighted by its element counts; else the mean
+        weighted like the loss, ``sum_r n_r x_r / sum_r n_r`` (equal weights in a step that reduces across ranks
+        itself). A ``"mean"`` of an integer tensor is a float mean."""
+        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in MEAN_NAMES
+        if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point() and dist.is_initialized():
+            # Lightning's gloo "mean" divides an integer tensor in place, truncating: the epoch-level batch-size
+            # sum of 7 samples on 2 ranks becomes 3, and every epoch mean with an odd total is wrong. Mean in float.
+            total = tensor.to(torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            return total / dist.get_world_size(group)
+        if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if group is None:
+            return self._rank_mean(tensor)
+        # one all-reduce of (n_r * x_r, n_r): the weighted mean needs no N known in advance; a step that reduces
+        # across ranks itself (a loss written for DDP) is averaged equally, as DDP would
+        n, value = (1.0 if self._collectives else self._count), tensor.detach().to(torch.float64).reshape(-1)
+        pair = torch.stack([value * n, torch.full_like(value, n)])
+        dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
+        return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
+
+    def _rank_mean(self, tensor: Tensor) -> Tensor:
+        """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
+        x = tensor.detach()
+        one = x.numel() == 1  # a logged float is a tensor on the rank's device by now (Lightning's self.log)
+        summary = None
+        if self._capture is not None:
+            target = tensor if id(tensor) in self._capture.forms else self._capture.tensor_of(float(x)) if one else None
+            if target is not None:
+                summary = self._summary(target)
+        count = count_of(tensor)
+        if count is None and one:
+            count = count_of(float(x))
+        n = 1.0 if self._collectives else float(self._count or 0.0)
+        mine = (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
+        rows = self._gather(mine)
+        if all(r[0] is not None for r in rows):
+            value = decide([r[0] for r in rows], self._site_memory, "rank").value
+            if value is not None:
+                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
+        weights = [float(r[2]) for r in rows] if all(r[2] is not None for r in rows) else [r[3] for r in rows]
+        total = sum(weights)
+        values = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+        share = torch.tensor([w / total if total > 0 else 1.0 / len(rows) for w in weights], dtype=torch.float64)
+        return (values * share[:, None]).sum(0).reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``predict_step`` on this rank's share, then every rank's output merged in the global
+        batch's order (:func:`~lightning_sparse_dp.ddp.exchange.gather_step_outputs`), so each rank returns one device's
+        predictions."""
+        output = super().predict_step(*args, **kwargs)
+        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
+            return output
+        batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])
+        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device)
+
+    @override
+    def on_predict_end(self) -> None:
+        self._predict_samplers = []
+        super().on_predict_end()
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's transfer, then, on a GPU, the batch's ``ME.SparseTensor`` / ``ME.TensorField`` rebuilt on
+        this rank's device (:func:`~lightning_sparse_dp.step.scatter.place_batch`): they have no ``.to()``, so DDP leaves
+        them on the CPU, where ME's CUDA layers crash the process on them.
+
+        Raises:
+            RuntimeError: an ME tensor elsewhere in a batch the split cannot read
+                (:func:`~lightning_sparse_dp.step.scatter.check_me_devices`).
+        """
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        device = torch.device(device or self.root_device)
+        if device.type != "cuda":
+            return batch
+        try:
+            check_me_devices(batch, device)
+        except RuntimeError as misplaced:
+            try:
+                return place_batch(batch, device, layout=self.layout)
+            except BatchLayoutError:
+                raise misplaced from None
+        return batch
+
+    # --- point-balanced batches (rank_loaders.py) ---------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's, then its ``DistributedSampler`` replaced by a :class:`PointBalancedBatchSampler` where it
+        is Lightning's own injection (:func:`~lightning_sparse_dp.ddp.rank_loaders.point_balanced_loader`)."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return point_balanced_loader(
+            dataloader, world_size=self.world_size, rank=self.global_rank, split=self.split,
+            counts_of=self.dataset_point_counts, say=self._warning_cache.info, predict_samplers=self._predict_samplers,
+            use_distributed_sampler=trainer is None or trainer._accelerator_connector.use_distributed_sampler,
+        )
+
+    def dataset_point_counts(self, dataset: Any) -> list[int]:
+        """Points per sample of ``dataset``: its ``point_counts`` attribute, else measured once (shared by ranks;
+        :func:`~lightning_sparse_dp.ddp.rank_loaders.dataset_point_counts`)."""
+        return dataset_point_counts(dataset, self._point_counts, self.world_size, self.global_rank, self.count_points)
+
+
+SparseDDPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SparseDDPStrategy"]

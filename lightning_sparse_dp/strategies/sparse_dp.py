@@ -1,0 +1,400 @@
+"""The ``sparse_dp`` strategy: one process, one replica per device, every step through the stages of one file each.
+
+Lightning's four step hooks run the hub, ``_step``: :meth:`~SparseDataParallelStrategy.scatter` (``step/scatter.py``) ->
+:meth:`~SparseDataParallelStrategy.replicate` (``step/replicate.py``) -> the replicas' step state (``step/state.py``)
+around :meth:`~SparseDataParallelStrategy.parallel_apply` (``step/apply.py``) -> weigh (``step/weigh.py``) -> backward in
+the replicas (``step/backward.py``) -> :meth:`~SparseDataParallelStrategy.gather` (``step/gather.py``) -> log
+(``step/log.py``), each one call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`.
+One device skips them all (``step/one_device.py``). Lightning's plumbing for one process (world size 1, the replica
+threads from setup to teardown) is the base class,
+:class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_sparse_dp.replica.effects import StepEffects
+from lightning_sparse_dp.replica.metrics import ReplicaMetrics
+from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
+from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
+from lightning_sparse_dp.split import SplitPlan, balanced_assignment
+from lightning_sparse_dp.split.presplit import presplit_loader
+from lightning_sparse_dp.step.apply import replica_steps
+from lightning_sparse_dp.step.backward import backward_in_replicas
+from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
+from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.errors import explain_replica_error
+from lightning_sparse_dp.step.gather import gather_outputs
+from lightning_sparse_dp.step.log import log_step
+from lightning_sparse_dp.step.one_device import one_device_batch
+from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.step.scatter import batch_transfer, pending_chunks, place_chunks, say_idle, step_cutters
+from lightning_sparse_dp.step.skipped import skipped_outputs
+from lightning_sparse_dp.step.state import install_step, merge_into_module
+from lightning_sparse_dp.step.weigh import exact_outputs, weigh
+from lightning_sparse_dp.strategies.base import SparseStrategyMixin
+from lightning_sparse_dp.strategies.checks import (
+    min_points_per_chunk,
+    refuse_dataloader_iter,
+    warn_unsynchronized_batchnorm,
+)
+from lightning_sparse_dp.strategies.single_process import SingleProcessParallelStrategy
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.syncbn.replicas import sync_layers
+
+
+class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrategy):
+    """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
+
+    Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
+    is placed on its device (SparseTensor / TensorField built there), the LightningModule is
+    replicated onto the devices in use, the step runs on every replica at once, and the outputs are
+    gathered on the root device: the loss is ``sum_i w_i * loss_i``, exactly the whole-batch mean for
+    the chosen weighting. ``self.log`` calls in replicas are reduced and logged once.
+
+    The stages are methods to override, as ``torch.nn.DataParallel``'s are: :meth:`scatter` (split and place),
+    :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`, each given the step's
+    :class:`~lightning_sparse_dp.step.context.StepContext` and timed as Lightning profiler action ``[sparse_dp]<stage>``.
+
+    Args:
+        loss_weighting: what each replica's loss is weighted by: ``"terms"`` (default; every call of
+            torch's mean-reduced losses by its own share ``D_ik / sum_j D_jk``, exact for any linear
+            combination of them, :mod:`~lightning_sparse_dp.loss.decide`), ``"auto"``, ``"samples"``,
+            ``"points"``, ``"equal"`` or a callable ``fn(chunk) -> number`` (e.g. ``lambda c: (c["labels"]
+            != 255).sum()`` for ``ignore_index=255``): :func:`~lightning_sparse_dp.loss.weights.chunk_counts`.
+        layout: roles for batch entries that cannot be told apart, passed to
+            :func:`~lightning_sparse_dp.split.split_batch`, e.g. ``{"labels": "points"}``; a key that
+            matches nothing in a batch is an error.
+        output_layout: how step outputs are combined, by key: ``{"hist": "sum"}``, roles
+            ``"samples"``, ``"points"``, ``"sum"``, ``"mean"``, ``"cat"``, ``"list"``
+            (:func:`~lightning_sparse_dp.step.gather.gather_outputs`).
+        split_fn: replaces :func:`~lightning_sparse_dp.split.split_batch` in :meth:`scatter`:
+            ``split_fn(batch, num_chunks) -> (chunks, SplitPlan)``.
+        split: how whole samples are assigned to replicas: ``"balanced"`` (default; even point
+            counts, :func:`~lightning_sparse_dp.split.balanced_assignment`) or ``"contiguous"``
+            (consecutive samples, sizes differing by at most one). Outputs come back in the original
+            order either way.
+        presplit: split batches in DataLoader worker processes
+            (:class:`~lightning_sparse_dp.split.presplit.PreSplitCollate`) for loaders with ``num_workers > 0``,
+            unless ``split_fn`` is given or the module overrides ``on_before_batch_transfer`` (which
+            must see the whole batch).
+        record_stage_times: record each step's stage durations in :attr:`stage_times`
+            (:class:`~lightning_sparse_dp.runtime.timing.StageTimes`).
+        pin_replicas: CPU replicas only: pin each replica's thread to cores and even the ``"balanced"``
+            split's points per core (:func:`~lightning_sparse_dp.runtime.threads.plan_cores`). ``None`` (default):
+            with ``sync_batchnorm`` and more replicas than cores; ``True``: always; ``False``: never;
+            anything else raises ``ValueError``.
+        sync_batchnorm: swap batch norm (torch's BatchNorm1d/2d/3d and SyncBatchNorm, so ME's batch-norm layers too)
+            for :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, synchronized across the replicas of each
+            step, while fitting; reverted at teardown. Through Lightning's ``LayerSync`` plugin point
+            (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`), so ``Trainer(sync_batchnorm=True)`` too.
+        replicas_per_device: replicas on each device (default 1): ``devices=1, replicas_per_device=3`` runs three
+            replicas on one GPU, so that the multi-replica paths (replica threads and streams, the gather, the
+            gradient reduction) run on a one-GPU machine; exact, no faster; with synchronized batch norm too (the
+            replicas meet from their own threads, as CPU replicas do). ``parallel_devices`` may also repeat a device.
+        prepare_in_threads: where each replica's share of the step's own work runs (cutting and placing its chunk,
+            refreshing the replica, installing its metric copies and log recorder): ``None`` (default) or ``True``: in
+            the replica's thread, beside the others (on GPUs the copies and SparseTensor builds overlap); ``False``: on
+            the main thread before the replicas start; anything else raises ``ValueError``.
+        allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
+            (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
+            setup otherwise; :func:`~lightning_sparse_dp.runtime.me.missing_patches`).
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``, ``checkpoint_io``,
+            ``precision_plugin``), which the Trainer fills from ``accelerator=`` and ``devices=``.
+
+    Raises:
+        ValueError: an unknown ``loss_weighting`` or ``split``.
+        MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable devices, or CPU replicas
+            on an unpatched MinkowskiEngine; at construction of the Trainer, for ``num_nodes > 1``.
+    """
+
+    strategy_name = "sparse_dp"
+    description = "Single-process data parallelism for MinkowskiEngine sparse batches (lightning-sparse-dp)"
+
+    def __init__(
+        self,
+        *,
+        loss_weighting: str | Callable[[Any], Any] = "terms",
+        layout: Mapping[Any, str] | None = None,
+        output_layout: Mapping[Any, str] | None = None,
+        split_fn: Callable[[Any, int], tuple[list[Any], SplitPlan]] | None = None,
+        sync_batchnorm: bool = False,
+        split: str = "balanced",
+        presplit: bool = True,
+        record_stage_times: bool = False,
+        pin_replicas: bool | None = None,
+        allow_unpatched_me: bool = False,
+        replicas_per_device: int = 1,
+        prepare_in_threads: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
+        if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(f"replicas_per_device={replicas_per_device!r}; give an int >= 1.")
+        self.replicas_per_device = replicas_per_device  # before the base class sets parallel_devices
+        super().__init__(**kwargs)
+        self.sync_batchnorm = sync_batchnorm  # the LayerSync plugin is resolved at setup (base._resolve_layer_sync)
+        self.output_layout = dict(output_layout) if output_layout else None
+        self.split_fn = split_fn
+        self.presplit = presplit
+        self.pin_replicas = check_pin(pin_replicas)
+        self.prepare_in_threads = check_prepare_in_threads(prepare_in_threads)
+        self.stage_times = StageTimes() if record_stage_times else None
+        self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
+        self._warning_cache = WarningCache()  # one-time warnings and infos of this strategy
+        self._replicas: Replicas | None = None
+        self._replica_sync_layers, self._replica_metrics = [], ReplicaMetrics()  # their sync BN layers, metric copies
+        self._loader_batch_sizes: set[int] = set()  # the batch_size of every DataLoader Lightning handed over
+        self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        assert module is not None and self.parallel_devices is not None
+        self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
+        refuse_dataloader_iter(module)
+        self._resolve_layer_sync()
+        if self._layer_sync is None:  # said once: batch norm per replica
+            warn_unsynchronized_batchnorm(module, len(self.parallel_devices))
+        apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
+        super().setup(trainer)
+        self._timer.profiler = trainer.profiler
+        self._start_replica_threads(self.pin_replicas, synchronized=self._layer_sync is not None)
+
+    @override
+    def teardown(self) -> None:
+        revert_layer_sync(self)  # as DDPStrategy.teardown: the user's layer types come back, holding the trained values
+        self._replicas, self._replica_sync_layers = None, []
+        super().teardown()  # the replica threads stopped, the CPU threads given back (single_process.py)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Note the loader's ``batch_size`` (the split's evidence of what a per-sample tensor is) and move the split into
+        the loader's worker processes (``presplit``), when it has workers."""
+        size = getattr(dataloader, "batch_size", None)
+        if isinstance(size, int):
+            self._loader_batch_sizes.add(size)
+        self.advise_workers(dataloader)
+        if not self.presplit or self.split_fn is not None or self.parallel_devices is None or len(self.parallel_devices) < 2:
+            return dataloader  # one device: nothing to split
+        options = self._split_options()
+        del options["batch_sizes"]  # the worker's split takes its own loader's
+        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module)
+
+    # --- the step: Lightning's four step hooks, each through the stages below --------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", args, kwargs)
+
+    def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """One step: scatter -> replicate -> parallel_apply -> weigh -> (backward) -> gather -> log, each stage one
+        call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`."""
+        step, whole_batch = self._start(name, args, kwargs)
+        if step is None:  # one device: plain Lightning's step on the module itself (step/one_device.py)
+            return getattr(self.lightning_module, name)(whole_batch, *args[1:], **kwargs)
+        step.inputs, step.plan = self.scatter(step.batch, step)
+        step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
+        step.losses, step.weights = weigh(step, self.loss_weighting)
+        merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
+        if name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
+            step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
+        output = self.gather(exact_outputs(step), step.plan, step.weights)
+        log_step(step, self.root_device)  # the replicas' self.log calls, reduced and logged once
+        return output
+
+    def _start(self, name: str, args: tuple, kwargs: dict) -> tuple[StepContext | None, Any]:
+        """The step's context, or ``None`` and the whole batch on the one device (:mod:`~.step.one_device`)."""
+        module = self.lightning_module
+        if module is None or not args:
+            raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {name}.")
+        # the batch-transfer hooks, run on each chunk as each DDP rank runs them on its batch (None: not overridden)
+        transfer = batch_transfer(module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        whole_batch = one_device_batch(args[0], self.parallel_devices, self.split_fn, transfer)
+        if whole_batch is not None:
+            return None, whole_batch
+        self._timer.new_step()
+        manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
+        in_threads = self._in_threads() and not manual
+        return StepContext(name=name, batch=args[0], module=module, args=args[1:], kwargs=kwargs, manual=manual,
+                           in_threads=in_threads, transfer=transfer, timer=self._timer, warnings=self._warning_cache), None
+
+    def scatter(self, batch: Any, step: StepContext | None = None) -> tuple[list[Any], SplitPlan]:
+        """Split ``batch`` into chunks of whole samples, chunk ``i`` for ``parallel_devices[i]``.
+
+        The split is ``split_fn``, the DataLoader workers' (:class:`~lightning_sparse_dp.split.presplit.PreSplitBatch`)
+        or :func:`~lightning_sparse_dp.split.split_batch`; at most one chunk per device (fewer when the batch has fewer
+        samples, said once). Placing builds each chunk's SparseTensor / TensorField on its device, after the module's
+        batch-transfer hooks (``step.transfer``; :func:`~lightning_sparse_dp.step.scatter.place_chunks`). Given a
+        ``step`` that prepares in threads (``step.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
+        instead: it is a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` until then.
+
+        Returns:
+            ``(inputs, plan)``: the chunks, chunk ``i`` for device ``i``, and the split's plan.
+
+        Raises:
+            ValueError: a PreSplitBatch with more chunks than devices.
+            BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
+        """
+        devices, transfer = self.parallel_devices or (), step.transfer if step is not None else None
+        with self._timer.stage("split"):
+            cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
+            chunks = None if step is not None and step.in_threads else [cut_chunk() for cut_chunk in cutters]
+        self._said_idle = self._said_idle or say_idle(plan, len(devices), self._warning_cache)
+        if chunks is None:
+            return pending_chunks(cutters, devices, self._timer, transfer), plan
+        with self._timer.stage("place"):
+            return place_chunks(chunks, devices, transfer), plan
+
+    def _run_replicas(self, step: StepContext) -> list[Any]:
+        """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
+        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
+        deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
+        touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
+        step.devices = (self.parallel_devices or [])[: len(step.inputs)]
+        for attempt in (1, 2):
+            step.replicas = self.replicate(step.module, step.devices, step)
+            try:
+                with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
+                                  self.loss_weighting, self._site_memory):
+                    step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
+                break
+            except StaleReplicas:
+                if attempt == 2:
+                    raise
+                self._replicas, step.check, step.refresh_in_threads = None, None, False
+        return skipped_outputs(step)  # None from some chunks: one device's result where it is known, else refused
+
+    def replicate(self, module: nn.Module, devices: Sequence[torch.device], step: StepContext | None = None) -> list[nn.Module]:
+        """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
+
+        One chunk on the root device runs ``module`` itself. Otherwise the persistent
+        :class:`~lightning_sparse_dp.step.replicate.Replicas` are refreshed, or rebuilt when the module's structure,
+        parameters or devices changed. Given a ``step`` that prepares in threads (``step.in_threads``), each replica's
+        refresh is left to its own thread (``step.refresh_in_threads``; here only the tensors, on CPU not the buffers),
+        and replicas built in an earlier step are checked by ``step.check`` (a
+        :class:`~lightning_sparse_dp.step.check.DeferredCheck`, run by :meth:`parallel_apply`) while the threads cut.
+        """
+        with self._timer.stage("replicate"):
+            if list(devices) == [self.root_device]:
+                return [module]
+            built, in_threads = self._replicas, step is not None and step.in_threads
+            if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
+                step.check = DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads)  # type: ignore[union-attr]
+            else:
+                if built is None or not built.matches(module, devices):
+                    assert self.parallel_devices is not None
+                    built = self._replicas = Replicas(module, self.parallel_devices)
+                    self._replica_sync_layers = [sync_layers(r) for r in built.modules]
+                if not in_threads:
+                    return built.refresh(len(devices))
+                built.refresh_tensors(len(devices), buffers=not built.buffers_in_threads)
+            step.refresh_in_threads = True  # type: ignore[union-attr]
+            return built.modules[: len(devices)]
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | str, args: tuple = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``replicas[i].<step hook>(inputs[i], ...)`` for every ``i`` at once, one thread each.
+
+        Args:
+            replicas: from :meth:`replicate`.
+            inputs: from :meth:`scatter`, one chunk per replica (a
+                :class:`~lightning_sparse_dp.step.scatter.PendingChunk` is made in its replica's thread first).
+            step: the hub's :class:`~lightning_sparse_dp.step.context.StepContext`: its hook and arguments, what each
+                replica's step runs under (``group``, ``terms``, each replica's ``before`` / ``after`` in its thread;
+                :func:`~lightning_sparse_dp.step.apply.replica_steps`) and ``step.check``, run on this thread once the
+                replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). Or a step
+                hook's name, for a call outside a step: the replicas' steps with nothing installed.
+            args, kwargs: the hook's other arguments (``batch_idx``, ``dataloader_idx``) when ``step`` is a name.
+
+        Returns:
+            the replicas' outputs, replica order.
+
+        Raises:
+            RuntimeError: a strategy that has no devices yet (not given to a Trainer).
+            Exception: the first failing replica's error, with a note naming the replica and device.
+        """
+        if self.parallel_devices is None:
+            raise RuntimeError(
+                "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
+                "test / predict), which gives the strategy its devices."
+            )
+        if isinstance(step, str):
+            step = StepContext(name=step, batch=None, module=replicas[0], args=tuple(args), kwargs=dict(kwargs or {}),
+                               manual=False, in_threads=False, transfer=None, timer=self._timer, warnings=self._warning_cache)
+        executor = self._replica_threads()
+        devices = self.parallel_devices[: len(replicas)]
+        effects = StepEffects(step.name, len(replicas)) if len(replicas) > 1 else None  # loggers' calls
+        steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
+                              step.before, step.after, effects)
+        meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
+        with self._timer.stage("apply"):
+            try:
+                outputs = executor.run(steps, devices, meanwhile=meanwhile)
+            except Exception as err:
+                raise err if step.plan is None else explain_replica_error(err, step.plan)
+        if effects is not None:
+            effects.say(self._warning_cache)
+        return outputs
+
+    def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
+        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.step.gather.gather_outputs`).
+
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`: the whole
+        batch's mean for the loss weighting); other outputs are merged back in batch order by ``output_layout`` or their
+        lengths.
+        """
+        with self._timer.stage("gather"):
+            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, timed, with autograd's device threads off here (a no-op on CPU): the node that runs the
+        replicas' passes (:mod:`~lightning_sparse_dp.step.backward`) runs in this thread on every device type."""
+        with self._timer.stage("backward"), torch.autograd.set_multithreading_enabled(False):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _in_threads(self) -> bool:  # prepare_in_threads: None is True
+        return self.prepare_in_threads is not False
+
+    def _split_options(self) -> dict[str, Any]:
+        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk`` and the
+        loaders' ``batch_sizes``."""
+        pinned = self._core_groups is not None and self.split == "balanced"
+        assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
+        module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
+        batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
+        return {"layout": self.layout, "assignment": assignment,
+                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
+                "batch_sizes": self._loader_batch_sizes}
+
+
+SparseDataParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SparseDataParallelStrategy"]

@@ -1,0 +1,1 @@
+"""Tests of the project rather than a package folder: docs, examples, release, scripts, benchmarks, the ME build."""

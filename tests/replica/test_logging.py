@@ -1,0 +1,142 @@
+"""Logged values that are not means (counts, a max of the loss, a max of another value) and
+``self.print`` once per step, against one device with the whole batch."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from tests.support.helpers import (
+    SparseNet,
+    collate_dict,
+    fit_float64,
+    loader,
+    random_samples,
+    relative_difference,
+    same_start,
+    trainer,
+)
+
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
+# --- logged values that are not means ----------------------------------------------------------------
+
+
+class Logs(SparseNet):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("n", batch["labels"].shape[0])
+        self.log("points", batch["coordinates"].shape[0], reduce_fx="sum")
+        self.log("loss_max", loss, reduce_fx="max")
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_logged_counts_and_the_loss_under_max_are_the_one_device_values():
+    batch = collate_dict(random_samples(5, seed=12))
+    ours, reference = same_start(Logs)
+    with pytest.warns(UserWarning, match=r"self.log\('n', <integer>\).*sum over the replicas"):
+        t = fit_float64(ours, batch, strategy="sparse_dp", devices=3)
+    r = fit_float64(reference, batch)
+    assert t.callback_metrics["n"].item() == r.callback_metrics["n"].item() == 5
+    assert t.callback_metrics["points"].item() == r.callback_metrics["points"].item() == batch["coordinates"].shape[0]
+    for name in ("loss_max", "train_loss"):
+        assert relative_difference(t.callback_metrics[name], r.callback_metrics[name]) <= 1e-10, name
+
+
+class EpochLoss(SparseNet):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)  # no batch_size: Lightning infers it
+        return loss
+
+
+def test_an_epoch_value_logged_without_batch_size_is_weighted_as_on_one_device():
+    """Lightning weights each step's value of an epoch mean by the batch size it infers from the batch (the first tensor
+    of a dict batch: the coordinates, so points) and says it guessed. sparse_dp gave it the batch's samples instead, so
+    batches of one sample count but different point counts made another epoch mean (2e-3 relative apart), said by
+    nothing; now Lightning infers it from the whole batch (its warning included), as on one device."""
+    batches = [collate_dict(random_samples(7, seed=90 + i)) for i in range(3)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    assert len({b["coordinates"].shape[0] for b in batches}) == 3  # the weights differ by points, not samples
+    ours, reference = same_start(EpochLoss)
+    runs = []
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {})):
+        t = trainer(max_epochs=1, max_steps=-1, precision="64-true", **kwargs)
+        t.fit(model, loader(*batches))
+        runs.append(t.callback_metrics["epoch_loss"])
+    assert relative_difference(*runs) <= 1e-10
+
+
+def test_max_of_a_value_that_is_not_the_loss_warns():
+    class MaxOfMeans(SparseNet):
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.log("mean_feature", batch["features"].mean(), reduce_fx="max")
+            return loss
+
+    with pytest.warns(UserWarning, match=r"reduce_fx='max'\) takes the max / min over the replicas"):
+        fit_float64(MaxOfMeans(), collate_dict(random_samples(5, seed=13)), strategy="sparse_dp", devices=3)
+
+
+# --- self.print --------------------------------------------------------------------------------------
+
+
+def test_print_once_per_step(capsys):
+    class Prints(SparseNet):
+        def training_step(self, batch, batch_idx):
+            self.print(f"step {batch_idx}")
+            return super().training_step(batch, batch_idx)
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in range(4)]
+    trainer(strategy="sparse_dp", devices=3, max_steps=4).fit(Prints(), loader(*batches))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines == ["step 0", "step 1", "step 2", "step 3"]
+
+
+def test_logged_values_as_users_write_them_are_one_devices(caplog):
+    """loss.item() (with batch_size= the batch dict's int), float(loss), masked accuracies and a mean over all
+    points: one device's values on 3 replicas; a hand-made sum / count is said once; a value logged by some
+    replicas only is said once."""
+    import logging
+
+    from lightning_sparse_dp import SparseDataParallelStrategy
+    from tests.support.clients import fresh_loader
+    from tests.support.scene_models import LoggedAsUsersDo
+    from tests.support.term_models import seg_batch
+
+    batches = []
+    for s in (41, 42):
+        b = seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.6))
+        b["batch_size"] = 7
+        batches.append(b)
+    torch.manual_seed(0)
+    ours, reference = LoggedAsUsersDo(), LoggedAsUsersDo()
+    reference.load_state_dict(ours.state_dict())
+    runs = []
+    for model, strategy, devices in ((ours, SparseDataParallelStrategy(), 3), (reference, "auto", 1)):
+        t = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      sync_batchnorm=devices > 1)
+        t.fit(model, fresh_loader(batches))
+        runs.append(t.logged_metrics)
+    got, want = runs
+    for name, rel in (("loss_item", 1e-10), ("loss_float", 1e-10), ("acc", 1e-6), ("acc_fn", 1e-10), ("labeled", 1e-10)):
+        assert float(got[name]) == pytest.approx(float(want[name]), rel=rel), name
+
+    class HandMade(LoggedAsUsersDo):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("handmade", (batch["labels"] == 1).sum() / len(batch["labels"]))
+            if batch["coordinates"][:, 0].max() >= 2:  # a branch on the chunk
+                self.log("some", loss.detach())
+            return loss
+
+    with caplog.at_level(logging.INFO):
+        with pytest.warns(UserWarning, match=r"self.log\('some', ...\) was called by [12] of 3 replicas"):
+            L.Trainer(accelerator="cpu", devices=3, strategy="sparse_dp", precision="64-true", max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      ).fit(HandMade(), fresh_loader(batches))
+    said = [r.getMessage() for r in caplog.records if "self.log('handmade', ...) differs between replicas" in r.getMessage()]
+    assert len(said) == 1 and "batch_size=" in said[0]

@@ -1,0 +1,285 @@
+"""Several point sets per batch (issue 18): coordinate sources found, index tensors re-based, per-sample outputs.
+
+Split-level tests check every chunk against the whole batch (the points of each source that belong to
+the chunk's samples, correspondences picking the same points); output tests check the merged output
+against what one device returns for the whole batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from lightning_sparse_dp.loss.weights import chunk_weights
+from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
+from lightning_sparse_dp.step.gather import gather_outputs
+
+CPU = torch.device("cpu")
+
+
+def _points(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randint(0, 12, (n, 3), generator=g, dtype=torch.int32)
+
+
+def pair_batch(sizes0, sizes1, pairs, seed=0, batch_column=False) -> dict:
+    """A registration batch as FCGF's collate_pair_fn makes it: two scans per sample, each collated with
+    its batch index, and correspondences ``[K, 2]`` (``[K, 3]`` with a batch column) of rows of the collated
+    scans (each sample's indices offset by the points of the samples before it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, off0, off1 = [], 0, 0
+    for b, (n0, n1, k) in enumerate(zip(sizes0, sizes1, pairs)):
+        i = torch.randint(0, n0, (k,), generator=g) + off0
+        j = torch.randint(0, n1, (k,), generator=g) + off1
+        rows.append(torch.stack([torch.full_like(i, b), i, j], 1) if batch_column else torch.stack([i, j], 1))
+        off0, off1 = off0 + n0, off1 + n1
+    return {
+        "coords0": ME.utils.batched_coordinates([_points(g, n) for n in sizes0]),
+        "feats0": torch.randn(sum(sizes0), 2, generator=g),
+        "coords1": ME.utils.batched_coordinates([_points(g, n) for n in sizes1]),
+        "feats1": torch.randn(sum(sizes1), 2, generator=g),
+        "correspondences": torch.cat(rows).int(),
+        "transform": torch.randn(len(sizes0), 4, 4, generator=g),
+    }
+
+
+pair_cases = st.builds(
+    lambda b, seed, k, column: (
+        [int(x) for x in torch.randint(2, 9, (b,), generator=torch.Generator().manual_seed(seed))],
+        [int(x) for x in torch.randint(2, 9, (b,), generator=torch.Generator().manual_seed(seed + 1))],
+        [int(x) for x in torch.randint(0, 5, (b,), generator=torch.Generator().manual_seed(seed + 2))],
+        seed, k, column,
+    ),
+    st.integers(1, 7), st.integers(0, 10_000), st.integers(1, 4), st.booleans(),
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(pair_cases)
+def test_correspondences_go_with_their_samples_and_pick_the_same_points(case):
+    sizes0, sizes1, pairs, seed, k, column = case
+    batch = pair_batch(sizes0, sizes1, pairs, seed, column)
+    chunks, plan = split_batch(batch, k)
+    assert len(plan.point_rows) == 2  # both scans are coordinate sources
+    merged = merge_batch(chunks, plan)
+    for key in batch:
+        assert torch.equal(merged[key], batch[key]), key
+    whole = batch["correspondences"].long()
+    c0 = 1 if column else 0
+    seen = 0
+    for chunk, ids, rows0, rows1 in zip(chunks, plan.chunk_samples, *plan.point_rows):
+        corr = chunk["correspondences"].long()
+        assert corr.dtype == torch.long and chunk["correspondences"].dtype == batch["correspondences"].dtype
+        mine = torch.isin(batch["coords0"][whole[:, c0], 0].long(), ids)
+        expected = whole[mine]
+        seen += len(corr)
+        # the chunk's indices pick, in the chunk, the points the batch's indices pick in the batch
+        assert torch.equal(chunk["coords0"][corr[:, c0], 1:], batch["coords0"][expected[:, c0], 1:])
+        assert torch.equal(chunk["feats1"][corr[:, c0 + 1]], batch["feats1"][expected[:, c0 + 1]])
+        assert torch.equal(chunk["coords0"][corr[:, c0], 0], chunk["coords1"][corr[:, c0 + 1], 0])
+        if column:
+            assert torch.equal(corr[:, 0], chunk["coords0"][corr[:, 1], 0].long())
+        assert torch.equal(chunk["transform"], batch["transform"][ids])
+    assert seen == len(whole)
+
+
+def test_completion_batch_splits_each_point_set_by_its_own_batch_column():
+    g = torch.Generator().manual_seed(1)
+    partial = [_points(g, n) for n in (7, 4, 6, 9, 8)]
+    complete = [_points(g, n) for n in (12, 4, 4, 6, 13)]
+    batch = {
+        "coordinates": ME.utils.batched_coordinates(partial),
+        "features": torch.randn(34, 1, generator=g),
+        "target_coordinates": ME.utils.batched_coordinates(complete),
+    }
+    chunks, plan = split_batch(batch, 3)
+    assert [len(r) for r in plan.point_rows] == [3, 3]
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        assert [int(c.shape[0]) for c in chunk["target_coordinates"][:, 0].unique(return_counts=True)[1:]] == [len(ids)]
+        for rank, sample in enumerate(ids.tolist()):
+            mine = chunk["target_coordinates"][chunk["target_coordinates"][:, 0] == rank, 1:]
+            assert torch.equal(mine, complete[sample])
+            assert torch.equal(chunk["coordinates"][chunk["coordinates"][:, 0] == rank, 1:], partial[sample])
+    # balanced by the points of both sets (19, 8, 10, 15, 21), not by the partial views' alone (7, 4, 6, 9, 8)
+    assert [c.tolist() for c in plan.chunk_samples] == [[4], [0, 1], [2, 3]]
+    assert [c.tolist() for c in balanced_assignment(torch.tensor([7, 4, 6, 9, 8]), 3)] == [[3], [1, 4], [0, 2]]
+
+
+def test_coordinate_names_and_look_alikes():
+    g = torch.Generator().manual_seed(2)
+    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    b = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3, 2)])
+    for key in ("coords1", "xyz1", "target_coordinates", "complete"):  # named, or an integer look-alike with B samples
+        _, plan = split_batch({"coordinates": a, key: b, "labels": torch.arange(3)}, 2)
+        assert len(plan.point_rows) == 2, key
+    # a float tensor under a plain name is not taken for coordinates: the error names the role that fits
+    with pytest.raises(BatchLayoutError, match=r"layout=\{'target': 'coordinates'\}") as err:
+        split_batch({"coordinates": a, "target": b.double(), "labels": torch.arange(3)}, 2)
+    assert "'replicate'" not in str(err.value).split("coordinates'}")[0]
+    # a float [M, 3] named xyz without a batch column is per-point data, not coordinates
+    chunks, plan = split_batch({"coordinates": a, "xyz": torch.randn(15, 3), "labels": torch.arange(3)}, 2)
+    assert len(plan.point_rows) == 1 and plan.roles[1] == "points"
+
+
+def test_errors_name_the_fix():
+    g = torch.Generator().manual_seed(3)
+    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    other = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3)])  # 2 samples, the batch has 3
+    with pytest.raises(BatchLayoutError, match="disagree on the number of samples.*'points'.*'indices'"):
+        split_batch({"coordinates": a, "coords1": other}, 2)
+    with pytest.raises(BatchLayoutError, match="role 'indices'"):
+        split_batch({"coordinates": a, "ids": torch.tensor([[3, 1], [0, 2], [7, 7], [1, 0]])}, 2)
+    # a per-point tensor of the same length as two point sets: layout names the set
+    b = ME.utils.batched_coordinates([_points(g, n) for n in (5, 5, 5)])
+    with pytest.raises(BatchLayoutError, match=r"'normals': 'points:coordinates'"):
+        split_batch({"coordinates": a, "coords1": b, "normals": torch.randn(15, 3)}, 2)
+    chunks, plan = split_batch({"coordinates": a, "coords1": b, "normals": torch.randn(15, 3)}, 2,
+                               layout={"normals": "points:coords1"})
+    assert plan.leaf_sources[2] == 1
+    batch = pair_batch([3, 4], [2, 5], [2, 2])
+    with pytest.raises(BatchLayoutError, match=r"correspondences'\]\[\d+, 1\] = 7 is not a row of batch\['coords1'\]"):
+        split_batch(dict(batch, correspondences=torch.tensor([[0, 0], [1, 7]])), 2)
+    with pytest.raises(BatchLayoutError, match="pairs a point of sample 0 .* with a point of sample 1"):
+        split_batch(dict(batch, correspondences=torch.tensor([[0, 3]])), 2)
+    with pytest.raises(BatchLayoutError, match="says sample 1 in its batch column"):
+        split_batch(dict(batch, correspondences=torch.tensor([[1, 0, 0]])), 2)
+    with pytest.raises(BatchLayoutError, match="'indices:coords0,coords1'"):
+        three = dict(batch, coords2=batch["coords1"].clone(), feats2=batch["feats1"].clone(),
+                     correspondences=torch.tensor([[0, 0]]))
+        split_batch(three, 2)
+    chunks, _ = split_batch(dict(batch, correspondences=torch.tensor([[0, 1], [5, 6]])), 2,
+                            layout={"correspondences": "indices:coords1,coords1"})
+    assert sorted(c["correspondences"].tolist() for c in chunks) == [[[0, 1]], [[3, 4]]]
+
+
+def test_per_sample_lists_of_index_tensors_travel_with_their_samples():
+    batch = pair_batch([3, 4, 2], [2, 5, 3], [0, 0, 0])
+    own = [torch.tensor([[0, 1]]), torch.tensor([[3, 4], [1, 0]]), torch.tensor([[1, 2]])]
+    chunks, plan = split_batch(dict(batch, correspondences=own), 2)
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        assert [t.tolist() for t in chunk["correspondences"]] == [own[i].tolist() for i in ids.tolist()]
+    with pytest.raises(BatchLayoutError, match="per-sample list of 2 tensors, but the batch has 3 samples"):
+        split_batch(dict(batch, correspondences=own[:2]), 2)
+    # sample 2 has 2 points in coords0 (rows 0..1): its own row 2 does not exist
+    with pytest.raises(BatchLayoutError, match=r"correspondences'\]\[2\]\[0, 0\] = 2 is not a row of sample 2"):
+        split_batch(dict(batch, correspondences=[*own[:2], torch.tensor([[2, 0]])]), 2)
+
+
+# --- per-sample outputs ----------------------------------------------------------------------------
+
+def _chunks(num_samples, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 9, (num_samples,), generator=g).tolist()
+    batch = {"coordinates": ME.utils.batched_coordinates([_points(g, n) for n in sizes]),
+             "features": torch.randn(sum(sizes), 2, generator=g, dtype=torch.float64)}
+    chunks, plan = split_batch(batch, k)
+    return batch, chunks, plan
+
+
+def _gather(outputs, plan, **kwargs):
+    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warning_cache=WarningCache(), **kwargs)
+
+
+@pytest.mark.parametrize("num_samples", [7, 6, 2])
+def test_decomposed_outputs_come_back_as_one_device_returns_them(num_samples):
+    batch, chunks, plan = _chunks(num_samples, 3)
+
+    def step(b):  # ME's idiom: a SparseTensor's per-sample rows, and (coordinates, features) pairs
+        x = ME.SparseTensor(b["features"], b["coordinates"])
+        y = ME.MinkowskiReLU()(x)
+        coords, feats = y.decomposed_coordinates, y.decomposed_features
+        return {"loss": y.F.sum() * 0, "feats": feats, "pairs": list(zip(coords, feats)),
+                "dicts": [{"n": len(f), "mean": f.mean(0)} for f in feats], "both": (coords, feats)}
+
+    def by_coordinates(coords, feats):  # ME's decomposition order inside a sample is not fixed: compare as sets
+        key = ((coords[:, 0].long() * 64 + coords[:, 1]) * 64 + coords[:, 2]).argsort()
+        return coords[key], feats[key]
+
+    one = step(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # equal chunks warn that a tuple of alike entries is taken per sample
+        ours = _gather([step(c) for c in chunks], plan)
+    assert len(ours["feats"]) == len(ours["pairs"]) == len(ours["dicts"]) == num_samples
+    for b in range(num_samples):
+        for got in (ours["pairs"][b], (ours["both"][0][b], ours["both"][1][b]), (ours["pairs"][b][0], ours["feats"][b])):
+            for x, y in zip(by_coordinates(*got), by_coordinates(*one["pairs"][b]), strict=True):
+                assert torch.equal(x, y)
+        assert ours["dicts"][b]["n"] == one["dicts"][b]["n"]
+        torch.testing.assert_close(ours["dicts"][b]["mean"], one["dicts"][b]["mean"], rtol=1e-12, atol=0)
+    assert isinstance(ours["both"], tuple) and len(ours["both"]) == 2  # a fixed (coordinates, features) tuple
+
+
+def test_top_level_per_sample_list_and_fixed_tuples():
+    batch, chunks, plan = _chunks(7, 3, seed=4)
+    assert plan.samples_per_chunk != [plan.samples_per_chunk[0]] * 3
+
+    def step(b):
+        ids = b["coordinates"][:, 0].long()
+        return [b["features"][ids == i] * 2 for i in range(int(ids.max()) + 1)]
+
+    ours = _gather([step(c) for c in chunks], plan)
+    assert [t.shape for t in ours] == [t.shape for t in step(batch)]
+    assert all(torch.equal(a, b) for a, b in zip(ours, step(batch)))
+    # (loss, logits): a fixed structure, never per-sample, even in chunks of two samples
+    _, chunks, plan = _chunks(6, 3, seed=5)
+    outs = [(c["features"].sum(), c["features"]) for c in chunks]
+    loss, logits = _gather(outs, plan)
+    assert loss.dim() == 0 and logits.shape[0] == sum(len(c["features"]) for c in chunks)
+
+
+def test_ambiguous_sequences_warn_and_output_layout_decides():
+    _, chunks, plan = _chunks(6, 3, seed=6)  # 2 samples per chunk
+    outs = [(c["features"][:1], c["features"][1:2]) for c in chunks]  # two alike tensors: per sample or two heads?
+    with pytest.warns(UserWarning, match=r"output_layout=\{'output': 'fixed'\}"):
+        merged = _gather(outs, plan)
+    assert len(merged) == 6
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fixed = _gather(outs, plan, output_layout={"output": "fixed"})
+        assert len(fixed) == 2 and fixed[0].shape[0] == 3
+        assert len(_gather(outs, plan, output_layout={"output": "samples"})) == 6
+    assert not [w for w in seen if "alike entries" in str(w.message)]
+    with pytest.raises(ValueError, match="role 'samples' but its lengths"):
+        _gather([[c["features"]] for c in chunks], plan, output_layout={"output": "samples"})
+
+
+def test_a_per_sample_integer_table_is_not_taken_for_coordinates():
+    g = torch.Generator().manual_seed(9)
+    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    boxes = torch.tensor([[0, 3, 4, 5], [1, 2, 2, 2], [2, 7, 1, 0]])  # column 0 reads 0, 1, 2 by chance
+    chunks, plan = split_batch({"coordinates": a, "boxes": boxes}, 2)
+    assert len(plan.point_rows) == 1 and plan.roles[1] == "samples"
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        assert torch.equal(chunk["boxes"], boxes[ids])  # untouched, not renumbered
+
+
+def test_an_index_tensor_left_to_its_length_is_named_with_the_indices_role():
+    """FCGF's hardest-negative sampling: `negatives` holds, for each point of the second scan, the row of another
+    point of its sample, so it has that scan's length. Taken by its length it would be cut as per-point values and
+    not re-based (the pairs would be wrong): a warning names the 'indices' role, and with it each chunk's indices
+    pick the same points as the whole batch's."""
+    from tests.support.pairs import pair_batch
+
+    batch = pair_batch(range(5))
+    index = batch["sinput1_C"][:, 0].long()
+    assert batch["sinput0_C"].shape[0] != batch["sinput1_C"].shape[0]
+    negatives = torch.empty_like(index)
+    for s in range(int(index.max()) + 1):
+        rows = torch.nonzero(index == s).flatten()
+        negatives[rows] = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(s))]
+    batch["negatives"] = negatives
+    with pytest.warns(UserWarning, match=r"batch\['negatives'\] is an integer tensor under a key that names indices.*"
+                                         r"layout=\{'negatives': 'indices:sinput1_C'\}"):
+        split_batch(batch, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunks, plan = split_batch(batch, 3, layout={"negatives": "indices:sinput1_C"})
+    rows_of = plan.index_rows[max(plan.index_rows)]  # the negatives' rows that went to each chunk
+    for chunk, rows in zip(chunks, rows_of):
+        whole = batch["sinput1_C"][batch["negatives"][rows]][:, 1:]
+        assert torch.equal(chunk["sinput1_C"][chunk["negatives"]][:, 1:], whole)

@@ -1,0 +1,242 @@
+"""Batches the split reads through the Trainer, each against one device with the whole batch.
+
+Float coordinates (their batch column read as batch indices), per-sample metadata that is not a tensor
+(names, paths, arrays), short chunks under per-replica batch norm, and the messages that point the
+right way for batches the split cannot read. Exactness in float64 (``precision="64-true"``) at 1e-10
+relative per tensor.
+"""
+
+from __future__ import annotations
+
+import MinkowskiEngine as ME
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
+from lightning_sparse_dp.split import merge_batch
+from tests.support.helpers import (
+    IN_CHANNELS,
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    fit_float64,
+    loader,
+    random_samples,
+    relative_difference,
+    same_start,
+    trainer,
+)
+
+# --- float coordinates in the split ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["dict", "tuple", "layout"])
+def test_float_coordinates_split_by_their_batch_column_keeping_values_and_dtype(dtype, form):
+    base = collate_dict(random_samples(7, seed=1))
+    coords = base["coordinates"].to(dtype)
+    coords[:, 1:] += 0.25  # continuous coordinates: kept as they are
+    if form == "dict":
+        batch = {"coordinates": coords, "features": base["features"], "labels": base["labels"]}
+    elif form == "tuple":  # ME.utils.sparse_collate(..., dtype=torch.float32) order
+        batch = (coords, base["features"], base["labels"])
+    else:
+        batch = {"pts": coords, "features": base["features"], "labels": base["labels"]}
+    layout = {"pts": "coordinates"} if form == "layout" else None
+    chunks, plan = split_batch(batch, 3, layout=layout, assignment="balanced")
+    key = 0 if form == "tuple" else ("pts" if form == "layout" else "coordinates")
+    for chunk, ids, rows in zip(chunks, plan.chunk_samples, plan.point_rows[0]):
+        c = chunk[key]
+        assert c.dtype == dtype
+        assert torch.equal(c[:, 1:], coords[rows, 1:])
+        assert sorted(c[:, 0].unique().tolist()) == list(range(len(ids)))
+    merged = merge_batch(chunks, plan)
+    assert torch.equal(merged[key], coords)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.__setitem__((2, 0), 0.5), r"not a whole number \(0.5 in row 2\)"),
+        (lambda c: c.__setitem__((c[:, 0] == 1, 0), 4.0), r"gaps in its batch indices"),
+        (lambda c: c.__setitem__((0, 0), -1.0), r"negative batch index"),
+        (lambda c: c.__setitem__((0, 0), float("nan")), r"not a whole number"),
+    ],
+)
+def test_float_batch_column_that_is_not_a_batch_index_is_refused(change, message):
+    base = collate_dict(random_samples(4, seed=2))
+    coords = base["coordinates"].float()
+    change(coords)
+    with pytest.raises(BatchLayoutError, match=message):
+        split_batch({**base, "coordinates": coords}, 2)
+
+
+class FloatCoordinateNet(SparseNet):
+    """ME's multigpu_lightning way: the SparseTensor is built in the step from float coordinates, no device=."""
+
+    def loss(self, batch):
+        coords, feats, labels = batch
+        return F.cross_entropy(self(ME.SparseTensor(feats, coords)), labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+
+class FieldNet(SparseNet):
+    """A TensorField from continuous float coordinates, quantized in the step (ModelNet-style)."""
+
+    def loss(self, batch):
+        field = ME.TensorField(batch["features"], batch["coordinates"])
+        return F.cross_entropy(self(field.sparse()), batch["labels"])
+
+
+def test_float32_sparse_collate_batch_trains_like_one_device():
+    coords, feats, labels = zip(*random_samples(7, seed=3))
+    c, f = ME.utils.sparse_collate(list(coords), list(feats), dtype=torch.float32)
+    batch = (c, f, torch.tensor(labels))
+    assert batch[0].dtype == torch.float32
+    ours, reference = same_start(FloatCoordinateNet)
+    t = fit_float64(ours, batch, strategy="sparse_dp", devices=3)
+    r = fit_float64(reference, batch)
+    assert_same_states(ours, reference)
+    assert relative_difference(t.callback_metrics["train_loss"], r.callback_metrics["train_loss"]) <= 1e-10
+
+
+def test_continuous_coordinates_reach_each_tensor_field_unchanged():
+    base = collate_dict(random_samples(7, seed=4))
+    coords = base["coordinates"].float()
+    coords[:, 1:] = coords[:, 1:] * 0.7 + 0.1  # several points per voxel, not whole numbers
+    batch = {**base, "coordinates": coords}
+    seen = []
+
+    class Spy(FieldNet):
+        def loss(self, batch):
+            seen.append(batch["coordinates"])
+            return super().loss(batch)
+
+    ours, reference = same_start(Spy)
+    fit_float64(ours, batch, strategy="sparse_dp", devices=3)
+    assert all(c.dtype == torch.float64 for c in seen)  # precision="64-true" turns them into float64
+    assert sum(c.shape[0] for c in seen) == coords.shape[0]
+    assert any(not torch.equal(c[:, 1:], c[:, 1:].floor()) for c in seen)
+    reference.loss = FieldNet.loss.__get__(reference)
+    fit_float64(reference, batch)
+    assert_same_states(ours, reference)
+
+
+# --- per-sample metadata that is not a tensor --------------------------------------------------------
+
+
+def _named_batch(num_samples, seed=10):
+    batch = collate_dict(random_samples(num_samples, seed=seed, min_points=2))
+    batch["names"] = [f"scene{i}-label{int(y)}" for i, y in enumerate(batch["labels"])]
+    batch["paths"] = tuple(f"/data/{i}.ply" for i in range(num_samples))
+    batch["ids"] = np.arange(num_samples) * 10
+    return batch
+
+
+@pytest.mark.parametrize("assignment", ["balanced", "contiguous"])
+def test_per_sample_lists_tuples_and_arrays_are_split_with_their_samples(assignment):
+    batch = _named_batch(9)
+    chunks, plan = split_batch(batch, 3, assignment=assignment)
+    for chunk, ids in zip(chunks, plan.chunk_samples):
+        assert chunk["names"] == [f"scene{i}-label{int(batch['labels'][i])}" for i in ids.tolist()]
+        assert chunk["names"] == [f"scene{i}-label{int(y)}" for i, y in zip(ids.tolist(), chunk["labels"])]
+        assert isinstance(chunk["paths"], tuple) and chunk["paths"] == tuple(batch["paths"][i] for i in ids.tolist())
+        assert np.array_equal(chunk["ids"], batch["ids"][ids.numpy()])
+    merged = merge_batch(chunks, plan)
+    assert merged["names"] == batch["names"] and merged["paths"] == batch["paths"]
+    assert np.array_equal(merged["ids"], batch["ids"])
+
+
+def test_names_pair_with_their_predictions_through_the_trainer():
+    class Named(SparseNet):
+        def predict_step(self, batch, batch_idx):
+            x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+            assert all(n.endswith(f"label{int(y)}") for n, y in zip(batch["names"], batch["labels"]))
+            return {"names": batch["names"], "logits": self(x)}
+
+    batch = _named_batch(9)
+    ours, reference = same_start(Named)
+    [out] = trainer(strategy="sparse_dp", devices=3, precision="64-true").predict(ours, loader(batch))
+    [ref] = trainer(devices=1, precision="64-true").predict(reference, loader(batch))
+    assert out["names"] == batch["names"] == ref["names"]
+    assert relative_difference(out["logits"], ref["logits"]) <= 1e-10
+
+
+def test_layout_names_a_list_and_an_unknown_layout_key_is_an_error():
+    batch = _named_batch(4)
+    batch["names"] = batch["names"][:3] + ["extra", "more"]  # 5 names for 4 samples: passed whole ...
+    chunks, _ = split_batch(batch, 2)
+    assert chunks[0]["names"] == batch["names"]
+    with pytest.raises(BatchLayoutError, match=r"layout gives batch\['names'\] the role 'samples' but it has no length"):
+        split_batch({**batch, "names": None}, 2, layout={"names": "samples"})
+    with pytest.raises(BatchLayoutError, match=r"layout names 'nmes', which matches nothing.*'names'"):
+        split_batch(batch, 2, layout={"nmes": "samples"})
+    chunks, _ = split_batch(_named_batch(4), 2, layout={"names": "replicate"})
+    assert len(chunks[0]["names"]) == 4
+
+
+# --- short chunks with per-replica batch norm --------------------------------------------------------
+
+
+def _short_batch(last):
+    """Three samples; the last is ``last`` (coordinates [n, 3]), one point or two that one stride-2 voxel holds."""
+    samples = random_samples(3, seed=14, min_points=8, max_points=12)
+    n = last.shape[0]
+    samples[2] = (last.int(), torch.randn(n, IN_CHANNELS), samples[2][2])
+    return collate_dict(samples)
+
+
+def test_single_point_sample_is_not_left_alone_with_per_replica_batch_norm():
+    batch = _short_batch(torch.tensor([[0, 0, 0]]))
+    seen = []
+
+    class Spy(SparseNet):
+        def training_step(self, batch, batch_idx):
+            seen.append(batch["coordinates"].shape[0])
+            return super().training_step(batch, batch_idx)
+
+    fit_float64(SparseNet(batch_norm=True), batch)  # one device trains
+    # two steps: the second with the replicas built (which note the batch norm), each with two replicas, none of one point
+    trainer(strategy="sparse_dp", devices=3, precision="64-true", max_steps=2).fit(Spy(batch_norm=True), loader(batch, batch))
+    assert len(seen) == 4 and min(seen) > 1 and sum(seen) == 2 * batch["coordinates"].shape[0]
+    chunks, plan = split_batch(batch, 3, assignment="balanced", min_points=2)
+    assert plan.num_chunks == 2 and min(plan.points_per_chunk) >= 2
+
+
+def test_chunk_that_batch_norm_sees_as_one_value_names_the_fix():
+    batch = _short_batch(torch.tensor([[0, 0, 0], [1, 0, 0]]))  # two points, one voxel after the stride-2 conv
+    fit_float64(SparseNet(batch_norm=True), batch)  # one device trains
+    with pytest.raises(ValueError, match=r"replica 2's chunk has 1 sample\(s\) and 2 point\(s\).*sync_batchnorm=True"):
+        fit_float64(SparseNet(batch_norm=True), batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
+    fit_float64(SparseNet(batch_norm=True), batch, strategy="sparse_dp", devices=3, sync_batchnorm=True)  # the fix trains
+
+
+def test_empty_last_sample_is_named():
+    batch = collate_dict(random_samples(6, seed=16))
+    batch["labels"] = torch.cat([batch["labels"], torch.tensor([1])])  # a 7th sample that has no points
+    with pytest.raises(BatchLayoutError, match=r"the last 1 of them has no points.*Drop empty samples"):
+        split_batch(batch, 3)
+
+
+def test_numpy_coordinates_point_to_as_tensor():
+    batch = collate_dict(random_samples(5, seed=17))
+    with pytest.raises(BatchLayoutError, match=r"batch\['coordinates'\].*numpy.*torch.as_tensor"):
+        split_batch({**batch, "coordinates": batch["coordinates"].numpy()}, 2)
+    with pytest.raises(BatchLayoutError, match=r"torch.as_tensor"):
+        split_batch({**batch, "features": batch["features"].numpy()}, 2)
+    with pytest.raises(BatchLayoutError, match=r"batch\[0\] looks like collated coordinates.*numpy.*torch.as_tensor"):
+        split_batch((batch["coordinates"].numpy(), batch["features"].numpy(), batch["labels"]), 2)
+
+
+def test_uncollated_list_of_samples_points_to_sparse_collate():
+    coords = [c for c, _, _ in random_samples(3, seed=18)]
+    with pytest.raises(BatchLayoutError, match=r"not collated.*ME.utils.sparse_collate"):
+        split_batch(coords, 2)
+    with pytest.raises(BatchLayoutError, match=r"not collated.*ME.utils.sparse_collate"):
+        split_batch({"coordinates_list": coords, "labels": torch.arange(3)}, 2)

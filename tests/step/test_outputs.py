@@ -1,0 +1,223 @@
+"""Step outputs combined as one device returns them: fixed-size values by ``output_layout``, the
+warning for ambiguous ones, the roles directly, and ``None`` from some replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
+from lightning_sparse_dp.loss.weights import chunk_weights
+from lightning_sparse_dp.step.gather import gather_outputs
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, fit_float64, loader, random_samples, trainer
+
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
+# --- step outputs of a fixed size --------------------------------------------------------------------
+
+
+class Histogram(SparseNet):
+    def predict_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        return {"hist": torch.bincount(labels, minlength=NUM_CLASSES), "n": labels.shape[0]}
+
+
+def _hist_batch(num_samples=9):
+    return collate_dict(random_samples(num_samples, seed=11))
+
+
+def test_fixed_size_output_with_output_layout_is_the_one_device_value():
+    batch = _hist_batch()
+    strategy = SparseDataParallelStrategy(output_layout={"hist": "sum", "n": "sum"}, split="contiguous")
+    [out] = trainer(strategy=strategy, devices=3).predict(Histogram(), loader(batch))
+    [ref] = trainer(devices=1).predict(Histogram(), loader(batch))
+    assert out["hist"].tolist() == ref["hist"].tolist() == torch.bincount(batch["labels"], minlength=NUM_CLASSES).tolist()
+    assert out["n"] == ref["n"] == 9
+
+
+def test_ambiguous_unnamed_output_warns():
+    batch = _hist_batch(12)  # chunks of 3 samples; a [NUM_CLASSES] = [4] output per chunk: not per-sample
+    with pytest.warns(UserWarning, match=r"output\['hist'\] has the same length \(4\) in every chunk.*output_layout"):
+        trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).predict(Histogram(), loader(batch))
+    batch = _hist_batch(9)  # chunks of 3 samples, a [4] output: matches nothing, concatenated, with a warning
+    with pytest.warns(UserWarning, match=r"output\['hist'\] has the same length \(4\).*concatenated"):
+        trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).predict(Histogram(), loader(batch))
+
+
+def test_a_number_output_that_differs_between_chunks_is_said_and_named_roles_give_one_devices():
+    """A step output that is a Python number of the chunk (its samples, a fraction) comes back as the list of the
+    replicas' values where one device returns one number: said once per output, naming it and the fix; equal
+    numbers are the value, silently; ``output_layout={"n": "sum"}`` gives one device's count."""
+    batch = _hist_batch(7)  # chunks of 3, 2 and 2 samples (in the balanced split's order)
+
+    class Counts(SparseNet):
+        def predict_step(self, batch, batch_idx):
+            return {"n": int(batch["labels"].shape[0]), "same": 3, "name": "scene"}
+
+    with pytest.warns(UserWarning, match=r"step output output\['n'\] \(int\) differs between the replicas' chunks") as rec:
+        [out] = trainer(strategy="sparse_dp", devices=3).predict(Counts(), loader(batch))
+    assert sorted(out["n"]) == [2, 2, 3] and out["same"] == 3 and out["name"] == "scene"
+    assert sum("differs between the replicas' chunks" in str(w.message) for w in rec) == 1
+    strategy = SparseDataParallelStrategy(output_layout={"n": "sum"})
+    [out] = trainer(strategy=strategy, devices=3).predict(Counts(), loader(batch))
+    [ref] = trainer(devices=1).predict(Counts(), loader(batch))
+    assert out == ref == {"n": 7, "same": 3, "name": "scene"}
+
+
+def test_output_roles_directly():
+    batch = _hist_batch(7)
+    chunks, plan = split_batch(batch, 3, assignment="balanced")
+    outs = [{"p": c["labels"].double(), "h": torch.ones(2), "m": torch.tensor([1.0, 3.0]) * (j + 1), "l": j}
+            for j, c in enumerate(chunks)]
+    layout = {"p": "samples", "h": "sum", "m": "mean", "l": "list"}
+    weights = chunk_weights(plan, "samples")
+    got = gather_outputs(outs, plan, weights, torch.device("cpu"), layout)
+    assert got["p"].tolist() == batch["labels"].double().tolist()
+    assert got["h"].tolist() == [3.0, 3.0]
+    expected = sum(w * (j + 1) for j, w in enumerate(weights))
+    assert got["m"].tolist() == pytest.approx([expected, 3 * expected])
+    assert got["l"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="use one of"):
+        gather_outputs(outs, plan, weights, torch.device("cpu"), {"h": "stack"})
+
+
+@pytest.mark.parametrize("kind", ["loss", "per-sample", "per-point", "other", "named"])
+def test_a_bare_tensor_output_is_gathered_as_the_same_tensor_under_a_key(kind):
+    """A step that returns a tensor (its loss, most often) takes a shorter way through the gather: the same value as
+    the tensor returned under a dict key, by every rule (and by ``output_layout``, by the name ``"output"``)."""
+    batch = _hist_batch(7)
+    chunks, plan = split_batch(batch, 3, assignment="balanced")
+    weights = chunk_weights(plan, "samples")
+    make = {
+        "loss": lambda j, c: c["features"].sum() * (j + 1),
+        "per-sample": lambda j, c: c["labels"].double() + j,
+        "per-point": lambda j, c: c["features"][:, 0] * 2,
+        "other": lambda j, c: torch.arange(5 + j, dtype=torch.float64),
+        "named": lambda j, c: torch.full((2,), float(j)),
+    }[kind]
+    tensors = [make(j, c) for j, c in enumerate(chunks)]
+    layout, keyed = ({"output": "sum"}, {"v": "sum"}) if kind == "named" else (None, None)
+    got = gather_outputs(tensors, plan, weights, torch.device("cpu"), layout)
+    ref = gather_outputs([{"v": t} for t in tensors], plan, weights, torch.device("cpu"), keyed)["v"]
+    assert type(got) is Tensor and got.shape == ref.shape and torch.equal(got, ref)
+    if kind == "per-point":
+        assert torch.equal(got, batch["features"][:, 0] * 2)  # the batch's own row order
+
+
+# --- messages that point the right way ---------------------------------------------------------------
+
+
+def test_none_from_some_replicas_names_them_and_says_what_skipping_means():
+    class SkipsSmall(SparseNet):
+        def training_step(self, batch, batch_idx):
+            if batch["labels"].shape[0] < 3:
+                return None
+            return super().training_step(batch, batch_idx)
+
+    batch = collate_dict(random_samples(7, seed=15))  # contiguous chunks of 3, 2, 2 samples
+    with pytest.raises(ValueError, match=r"training_step returned None in replica\(s\) \[1, 2\] \(the batch's samples "
+                       r"3, 4, 5, 6\).*Decide on the whole batch"):
+        fit_float64(SkipsSmall(), batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
+
+
+class ReturnsCoordinates(SparseNet):
+    """A predict step that returns coordinates, as ME users save predictions with their points: the batch's own, a
+    stride-1 tensor's ``.C`` beside its ``.F``, a strided tensor's, a globally pooled tensor's; and an int32 pair of
+    labels per sample, which is not coordinates."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        same, strided = self.net[0](x), self.net[:3](x)
+        pooled = ME.MinkowskiGlobalAvgPooling()(strided)
+        return {
+            "coordinates": batch["coordinates"], "C": same.C, "F": same.F, "strided_C": strided.C,
+            "strided_F": strided.F, "pooled_C": pooled.C, "pooled_F": pooled.F,
+            "pairs": torch.stack([batch["labels"], batch["labels"]], 1).int(),
+        }
+
+
+def _by_coordinates(coordinates, features):
+    return {tuple(c): f for c, f in zip(coordinates.tolist(), features)}
+
+
+def test_coordinates_a_step_returns_carry_the_batchs_sample_ids():
+    """A chunk's coordinates count its own samples in column 0 (0..b_i-1): returned from the step they came back with
+    those, so grouping predictions by ``C[:, 0]`` mixed samples of different chunks, silently. They come back with the
+    batch's sample ids: per-point and per-sample ones equal to one device's, a strided tensor's the same (coordinate,
+    feature) pairs; an int32 output that is not coordinates is left as it is (float64, 3 replicas)."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (161, 162)]
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        torch.manual_seed(0)
+        module = ReturnsCoordinates()
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(module, loader(*batches))
+    for one, ours in zip(results["auto"], results["sparse_dp"]):
+        assert one["coordinates"][:, 0].unique().numel() == 7
+        for key in ("coordinates", "C", "pooled_C", "pairs"):
+            assert torch.equal(ours[key], one[key]), key
+        for key in ("F", "pooled_F"):
+            torch.testing.assert_close(ours[key], one[key], rtol=1e-10, atol=0)
+        strided_one, strided_ours = (_by_coordinates(r["strided_C"], r["strided_F"]) for r in (one, ours))
+        assert strided_ours.keys() == strided_one.keys()
+        for c in strided_one:
+            torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
+
+
+class ReturnsSparseTensors(SparseNet):
+    """A predict step that returns the network's SparseTensors (``return self(x)``): stride 1, strided, pooled."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        strided = self.net[:3](x)
+        return {"same": self.net[0](x), "strided": strided, "pooled": ME.MinkowskiGlobalAvgPooling()(strided)}
+
+
+def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_batch():
+    """The replicas' SparseTensors came back as their list (said). They come back as one SparseTensor of the batch:
+    a stride-1 or pooled one with one device's rows (coordinates equal, features at 1e-10, float64), a strided one with
+    one device's (coordinate, feature) rows and per-sample features, in chunk order; its tensor stride kept."""
+    import MinkowskiEngine as ME
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (171, 172)]
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        torch.manual_seed(0)
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(
+            ReturnsSparseTensors(), loader(*batches)
+        )
+    for one, ours in zip(results["auto"], results["sparse_dp"]):
+        for key in ("same", "pooled"):
+            assert type(ours[key]) is ME.SparseTensor and ours[key].tensor_stride == one[key].tensor_stride
+            assert torch.equal(ours[key].C, one[key].C), key
+            torch.testing.assert_close(ours[key].F, one[key].F, rtol=1e-10, atol=1e-15)
+        strided_one, strided_ours = (_by_coordinates(r["strided"].C, r["strided"].F) for r in (one, ours))
+        assert ours["strided"].tensor_stride == one["strided"].tensor_stride == [2, 2, 2]
+        assert strided_ours.keys() == strided_one.keys()
+        for c in strided_one:
+            torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
+        for mine, theirs in zip(ours["strided"].decomposed_features, one["strided"].decomposed_features, strict=True):
+            torch.testing.assert_close(mine.sort(0).values, theirs.sort(0).values, rtol=1e-10, atol=0)
+
+
+def test_only_tensors_shaped_as_the_batchs_coordinates_are_taken_for_coordinates():
+    """An int32 per-sample output whose column 0 numbers the chunk's samples is taken for coordinates (a pooled
+    tensor's ``.C``: the batch's sample ids given back) only when it has the batch's coordinate columns (``D+1``); an
+    int32 ``(prediction, label)`` pair whose predictions happen to be ``0..b_i-1`` is left as the chunks gave it."""
+    from lightning_sparse_dp.split.merge import coordinates_back
+
+    batch = collate_dict(random_samples(7, seed=181))
+    _, plan = split_batch(batch, 3)
+    assert plan.coordinate_columns == (4,)
+    for width, taken in ((4, True), (2, False)):
+        values = [torch.zeros(len(s), width, dtype=torch.int32) for s in plan.chunk_samples]
+        for v in values:
+            v[:, 0] = torch.arange(len(v))
+        back = coordinates_back(values, plan, "samples")
+        assert (back is not values) == taken
+        if taken:
+            assert [b[:, 0].tolist() for b in back] == [s.tolist() for s in plan.chunk_samples]

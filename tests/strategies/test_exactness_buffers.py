@@ -1,0 +1,86 @@
+"""Exact data parallelism: the module's buffers the step reads and updates (nn.DataParallel's rule, and where it
+is not one device's, said).
+
+Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
+device with the whole batch (plain Lightning, strategy="auto"), in float64 (``trainer64``, ``REL``:
+tests/support/helpers.py). Exactness here: test_exactness_metrics.py, test_exactness_buffers.py and
+test_exactness_points_and_order.py; batch norm: tests/syncbn/test_batchnorm_exactness.py; the rest of the Trainer:
+test_trainer_features.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.support.helpers import (
+    NUM_CLASSES,
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    loader,
+    random_samples,
+    same_start,
+)
+from tests.support.helpers import trainer64 as trainer
+
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
+
+class _StepCounter(SparseNet):
+    """Buffers the step reads: one it then updates in place (every replica reads the module's value from before the
+    step, as nn.DataParallel broadcasts the buffers first; the root replica's update is the module's), one the module
+    changes between steps (every replica reads the new value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps_seen", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch) * (1.0 + self.steps_seen) * self.scale
+        self.steps_seen += 1.0
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.scale.mul_(0.5)
+
+
+def test_every_replica_reads_the_buffers_as_the_step_found_them():
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (51, 52, 53)]
+    ours, reference = same_start(_StepCounter)
+    trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=3).fit(ours, loader(*batches))
+    trainer(devices=1, logger=False, max_steps=3).fit(reference, loader(*batches))
+    assert ours.steps_seen.item() == reference.steps_seen.item() == 3.0 and ours.scale.item() == 0.125
+    assert_same_states(ours, reference)
+
+
+class _LabelCounts(SparseNet):
+    """A buffer the step updates in place from its chunk (a histogram of the labels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("label_counts", torch.zeros(NUM_CLASSES, dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        self.label_counts += torch.bincount(batch["labels"], minlength=NUM_CLASSES).double()
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize(("module", "said"), [(_LabelCounts, True), (_StepCounter, False)], ids=["histogram", "counter"])
+def test_a_buffer_the_replicas_update_differently_is_said(module, said):
+    # nn.DataParallel's rule (the first replica's update is the module's) is one device's for an update every replica
+    # makes alike (a counter, checked against one device above), not for one computed from the chunk: said once
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (71, 72)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = module()
+        trainer(strategy="sparse_dp", devices=3, logger=False, max_steps=2).fit(ours, loader(*batches))
+    messages = [str(w.message) for w in caught if "the module's buffer" in str(w.message)]
+    assert len(messages) == int(said), messages
+    if said:
+        assert "'label_counts'" in messages[0]
+        whole = sum(torch.bincount(b["labels"], minlength=NUM_CLASSES) for b in batches).double()
+        assert not torch.equal(ours.label_counts, whole)  # the first replica's chunks only, as the warning says

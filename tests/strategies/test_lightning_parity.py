@@ -1,0 +1,139 @@
+"""Where sparse_dp must behave as plain Lightning on one device does, found by running Lightning's own tests with the
+strategy swapped in (issue 58): threads left after teardown, a cluster environment read by one process, a step run
+after ``fit`` returned. Each against plain Lightning."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.support.helpers import (
+    SparseNet,
+    collate_dict,
+    random_samples,
+    relative_difference,
+    same_start,
+    sample_loader,
+    trainer,
+)
+
+
+def test_no_thread_is_left_running_after_any_of_twenty_fits():
+    before = set(threading.enumerate())
+    for i in range(20):
+        strategy = "sparse_dp" if i % 2 else __import__("lightning_sparse_dp").SparseDataParallelStrategy(
+            sync_batchnorm=True
+        )
+        trainer(strategy=strategy, devices=3, max_steps=1).fit(SparseNet(batch_norm=True), sample_loader(random_samples(14)))
+        left = [t.name for t in set(threading.enumerate()) - before]
+        assert not left, (i, left)
+
+
+SLURM = {
+    "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n1", "SLURM_NTASKS_PER_NODE": "2",
+}
+TORCHELASTIC = {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1",
+                "MASTER_ADDR": "localhost", "MASTER_PORT": "29555", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize(("environment", "kind"), [(SLURM, "SLURMEnvironment"), (TORCHELASTIC, "TorchElasticEnvironment")],
+                         ids=["slurm", "torchelastic"])
+def test_one_process_inside_a_cluster_job_is_rank_zero_of_one(environment, kind, monkeypatch):
+    """Inside a job step of several tasks, sparse_dp (one process) is world size 1, rank 0: it logs and saves, as plain
+    Lightning on one device does there; Lightning's cluster environment is still detected (requeue, signals)."""
+    for k, v in environment.items():
+        monkeypatch.setenv(k, v)
+    ours, reference = same_start(SparseNet)
+    t = trainer(strategy="sparse_dp", devices=3, max_steps=1)
+    plain = trainer(devices=1, max_steps=1)
+    assert type(t.strategy.cluster_environment).__name__ == kind  # detected: requeue and signals as Lightning sets them
+    assert (t.world_size, t.global_rank, t.local_rank, t.node_rank, t.is_global_zero) == (1, 0, 0, 0, True)
+    loader = sample_loader(random_samples(14))
+    t.fit(ours, loader)
+    plain.fit(reference, loader)
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        assert relative_difference(a, b) <= 1e-5, name  # float32: the same step; exactness is tested in float64
+
+
+class Quiet(SparseNet):
+    def validation_step(self, batch, batch_idx):  # no self.log: Lightning refuses logging outside its loops
+        return self.loss(batch)
+
+
+def test_a_step_run_by_hand_after_fit_runs_as_on_one_device():
+    """Lightning's loop driven by hand after ``fit`` returned (three of Lightning's own tests do): the replica threads
+    come back for the step, as plain Lightning runs it."""
+    ours, reference = same_start(Quiet)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in collate_dict(random_samples(9, seed=4)).items()}
+    mine = trainer(strategy="sparse_dp", devices=3, max_steps=1, precision="64-true")
+    one = trainer(devices=1, max_steps=1, precision="64-true")
+    from tests.support.helpers import loader
+
+    mine.fit(ours, loader(batch))
+    one.fit(reference, loader(batch))
+    with torch.no_grad():
+        got = mine.strategy.validation_step(batch, 0)
+        want = one.strategy.validation_step(batch, 0)
+    assert relative_difference(got, want) <= 1e-10
+
+
+class LogsBadly(SparseNet):
+    """``self.log`` calls Lightning refuses, each caught in the step so the refusal's type and words are compared."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what, self.caught = what, []
+        self.loose = __import__("torchmetrics").MeanMetric()  # a metric attribute, so the next one is not the only one
+
+    def _try(self, fn):
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001  (compared below)
+            self.caught.append((type(err).__name__, str(err)))
+
+    def training_step(self, batch, batch_idx):
+        if self.what == "none":
+            self._try(lambda: self.log("foo", None))
+        elif self.what == "shape":
+            self._try(lambda: self.log("foo", torch.ones(3)))
+        elif self.what == "metric":
+            stray = __import__("torchmetrics").MeanMetric()
+            self._try(lambda: self.log("foo", stray))
+        return super().training_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        self._try(lambda: self.log("foo", 1.0))
+        return self.net(__import__("MinkowskiEngine").SparseTensor(batch["features"], batch["coordinates"])).F
+
+
+@pytest.mark.parametrize("what", ["none", "shape", "metric", "predict"])
+def test_lightnings_own_errors_for_what_self_log_refuses_raised_at_the_call(what):
+    runs = {}
+    for name, strategy, devices in (("plain", "auto", 1), ("ours", "sparse_dp", 3)):
+        module = LogsBadly(what)
+        t = trainer(strategy=strategy, devices=devices, max_steps=1)
+        data = sample_loader(random_samples(14))
+        t.predict(module, data) if what == "predict" else t.fit(module, data)
+        runs[name] = sorted(set(module.caught))
+    assert runs["plain"] and runs["ours"] == runs["plain"]
+
+
+def test_lightnings_workers_advice_for_one_process(monkeypatch):
+    """Lightning suggests ``cpus // devices - 1`` workers, assuming a process per device; sparse_dp is one process,
+    so a loader without workers gets the advice plain Lightning gives on one device, in Lightning's words."""
+    import warnings
+
+    import lightning.fabric.utilities.data as data
+
+    monkeypatch.setattr(data, "_num_cpus_available", lambda: 8)
+    said = {}
+    for name, strategy, devices in (("plain", "auto", 1), ("ours", "sparse_dp", 3)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy=strategy, devices=devices, max_steps=1).fit(SparseNet(), sample_loader(random_samples(14)))
+        said[name] = [str(w.message) for w in caught if "does not have many workers" in str(w.message)]
+    assert said["plain"] and said["ours"] == said["plain"]
+    assert "num_workers=7" in said["ours"][0]

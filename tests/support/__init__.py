@@ -1,0 +1,1 @@
+"""Shared helpers of the tests: modules, batches, trainers, scenarios (no tests here)."""

@@ -1,0 +1,292 @@
+"""Shared test helpers: random sparse samples, a small ME network, one-batch loaders, and the exactness measure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import MinkowskiEngine as ME
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" / "sparse_ddp", the names tests pass to trainer())
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NUM_CLASSES = 4
+IN_CHANNELS = 3
+
+
+def load_file(path: str):
+    """The Python file at ``path`` (relative to the repository's root, e.g. ``"examples/train_completion.py"``)
+    imported as a module named after the file (registered in ``sys.modules``); for scripts outside the package."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_samples(num_samples: int, seed: int = 0, dim: int = 3, min_points: int = 5, max_points: int = 40):
+    """``num_samples`` samples of unique int32 coordinates ``[n_i, dim]``, features ``[n_i, 3]`` and a label."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        n = int(torch.randint(min_points, max_points + 1, (1,), generator=g))
+        coords = torch.randint(0, 8, (n * 2, dim), generator=g, dtype=torch.int32).unique(dim=0)[:n]
+        feats = torch.randn(coords.shape[0], IN_CHANNELS, generator=g)
+        label = int(torch.randint(0, NUM_CLASSES, (1,), generator=g))
+        samples.append((coords, feats, label))
+    return samples
+
+
+def collate_dict(samples):
+    """ME's Lightning-example batch: coordinates [N, D+1] (batch index in column 0), features [N, C], labels [B]."""
+    coords, feats, labels = zip(*samples)
+    coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
+    return {"coordinates": coordinates, "features": features, "labels": torch.tensor(labels)}
+
+
+class OneBatch(Dataset):
+    """A dataset whose single item is an already collated batch (use with ``batch_size=None``)."""
+
+    def __init__(self, *batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def loader(*batches) -> DataLoader:
+    return DataLoader(OneBatch(*batches), batch_size=None, shuffle=False)
+
+
+def sample_loader(samples, **kwargs) -> DataLoader:
+    """A DataLoader of ``samples`` in batches of 7, collated by :func:`collate_dict`."""
+    return DataLoader(samples, batch_size=7, collate_fn=collate_dict, **kwargs)
+
+
+class SparseNet(L.LightningModule):
+    """Convolution, ReLU, strided convolution, (batch norm), global pooling, linear; SGD."""
+
+    def __init__(self, batch_norm: bool = False, lr: float = 0.1, fail_on_replica_with: int | None = None):
+        super().__init__()
+        layers = [
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiConvolution(8, 16, kernel_size=2, stride=2, dimension=3),
+        ]
+        if batch_norm:
+            layers.append(ME.MinkowskiBatchNorm(16))
+        layers += [
+            ME.MinkowskiReLU(),
+            ME.MinkowskiGlobalAvgPooling(mode=ME.PoolingMode.GLOBAL_AVG_POOLING_KERNEL),
+            ME.MinkowskiLinear(16, NUM_CLASSES),
+        ]
+        self.net = torch.nn.Sequential(*layers)
+        self.lr = lr
+        self.fail_on_replica_with = fail_on_replica_with
+        self.step_losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x).F  # row b is sample b: our ME build's global pooling keeps batch order (patch 01)
+
+    def loss(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return F.cross_entropy(self(x), batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_on_replica_with is not None and batch["labels"].shape[0] == self.fail_on_replica_with:
+            raise RuntimeError(f"boom in the chunk of {self.fail_on_replica_with} samples")
+        loss = self.loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        # Lightning would infer the batch size from the first tensor (the coordinates: points, not samples)
+        self.log("val_loss", loss, batch_size=batch["labels"].shape[0])
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+#: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
+#: reaches 1e-4 relative and can hide a real difference. ``trainer64`` is :func:`trainer` running "64-true" unless
+#: told otherwise; ``REL`` the relative difference per tensor a float64 comparison allows.
+trainer64 = partial(trainer, precision="64-true")
+REL = 1e-10
+
+
+class SegNet(L.LightningModule):
+    """Per-point segmentation: TensorField -> sparse -> (conv, batch norm, ReLU) x 2 -> slice -> linear.
+
+    ``loss`` is the cross-entropy averaged over every point of the batch.
+    """
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiConvolution(8, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiBatchNorm(8),
+            ME.MinkowskiReLU(),
+        )
+        self.head = torch.nn.Linear(8, NUM_CLASSES)
+        self.lr = lr
+
+    def forward(self, field):
+        return self.head(self.net(field.sparse()).slice(field).F)
+
+    def loss(self, batch):
+        return F.cross_entropy(self(batch["x"]), batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch["x"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def fit_float64(model, batch, strategy="auto", devices=1, **kwargs) -> L.Trainer:
+    """Fit ``model`` on the one ``batch`` in float64 (``precision="64-true"``) with :func:`trainer`; the trainer."""
+    t = trainer(strategy=strategy, devices=devices, precision="64-true", **kwargs)
+    t.fit(model, loader(batch))
+    return t
+
+
+def field_batch(num_samples: int, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A TensorField batch with continuous coordinates (several points per voxel) and per-point labels [N].
+
+    ``dtype``: of the field's features and coordinates (``precision="64-true"`` converts the batch's
+    tensors, not the ME objects in it, so a float64 run needs a float64 field).
+    """
+    samples = random_samples(num_samples, seed=seed)
+    coords, feats, _ = zip(*samples)
+    coordinates, features = ME.utils.sparse_collate(list(coords), list(feats))
+    g = torch.Generator().manual_seed(seed)
+    continuous = coordinates.float()
+    continuous[:, 1:] = (continuous[:, 1:] * 0.5).floor() + torch.rand(continuous.shape[0], 3, generator=g)
+    labels = torch.randint(0, NUM_CLASSES, (coordinates.shape[0],), generator=g)
+    return {"x": ME.TensorField(features.to(dtype), continuous.to(dtype)), "labels": labels}
+
+
+def same_start(cls=SparseNet, *args, seed: int | None = None, **kwargs):
+    """Two modules ``cls(*args, **kwargs)`` with the same parameters and buffers (ME modules cannot be deep-copied).
+
+    ``seed``: ``torch.manual_seed(seed)`` first, for modules whose construction draws more than parameters.
+    The first keeps a copy of its starting parameters, for :func:`assert_same_states` to check that it trained.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    a, b = cls(*args, **kwargs), cls(*args, **kwargs)
+    b.load_state_dict(a.state_dict())
+    a._starting_parameters = {name: p.detach().clone() for name, p in a.named_parameters()}
+    return a, b
+
+
+def relative_difference(a, b) -> float:
+    """The exactness measure: max |a - b| / max |b| per tensor (the absolute difference where b is all 0; 0 when empty)."""
+    a, b = torch.as_tensor(a).detach().double().cpu(), torch.as_tensor(b).detach().double().cpu()
+    if b.numel() == 0:
+        return 0.0
+    scale, diff = b.abs().max().item(), (a - b).abs().max().item()
+    return diff / scale if scale else diff
+
+
+def state_differences(ours, reference) -> dict[str, float]:
+    """:func:`relative_difference` of every state-dict tensor (parameters and buffers) of two modules."""
+    ref = reference.state_dict()
+    return {name: relative_difference(value, ref[name]) for name, value in ours.state_dict().items()}
+
+
+def assert_same_states(ours, reference, rel: float = 1e-10, trained: bool = True) -> None:
+    """Every state-dict tensor of ``ours`` within ``rel`` of ``reference`` (:func:`relative_difference`).
+
+    ``trained``: also that a parameter of ``ours`` moved from where :func:`same_start` started it (two
+    equal untrained states would otherwise pass).
+    """
+    worse = {name: d for name, d in state_differences(ours, reference).items() if not d <= rel}
+    assert not worse, f"state tensors further than {rel:g} from the reference: {worse}"
+    if trained:
+        start = getattr(ours, "_starting_parameters", None)
+        assert start is not None, "trained=True needs `ours` from same_start (it keeps the starting parameters)"
+        moved = [n for n, p in ours.named_parameters() if not torch.equal(p.detach().cpu(), start[n].to(p.dtype).cpu())]
+        assert moved, "no parameter of `ours` moved from its start: the comparison says nothing about training"
+
+
+def run_isolated(code: str, tmp_path: Path, timeout: float = 300, env: dict[str, str] | None = None) -> None:
+    """Run ``code`` (dedented) in a fresh interpreter with this checkout first on the path.
+
+    Fails when it exits non-zero, and when it runs past ``timeout`` seconds: the child is killed, so
+    a hang (e.g. replicas waiting for each other forever) fails here instead of stopping the suite.
+    """
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(code))
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"still running after {timeout:g} s (a hang?): {str(err.stderr)[-2000:]}") from None
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
+    """``fn(rank, member)`` on one plain thread per rank; returns results or the exceptions raised, in rank order."""
+    results: list = [None] * group.world_size
+
+    def target(rank: int) -> None:
+        member = group.member(rank)
+        try:
+            results[rank] = group.run(rank, lambda: fn(rank, member)) if phase else fn(rank, member)
+        except BaseException as err:  # noqa: BLE001 - handed back to the test
+            results[rank] = err
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(group.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results

@@ -1,0 +1,163 @@
+"""Synchronized batch norm in sparse_dp steps: equal to one device with the whole batch, ME's own sync layers,
+eval on running statistics, no replica waiting forever, and the swap that keeps the state dict.
+
+Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
+device with the whole batch (plain Lightning, strategy="auto").
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+from torch import nn
+
+from lightning_sparse_dp import SparseDataParallelStrategy
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from tests.support.helpers import (
+    SparseNet,
+    assert_same_states,
+    collate_dict,
+    loader,
+    random_samples,
+    run_isolated,
+    same_start,
+    state_differences,
+)
+from tests.support.helpers import trainer as _trainer
+
+pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
+
+#: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
+#: reaches 1e-4 relative and can hide a real difference. Every Trainer here runs "64-true" unless told otherwise.
+trainer = partial(_trainer, precision="64-true")
+REL = 1e-10
+
+
+# --- synchronized batch norm ------------------------------------------------------------------------
+
+class WithMESync(SparseNet):
+    """SparseNet with ME's own MinkowskiSyncBatchNorm (which in one process runs plain batch norm)."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.net[3] = ME.MinkowskiSyncBatchNorm(16)
+
+
+def test_sync_batchnorm_step_equals_one_device_uneven_batch():
+    batch = collate_dict(random_samples(7, seed=21))
+    ours, reference = same_start(batch_norm=True)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True).fit(ours, loader(batch))
+    trainer(devices=1).fit(reference, loader(batch))
+    assert_same_states(ours, reference)  # parameters and running mean / var / num_batches_tracked
+    bn = ours.net[3].bn
+    assert type(bn) is nn.BatchNorm1d  # reverted at teardown
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_without_sync_batchnorm_the_step_differs():  # the comparison above can fail
+    batch = collate_dict(random_samples(7, seed=21))
+    ours, reference = same_start(batch_norm=True)
+    trainer(strategy="sparse_dp", devices=3).fit(ours, loader(batch))
+    trainer(devices=1).fit(reference, loader(batch))
+    assert max(state_differences(ours, reference).values()) > 1e-4
+
+
+def test_strategy_option_and_me_sync_batchnorm_layers():
+    batch = collate_dict(random_samples(7, seed=22))
+    ours, reference = same_start(WithMESync)
+    trainer(strategy=SparseDataParallelStrategy(sync_batchnorm=True), devices=3).fit(ours, loader(batch))
+    trainer(devices=1).fit(reference, loader(batch))
+    assert_same_states(ours, reference)
+    assert type(ours.net[3].bn) is nn.SyncBatchNorm
+
+
+def test_me_sync_batchnorm_without_the_flag_warns():
+    with pytest.warns(UserWarning, match="sync_batchnorm is off"):
+        trainer(strategy="sparse_dp", devices=3).fit(WithMESync(), loader(collate_dict(random_samples(5))))
+
+
+def test_sync_batchnorm_with_fewer_samples_than_devices():
+    batch = collate_dict(random_samples(2, seed=23))
+    ours, reference = same_start(batch_norm=True)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True).fit(ours, loader(batch))
+    trainer(devices=1).fit(reference, loader(batch))
+    assert_same_states(ours, reference)
+
+
+def test_eval_uses_running_statistics_without_sync():
+    batches = [collate_dict(random_samples(7, seed=24)), collate_dict(random_samples(4, seed=25))]
+    ours, reference = same_start(batch_norm=True)
+    with torch.no_grad():  # non-trivial running statistics
+        ours.net[3].bn.running_mean.uniform_(-1, 1)
+        ours.net[3].bn.running_var.uniform_(0.5, 2)
+    reference.load_state_dict(ours.state_dict())
+    t = trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, limit_val_batches=1.0)
+    t.validate(ours, loader(*batches), verbose=False)
+    r = trainer(devices=1, limit_val_batches=1.0)
+    r.validate(reference, loader(*batches), verbose=False)
+    assert t.callback_metrics["val_loss"].item() == pytest.approx(r.callback_metrics["val_loss"].item(), rel=REL)
+    assert_same_states(ours, reference, rel=0.0, trained=False)  # validation only: running statistics untouched
+
+
+class _TwoNorms(SparseNet):
+    """Two batch norms; the replica whose chunk has ``odd`` samples misbehaves between them."""
+
+    def __init__(self, odd: int, mode: str):
+        super().__init__()
+        self.norm1 = ME.MinkowskiBatchNorm(8)
+        self.norm2 = ME.MinkowskiBatchNorm(8)
+        self.odd, self.mode = odd, mode
+
+    def loss(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        h = self.norm1(self.net[0](x))
+        is_odd = batch["labels"].shape[0] == self.odd
+        if is_odd and self.mode == "raise":
+            raise RuntimeError("replica fails between batch norms")
+        if not (is_odd and self.mode == "skip"):
+            h = self.norm2(h)
+        out = self.net[4:](self.net[2](self.net[1](h)))
+        out = out.F[out.C[:, 0].argsort()]
+        return nn.functional.cross_entropy(out, batch["labels"])
+
+
+@pytest.mark.parametrize(
+    "mode, error, message",
+    [
+        ("raise", RuntimeError, "replica fails between batch norms"),
+        ("skip", RuntimeError, "different numbers of batch-norm calls"),
+    ],
+)
+def test_replicas_never_wait_forever_in_batch_norm(mode, error, message, tmp_path):
+    # in a child process killed after 120 s: replicas that wait for each other forever fail here
+    run_isolated(
+        f"""
+        import pytest
+        from lightning_sparse_dp import SparseDataParallelStrategy
+        from tests.support.helpers import collate_dict, loader, random_samples
+        from tests.syncbn.test_batchnorm_exactness import _TwoNorms, trainer
+        model = _TwoNorms(odd=3, mode={mode!r})  # chunks of 3, 2, 2 samples: replica 0 misbehaves
+        with pytest.raises({error.__name__}, match={message!r}):
+            trainer(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, sync_batchnorm=True).fit(
+                model, loader(collate_dict(random_samples(7)))
+            )
+        """,
+        tmp_path,
+        timeout=120,
+    )
+
+
+def test_sync_batchnorm_swap_keeps_parameters_and_state_dict():
+    model = SparseNet(batch_norm=True)
+    from lightning_sparse_dp.syncbn.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+
+    before = {k: v for k, v in model.state_dict().items()}
+    weight = model.net[3].bn.weight
+    swaps = convert_sync_batchnorm(model)
+    assert isinstance(model.net[3].bn, SyncBatchNorm) and model.net[3].bn.weight is weight
+    assert list(model.state_dict()) == list(before)
+    revert_sync_batchnorm(swaps)
+    assert type(model.net[3].bn) is nn.BatchNorm1d and model.net[3].bn.weight is weight
