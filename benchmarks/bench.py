@@ -71,7 +71,7 @@ times) to ``--figures`` (``benchmarks/figures``); and ends with one JSON line of
   and undone after the step with the metric states merged);
 - ``replica_check_ms`` / ``digits_replica_check_ms``: segmentation / digits, sparse_dp-3 (default threads), the main
   thread's check that the module has not changed under its replicas (stage ``check``: their fingerprint, then their
-  tensors' refresh and the step's replica state installed; ``replicate.DeferredCheck``), which since 2026-11-27 runs
+  tensors' refresh and the step's replica state installed; ``step/check.py`` DeferredCheck), which since 2026-11-27 runs
   inside ``apply``, while the replicas' threads cut and place their chunks (each waits for it before it touches the
   module), and so is in neither ``replicate_ms`` nor ``step_overhead_ms``; before, it was ``replicate``'s main part
   and the first ``state`` stage;

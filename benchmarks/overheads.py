@@ -5,7 +5,7 @@
 - a cross entropy over 100 rows, plain and under a term capture (``terms.TermCapture``: the call's site, its
   input's rows, whether it is a statistic of the chunk, its denominator);
 - ``terms.call_site`` and ``terms.reduces_rows`` alone;
-- ``state.StepState`` around a step of 3 replicas (snapshot and merge of what the step set on ``self``);
+- ``replica/state.py`` StepState around a step of 3 replicas (snapshot and merge of what the step set on ``self``);
 - ``sparse_ddp``'s exchange of the ranks' term summaries (``exchange.gather_objects``: one fixed-size all-gather) against
   the 138-float all-reduce it replaced and ``torch.distributed.all_gather_object``, 2 gloo ranks on this machine.
 """

@@ -8,33 +8,22 @@
 
     trainer = L.Trainer(strategy="sparse_dp", accelerator="cpu", devices=3)
 
-The data path of one ``sparse_dp`` step, one module per stage (``docs/architecture.md`` draws it,
-for ``sparse_ddp`` too):
+This file holds the public names only; the folders are the plan (``docs/architecture.md`` draws it), each
+``__init__`` listing its files in data-path order:
 
-- :mod:`~lightning_sparse_dp.split`: batch -> chunks of whole samples, batch indices renumbered;
-- :mod:`~lightning_sparse_dp.step.scatter`: chunk -> its device, SparseTensor / TensorField built there;
-- :mod:`~lightning_sparse_dp.step.replicate`: module -> one replica per device, ME ``__slots__`` carried;
-- :mod:`~lightning_sparse_dp.runtime.executor`: every replica's step at once, one thread per replica;
-- :mod:`~lightning_sparse_dp.step.backward`: every replica's backward in its own thread, gradients reduced;
-- :mod:`~lightning_sparse_dp.loss.capture` / :mod:`~lightning_sparse_dp.loss.decide`: torch's mean-reduced
-  losses captured in each replica's step (:mod:`~lightning_sparse_dp.loss.denominators`: their denominators),
-  each weighted by its share of the batch;
-- :mod:`~lightning_sparse_dp.loss.weights`: the weights that make the replicas' losses the whole-batch mean;
-- :mod:`~lightning_sparse_dp.step.gather`: the gather: outputs -> root device, in batch order (per-sample lists too);
-- :mod:`~lightning_sparse_dp.step.log`: replicas' ``self.log`` calls -> reduced, logged once;
-- :mod:`~lightning_sparse_dp.replica.metrics`: torchmetrics state per replica -> merged into the root's.
-
-Beside it: :mod:`~lightning_sparse_dp.syncbn` (synchronized batch norm for both strategies: the layer,
-its math, the all-gather between replica threads or over a process group, the ``LayerSync`` plugin),
-:mod:`~lightning_sparse_dp.split.presplit` (the split in DataLoader workers), :mod:`~lightning_sparse_dp.runtime.threads`
-(CPU cores per replica), :mod:`~lightning_sparse_dp.runtime.timing` (stage times and profiler actions),
-:mod:`~lightning_sparse_dp.step.errors` (errors raised in replicas, re-raised with the fix), and for
-``sparse_ddp`` :mod:`~lightning_sparse_dp.ddp.sampler` (each rank's point-balanced share of every global batch).
-
-:class:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy` orchestrates them (on
-:class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`, Lightning's plumbing for one process);
-:class:`~lightning_sparse_dp.strategies.sparse_ddp.SparseDDPStrategy` is Lightning's DDP with the same split, loss
-weights and batch norm; :mod:`~lightning_sparse_dp.strategies.base` holds what the two share.
+- :mod:`~lightning_sparse_dp.strategies`: the two strategies; ``sparse_dp``'s ``training_step`` is the hub that
+  calls the stages of one step in order;
+- :mod:`~lightning_sparse_dp.step`: those stages, one file each: scatter, replicate, the replicas' step state,
+  apply, weigh, backward, gather, log;
+- :mod:`~lightning_sparse_dp.replica`: what makes a replica's step one device's (its state on the module, metrics,
+  ``self.log``, loggers);
+- :mod:`~lightning_sparse_dp.split`: a batch into chunks of whole samples, and back;
+- :mod:`~lightning_sparse_dp.loss`: the exact loss, each replica's (rank's) loss weighted by what it is a mean over;
+- :mod:`~lightning_sparse_dp.syncbn`: synchronized batch norm for both strategies;
+- :mod:`~lightning_sparse_dp.ddp`: ``sparse_ddp``'s pieces across processes (the point-balanced sampler, the
+  ranks' exchange);
+- :mod:`~lightning_sparse_dp.runtime`: replica threads, devices, clocks, the installed ME, the ``pytorch_lightning``
+  mirror, and (:mod:`~lightning_sparse_dp.runtime.process`) every piece of process-wide state the package keeps.
 """
 
 import lightning_utilities.core.rank_zero as _rank_zero
@@ -83,7 +72,7 @@ if __name__ == "lightning_sparse_dp":  # not in the mirror itself (lightning_spa
 
     def __getattr__(name: str) -> object:
         """``lightning_sparse_dp.pl``: this package for modules written against ``pytorch_lightning`` (its strategies
-        registered there), imported on first use (:mod:`._namespaces`); ``None`` without ``pytorch_lightning``."""
+        registered there), imported on first use (:mod:`.runtime.namespaces`); ``None`` without ``pytorch_lightning``."""
         if name == "pl":
             return _namespaces.import_mirror()
         raise AttributeError(f"module 'lightning_sparse_dp' has no attribute {name!r}")

@@ -89,7 +89,7 @@ class ReplicaBackward:
             if self.group is not None:
                 fn = partial(self.group.run, rank, fn)
             fns.append(self.times.timed(f"backward{rank}", fn))
-        self.executor.run(fns, devices)  # each in its replica's thread, autograd's device threads off there (apply.py)
+        self.executor.run(fns, devices)  # each in its replica's thread, autograd's device threads off there (runtime/executor.py)
         if self.group is not None:
             self.times.record(self.group.times.timings())  # each synchronized layer's share of the step
         with self.times.stage("reduce"):

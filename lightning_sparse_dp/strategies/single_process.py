@@ -48,8 +48,8 @@ LOOPS_CALL_BEFORE_TRANSFER = _loops_call_before_transfer()
 class SingleProcessParallelStrategy(ParallelStrategy):
     """A ``ParallelStrategy`` whose devices all belong to this one process (base of ``sparse_dp``).
 
-    Lightning's four step hooks run the subclass's ``_parallel_step(step_name, args, kwargs, backward)`` in the
-    precision plugin's step context.
+    The step hooks are the subclass's (``sparse_dp``'s hub); this class answers what Lightning asks of a parallel
+    strategy in one process and keeps the replica threads from setup to teardown (:meth:`_start_replica_threads`).
 
     Raises:
         MisconfigurationException: at ``setup_environment``, for unusable devices
@@ -153,7 +153,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         check_devices(list(self.parallel_devices or []))
         check_default_streams(self.parallel_devices or [])
-        check_coordinate_manager_mode(len(self.parallel_devices or []))  # again at every step (place.py)
+        check_coordinate_manager_mode(len(self.parallel_devices or []))  # again at every step (step/scatter.py)
         super().setup_environment()
 
     @override
