@@ -1,7 +1,7 @@
 """State: the stage that installs the replicas' per-step state around the apply stage and merges what the step left.
 
 Two calls of the hub (:meth:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy.training_step`),
-both timed as stage ``state``: :func:`install_step` around :meth:`parallel_apply` (the step's batch-norm group, the
+both timed as stage ``state``: :func:`install_step` around ``parallel_apply`` (the step's batch-norm group, the
 capture of the replicas' losses, :func:`~lightning_sparse_dp.replica.install.replica_state` installed by the deferred
 check or here, manual optimization's calls met once), and after the weigh stage :func:`merge_into_module`: what the
 replicas' steps set on the module, merged as one device's step leaves it, a value that is a combination of captured

@@ -222,3 +222,44 @@ def test_sparse_ddp_says_what_auto_chose(caplog):
         local_count(_batch(seed=5), "auto", warning_cache=warning_cache)
     assert n == 7.0  # the batch has per-sample labels: samples
     assert caplog.text.count("sparse_ddp: loss_weighting='auto' weights each rank's loss by its samples") == 1
+
+
+class _PassesStep(SparseDataParallelStrategy):
+    """Stages of its own that hand the step's context on to the strategy's."""
+
+    def scatter(self, batch, step=None):
+        return super().scatter(batch, step)
+
+    def replicate(self, module, devices, step=None):
+        return super().replicate(module, devices, step)
+
+
+class _DropsStep(SparseDataParallelStrategy):
+    """Stages of its own that do not hand the step's context on: they run as written, on the main thread."""
+
+    def scatter(self, batch, step=None):
+        return super().scatter(batch)
+
+    def replicate(self, module, devices, step=None):
+        return super().replicate(module, devices)
+
+
+def test_an_overridden_stage_prepares_where_its_docstring_says():
+    """Overriding a stage does what its docstring says (issue 60), with no check of which class defined it: one that
+    hands ``step`` on keeps each replica cutting and placing its chunk in its own thread (stage ``scatter<i>``, none
+    ``place``); one that does not cuts and places on the main thread (stage ``place``); both train exactly as the
+    strategy itself does."""
+    reference = SparseNet()
+    trained, stages = {}, {}
+    for name, cls in (("own", SparseDataParallelStrategy), ("passes", _PassesStep), ("drops", _DropsStep)):
+        model = SparseNet()
+        model.load_state_dict(reference.state_dict())
+        strategy = cls(record_stage_times=True, prepare_in_threads=True)
+        trainer(strategy=strategy, devices=3, max_steps=2).fit(model, loader(_batch(), _batch(seed=4)))
+        trained[name], stages[name] = model, [set(step) for step in strategy.stage_times.steps]
+    for name in ("own", "passes"):
+        assert all({"scatter0", "scatter2"} <= s and "place" not in s for s in stages[name]), name
+    assert all("place" in s and "scatter0" not in s for s in stages["drops"])
+    for name in ("passes", "drops"):
+        for (key, p), q in zip(trained[name].named_parameters(), trained["own"].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8, msg=f"{name}: {key}")
