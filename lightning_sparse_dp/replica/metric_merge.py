@@ -256,7 +256,7 @@ def _summed_states(
     return (names, states, incoming) if same_kind else None
 
 
-def _levels(metric: Metric) -> list[tuple[str, Metric]]:
+def metric_levels(metric: Metric) -> list[tuple[str, Metric]]:
     """``metric`` (path ``""``) and the metrics inside it (a wrapper's), by module path, outermost first."""
     if not metric._modules:
         return [("", metric)]
@@ -279,8 +279,8 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
     """
     for entry in metrics:
         copies = [m for m in entry.replicas if m is not None]
-        levels = _levels(entry.root)
-        forward = any(m._forward_cache is not None for c in copies for _, m in _levels(c))  # a wrapper's or inside it
+        levels = metric_levels(entry.root)
+        forward = any(m._forward_cache is not None for c in copies for _, m in metric_levels(c))  # a wrapper's or inside it
         batch = None  # the whole batch's states (a forward call's value), when a replica called forward
         if forward:
             if entry.scratch is not None:
@@ -325,4 +325,4 @@ def _merge_level(entry: MetricReplicas, plan: SplitPlan | None, batch: Metric | 
     entry.root.__dict__.update(_update_count=entry.root._update_count + update_count, _computed=None)
 
 
-__all__ = ["in_batch_order", "merge_into_root", "merge_states"]
+__all__ = ["MetricReplicas", "in_batch_order", "merge_into_root", "merge_states", "metric_levels"]

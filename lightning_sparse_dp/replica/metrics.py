@@ -27,7 +27,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_sparse_dp.loss.capture import outside_capture
-from lightning_sparse_dp.replica.metric_merge import MetricReplicas, _levels, merge_into_root
+from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
 from lightning_sparse_dp.split import SplitPlan
 
 #: What ``torchmetrics.Metric.reset`` sets besides the states (torchmetrics 1.x); tests/replica/test_metric_reset.py
@@ -115,10 +115,10 @@ class ReplicaMetrics:
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy
-        elif any(m._update_count or m._computed is not None or m._forward_cache is not None for _, m in _levels(copy)):
+        elif any(m._update_count or m._computed is not None or m._forward_cache is not None for _, m in metric_levels(copy)):
             # else no update, forward or compute ran on it (or a metric inside it: MinMaxMetric counts only its
             # inner metric's updates) since its reset: it is still empty
-            for _, level in reversed(_levels(copy)):
+            for _, level in reversed(metric_levels(copy)):
                 reset_metric(level)
         return copy
 
@@ -204,7 +204,7 @@ class StepMetrics:
         return {
             f"{m.name}.{path}" if path else m.name: sub
             for m in self.merged
-            for path, sub in _levels(m.replicas[index])  # type: ignore[arg-type]  # installed: not None
+            for path, sub in metric_levels(m.replicas[index])  # type: ignore[arg-type]  # installed: not None
         }
 
     def uninstall(self) -> None:

@@ -112,13 +112,9 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
     return pytree.tree_unflatten(merged, spec)
 
 
-def _point_rows(plan: SplitPlan, lengths: list[int]) -> list[Tensor] | None:
-    source = _point_source(plan, lengths)
-    return None if source is None else plan.point_rows[source]
-
-
-def _point_source(plan: SplitPlan, lengths: list[int]) -> int | None:
-    """The first coordinate source whose points per chunk are ``lengths``."""
+def point_source(plan: SplitPlan, lengths: list[int]) -> int | None:
+    """The first coordinate source whose points per chunk are ``lengths`` (one per chunk), or ``None``: which
+    ``plan.point_rows`` put rows of those lengths back in batch order."""
     for source, rows in enumerate(plan.point_rows):
         if lengths == [r.numel() for r in rows]:
             return source
@@ -168,7 +164,11 @@ def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
     (``plan.point_rows``) when they are its points per chunk; ``None`` for neither."""
     if lengths == plan.samples_per_chunk:
         return plan.chunk_samples
-    return _point_rows(plan, lengths)
+    source = point_source(plan, lengths)
+    return None if source is None else plan.point_rows[source]
 
 
-__all__ = ["MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "restore_batch_indices"]
+__all__ = [
+    "MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "point_source", "restore_batch_indices",
+    "row_order",
+]

@@ -29,7 +29,7 @@ from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
-from lightning_sparse_dp.split.merge import _point_rows, _point_source, coordinates_back
+from lightning_sparse_dp.split.merge import coordinates_back, point_source
 from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
 
@@ -139,7 +139,7 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
         return None
     coordinates, features = [v.C for v in values], [v.F for v in values]
     lengths = [c.shape[0] for c in coordinates]
-    source = _point_source(plan, lengths)
+    source = point_source(plan, lengths)
     if source is not None:
         restored = coordinates_back(coordinates, plan, "points", source)
         merged = [merge_chunks(restored, plan.point_rows[source]), merge_chunks(features, plan.point_rows[source])]
@@ -172,7 +172,7 @@ def _guess_role(
     if lengths is None:
         return _first_or_list(name, key, values, warning_cache, say_lists)
     samples = lengths == plan.samples_per_chunk
-    points = _point_rows(plan, lengths) is not None
+    points = point_source(plan, lengths) is not None
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
     if samples or points:
         role = "samples" if samples else "points"
@@ -254,7 +254,7 @@ def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weigh
                 f"chunks' numbers of samples {plan.samples_per_chunk}."
             )
         return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
-    source = _point_source(plan, lengths) if lengths is not None else None
+    source = point_source(plan, lengths) if lengths is not None else None
     if source is None:
         raise ValueError(
             f"output_layout gives step output {name} the role 'points' but its lengths {lengths} are not the chunks' "
