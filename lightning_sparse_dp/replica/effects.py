@@ -42,12 +42,15 @@ class StepEffects:
 
     Args:
         step_name: ``"training_step"``, ...; named in what is said.
-        count: the number of replicas (``>= 2``).
+        count: the number of replicas (``>= 2``; 1 for a step run apart, as the exactness check runs one).
+        run_none: the loggers' calls run in no replica, replica 0's neither (the exactness check's runs, which must
+            leave no trace).
     """
 
-    def __init__(self, step_name: str, count: int) -> None:
+    def __init__(self, step_name: str, count: int, run_none: bool = False) -> None:
         self.step_name = step_name
         self.count = count
+        self.run_none = run_none
         self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
 
     def watch(self, index: int, step: Callable[[], T]) -> T:
@@ -140,7 +143,7 @@ def _view_class(cls: type, path: str) -> type:
         if not callable(value) or isinstance(value, type) or name.startswith("get"):
             return value
         effects.calls[index].add(f"{path}.{name}")
-        return _call_once(value) if index == 0 else _skipped
+        return _call_once(value) if index == 0 and not effects.run_none else _skipped
 
     namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "_lsdp_view": True}
     return type(cls.__name__, (cls,), namespace)

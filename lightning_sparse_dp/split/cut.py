@@ -41,7 +41,7 @@ def _renumber(coordinates: Tensor, rows: Tensor, index_in_chunk: Tensor, batch_i
     return out
 
 
-def _sparse_kwargs(x: Any) -> dict[str, Any]:
+def sparse_kwargs(x: Any) -> dict[str, Any]:
     """Constructor keywords that a rebuilt SparseTensor / TensorField must keep from ``x``."""
     # a TensorField keeps its stride on its coordinate *field* map key (it has no coordinate_map_key)
     key = x.coordinate_field_map_key if is_tensor_field(x) else x.coordinate_map_key
@@ -73,7 +73,7 @@ def _cut_coordinates(leaf: Leaf, p: Piece) -> Any:
     rows = src.rows[p.j]
     if is_me_tensor(x):
         coordinates = _renumber(x.C, rows, p.index_in_chunk, src.batch_index)
-        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, _sparse_kwargs(x))
+        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, sparse_kwargs(x))
     return _renumber(x, rows, p.index_in_chunk, src.batch_index)
 
 
@@ -98,10 +98,10 @@ def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, index_
     """
     x = leaf.value
     if whole and is_me_tensor(x):  # batch indices are already 0..B-1 in order
-        return SparseSpec(type(x), x.F, x.C, _sparse_kwargs(x), source=x)
+        return SparseSpec(type(x), x.F, x.C, sparse_kwargs(x), source=x)
     if whole:
         return x
     return CUTS[leaf.role](leaf, Piece(sources, j, samples, index_in_chunk))
 
 
-__all__ = ["CUTS", "Piece", "cut", "take_rows"]
+__all__ = ["CUTS", "Piece", "cut", "sparse_kwargs", "take_rows"]

@@ -17,18 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils._pytree as pytree
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, default_collate
 
+from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
 from lightning_sparse_dp.split.assign import Assignment
+from lightning_sparse_dp.split.cut import sparse_kwargs
 
 
 @dataclass(init=False)
 class PreSplitBatch:
-    """A batch split in a worker: the chunks (SparseTensor / TensorField as SparseSpec) and the plan.
+    """A batch split in a worker: the chunks (SparseTensor / TensorField as SparseSpec), the plan, and the collated
+    batch itself (``batch``, its SparseTensor / TensorField as whole-batch SparseSpec, as they cannot cross processes;
+    ``None`` when not kept), which the strategy's exactness check runs one device's step on.
 
-    ``PreSplitBatch(chunks, plan)``. Lightning's precision plugins convert a batch before the step
+    ``PreSplitBatch(chunks, plan, batch=None)``. Lightning's precision plugins convert a batch before the step
     (``convert_input``: ``apply_to_collection`` over dataclass fields, e.g. floating tensors to float64
     for ``precision="64-true"``); the chunks are converted as a whole batch would be, and the plan, a
     frozen dataclass that holds no floating-point data, is a non-init field, so it is passed on as it is
@@ -36,10 +41,12 @@ class PreSplitBatch:
     """
 
     chunks: list[Any]
+    batch: Any
     plan: SplitPlan = field(init=False)
 
-    def __init__(self, chunks: list[Any], plan: SplitPlan) -> None:
+    def __init__(self, chunks: list[Any], plan: SplitPlan, batch: Any = None) -> None:
         self.chunks = chunks
+        self.batch = batch
         self.plan = plan
 
 
@@ -74,8 +81,9 @@ class PreSplitCollate:
         self.batch_sizes = batch_sizes
 
     def __call__(self, samples: list[Any]) -> PreSplitBatch:
+        batch = self.collate_fn(samples)
         chunks, plan = split_batch(
-            self.collate_fn(samples),
+            batch,
             self.num_chunks,
             layout=self.layout,
             assignment=self.assignment,
@@ -85,7 +93,7 @@ class PreSplitCollate:
         for chunk in chunks:  # a whole-batch chunk's source tensor cannot cross processes; it is rebuilt
             for spec in _specs(chunk):
                 spec.source = None
-        return PreSplitBatch(chunks, plan)
+        return PreSplitBatch(chunks, plan, as_specs(batch))
 
 
 def presplit_loader(
@@ -115,9 +123,17 @@ def presplit_loader(
     return dataloader
 
 
+def as_specs(batch: Any) -> Any:
+    """``batch`` with each ``ME.SparseTensor`` / ``ME.TensorField`` as a whole-batch
+    :class:`~lightning_sparse_dp.split.SparseSpec` (features, coordinates, constructor keywords), which can cross
+    processes; :func:`~lightning_sparse_dp.step.scatter.build_sparse` builds it again."""
+    return apply_to_collection(batch, (ME.SparseTensor, ME.TensorField),
+                               lambda x: SparseSpec(type(x), x.F, x.C, sparse_kwargs(x)))
+
+
 def _specs(chunk: Any) -> list[SparseSpec]:
     leaves = pytree.tree_leaves(chunk, is_leaf=lambda x: isinstance(x, SparseSpec))
     return [x for x in leaves if isinstance(x, SparseSpec)]
 
 
-__all__ = ["PreSplitBatch", "PreSplitCollate", "presplit_loader"]
+__all__ = ["PreSplitBatch", "PreSplitCollate", "as_specs", "presplit_loader"]

@@ -251,19 +251,17 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
         module.log(call.name, call.value, **call.kwargs)
 
 
-def log_step(step: StepContext, root: torch.device) -> None:
+def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
     """The replicas' ``self.log`` calls of the step (its recorders), reduced (stage ``log``, :func:`reduce_log_calls`;
-    no ``batch_size`` given: Lightning infers it from the batch, unless it was split in workers), then logged through
-    Lightning's own ``self.log`` once (stage ``emit``, :func:`emit`), as a one-device step logs inside the step."""
+    no ``batch_size`` given: Lightning infers it from the batch, unless it was split in workers), for the hub to log
+    through Lightning's own ``self.log`` once (stage ``emit``, :func:`emit`), as a one-device step logs inside the step."""
     assert step.state is not None and step.plan is not None and step.weights is not None
     with step.timer.stage("log"):
-        calls = reduce_log_calls(
+        return reduce_log_calls(
             step.state.recorders, step.weights, step.plan.num_samples, root, step.module, step.losses, step.warnings,
             step.terms.log_value if step.terms is not None else None,
             infer_batch_size=not isinstance(step.batch, PreSplitBatch),
         )
-    with step.timer.stage("emit"):
-        emit(step.module, calls)
 
 
 __all__ = ["log_step", "emit", "reduce_log_calls"]

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
+from lightning_sparse_dp.exactness.check import ExactnessCheck, resolve_mode
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.weights import check_loss_weighting
 from lightning_sparse_dp.runtime.me import CPU_PATCHES, GPU_PATCHES, missing_patches, unpatched_message
@@ -57,11 +58,14 @@ class SparseStrategyMixin:
         split: str,
         layout: Mapping[Any, str] | None,
         allow_unpatched_me: bool = False,
+        check_exactness: bool | str = True,
+        check_exactness_every_n_steps: int = 0,
     ) -> None:
         """Check and keep the shared options.
 
         Raises:
-            ValueError: an unknown ``loss_weighting`` or ``split``.
+            ValueError: an unknown ``loss_weighting`` or ``split``, a ``check_exactness`` other than ``True``, ``False``,
+                ``"warn"`` or ``"error"``, a ``check_exactness_every_n_steps`` other than an int >= 0.
         """
         check_loss_weighting(loss_weighting)
         resolve_assignment(split, "split", callables=False)
@@ -70,6 +74,8 @@ class SparseStrategyMixin:
         self.layout = dict(layout) if layout else None
         self._site_memory = SiteMemory()  # how the step's loss call sites were read (term_weights), for the run
         self.allow_unpatched_me = allow_unpatched_me
+        #: the exactness check of training steps (:mod:`~lightning_sparse_dp.exactness.check`)
+        self._exactness = ExactnessCheck(resolve_mode(check_exactness), check_exactness_every_n_steps, self.strategy_name)
 
     def _check_minkowski_build(self, device_type: str, count: int) -> None:
         """Before the first step: refuse CPU replicas / ranks (``count > 1``) on an ME without the CPU patches

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
+from lightning_sparse_dp.replica.recorder import LogCall
 from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
 from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
@@ -34,7 +35,7 @@ from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.errors import explain_replica_error
 from lightning_sparse_dp.step.gather import gather_outputs
-from lightning_sparse_dp.step.log import log_step
+from lightning_sparse_dp.step.log import emit, log_step
 from lightning_sparse_dp.step.one_device import one_device_batch
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import batch_transfer, pending_chunks, place_chunks, say_idle, step_cutters
@@ -47,6 +48,7 @@ from lightning_sparse_dp.strategies.checks import (
     refuse_dataloader_iter,
     warn_unsynchronized_batchnorm,
 )
+from lightning_sparse_dp.strategies.exactness import check_training_step
 from lightning_sparse_dp.strategies.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_sparse_dp.syncbn.replicas import sync_layers
@@ -135,9 +137,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         allow_unpatched_me: bool = False,
         replicas_per_device: int = 1,
         prepare_in_threads: bool | None = None,
+        check_exactness: bool | str = True,
+        check_exactness_every_n_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me, check_exactness, check_exactness_every_n_steps)
         if not isinstance(replicas_per_device, int) or replicas_per_device < 1:
             raise ValueError(f"replicas_per_device={replicas_per_device!r}; give an int >= 1.")
         self.replicas_per_device = replicas_per_device  # before the base class sets parallel_devices
@@ -155,6 +159,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._replica_sync_layers, self._replica_metrics = [], ReplicaMetrics()  # their sync BN layers, metric copies
         self._loader_batch_sizes: set[int] = set()  # the batch_size of every DataLoader Lightning handed over
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
+        self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -168,6 +173,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
+        self._exactness.reset()  # the first training step of each fit is checked
         self._start_replica_threads(self.pin_replicas, synchronized=self._layer_sync is not None)
 
     @override
@@ -193,6 +199,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     # --- the step: Lightning's four step hooks, each through the stages below --------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        check_training_step(self, args, kwargs)  # when due: this step on one device and on the replicas, compared
         with self.precision_plugin.train_step_context():
             return self._step("training_step", args, kwargs)
 
@@ -212,24 +219,30 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return self._step("predict_step", args, kwargs)
 
     def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
-        """One step: scatter -> replicate -> parallel_apply -> weigh -> (backward) -> gather -> log, each stage one
-        call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`."""
-        step, whole_batch = self._start(name, args, kwargs)
+        """One step: scatter -> replicate -> parallel_apply -> weigh -> (backward) -> gather -> log
+        (:meth:`_through_stages`), the replicas' ``self.log`` calls then logged once through the module."""
+        step, whole_batch = self._context(name, args, kwargs, self.lightning_module)
         if step is None:  # one device: plain Lightning's step on the module itself (step/one_device.py)
             return getattr(self.lightning_module, name)(whole_batch, *args[1:], **kwargs)
+        output, calls = self._through_stages(step)
+        with step.timer.stage("emit"):
+            emit(step.module, calls)
+        return output
+
+    def _through_stages(self, step: StepContext) -> tuple[Any, list[LogCall]]:
+        """The step's stages, each one call that fills in its part of ``step``: the gathered output, and the replicas'
+        ``self.log`` calls reduced (not yet logged)."""
         step.inputs, step.plan = self.scatter(step.batch, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
         merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
-        if name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
+        if step.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
         output = self.gather(exact_outputs(step), step.plan, step.weights)
-        log_step(step, self.root_device)  # the replicas' self.log calls, reduced and logged once
-        return output
+        return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
 
-    def _start(self, name: str, args: tuple, kwargs: dict) -> tuple[StepContext | None, Any]:
-        """The step's context, or ``None`` and the whole batch on the one device (:mod:`~.step.one_device`)."""
-        module = self.lightning_module
+    def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
+        """The step's context for ``module``, or ``None`` and the whole batch on the one device (:mod:`~.step.one_device`)."""
         if module is None or not args:
             raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {name}.")
         # the batch-transfer hooks, run on each chunk as each DDP rank runs them on its batch (None: not overridden)
@@ -350,7 +363,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                                manual=False, in_threads=False, transfer=None, timer=self._timer, warnings=self._warning_cache)
         executor = self._replica_threads()
         devices = self.parallel_devices[: len(replicas)]
-        effects = StepEffects(step.name, len(replicas)) if len(replicas) > 1 else None  # loggers' calls
+        effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
         steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
                               step.before, step.after, effects)
         meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
@@ -359,7 +372,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 outputs = executor.run(steps, devices, meanwhile=meanwhile)
             except Exception as err:
                 raise err if step.plan is None else explain_replica_error(err, step.plan)
-        if effects is not None:
+        if effects is not None and not self._checking:  # loggers' calls (the check's copies make none)
             effects.say(self._warning_cache)
         return outputs
 

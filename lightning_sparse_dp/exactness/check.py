@@ -1,0 +1,250 @@
+"""Check: the first training step of a fit run on one device and on the replicas, compared, the outcome said.
+
+The strategy's promise is one device's step over the whole batch. How the loss is weighted is read from the step's
+code (:mod:`~lightning_sparse_dp.loss`), which is right for every form it was shown; this check measures instead. At
+the first training step of every fit (and every ``check_exactness_every_n_steps`` steps, when set), before the step
+itself, :meth:`ExactnessCheck.run`:
+
+1. runs the module's own ``training_step`` and its backward on one device (the root device) over the whole batch,
+   on a float64 copy of the module (:func:`~lightning_sparse_dp.exactness.probe.float64_copy`; the batch converted as
+   ``precision="64-true"`` converts it), as plain Lightning does: the step, then the gradients cleared (Lightning's
+   ``zero_grad`` comes between the step and its backward), then ``LightningModule.backward``;
+2. runs the strategy's step (its stages on its replicas) and backward the same way, on a second float64 copy, over
+   the same batch;
+3. compares (:mod:`~lightning_sparse_dp.exactness.compare`) the loss, every parameter's gradient, the module's
+   parameters and buffers after the step, its metrics' states and every value the step logged, each by its max-norm
+   relative difference, against :data:`TOLERANCE`.
+
+Equal: one info line. Different: one warning (``check_exactness="error"``: an :class:`ExactnessError`) naming the worst
+tensors, how the strategy weighted the loss, and the fixes. Nothing the user has sees the check: the copies and their
+trainer view (loggers' calls run nowhere), the random generators set to one state before each run and given back
+(dropout layers are off in both copies; a step that still draws random numbers cannot be compared, which is said), no
+optimizer step, no hook or callback called. A check that cannot run (a module that cannot be deep-copied, a step that
+fails in float64) says why, once, and training goes on. Cost: one extra forward and backward of the batch on one
+device and one on the replicas, and two float64 copies of the module, per check.
+
+Batch norm that is not synchronized (``sync_batchnorm=False``) normalizes each replica's chunk by itself, which the
+strategy says at setup: both copies run it in eval mode (running statistics), so that the check compares the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision.double import DoublePrecision
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor, nn
+
+from lightning_sparse_dp.exactness.compare import StepRecord, differences, record_step
+from lightning_sparse_dp.exactness.probe import RandomStates, float64_copy, given_back
+from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.replica.effects import StepEffects
+from lightning_sparse_dp.replica.recorder import LogRecorder
+
+_log = logging.getLogger(__name__)
+
+#: relative difference (max-norm, per tensor) above which a tensor differs: float64 rounding of the same math stays
+#: below 1e-11 in the project's tests (batch-norm gradients included); inexact steps differ by 1e-4 and more
+TOLERANCE = 1e-8
+#: the tensors named in a warning
+WORST_SHOWN = 5
+
+#: a step's run on a float64 copy: ``run(copy) -> (loss, logged values, how the loss was weighted or None)``
+Run = Callable[[nn.Module], tuple[Tensor | None, dict[str, Any], str | None]]
+
+
+class ExactnessError(RuntimeError):
+    """Raised by the exactness check under ``check_exactness="error"`` when the strategy's step differs from one
+    device's; the message names the tensors, how the loss was weighted and the fixes."""
+
+
+def resolve_mode(value: bool | str) -> str | None:
+    """``check_exactness``: ``True`` / ``"warn"`` -> ``"warn"``, ``"error"`` -> ``"error"``, ``False`` -> ``None``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if value is True or value == "warn":
+        return "warn"
+    if value == "error":
+        return "error"
+    if value is False:
+        return None
+    raise ValueError(f"check_exactness={value!r}; give True (or 'warn'), 'error' or False.")
+
+
+@dataclass
+class Outcome:
+    """What one check found: ``worst`` (``(what, relative difference)``, largest first), ``compared`` (the number of
+    tensors compared), ``reading`` (how the strategy weighted the loss), ``skipped`` (why nothing was compared),
+    ``failure`` (the error the strategy's step raised where one device's ran)."""
+
+    worst: list[tuple[str, float]]
+    compared: int = 0
+    reading: str | None = None
+    skipped: str | None = None
+    failure: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.skipped is None and self.failure is None and (not self.worst or self.worst[0][1] <= TOLERANCE)
+
+
+def one_device_step(module: nn.Module, batch: Any, args: tuple, kwargs: dict) -> tuple[Tensor | None, dict[str, Any], None]:
+    """The module's own ``training_step`` on ``batch`` and its backward, as plain Lightning runs them on one device:
+    ``self.log`` recorded (:class:`~lightning_sparse_dp.replica.recorder.LogRecorder`, Lightning's checks), ``print``
+    and the loggers' calls run nowhere, the gradients cleared after the step, then ``module.backward(loss)``."""
+    recorder = module.log = LogRecorder(None, module)  # type: ignore[assignment]
+    module.print = _quiet  # type: ignore[assignment]
+    quiet = StepEffects("training_step", 1, run_none=True)
+    output = quiet.watch(0, lambda: module.training_step(batch, *args, **kwargs))  # type: ignore[operator]
+    loss = loss_of(output)
+    backward(module, loss)
+    return loss, {name: call.value for name, call in recorder.calls.items()}, None
+
+
+def backward(module: nn.Module, loss: Tensor | None) -> None:
+    """Lightning's automatic optimization after a step: ``zero_grad`` (every parameter's ``.grad`` to ``None``), then the
+    module's own ``backward`` (:meth:`LightningModule.backward`) on ``loss``, autograd's device threads off."""
+    for p in module.parameters():
+        p.grad = None
+    if loss is not None and loss.requires_grad:
+        with torch.autograd.set_multithreading_enabled(False):
+            module.backward(loss)  # type: ignore[operator]
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+class ExactnessCheck:
+    """When to check, and the check itself, for one strategy.
+
+    Args:
+        mode: ``"warn"``, ``"error"`` or ``None`` (off), from :func:`resolve_mode`.
+        every_n_steps: also check when ``trainer.global_step`` advanced this many optimizer steps since the last check
+            (0: the first training step of each fit only).
+        strategy: the strategy's name, in what is said.
+
+    Raises:
+        ValueError: ``every_n_steps`` not an int >= 0.
+    """
+
+    def __init__(self, mode: str | None, every_n_steps: int, strategy: str) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0:
+            raise ValueError(f"check_exactness_every_n_steps={every_n_steps!r}; give an int >= 0 (0: the first step only).")
+        self.mode = mode
+        self.every_n_steps = every_n_steps
+        self.strategy = strategy
+        self._last: int | None = None  # global_step of the fit's last check
+
+    def reset(self) -> None:
+        """A new fit: its first training step is checked."""
+        self._last = None
+
+    def due(self, global_step: int) -> bool:
+        """Whether the training step at ``global_step`` is checked (noted as checked when it is)."""
+        if self.mode is None:
+            return False
+        last = self._last
+        if last is not None and (self.every_n_steps == 0 or global_step - last < self.every_n_steps):
+            return False
+        self._last = global_step
+        return True
+
+    def run(
+        self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, count: int, samples: Callable[[], Any],
+        batch_norm_eval: bool, warnings: WarningCache,
+    ) -> Outcome:
+        """Run both steps on float64 copies of ``module``, compare, say the outcome (see the module docstring).
+
+        Args:
+            one_device: the module's own step and backward on a copy (:func:`one_device_step` over the whole batch).
+            replicas: the strategy's step and backward on a copy, over the same batch.
+            count: the replicas (ranks) the step runs on; ``samples()``: the batch's samples, once the runs ran; both
+                named in what is said.
+            batch_norm_eval: batch norm in eval mode in both copies (not synchronized across replicas).
+            warnings: where what is said once goes.
+
+        Raises:
+            ExactnessError: under ``mode="error"``, when the steps differ.
+        """
+        try:
+            outcome = self._compare(module, trainer, one_device, replicas, batch_norm_eval)
+        except Exception as err:  # the check is an observer: training goes on without it
+            _log.debug("exactness check failed", exc_info=True)
+            outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err})")
+        self._say(outcome, count, samples(), warnings)
+        return outcome
+
+    def _compare(self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, batch_norm_eval: bool) -> Outcome:
+        states = RandomStates()
+        records: list[StepRecord] = []
+        reading = None
+        with given_back(states), DoublePrecision().train_step_context():
+            for run in (one_device, replicas):
+                states.restore()
+                twin = float64_copy(module, trainer, batch_norm_eval)
+                try:
+                    loss, logged, how = run(twin)
+                except Exception as err:
+                    if run is one_device:
+                        raise
+                    _log.debug("the exactness check's run on the replicas failed", exc_info=True)
+                    return Outcome([], failure=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
+                reading = how or reading
+                records.append(record_step(twin, loss, logged))
+                if run is one_device and states.drawn():
+                    drawn = ", ".join(states.drawn())
+                    return Outcome([], skipped=f"the step draws random numbers ({drawn}'s generator) beyond dropout "
+                                               "layers, which one device and the replicas draw differently")
+                del twin, loss, logged
+        found = sorted(differences(records[1], records[0]), key=lambda d: -d[1])
+        return Outcome(found, compared=len(found), reading=reading)
+
+    def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache) -> None:
+        head = f"{self.strategy}: exactness check of training step {self._last} on {count} replicas"
+        if outcome.skipped is not None:
+            warnings.info(f"{head}: not compared, because {outcome.skipped}. Training goes on unchecked; "
+                          "check_exactness=False turns the check off.")
+            return
+        if outcome.failure is not None:
+            message = (f"{head}: fails on the replicas where one device's step runs ({outcome.failure}). The step does "
+                       "something the strategy cannot run on replicas (docs/exactness.md lists the constructs and what "
+                       "to write instead); check_exactness=False turns the check off.")
+            if self.mode == "error":
+                raise ExactnessError(message)
+            warnings.warn(message)
+            return
+        worst = outcome.worst[0][1] if outcome.worst else 0.0
+        if outcome.exact:
+            warnings.info(f"{head}: equals one device's on the same {samples} samples (float64, {outcome.compared} "
+                          f"tensors compared, max relative difference {worst:.1e}).")
+            return
+        shown = [f"{what} {_figure(d)}" for what, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
+        more = sum(d > TOLERANCE for _, d in outcome.worst) - len(shown)
+        message = (
+            f"{head}: differs from one device's on the same {samples} samples (float64, relative): "
+            f"{'; '.join(shown)}{f' and {more} more' if more > 0 else ''}. "
+            f"{outcome.reading + '. ' if outcome.reading else ''}"
+            "The step does something the strategy does not split exactly (a loss that is not a mean over samples or "
+            "points, a loss coupling the batch's samples, state changed in place in the step, a backward inside the "
+            "step, ...). Fixes: loss_weighting=<callable counting what the loss is a mean over>, layout= for batch "
+            "entries the split cannot tell apart, or the patterns in docs/exactness.md; check_exactness='error' makes "
+            "this an error, False turns the check off."
+        )
+        if self.mode == "error":
+            raise ExactnessError(message)
+        warnings.warn(message)
+
+
+def _figure(d: float) -> str:
+    return "inf (missing, NaN or of another shape in one run)" if math.isinf(d) else f"{d:.1e}"
+
+
+__all__ = ["ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "resolve_mode"]

@@ -1,0 +1,124 @@
+"""Compare: what two runs of one training step left, tensor by tensor, as relative differences.
+
+A run of the step (one device's, or the strategy's on its replicas) is summed up as a :class:`StepRecord`: the loss,
+every parameter's gradient, the module's state after the step (``state_dict``: parameters and buffers, frozen ones and
+teacher / EMA copies included), the states of its ``torchmetrics`` metrics and the values the step logged.
+:func:`differences` lines two records up, name by name.
+
+The measure is the max-norm relative difference of a tensor, ``max|a - b| / max|b|`` (``b`` the one-device run's;
+0 when both are all zeros; NaN where both are NaN counts as equal), the per-tensor measure the project's exactness tests
+use: unlike an element-wise ratio it does not blow up on an element that is 0 in one run and rounding noise in the
+other (a batch-norm bias gradient's cancellation).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+
+@dataclass
+class StepRecord:
+    """What one run of a training step left.
+
+    Attributes:
+        loss: the step's loss (0-dim), or ``None`` when the step returned none.
+        grads: ``parameter name -> .grad`` after the backward pass (``None``: no gradient).
+        state: ``state_dict()`` of the module after the step (parameters and buffers).
+        metrics: ``"<metric path>.<state>" -> tensor`` of every ``torchmetrics.Metric`` of the module (list states
+            concatenated along dim 0).
+        logged: ``name -> value`` of the step's ``self.log`` calls (numbers and one-element tensors; a logged
+            ``Metric`` is compared through :attr:`metrics`).
+    """
+
+    loss: Tensor | None
+    grads: dict[str, Tensor | None] = field(default_factory=dict)
+    state: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    logged: dict[str, Tensor] = field(default_factory=dict)
+
+
+def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any]) -> StepRecord:
+    """A :class:`StepRecord` of ``module`` after a step's backward pass (tensors detached and cloned to the CPU)."""
+    def keep(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().to("cpu", copy=True)
+
+    metrics = {}
+    for path, m in module.named_modules():
+        if isinstance(m, Metric):
+            for name, value in m.metric_state.items():
+                tensor = _state_tensor(value)
+                if tensor is not None:
+                    metrics[f"{path}.{name}"] = keep(tensor)
+    values = {}
+    for name, value in logged.items():
+        if isinstance(value, Tensor):
+            values[name] = keep(value.reshape(()))
+        elif isinstance(value, numbers.Number):
+            values[name] = torch.tensor(float(value), dtype=torch.float64)  # type: ignore[arg-type]
+    return StepRecord(
+        loss=keep(loss.reshape(()) if loss is not None else None),
+        grads={n: keep(p.grad) for n, p in module.named_parameters()},
+        state={n: keep(t) for n, t in module.state_dict().items() if isinstance(t, Tensor)},  # type: ignore[misc]
+        metrics=metrics,
+        logged=values,
+    )
+
+
+def _state_tensor(value: Any) -> Tensor | None:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, Tensor) for v in value):
+        return torch.cat([v.reshape(-1) for v in value])
+    return None
+
+
+def relative_difference(actual: Tensor | None, expected: Tensor | None) -> float:
+    """``max|actual - expected| / max|expected|`` over the elements (``inf`` for different shapes, or a tensor against
+    none unless the tensor is all zeros: a parameter without a gradient and one with a zero gradient train alike).
+
+    NaN in both at the same place counts as equal; NaN in one only is ``inf``. Integer and bool tensors compare as
+    float64.
+    """
+    if actual is None or expected is None:
+        other = expected if actual is None else actual
+        return 0.0 if other is None or not bool(other.ne(0).any()) else math.inf
+    if actual.shape != expected.shape:
+        return math.inf
+    a, b = actual.double(), expected.double()
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    a, b = torch.where(both_nan, 0.0, a), torch.where(both_nan, 0.0, b)
+    if bool(torch.isnan(a).any() | torch.isnan(b).any()):
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    diff = float((a - b).abs().max())
+    if diff == 0.0:
+        return 0.0
+    scale = float(b.abs().max())
+    return math.inf if scale == 0.0 or math.isinf(diff) else diff / scale
+
+
+def differences(actual: StepRecord, expected: StepRecord) -> Iterator[tuple[str, float]]:
+    """``(what, relative difference)`` for every tensor of the two records, named for a user: ``"loss"``,
+    ``"grad of 'head.weight'"``, ``"state 'bn.running_mean'"``, ``"metric state 'acc.tp'"``, ``"logged 'train_loss'"``.
+    A name in one record only has difference ``inf``."""
+    yield "loss", relative_difference(actual.loss, expected.loss)
+    parts = (("grad of", actual.grads, expected.grads), ("state", actual.state, expected.state),
+             ("metric state", actual.metrics, expected.metrics), ("logged", actual.logged, expected.logged))
+    for label, mine, theirs in parts:
+        for name in list(theirs) + [n for n in mine if n not in theirs]:
+            if name not in mine or name not in theirs:
+                yield f"{label} {name!r}", math.inf
+            else:
+                yield f"{label} {name!r}", relative_difference(mine[name], theirs[name])
+
+
+__all__ = ["StepRecord", "differences", "record_step", "relative_difference"]

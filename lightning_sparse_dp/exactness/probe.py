@@ -1,0 +1,131 @@
+"""Probe: the float64 copies and the batch the exactness check runs on, apart from everything the user has.
+
+The check (:mod:`~lightning_sparse_dp.exactness.check`) runs the first training step twice, on one device and on the
+replicas, and must leave no trace: each run gets its own :func:`float64_copy` of the module (its trainer a view whose
+loggers run nothing, :func:`~lightning_sparse_dp.replica.effects.trainer_view`), the batch converted as Lightning's
+``precision="64-true"`` converts it (:func:`float64_batch`), and the process's random generators set to one state
+before each run and given back after (:class:`RandomStates`).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_sparse_dp.replica.effects import trainer_view
+from lightning_sparse_dp.runtime.me import ME
+from lightning_sparse_dp.split import SparseSpec
+from lightning_sparse_dp.split.cut import sparse_kwargs
+
+
+def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool) -> nn.Module:
+    """A deep copy of ``module`` in float64 (``module.double()``, as ``precision="64-true"`` converts it), attached to a
+    view of ``trainer`` (its state shared, its loggers' calls run nowhere while the check runs).
+
+    Dropout layers (``torch.nn`` ``Dropout*``, so ME's ``MinkowskiDropout`` too) are put in eval mode: one device and
+    the replicas then draw nothing there and can be compared. ``batch_norm_eval``: batch norm in eval mode too (used
+    for batch norm that is not synchronized across replicas: each replica normalizes its own chunk, which the strategy
+    said at setup; the check then compares the rest of the step). The trainer, datasets and DataLoaders the module
+    refers to are shared, not copied.
+
+    Raises:
+        Exception: what ``copy.deepcopy`` raises for a module that cannot be copied (the check says it and trains on).
+    """
+    memo: dict[int, Any] = {}
+    if trainer is not None:
+        memo[id(trainer)] = trainer
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, (Dataset, DataLoader)):
+                memo[id(value)] = value
+    twin = copy.deepcopy(module, memo)
+    twin.double()
+    twin.__dict__["_trainer"] = trainer_view(trainer)
+    for m in twin.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
+        elif batch_norm_eval and isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return twin
+
+
+def _double(x: Tensor) -> Tensor:
+    return x.double() if x.is_floating_point() else x
+
+
+def _double_me(x: Any) -> Any:
+    """An ``ME.SparseTensor`` / ``ME.TensorField`` with float64 features, on a coordinate manager of its own."""
+    spec = SparseSpec(type(x), _double(x.F), x.C, sparse_kwargs(x))
+    return spec.cls(features=spec.features, coordinates=spec.coordinates, device=x.device, **spec.kwargs)
+
+
+def float64_batch(batch: Any) -> Any:
+    """``batch`` with its floating tensors in float64, as Lightning's ``precision="64-true"`` converts it, ME tensors
+    (whose features Lightning does not reach; rebuilt on a coordinate manager of their own) and the chunks of a split
+    batch (:class:`~lightning_sparse_dp.split.SparseSpec` features) included."""
+    batch = apply_to_collection(batch, (ME.SparseTensor, ME.TensorField), _double_me)
+    return apply_to_collection(batch, Tensor, _double)
+
+
+class RandomStates:
+    """The states of torch's generators (CPU, and every GPU's once CUDA is initialized), NumPy's global generator and
+    Python's ``random``: taken once, set again before each run, compared after one, given back at the end."""
+
+    def __init__(self) -> None:
+        self.saved = _collect()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.saved["torch"])
+        if "cuda" in self.saved:
+            torch.cuda.set_rng_state_all(self.saved["cuda"])
+        np.random.set_state(self.saved["numpy"])
+        random.setstate(self.saved["python"])
+
+    def drawn(self) -> list[str]:
+        """The generators that moved since :meth:`restore` (a run drew random numbers from them)."""
+        now = _collect()
+        moved = [name for name in ("torch", "cuda") if name in now and not _same(now[name], self.saved.get(name))]
+        if not _same_numpy(now["numpy"], self.saved["numpy"]):
+            moved.append("numpy")
+        if now["python"] != self.saved["python"]:
+            moved.append("python")
+        return moved
+
+
+def _collect() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return isinstance(b, Tensor) and bool(torch.equal(a, b))
+
+
+def _same_numpy(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
+
+
+@contextmanager
+def given_back(states: RandomStates) -> Iterator[RandomStates]:
+    """``states`` set before the block and given back after it, whatever the block drew or raised."""
+    states.restore()
+    try:
+        yield states
+    finally:
+        states.restore()
+
+
+__all__ = ["RandomStates", "float64_batch", "float64_copy", "given_back"]

@@ -1,0 +1,85 @@
+"""The exactness check against plain Lightning on one device: it says a step differs exactly when training does.
+
+Each form of tests/support/step_forms.py is trained one step in float64 by plain Lightning and by ``sparse_dp`` on 2
+and 3 CPU replicas from the same start; the check's word must match the outcome: "equals one device's" when every
+parameter is within 1e-10 of plain Lightning's, a warning naming the difference when it is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from lightning_sparse_dp.exactness.check import ExactnessError
+from tests.support.helpers import REL, collate_dict, loader, random_samples, same_start, state_differences, trainer64
+from tests.support.step_forms import FORMS, PooledNet
+
+EQUAL = "equals one device's"
+DIFFERS = "differs from one device's"
+FAILS = "fails on the replicas where one device's step runs"
+
+
+def fit_saying(model, devices: int, caplog, **strategy_kwargs):
+    """Fit ``model`` one step on ``sparse_dp`` (float64); ``(infos, warnings)`` said by the exactness check."""
+    from lightning_sparse_dp import SparseDataParallelStrategy
+
+    batch = collate_dict(random_samples(8, seed=3))
+    caplog.clear()
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer64(strategy=SparseDataParallelStrategy(**strategy_kwargs), devices=devices, max_steps=1)
+        try:
+            t.fit(model, loader(batch))
+            failed = None
+        except Exception as err:
+            failed = err
+    infos = [r.getMessage() for r in caplog.records if "exactness check" in r.getMessage()]
+    said = [str(w.message) for w in caught if "exactness check" in str(w.message)]
+    if failed is not None and not said:
+        raise failed
+    return infos, said, failed
+
+
+def one_device(model):
+    trainer64(max_steps=1).fit(model, loader(collate_dict(random_samples(8, seed=3))))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("form", ["PooledNet", *FORMS])
+def test_the_check_says_a_difference_exactly_when_the_step_differs_from_one_device(form, devices, caplog):
+    cls = FORMS.get(form, PooledNet)
+    ours, reference = same_start(cls, seed=0)
+    one_device(reference)
+    infos, said, failed = fit_saying(ours, devices, caplog)
+    if failed is not None:  # the strategy's step raised where one device's ran: said before it raised
+        assert len(said) == 1 and FAILS in said[0] and type(failed).__name__ in said[0], (form, said)
+        return
+    worst = max(state_differences(ours, reference).values())
+    if worst <= REL:
+        assert any(EQUAL in m for m in infos) and not said, (form, worst, infos, said)
+    else:
+        assert len(said) == 1 and DIFFERS in said[0], (form, worst, infos, said)
+        assert "Fixes:" in said[0] and "check_exactness" in said[0]
+
+
+def test_a_difference_is_an_error_when_asked(caplog):
+    ours, _ = same_start(FORMS["CoupledSamples"], seed=0)
+    with pytest.raises(ExactnessError, match=DIFFERS):
+        fit_saying(ours, 2, caplog, check_exactness="error")
+
+
+def test_the_check_is_off_when_asked(caplog):
+    ours, _ = same_start(FORMS["CoupledSamples"], seed=0)
+    infos, said, _ = fit_saying(ours, 2, caplog, check_exactness=False)
+    assert not infos and not said
+
+
+def test_bad_options_are_refused():
+    from lightning_sparse_dp import SparseDataParallelStrategy
+
+    with pytest.raises(ValueError, match="check_exactness="):
+        SparseDataParallelStrategy(check_exactness="loud")
+    with pytest.raises(ValueError, match="check_exactness_every_n_steps="):
+        SparseDataParallelStrategy(check_exactness_every_n_steps=-1)

@@ -1,0 +1,127 @@
+"""Training steps written as published code writes them, which the loss capture was never shown: each either trains
+as one device does under the strategies, or the exactness check must say it does not (tests/exactness/)."""
+
+from __future__ import annotations
+
+import lightning as L
+import MinkowskiEngine as ME
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.support.helpers import IN_CHANNELS, NUM_CLASSES
+
+
+class PooledNet(L.LightningModule):
+    """Convolutions, global pooling to ``[B, 16]`` (``.F``), a linear head; SGD. ``training_step`` is the plain
+    cross-entropy of the head's logits (exact under the strategies)."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.body = nn.Sequential(
+            ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiConvolution(8, 16, kernel_size=2, stride=2, dimension=3),
+            ME.MinkowskiReLU(),
+            ME.MinkowskiGlobalAvgPooling(),
+        )
+        self.head = nn.Linear(16, NUM_CLASSES)
+        self.lr = lr
+
+    def features(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return self.body(x).F
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.head(self.features(batch)), batch["labels"])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class CheckpointedLoss(PooledNet):
+    """Activation checkpointing around the head and its loss (``torch.utils.checkpoint``)."""
+
+    reentrant = True
+
+    def training_step(self, batch, batch_idx):
+        y = batch["labels"]
+        w = torch.linspace(0.5, 1.5, NUM_CLASSES, dtype=self.head.weight.dtype)
+        return checkpoint(lambda h: F.cross_entropy(self.head(h), y, weight=w), self.features(batch),
+                          use_reentrant=self.reentrant)
+
+
+class CheckpointedLossNonReentrant(CheckpointedLoss):
+    reentrant = False
+
+
+class BackwardInside(PooledNet):
+    """A ``.backward()`` on an auxiliary quantity inside the step (Lightning's ``zero_grad`` clears what it leaves)."""
+
+    def training_step(self, batch, batch_idx):
+        h = self.features(batch)
+        self.head(h).pow(2).mean().backward(retain_graph=True)
+        return F.cross_entropy(self.head(h), batch["labels"])
+
+
+class _HandWrittenCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, y):
+        ctx.save_for_backward(logits, y)
+        return F.cross_entropy(logits, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, y = ctx.saved_tensors
+        p = logits.softmax(-1)
+        p[torch.arange(len(y)), y] -= 1
+        return g * p / len(y), None
+
+
+class CustomFunctionLoss(PooledNet):
+    """A custom ``torch.autograd.Function`` whose forward calls a loss and whose backward is written by hand."""
+
+    def training_step(self, batch, batch_idx):
+        return _HandWrittenCE.apply(self.head(self.features(batch)), batch["labels"])
+
+
+class TeacherInPlace(PooledNet):
+    """A teacher head updated in place (EMA of the student's) at the top of the step, BYOL / MoCo style."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__(lr)
+        self.teacher = nn.Linear(16, NUM_CLASSES)
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.head.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+        h = self.features(batch)
+        return F.cross_entropy(self.head(h), batch["labels"]) + F.mse_loss(self.head(h), self.teacher(h))
+
+
+class CoupledSamples(PooledNet):
+    """A loss coupling the batch's samples: a softmax over every pair of samples' similarities (InfoNCE style)."""
+
+    def training_step(self, batch, batch_idx):
+        z = F.normalize(self.head(self.features(batch)), dim=1)
+        similarities = z @ z.T / 0.5
+        return F.cross_entropy(similarities, torch.arange(len(z), device=z.device))
+
+
+class HandMadeSum(PooledNet):
+    """The loss returned as a plain sum over the batch."""
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.features(batch)).sum()
+
+
+#: every form above, by name
+FORMS = {cls.__name__: cls for cls in (
+    CheckpointedLoss, CheckpointedLossNonReentrant, BackwardInside, CustomFunctionLoss, TeacherInPlace, CoupledSamples,
+    HandMadeSum,
+)}
