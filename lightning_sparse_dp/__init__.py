@@ -13,6 +13,7 @@ This file holds the public names only; the folders are the plan (``docs/architec
 
 - :mod:`~lightning_sparse_dp.strategies`: the two strategies; ``sparse_dp``'s ``training_step`` is the hub that
   calls the stages of one step in order;
+- :mod:`~lightning_sparse_dp.exactness`: the first training step run on one device and on the replicas, compared;
 - :mod:`~lightning_sparse_dp.step`: those stages, one file each: scatter, replicate, the replicas' step state,
   apply, weigh, backward, gather, log;
 - :mod:`~lightning_sparse_dp.replica`: what makes a replica's step one device's (its state on the module, metrics,
@@ -31,6 +32,7 @@ import lightning_utilities.core.rank_zero as _rank_zero
 _RANK_ZERO_LOG = _rank_zero.log  # where Lightning's rank-zero lines went before this import (see the end)
 
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
+from lightning_sparse_dp.exactness import ExactnessError
 from lightning_sparse_dp.loss.weights import chunk_counts
 from lightning_sparse_dp.runtime.executor import ReplicaExecutor
 from lightning_sparse_dp.runtime.timing import StageTimes
@@ -47,6 +49,7 @@ __version__ = "0.2.0"
 __all__ = [
     "BatchLayoutError",
     "Collective",
+    "ExactnessError",
     "PointBalancedBatchSampler",
     "PreSplitBatch",
     "PreSplitCollate",

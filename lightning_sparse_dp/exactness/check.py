@@ -39,6 +39,7 @@ import torch
 from lightning.pytorch.plugins.precision.double import DoublePrecision
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from lightning_sparse_dp.exactness.compare import StepRecord, differences, record_step
 from lightning_sparse_dp.exactness.probe import RandomStates, float64_copy, given_back
@@ -99,7 +100,8 @@ def one_device_step(module: nn.Module, batch: Any, args: tuple, kwargs: dict) ->
     """The module's own ``training_step`` on ``batch`` and its backward, as plain Lightning runs them on one device:
     ``self.log`` recorded (:class:`~lightning_sparse_dp.replica.recorder.LogRecorder`, Lightning's checks), ``print``
     and the loggers' calls run nowhere, the gradients cleared after the step, then ``module.backward(loss)``."""
-    recorder = module.log = LogRecorder(None, module)  # type: ignore[assignment]
+    metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
+    recorder = module.log = LogRecorder(metrics, module)  # type: ignore[assignment]
     module.print = _quiet  # type: ignore[assignment]
     quiet = StepEffects("training_step", 1, run_none=True)
     output = quiet.watch(0, lambda: module.training_step(batch, *args, **kwargs))  # type: ignore[operator]
