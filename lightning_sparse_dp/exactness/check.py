@@ -7,7 +7,8 @@ itself, :meth:`ExactnessCheck.run`:
 
 1. runs the module's own ``training_step`` and its backward on one device (the root device) over the whole batch,
    on a float64 copy of the module (:func:`~lightning_sparse_dp.exactness.probe.float64_copy`; the batch converted as
-   ``precision="64-true"`` converts it), as plain Lightning does: the step, then the gradients cleared (Lightning's
+   ``precision="64-true"`` converts it; tensors the step makes without a dtype float64, in the check's threads only:
+   :mod:`~lightning_sparse_dp.runtime.defaults`), as plain Lightning does: the step, then the gradients cleared (Lightning's
    ``zero_grad`` comes between the step and its backward), then ``LightningModule.backward``;
 2. runs the strategy's step (its stages on its replicas) and backward the same way, on a second float64 copy, over
    the same batch;
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision.double import DoublePrecision
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 from torchmetrics import Metric
@@ -46,6 +46,7 @@ from lightning_sparse_dp.exactness.probe import RandomStates, float64_copy, give
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.recorder import LogRecorder
+from lightning_sparse_dp.runtime.defaults import float64_defaults
 
 _log = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class ExactnessCheck:
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.strategy = strategy
+        #: compare the metrics' states (``sparse_dp``: merged into the root's; not ``sparse_ddp``, whose ranks keep
+        #: their own until ``compute``) and logged values (``sparse_dp``'s reduced calls)
+        self.compare_metrics = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
 
     def reset(self) -> None:
@@ -188,10 +192,10 @@ class ExactnessCheck:
         states = RandomStates()
         records: list[StepRecord] = []
         reading = None
-        with given_back(states), DoublePrecision().train_step_context():
+        with given_back(states), float64_defaults():  # in this thread and the replicas' only, not set_default_dtype
             for run in (one_device, replicas):
                 states.restore()
-                twin = float64_copy(module, trainer, batch_norm_eval)
+                twin = float64_copy(module, trainer, batch_norm_eval, one_device=run is one_device)
                 try:
                     loss, logged, how = run(twin)
                 except Exception as err:
@@ -200,7 +204,7 @@ class ExactnessCheck:
                     _log.debug("the exactness check's run on the replicas failed", exc_info=True)
                     return Outcome([], failure=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
                 reading = how or reading
-                records.append(record_step(twin, loss, logged))
+                records.append(record_step(twin, loss, logged, metrics=self.compare_metrics))
                 if run is one_device and states.drawn():
                     drawn = ", ".join(states.drawn())
                     return Outcome([], skipped=f"the step draws random numbers ({drawn}'s generator) beyond dropout "
@@ -210,29 +214,32 @@ class ExactnessCheck:
         return Outcome(found, compared=len(found), reading=reading)
 
     def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache) -> None:
-        head = f"{self.strategy}: exactness check of training step {self._last} on {count} replicas"
+        strategy, step = self.strategy, self._last
         if outcome.skipped is not None:
-            warnings.info(f"{head}: not compared, because {outcome.skipped}. Training goes on unchecked; "
-                          "check_exactness=False turns the check off.")
+            warnings.info(f"{strategy}: exactness check of training step {step} on {count} replicas: not compared, "
+                          f"because {outcome.skipped}. Training goes on unchecked; check_exactness=False turns the "
+                          "check off.")
             return
         if outcome.failure is not None:
-            message = (f"{head}: fails on the replicas where one device's step runs ({outcome.failure}). The step does "
-                       "something the strategy cannot run on replicas (docs/exactness.md lists the constructs and what "
-                       "to write instead); check_exactness=False turns the check off.")
+            message = (f"{strategy}: exactness check of training step {step} on {count} replicas: fails on the replicas "
+                       f"where one device's step runs ({outcome.failure}). The step does something the strategy cannot "
+                       "run on replicas (docs/exactness.md lists the constructs and what to write instead); "
+                       "check_exactness=False turns the check off.")
             if self.mode == "error":
                 raise ExactnessError(message)
             warnings.warn(message)
             return
         worst = outcome.worst[0][1] if outcome.worst else 0.0
         if outcome.exact:
-            warnings.info(f"{head}: equals one device's on the same {samples} samples (float64, {outcome.compared} "
-                          f"tensors compared, max relative difference {worst:.1e}).")
+            warnings.info(f"{strategy}: exactness check of training step {step} on {count} replicas: equals one "
+                          f"device's on the same {samples} samples (float64, {outcome.compared} tensors compared, max "
+                          f"relative difference {worst:.1e}).")
             return
         shown = [f"{what} {_figure(d)}" for what, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
         more = sum(d > TOLERANCE for _, d in outcome.worst) - len(shown)
         message = (
-            f"{head}: differs from one device's on the same {samples} samples (float64, relative): "
-            f"{'; '.join(shown)}{f' and {more} more' if more > 0 else ''}. "
+            f"{strategy}: exactness check of training step {step} on {count} replicas: differs from one device's on "
+            f"the same {samples} samples (float64, relative): {'; '.join(shown)}{f' and {more} more' if more else ''}. "
             f"{outcome.reading + '. ' if outcome.reading else ''}"
             "The step does something the strategy does not split exactly (a loss that is not a mean over samples or "
             "points, a loss coupling the batch's samples, state changed in place in the step, a backward inside the "

@@ -45,18 +45,19 @@ class StepRecord:
     logged: dict[str, Tensor] = field(default_factory=dict)
 
 
-def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any]) -> StepRecord:
-    """A :class:`StepRecord` of ``module`` after a step's backward pass (tensors detached and cloned to the CPU)."""
+def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any], metrics: bool = True) -> StepRecord:
+    """A :class:`StepRecord` of ``module`` after a step's backward pass (tensors detached and cloned to the CPU);
+    ``metrics=False``: without the metrics' states."""
     def keep(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().to("cpu", copy=True)
 
-    metrics = {}
-    for path, m in module.named_modules():
+    states = {}
+    for path, m in module.named_modules() if metrics else ():
         if isinstance(m, Metric):
             for name, value in m.metric_state.items():
                 tensor = _state_tensor(value)
                 if tensor is not None:
-                    metrics[f"{path}.{name}"] = keep(tensor)
+                    states[f"{path}.{name}"] = keep(tensor)
     values = {}
     for name, value in logged.items():
         if isinstance(value, Tensor):
@@ -67,7 +68,7 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
         loss=keep(loss.reshape(()) if loss is not None else None),
         grads={n: keep(p.grad) for n, p in module.named_parameters()},
         state={n: keep(t) for n, t in module.state_dict().items() if isinstance(t, Tensor)},  # type: ignore[misc]
-        metrics=metrics,
+        metrics=states,
         logged=values,
     )
 

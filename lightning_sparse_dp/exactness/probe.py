@@ -25,17 +25,20 @@ from lightning_sparse_dp.replica.effects import trainer_view
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec
 from lightning_sparse_dp.split.cut import sparse_kwargs
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 
 
-def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool) -> nn.Module:
+def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool, one_device: bool = False) -> nn.Module:
     """A deep copy of ``module`` in float64 (``module.double()``, as ``precision="64-true"`` converts it), attached to a
     view of ``trainer`` (its state shared, its loggers' calls run nowhere while the check runs).
 
     Dropout layers (``torch.nn`` ``Dropout*``, so ME's ``MinkowskiDropout`` too) are put in eval mode: one device and
     the replicas then draw nothing there and can be compared. ``batch_norm_eval``: batch norm in eval mode too (used
     for batch norm that is not synchronized across replicas: each replica normalizes its own chunk, which the strategy
-    said at setup; the check then compares the rest of the step). The trainer, datasets and DataLoaders the module
-    refers to are shared, not copied.
+    said at setup; the check then compares the rest of the step). ``one_device``: the copy for one device's run, its
+    synchronized batch norm (:class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`) given no collective, so
+    that it is plain batch norm. The trainer, datasets, DataLoaders and batch-norm collectives the module refers to are
+    shared, not copied.
 
     Raises:
         Exception: what ``copy.deepcopy`` raises for a module that cannot be copied (the check says it and trains on).
@@ -44,8 +47,8 @@ def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool) -> nn.M
     if trainer is not None:
         memo[id(trainer)] = trainer
     for m in module.modules():
-        for value in vars(m).values():
-            if isinstance(value, (Dataset, DataLoader)):
+        for name, value in vars(m).items():
+            if isinstance(value, (Dataset, DataLoader)) or (isinstance(m, SyncBatchNorm) and name == "collective"):
                 memo[id(value)] = value
     twin = copy.deepcopy(module, memo)
     twin.double()
@@ -55,23 +58,27 @@ def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool) -> nn.M
             m.eval()
         elif batch_norm_eval and isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()
+        if one_device and isinstance(m, SyncBatchNorm):
+            m.collective = None
     return twin
 
 
 def _double(x: Tensor) -> Tensor:
-    return x.double() if x.is_floating_point() else x
+    """A copy of ``x`` (a step may change its batch in place), floating ones in float64."""
+    return x.to(torch.float64, copy=True) if x.is_floating_point() else x.clone()
 
 
 def _double_me(x: Any) -> Any:
     """An ``ME.SparseTensor`` / ``ME.TensorField`` with float64 features, on a coordinate manager of its own."""
-    spec = SparseSpec(type(x), _double(x.F), x.C, sparse_kwargs(x))
+    spec = SparseSpec(type(x), _double(x.F), x.C.clone(), sparse_kwargs(x))
     return spec.cls(features=spec.features, coordinates=spec.coordinates, device=x.device, **spec.kwargs)
 
 
 def float64_batch(batch: Any) -> Any:
-    """``batch`` with its floating tensors in float64, as Lightning's ``precision="64-true"`` converts it, ME tensors
-    (whose features Lightning does not reach; rebuilt on a coordinate manager of their own) and the chunks of a split
-    batch (:class:`~lightning_sparse_dp.split.SparseSpec` features) included."""
+    """A copy of ``batch`` (every tensor copied: a step may change its batch in place) with its floating tensors in
+    float64, as Lightning's ``precision="64-true"`` converts it, ME tensors (whose features Lightning does not reach;
+    rebuilt on a coordinate manager of their own) and the chunks of a split batch
+    (:class:`~lightning_sparse_dp.split.SparseSpec` features) included."""
     batch = apply_to_collection(batch, (ME.SparseTensor, ME.TensorField), _double_me)
     return apply_to_collection(batch, Tensor, _double)
 

@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import nn
 
 from lightning_sparse_dp.replica.effects import give_view
@@ -94,11 +94,13 @@ def leave_checked(check: DeferredCheck, i: int) -> None:
     check.wait().leave(i)
 
 
-def say_diverged_buffers(names: Sequence[str]) -> None:
+def say_diverged_buffers(names: Sequence[str], warning_cache: WarningCache | None = None) -> None:
     """A warning for each of the module's buffers the replicas' steps updated to different values
-    (:meth:`~lightning_sparse_dp.step.replicate.Replicas.diverged_buffers`, which names each once)."""
+    (:meth:`~lightning_sparse_dp.step.replicate.Replicas.diverged_buffers`, which names each once), through
+    ``warning_cache`` (the strategy's) when given."""
+    say = rank_zero_warn if warning_cache is None else warning_cache.warn
     for name in names:
-        rank_zero_warn(
+        say(
             f"sparse_dp: the step updated the module's buffer {name!r} to a different value in each replica (from each "
             "one's chunk, e.g. a histogram of its labels): the module keeps the first replica's, as nn.DataParallel and "
             "DDP's buffer broadcast keep the first device's, not one device's update from the whole batch. Update it "
@@ -111,6 +113,7 @@ def say_diverged_buffers(names: Sequence[str]) -> None:
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
     persistent: Replicas | None, group: ThreadGroup | None, deferred: bool = False, plan: SplitPlan | None = None,
+    warning_cache: WarningCache | None = None,
 ) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
@@ -129,6 +132,7 @@ def replica_state(
             theirs, unless the one replica is the module itself).
         group: the step's batch-norm group (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`, entered by the
             caller before the replicas start; ``None`` without synchronized layers).
+        warning_cache: where the step's warnings go (the strategy's; :func:`say_diverged_buffers`).
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
@@ -147,7 +151,7 @@ def replica_state(
                 state.enter(i)
         yield state
         if marks:
-            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)))  # type: ignore[union-attr]
+            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)), warning_cache)  # type: ignore[union-attr]
 
 
 __all__ = [

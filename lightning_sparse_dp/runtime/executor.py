@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_sparse_dp.runtime.defaults import float64_defaults, float64_defaults_on
 from lightning_sparse_dp.runtime.devices import current_stream, device_context
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _this_thread
 from lightning_sparse_dp.runtime.randomness import SharedDraws
@@ -53,6 +54,7 @@ class ThreadState:
     inference_mode: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     intra_op_threads: int  # torch.get_num_threads() (OpenMP's per-thread setting, which ME's CPU kernels use too)
+    float64_defaults: bool = False  # the exactness check's float64 runs (runtime/defaults.py)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -63,7 +65,8 @@ class ThreadState:
             autocast.append(
                 (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             )
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads())
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads(),
+                   float64_defaults_on())
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set).
@@ -82,6 +85,8 @@ class ThreadState:
             # the dtype counts while disabled too: a step's own torch.autocast(device_type) without a dtype takes it
             if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        if self.float64_defaults and not float64_defaults_on():
+            stack.enter_context(float64_defaults())
 
 
 class ReplicaExecutor:

@@ -24,8 +24,9 @@ strategy keeps its own cache for its messages (once per strategy).
 
 Thread-local (one value per thread, set only while a replica's call or step runs in it): :data:`REPLICA_CALL`
 (``runtime/executor.py``: the cores a replica thread pinned itself to, the replicas of the call it runs),
-:data:`MEAN_COUNTS` (``loss/means.py``), :data:`STEP_OBSERVER` (``loss/capture.py``) and :data:`STEP_EFFECTS`
-(``replica/effects.py``).
+:data:`MEAN_COUNTS` (``loss/means.py``), :data:`STEP_OBSERVER` (``loss/capture.py``), :data:`STEP_EFFECTS`
+(``replica/effects.py``) and :data:`FLOAT64_DEFAULTS` (``runtime/defaults.py``: the exactness check's float64 runs,
+in place of the process-wide ``torch.set_default_dtype``).
 
 Process-wide settings the package changes, and when:
 
@@ -56,8 +57,10 @@ REPLICA_CALL = threading.local()  # .cores: the CPU ids this replica thread pinn
 MEAN_COUNTS = threading.local()  # .counts: {id(mean): (mean, count)} of this thread's step, while it counts
 STEP_OBSERVER = threading.local()  # .active: the observer of this thread's step, while it runs
 STEP_EFFECTS = threading.local()  # .effects / .index: the step this replica thread runs (unset outside it); .inside
+FLOAT64_DEFAULTS = threading.local()  # .on: this thread runs the exactness check's float64 copies
 
 __all__ = [
+    "FLOAT64_DEFAULTS",
     "FUSED_BATCH_NORM", "LOSS_PARAMETERS", "LOSS_SITES", "MEAN_COUNTS", "ONE_LEVEL_LAYOUTS", "PLAIN_TYPES", "REPLICA_CALL",
     "SAID_ONCE", "STEP_EFFECTS", "STEP_OBSERVER",
 ]

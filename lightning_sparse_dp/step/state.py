@@ -69,7 +69,7 @@ def install_step(
             step.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
             install = partial(stack.enter_context, replica_state(
                 step.module, step.replicas, step.devices, metrics, persistent, step.group, step.refresh_in_threads,
-                step.plan,
+                step.plan, step.warnings,
             ))
             step.terms = StepTerms.for_step(loss_weighting, step.name, n, step.warnings, site_memory)
             if step.terms is not None:

@@ -1,29 +1,42 @@
-"""The exactness check in ``sparse_dp``: its two runs of the first training step, given the strategy's own stages.
+"""The exactness check in both strategies: its two runs of the first training step, given each strategy's own step.
 
-:class:`~lightning_sparse_dp.exactness.check.ExactnessCheck` compares; this file gives it the two runs on
-``sparse_dp``: the module's own step on the root device over the whole batch
-(:func:`~lightning_sparse_dp.exactness.check.one_device_step`), and the strategy's stages over the same batch on a
-float64 copy, with the strategy's per-run state (its replicas, their batch-norm layers and metric copies, the loss
-call sites it has read, its stage clock) swapped for fresh ones while the check runs (:func:`apart`), so that the
-training that follows starts as it would have without the check.
+:class:`~lightning_sparse_dp.exactness.check.ExactnessCheck` compares; this file gives it the two runs.
+
+- ``sparse_dp`` (:func:`check_training_step`): the module's own step on the root device over the whole batch
+  (:func:`~lightning_sparse_dp.exactness.check.one_device_step`), and the strategy's stages over the same batch on a
+  float64 copy, with the strategy's per-run state (its replicas, their batch-norm layers and metric copies, the loss
+  call sites it has read, its stage clock) swapped for fresh ones while the check runs (:func:`apart`), so that the
+  training that follows starts as it would have without the check.
+- ``sparse_ddp`` (:func:`check_rank_step`): the probe is rank 0's batch, sent to every rank; every rank runs one
+  device's step over all of it, and its own share of it (the probe split as ``sparse_dp`` splits a batch) through the
+  strategy's loss weighting, the gradients then averaged over the ranks as DDP averages them
+  (``torch.distributed.all_reduce``). Every rank reaches the same outcome; rank 0 says it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.apply_func import apply_to_collection
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torchmetrics import Metric
 
 from lightning_sparse_dp.exactness.check import backward, one_device_step
 from lightning_sparse_dp.exactness.probe import float64_batch
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
+from lightning_sparse_dp.replica.recorder import LogRecorder
 from lightning_sparse_dp.runtime.timing import StepTimer
-from lightning_sparse_dp.split import SparseSpec
-from lightning_sparse_dp.split.presplit import PreSplitBatch
+from lightning_sparse_dp.split import SparseSpec, split_batch
+from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.one_device import whole_batch_on
 from lightning_sparse_dp.step.replicate import has_batch_norm
@@ -32,19 +45,33 @@ from lightning_sparse_dp.step.scatter import batch_transfer, build_sparse
 if TYPE_CHECKING:
     from torch import nn
 
+    from lightning_sparse_dp.strategies.sparse_ddp import SparseDDPStrategy
     from lightning_sparse_dp.strategies.sparse_dp import SparseDataParallelStrategy
 
 #: the strategy's attributes that hold per-run state of its steps, swapped for fresh values while the check runs
-_PER_RUN = ("_replicas", "_replica_sync_layers", "_replica_metrics", "_site_memory", "_said_idle", "_timer")
+_PER_RUN = ("_replicas", "_replica_sync_layers", "_replica_metrics", "_site_memory", "_said_idle", "_timer",
+            "_warning_cache")
+
+
+class _Unsaid(WarningCache):
+    """What the check's run of the stages would say, kept unsaid: the step that follows says it, once."""
+
+    def warn(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        self.add(message)
+
+    def info(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        self.add(message)
 
 
 @contextmanager
 def apart(strategy: SparseDataParallelStrategy) -> Iterator[None]:
     """The strategy's per-run state of its steps fresh inside the block (the check's copy gets replicas of its own, no
-    stage times are recorded, no call site is remembered, loggers' calls run in no replica), its own back after it."""
+    stage times are recorded, no call site is remembered, loggers' calls run in no replica, what the stages would say
+    is left for the step itself to say), its own back after it."""
     kept = {name: getattr(strategy, name) for name in _PER_RUN}
     fresh = {"_replicas": None, "_replica_sync_layers": [], "_replica_metrics": ReplicaMetrics(),
-             "_site_memory": SiteMemory(), "_said_idle": True, "_timer": StepTimer(None, prefix="[sparse_dp check]")}
+             "_site_memory": SiteMemory(), "_said_idle": True, "_timer": StepTimer(None, prefix="[sparse_dp check]"),
+             "_warning_cache": _Unsaid()}
     for name, value in fresh.items():
         setattr(strategy, name, value)
     strategy._checking = True
@@ -90,6 +117,7 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
     samples: list[int] = []
 
     def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
+        twin.print = _quiet  # every replica's copy prints nothing (replica 0's would print once)
         with apart(strategy):
             step, _ = strategy._context("training_step", (float64_batch(batch), *args[1:]), kwargs, twin)
             assert step is not None  # several devices: the stages run
@@ -103,6 +131,78 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
     synchronized = strategy._layer_sync is not None
     check.run(module, trainer, on_one_device, on_replicas, len(devices), lambda: samples[-1] if samples else "batch's",
               batch_norm_eval=not synchronized and has_batch_norm(module.modules()), warnings=strategy._warning_cache)
+
+
+def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> None:
+    """Run ``sparse_ddp``'s exactness check before this training step when it is due (every rank at once: the
+    decision reads ``global_step`` only); say once, on rank 0, why a step is not checked otherwise."""
+    module, check, world = strategy.lightning_module, strategy._exactness, strategy.world_size
+    trainer = getattr(module, "_trainer", None)
+    if check.mode is None or module is None or trainer is None or world < 2 or not args or not dist.is_initialized():
+        return
+    if not check.due(trainer.global_step):
+        return
+    if not module.automatic_optimization:
+        strategy._warning_cache.info(
+            "sparse_ddp: exactness check: not run, because the module optimizes manually (its step calls the "
+            "optimizers itself, which the check's copies must not reach). Training goes on unchecked."
+        )
+        return
+    root = strategy.root_device
+    sent = [move_data_to_device(as_specs(args[0]), "cpu") if strategy.global_rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)  # rank 0's batch: the probe, the same on every rank
+    probe = sent[0]
+    chunks, plan = split_batch(probe, world, layout=strategy.layout)
+    if len(chunks) < world:
+        strategy._warning_cache.info(
+            f"sparse_ddp: exactness check of training step {trainer.global_step}: not run, because rank 0's batch has "
+            f"fewer samples ({plan.num_samples}) than there are ranks ({world}). Training goes on unchecked."
+        )
+        return
+
+    def on_device(batch: Any) -> Any:
+        built = apply_to_collection(float64_batch(batch), SparseSpec, lambda s: build_sparse(s, root))
+        return move_data_to_device(built, root)
+
+    def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
+        return one_device_step(twin, on_device(probe), args[1:], kwargs)
+
+    def on_ranks(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
+        mine = on_device(chunks[strategy.global_rank])
+        recorder = twin.log = LogRecorder({n: m for n, m in twin.named_modules() if isinstance(m, Metric)}, twin)
+        twin.print = _quiet
+        kept = strategy._loss_scale, strategy._site_memory, strategy._warning_cache
+        strategy._site_memory, strategy._warning_cache = SiteMemory(), _Unsaid()
+        try:
+            run = partial(StepEffects("training_step", 1, run_none=True).watch, 0,
+                          partial(twin.training_step, mine, *args[1:], **kwargs))
+            output = strategy._weighted("training_step", (mine, *args[1:]), kwargs, run=run)
+            scale = strategy._loss_scale
+        finally:
+            strategy._loss_scale, strategy._site_memory, strategy._warning_cache = kept
+        loss = loss_of(output)
+        backward(twin, None if loss is None else (zeroed(loss) if scale == 0.0 else loss * scale))
+        for p in twin.parameters():  # DDP's average of the ranks' gradients (a rank without one adds zeros)
+            if p.requires_grad:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad)
+                p.grad = grad / world
+        total = None
+        if loss is not None:
+            total = (loss.detach() * scale).reshape(1)
+            dist.all_reduce(total)
+            total = total[0] / world
+        del recorder
+        return total, {}, f"The strategy scaled rank {strategy.global_rank}'s loss by {scale:.4g} (world size x its share)"
+
+    said = strategy._warning_cache if strategy.global_rank == 0 else WarningCache()  # rank 0 says it
+    sync = strategy._layer_sync is not None
+    check.run(module, trainer, on_one_device, on_ranks, world, lambda: plan.num_samples,
+              batch_norm_eval=not sync and has_batch_norm(module.modules()), warnings=said)
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 def loss_reading(step: StepContext, loss_weighting: Any) -> str:
@@ -119,4 +219,4 @@ def loss_reading(step: StepContext, loss_weighting: Any) -> str:
     return f"The strategy weighted each replica's loss by loss_weighting={loss_weighting!r} (weights {weights})"
 
 
-__all__ = ["apart", "check_training_step", "loss_reading"]
+__all__ = ["apart", "check_rank_step", "check_training_step", "loss_reading"]

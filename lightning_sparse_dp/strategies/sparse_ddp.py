@@ -64,6 +64,7 @@ from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
 from lightning_sparse_dp.step.scatter import check_me_devices, place_batch
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.strategies.checks import warn_unsynchronized_batchnorm
+from lightning_sparse_dp.strategies.exactness import check_rank_step
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 
 
@@ -112,9 +113,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
         allow_unpatched_me: bool = False,
+        check_exactness: bool | str = True,
+        check_exactness_every_n_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        self._set_options(loss_weighting, split, layout, allow_unpatched_me)
+        self._set_options(loss_weighting, split, layout, allow_unpatched_me, check_exactness, check_exactness_every_n_steps)
         super().__init__(**kwargs)
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
@@ -164,6 +167,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if self._layer_sync is None and module is not None:  # said once: batch norm per rank
             warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
         super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
+        self._exactness.reset()  # the first training step of each fit is checked
 
     # --- exact loss and logs ---------------------------------------------------------------------
     def global_count(self, n: float) -> float:
@@ -174,7 +178,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total.item())
 
-    def _weighted(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+    def _weighted(self, step_name: str, args: tuple, kwargs: dict, run: Callable[[], Any] | None = None) -> Any:
+        """The step (``run``, else Lightning's DDP step on the module) on this rank's batch ``args[0]``, its loss scale
+        (``self._loss_scale``) and logged means weighted by what it counts (``run`` given: the exactness check's copy,
+        the trainer's results left alone)."""
         if step_name in self._iterating:  # step(self, dataloader_iter): its batches are fetched inside it
             self._warning_cache.info(
                 f"sparse_ddp: {step_name}(self, dataloader_iter) fetches its batches itself, so they cannot be weighted: "
@@ -189,13 +196,13 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
         self._count = n
-        results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None)
+        results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None) if run is None else None
         if results is not None and self.loss_weighting != "equal":
             results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
         self._batch, self._plan, self._collectives = batch, plan, []
         self._capture = TermCapture(self._collectives) if terms else None
         observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
-        step = partial(getattr(super(), step_name), *args, **kwargs)
+        step = run or partial(getattr(super(), step_name), *args, **kwargs)
         try:
             output = observer.run(step)
             module = self.lightning_module
@@ -238,6 +245,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if "training_step" not in self._iterating:
+            check_rank_step(self, args, kwargs)  # when due: this step on one device and on the ranks, compared
         return self._weighted("training_step", args, kwargs)
 
     @override

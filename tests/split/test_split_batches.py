@@ -27,6 +27,7 @@ from tests.support.helpers import (
     relative_difference,
     same_start,
     trainer,
+    unchecked,
 )
 
 # --- float coordinates in the split ------------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_continuous_coordinates_reach_each_tensor_field_unchanged():
             return super().loss(batch)
 
     ours, reference = same_start(Spy)
-    fit_float64(ours, batch, strategy="sparse_dp", devices=3)
+    fit_float64(ours, batch, strategy=unchecked(), devices=3)  # counts the fields the step sees
     assert all(c.dtype == torch.float64 for c in seen)  # precision="64-true" turns them into float64
     assert sum(c.shape[0] for c in seen) == coords.shape[0]
     assert any(not torch.equal(c[:, 1:], c[:, 1:].floor()) for c in seen)
@@ -203,7 +204,7 @@ def test_single_point_sample_is_not_left_alone_with_per_replica_batch_norm():
 
     fit_float64(SparseNet(batch_norm=True), batch)  # one device trains
     # two steps: the second with the replicas built (which note the batch norm), each with two replicas, none of one point
-    trainer(strategy="sparse_dp", devices=3, precision="64-true", max_steps=2).fit(Spy(batch_norm=True), loader(batch, batch))
+    trainer(strategy=unchecked(), devices=3, precision="64-true", max_steps=2).fit(Spy(batch_norm=True), loader(batch, batch))
     assert len(seen) == 4 and min(seen) > 1 and sum(seen) == 2 * batch["coordinates"].shape[0]
     chunks, plan = split_batch(batch, 3, assignment="balanced", min_points=2)
     assert plan.num_chunks == 2 and min(plan.points_per_chunk) >= 2

@@ -72,7 +72,7 @@ def test_replicas_really_run_on_several_threads_and_parameters_change():
 
     spy = Spy()
     spy.load_state_dict(model.state_dict())
-    _fit_one_step(spy, batch, strategy=SparseDataParallelStrategy(split="contiguous"), devices=3)
+    _fit_one_step(spy, batch, strategy=SparseDataParallelStrategy(split="contiguous", check_exactness=False), devices=3)
     assert sorted(n for _, n in seen) == [2, 2, 3]
     assert len({tid for tid, _ in seen}) == 3
     assert any(not torch.equal(p, q) for p, q in zip(spy.parameters(), untouched.parameters()))
@@ -185,7 +185,7 @@ def test_sparse_tensor_batches_are_built_on_each_replica():
             built.append((threading.current_thread().name, batch["x"]))
             return torch.nn.functional.cross_entropy(self(batch["x"]), batch["labels"])
 
-    _assert_same_step(*same_start(FromSparse), batch, devices=2, split="contiguous")
+    _assert_same_step(*same_start(FromSparse), batch, devices=2, split="contiguous", check_exactness=False)
     replicas = sorted(built[:2], key=lambda b: b[0])  # the replica threads' order ("sparse_dp-replica<i>")
     assert [x.C[:, 0].max().item() for _, x in replicas] == [2, 1]  # two replicas, batch indices renumbered
     assert len({id(x.coordinate_manager) for _, x in replicas}) == 2

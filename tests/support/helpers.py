@@ -125,6 +125,12 @@ class SparseNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def unchecked(**kwargs) -> lightning_sparse_dp.SparseDataParallelStrategy:
+    """``sparse_dp`` without its exactness check, for tests that count what the user's step does outside the module
+    (the threads it ran on, calls it made, tensors it saw): the check runs the step twice more, on copies."""
+    return lightning_sparse_dp.SparseDataParallelStrategy(check_exactness=False, **kwargs)
+
+
 def trainer(**kwargs) -> L.Trainer:
     defaults = dict(
         accelerator="cpu",
