@@ -144,9 +144,10 @@ class ExactnessCheck:
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.strategy = strategy
-        #: compare the metrics' states (``sparse_dp``: merged into the root's; not ``sparse_ddp``, whose ranks keep
-        #: their own until ``compute``) and logged values (``sparse_dp``'s reduced calls)
-        self.compare_metrics = strategy == "sparse_dp"
+        #: compare the loss's value, the logged values and the metrics' states too (``sparse_dp``: the gathered loss,
+        #: the reduced calls, the states merged into the root's); ``sparse_ddp``'s ranks keep their own until Lightning
+        #: reduces them, so there the gradients and the module's state after the step are compared
+        self.compare_values = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
 
     def reset(self) -> None:
@@ -204,7 +205,8 @@ class ExactnessCheck:
                     _log.debug("the exactness check's run on the replicas failed", exc_info=True)
                     return Outcome([], failure=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
                 reading = how or reading
-                records.append(record_step(twin, loss, logged, metrics=self.compare_metrics))
+                values = self.compare_values
+                records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values))
                 if run is one_device and states.drawn():
                     drawn = ", ".join(states.drawn())
                     return Outcome([], skipped=f"the step draws random numbers ({drawn}'s generator) beyond dropout "
@@ -215,15 +217,16 @@ class ExactnessCheck:
 
     def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache) -> None:
         strategy, step = self.strategy, self._last
+        who = "replicas" if strategy == "sparse_dp" else "ranks"
         if outcome.skipped is not None:
-            warnings.info(f"{strategy}: exactness check of training step {step} on {count} replicas: not compared, "
+            warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: not compared, "
                           f"because {outcome.skipped}. Training goes on unchecked; check_exactness=False turns the "
                           "check off.")
             return
         if outcome.failure is not None:
-            message = (f"{strategy}: exactness check of training step {step} on {count} replicas: fails on the replicas "
+            message = (f"{strategy}: exactness check of training step {step} on {count} {who}: fails on the {who} "
                        f"where one device's step runs ({outcome.failure}). The step does something the strategy cannot "
-                       "run on replicas (docs/exactness.md lists the constructs and what to write instead); "
+                       "run on replicas or ranks (docs/exactness.md lists the constructs and what to write instead); "
                        "check_exactness=False turns the check off.")
             if self.mode == "error":
                 raise ExactnessError(message)
@@ -231,14 +234,14 @@ class ExactnessCheck:
             return
         worst = outcome.worst[0][1] if outcome.worst else 0.0
         if outcome.exact:
-            warnings.info(f"{strategy}: exactness check of training step {step} on {count} replicas: equals one "
+            warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: equals one "
                           f"device's on the same {samples} samples (float64, {outcome.compared} tensors compared, max "
                           f"relative difference {worst:.1e}).")
             return
         shown = [f"{what} {_figure(d)}" for what, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
         more = sum(d > TOLERANCE for _, d in outcome.worst) - len(shown)
         message = (
-            f"{strategy}: exactness check of training step {step} on {count} replicas: differs from one device's on "
+            f"{strategy}: exactness check of training step {step} on {count} {who}: differs from one device's on "
             f"the same {samples} samples (float64, relative): {'; '.join(shown)}{f' and {more} more' if more else ''}. "
             f"{outcome.reading + '. ' if outcome.reading else ''}"
             "The step does something the strategy does not split exactly (a loss that is not a mean over samples or "

@@ -193,7 +193,9 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
             dist.all_reduce(total)
             total = total[0] / world
         del recorder
-        return total, {}, f"The strategy scaled rank {strategy.global_rank}'s loss by {scale:.4g} (world size x its share)"
+        return total, {}, (f"The strategy weighted each rank's loss by its share of the global batch "
+                           f"(loss_weighting={strategy.loss_weighting!r}; rank {strategy.global_rank}'s loss scale "
+                           f"{scale:.4g}, on top of its loss terms' own shares)")
 
     said = strategy._warning_cache if strategy.global_rank == 0 else WarningCache()  # rank 0 says it
     sync = strategy._layer_sync is not None

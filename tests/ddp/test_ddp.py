@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.support.ddp_helpers import (
+    ALL_SCENARIOS,
     SAID_SCENARIOS,
     SCENARIOS,
     SIDE_BY_SIDE,
@@ -84,7 +85,7 @@ def ddp_runs(tmp_path_factory) -> Path:
 
 
 def _reference(name: str) -> dict:
-    s = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS}[name]
+    s = ALL_SCENARIOS[name]
     model = s.build(reference=True)
     train, val = loaders(s.per_rank, world_size=2, model=s.model)
     logger = Capture()

@@ -34,9 +34,11 @@ from tests.support.scene_models import (
     ScenesSum,
     ScenesWeights,
 )
+from tests.support.step_forms import FORMS, PooledNet
 from tests.support.term_models import LevelCompletion, ScenesIgnoreSeg
 
 SEED = 7  # initial weights
+FORM_MODELS = {"PooledNet": PooledNet, **FORMS}
 
 
 class Scenes(Dataset):
@@ -171,6 +173,8 @@ class Scenario:
             return PairNet(self.batch_norm).double()
         if self.model in TERM_MODELS:
             return TERM_MODELS[self.model]().double()
+        if self.model.startswith("form:"):
+            return FORM_MODELS[self.model.removeprefix("form:")]().double()
         model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
         # float64 from the start: Lightning loads a resumed checkpoint into the module *before* "64-true" converts
         # it, so a float32 module would round the checkpoint's float64 weights (seen: 2.7e-8 relative)
@@ -219,6 +223,16 @@ SAID_SCENARIOS = {
         Scenario("logged", "logged", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
     ]
 }
+#: step code the loss capture was never shown (tests/support/step_forms.py), for the exactness check on ranks
+#: (tests/ddp/test_ddp_exactness_check.py); a backward inside the step and non-reentrant checkpointing are left out
+#: (DDP's own reducer refuses a second backward pass through the wrapped module)
+FORM_SCENARIOS = {
+    f"form_{name}": Scenario(f"form_{name}", f"form:{name}", loss_weighting="terms", epochs=1)
+    for name in ("PooledNet", "CustomFunctionLoss", "TeacherInPlace", "CoupledSamples", "HandMadeSum", "CheckpointedLoss")
+}
+#: every scenario, by name
+ALL_SCENARIOS = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS, **FORM_SCENARIOS}
+
 #: the loss shapes whose distance to one device sparse_ddp keeps at most plain DDP's (equal weights, same batches)
 SIDE_BY_SIDE = (
     "terms_ignore", "terms_weights", "terms_heads", "terms_levels", "terms_per_sample", "terms_sum", "terms_detr",
@@ -320,10 +334,13 @@ class _Said(logging.Handler):
 
 
 def listen() -> None:
-    """Keep what the strategy says in :data:`MESSAGES` (the rank-zero logger is set to INFO)."""
+    """Keep what the strategy says in :data:`MESSAGES` (the rank-zero logger is set to INFO; warnings, which the
+    worker processes route to logging, too)."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     logger.setLevel(logging.INFO)
     logger.addHandler(_Said())
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").addHandler(_Said())
 
 
 def result(trainer: L.Trainer, model: L.LightningModule, logger: Capture) -> dict[str, Any]:

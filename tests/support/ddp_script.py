@@ -22,10 +22,8 @@ import torch  # noqa: E402
 
 from lightning_sparse_dp import SparseDDPStrategy  # noqa: E402
 from tests.support.ddp_helpers import (  # noqa: E402
+    ALL_SCENARIOS,
     MESSAGES,
-    SAID_SCENARIOS,
-    SCENARIOS,
-    TERM_SCENARIOS,
     Capture,
     evaluate,
     listen,
@@ -44,7 +42,7 @@ def main() -> None:
     listen()
     for name in names:
         MESSAGES.clear()
-        s = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS}[name]
+        s = ALL_SCENARIOS[name]
         model = s.build(reference=False)
         train, val = loaders(s.per_rank, world_size=None, model=s.model)
         logger = Capture()
