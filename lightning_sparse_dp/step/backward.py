@@ -150,6 +150,37 @@ def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: 
     return result
 
 
+def zero_grad_due(module: Any, batch_idx: Any) -> bool:
+    """Whether Lightning's automatic optimization clears the gradients between this training step and its backward
+    (``loops/optimization/automatic.py``, ``_make_zero_grad_fn``: at the first batch of each accumulation window)."""
+    trainer = getattr(module, "_trainer", None)
+    every = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+    return not isinstance(batch_idx, int) or batch_idx % max(int(every), 1) == 0
+
+
+def clear_replica_gradients(step: StepContext, replicas: Replicas | None) -> None:
+    """Where Lightning's ``zero_grad`` clears the module's gradients after a training step (:func:`zero_grad_due`), the
+    replicas' gradients that a backward inside the step left (``aux.backward()``, Lightning's ``measure_flops``) are
+    cleared too, so that the step's backward reduces only its own, as one device's ``.grad`` holds only its own. Inside
+    an accumulation window, where one device's ``.grad`` keeps them, the replicas' are their chunks' gradients, which no
+    weight makes the whole batch's: said once (they stay, and are reduced with the step's). The replicas' parameters are
+    the persistent replicas' leaves (not the module's, which Lightning clears)."""
+    if replicas is None or len(step.replicas) < 2 or step.manual or not torch.is_grad_enabled():
+        return
+    leaves = replicas.leaves[: len(step.replicas)]
+    if zero_grad_due(step.module, step.args[0] if step.args else step.kwargs.get("batch_idx")):
+        for per_replica in leaves:
+            for leaf in per_replica:
+                leaf.grad = None
+    elif any(leaf.grad is not None for per_replica in leaves for leaf in per_replica):
+        step.warnings.warn(
+            "sparse_dp: a backward inside training_step (e.g. aux.backward(), measure_flops) left gradients in an "
+            "accumulation window (accumulate_grad_batches > 1), where one device keeps them in .grad: each replica's "
+            "are its chunk's, added up, not the whole batch's. Add the auxiliary term to the loss the step returns, or "
+            "train with accumulate_grad_batches=1."
+        )
+
+
 def backward_in_replicas(step: StepContext, replicas: Replicas | None, executor: ReplicaExecutor) -> list[Any]:
     """A training step's outputs with each replica's loss tied to its own backward, run in the replica's thread (on
     ``executor``) when Lightning calls backward on the gathered loss (:func:`parallel_backward`); as they are for one
@@ -160,4 +191,4 @@ def backward_in_replicas(step: StepContext, replicas: Replicas | None, executor:
     return parallel_backward(step.outputs, replicas, executor=executor, group=step.group, times=step.timer)
 
 
-__all__ = ["backward_in_replicas", "ReplicaBackward", "parallel_backward"]
+__all__ = ["backward_in_replicas", "clear_replica_gradients", "ReplicaBackward", "parallel_backward", "zero_grad_due"]

@@ -30,7 +30,7 @@ from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.apply import replica_steps
-from lightning_sparse_dp.step.backward import backward_in_replicas
+from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.errors import explain_replica_error
@@ -237,6 +237,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         step.losses, step.weights = weigh(step, self.loss_weighting)
         merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
         if step.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
+            clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
         output = self.gather(exact_outputs(step), step.plan, step.weights)
         return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
