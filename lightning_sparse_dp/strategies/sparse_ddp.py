@@ -92,6 +92,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             count ``n_r``).
         allow_unpatched_me: go on with CPU ranks on a MinkowskiEngine this project's recipe did not build (refused
             at setup otherwise: its CPU defects make a rank's result depend on its share of the batch).
+        check_exactness, check_exactness_every_n_steps: the exactness check, as in ``sparse_dp``: rank 0's batch is the
+            probe, every rank runs one device's step over it and its share through this strategy's weighting, and the
+            averaged gradients and the module's state after the step are compared
+            (:func:`~lightning_sparse_dp.strategies.exactness.check_rank_step`).
         **kwargs: passed to ``DDPStrategy``: what the Trainer fills (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``) and its options
             (``start_method``, ``timeout``, ``process_group_backend``, ``find_unused_parameters``,

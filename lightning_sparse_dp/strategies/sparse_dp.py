@@ -110,11 +110,17 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         allow_unpatched_me: go on with CPU replicas on a MinkowskiEngine that this project's recipe did not build
             (``scripts/build_minkowski.sh``), whose CPU defects make replicas differ from one device (refused at
             setup otherwise; :func:`~lightning_sparse_dp.runtime.me.missing_patches`).
+        check_exactness: at the first training step of each fit, run the step on one device and on the replicas
+            (float64 copies, the same batch) and compare (:mod:`lightning_sparse_dp.exactness`): ``True`` / ``"warn"``
+            (default) says the outcome once (an info line when equal, a warning naming the worst tensors and the
+            fixes when not), ``"error"`` raises :class:`~lightning_sparse_dp.exactness.check.ExactnessError` instead
+            of the warning, ``False`` turns it off; anything else raises ``ValueError``.
+        check_exactness_every_n_steps: also check every this many optimizer steps (default 0: the first step only).
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``, ``checkpoint_io``,
             ``precision_plugin``), which the Trainer fills from ``accelerator=`` and ``devices=``.
 
     Raises:
-        ValueError: an unknown ``loss_weighting`` or ``split``.
+        ValueError: an unknown ``loss_weighting`` or ``split``, a bad ``check_exactness`` or its every-n-steps.
         MisconfigurationException: at setup, for ``step(self, dataloader_iter)``, unusable devices, or CPU replicas
             on an unpatched MinkowskiEngine; at construction of the Trainer, for ``num_nodes > 1``.
     """
