@@ -21,9 +21,9 @@ Reduction across replicas, and when it gives the one-device (whole-batch) value:
   over the steps of an epoch; a loss is a mean whatever it is later reduced by);
 - ``reduce_fx="mean"`` (the default, or ``"avg"``: :data:`~lightning_sparse_dp.loss.means.MEAN_NAMES`): a mean the
   step computed with ``torch.mean`` / ``.mean()`` weighted by its element count (:mod:`lightning_sparse_dp.loss.means`),
-  else by the replicas' own ``batch_size`` arguments where they are not the whole batch's, else the mean weighted like
-  the loss (``w_i`` of the replicas that logged the name, renormalized; replicas of weight 0 left out), exact for a
-  mean over what the loss weighting counts (samples, points, ...);
+  else by the replicas' own ``batch_size`` arguments where they are each chunk's count (not one constant), else the
+  mean weighted like the loss (``w_i`` of the replicas that logged the name, renormalized; replicas of weight 0 left
+  out), exact for a mean over what the loss weighting counts (samples, points, ...);
 - integers (Python ``int`` or integer / bool tensors: counts and sizes such as ``len(labels)`` or
   ``(pred == y).sum()``) with no ``reduce_fx`` given: summed, exact for a count over the chunk, with
   a one-time warning saying so (``reduce_fx="sum"`` silences it; ``reduce_fx="max"`` logs a value
@@ -36,7 +36,9 @@ Reduction across replicas, and when it gives the one-device (whole-batch) value:
 Values equal in every replica are logged as they are. Values of weight-0 replicas that are not
 finite (a mean over nothing, e.g. every label ignored) are left out, so they never make a logged
 value NaN; a mean with nothing left is 0. The ``batch_size`` given to Lightning (which weights
-epoch-level means) is the sum of the replicas' ``batch_size`` arguments; without them Lightning infers it from the
+epoch-level means) is the sum of the replicas' ``batch_size`` arguments, or the one value they all passed where it is
+not each chunk's count (the whole batch's, or a constant such as ``self.hparams.batch_size``:
+:func:`constant_batch_size`); without them Lightning infers it from the
 whole batch, as it does on one device (a batch split in DataLoader workers: the number of its samples).
 """
 
@@ -85,6 +87,22 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
     return reduce_fx(stacked)
 
 
+def constant_batch_size(
+    sizes: Sequence[Any], replicas: Sequence[int], num_samples: int, chunk_samples: Sequence[int] | None
+) -> Any:
+    """The ``batch_size=`` the replicas passed when it is one value for the whole batch, else ``None`` (each chunk's own
+    count, to be summed): every replica passed the same value, and it is the whole batch's sample count or, for
+    some replica, not its chunk's (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
+    weighs that batch by the constant in epoch means, not by the replicas' sum of it)."""
+    if not sizes or any(s != sizes[0] for s in sizes[1:]):
+        return None
+    if sizes[0] == num_samples:
+        return sizes[0]
+    if chunk_samples is None or len(sizes) < 2:
+        return None
+    return sizes[0] if any(sizes[0] != chunk_samples[i] for i in replicas) else None
+
+
 def _is_integer(value: Any) -> bool:
     if isinstance(value, Tensor):
         return not value.dtype.is_floating_point and not value.is_complex()
@@ -105,6 +123,7 @@ def reduce_log_calls(
     warning_cache: WarningCache | None = None,
     exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
     infer_batch_size: bool = False,
+    chunk_samples: Sequence[int] | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -121,6 +140,8 @@ def reduce_log_calls(
         warning_cache: where one-time warnings go (a module-level cache when not given).
         exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by
             the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
+        chunk_samples: each replica's samples (tells a ``batch_size=`` that is one constant, e.g.
+            ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
     """
     warning_cache = _WARNINGS if warning_cache is None else warning_cache
     names: list[str] = []
@@ -147,12 +168,14 @@ def reduce_log_calls(
         if value is None and exact is not None:
             value = exact([i for i, _ in present], [c.value for _, c in present])
         if value is None:
-            value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples)
+            value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples,
+                                   chunk_samples)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
-        if all(s is not None for s in sizes):  # the whole batch's size passed by every replica counts once
-            kwargs["batch_size"] = num_samples if all(s == num_samples for s in sizes) else sum(sizes)
+        if all(s is not None for s in sizes):  # one size passed by every replica (the batch's, a constant) counts once
+            constant = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples)
+            kwargs["batch_size"] = constant if constant is not None else sum(sizes)
         elif infer_batch_size:  # Lightning infers it from the step's whole batch (its warning included), as on one device
             kwargs.pop("batch_size", None)
         else:
@@ -197,6 +220,7 @@ def _reduce_values(
     device: torch.device,
     warning_cache: WarningCache,
     num_samples: int = 0,
+    chunk_samples: Sequence[int] | None = None,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
@@ -232,7 +256,8 @@ def _reduce_values(
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(n is not None for n in counts):  # means the step computed: weighted by their own element counts
             return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
-        if all(isinstance(s, numbers.Number) for s in sizes) and not all(s == num_samples for s in sizes):
+        per_chunk = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples) is None
+        if all(isinstance(s, numbers.Number) for s in sizes) and per_chunk:
             return _reduce(values, [float(s) for s in sizes], reduce_fx)  # the chunks' own batch_size= counts
         if not all(_is_integer(c.value) for _, c in present):
             warning_cache.info(
@@ -261,7 +286,8 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
             step.state.recorders, step.weights, step.plan.num_samples, root, step.module, step.losses, step.warnings,
             step.terms.log_value if step.terms is not None else None,
             infer_batch_size=not isinstance(step.batch, PreSplitBatch),
+            chunk_samples=[len(s) for s in step.plan.chunk_samples],
         )
 
 
-__all__ = ["log_step", "emit", "reduce_log_calls"]
+__all__ = ["constant_batch_size", "log_step", "emit", "reduce_log_calls"]
