@@ -83,21 +83,33 @@ def apart(strategy: SparseDataParallelStrategy) -> Iterator[None]:
             setattr(strategy, name, value)
 
 
+def _due(owner: Any, count: int, args: tuple) -> Any:
+    """The trainer when the strategy's exactness check runs before this training step (``count`` replicas or ranks,
+    two or more; automatic optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`), else
+    ``None``; a manual step is said once not to be checked."""
+    module, check = owner.lightning_module, owner._exactness
+    trainer = getattr(module, "_trainer", None)
+    if check.mode is None or module is None or trainer is None or count < 2 or not args:
+        return None
+    if not check.due(trainer.global_step):
+        return None
+    if not module.automatic_optimization:
+        strategy = owner.strategy_name
+        owner._warning_cache.info(
+            f"{strategy}: exactness check: not run, because the module optimizes manually (its step calls the "
+            "optimizers itself, which the check's copies must not reach). Training goes on unchecked."
+        )
+        return None
+    return trainer
+
+
 def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwargs: dict) -> None:
     """Run the strategy's exactness check before this training step when it is due (several replicas, automatic
     optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`); say once why a step is not
     checked otherwise."""
     module, check, devices = strategy.lightning_module, strategy._exactness, strategy.parallel_devices or []
-    trainer = getattr(module, "_trainer", None)
-    if check.mode is None or module is None or trainer is None or len(devices) < 2 or not args:
-        return
-    if not check.due(trainer.global_step):
-        return
-    if not module.automatic_optimization:
-        strategy._warning_cache.info(
-            "sparse_dp: exactness check: not run, because the module optimizes manually (its step calls the "
-            "optimizers itself, which the check's copies must not reach). Training goes on unchecked."
-        )
+    trainer = _due(strategy, len(devices), args)
+    if trainer is None:
         return
     batch, root = args[0], strategy.root_device
     whole = batch.batch if isinstance(batch, PreSplitBatch) else batch
@@ -137,16 +149,8 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
     """Run ``sparse_ddp``'s exactness check before this training step when it is due (every rank at once: the
     decision reads ``global_step`` only); say once, on rank 0, why a step is not checked otherwise."""
     module, check, world = strategy.lightning_module, strategy._exactness, strategy.world_size
-    trainer = getattr(module, "_trainer", None)
-    if check.mode is None or module is None or trainer is None or world < 2 or not args or not dist.is_initialized():
-        return
-    if not check.due(trainer.global_step):
-        return
-    if not module.automatic_optimization:
-        strategy._warning_cache.info(
-            "sparse_ddp: exactness check: not run, because the module optimizes manually (its step calls the "
-            "optimizers itself, which the check's copies must not reach). Training goes on unchecked."
-        )
+    trainer = _due(strategy, world if dist.is_initialized() else 1, args)
+    if trainer is None:
         return
     root = strategy.root_device
     sent = [move_data_to_device(as_specs(args[0]), "cpu") if strategy.global_rank == 0 else None]

@@ -53,8 +53,9 @@ def test_the_check_says_a_difference_exactly_when_the_step_differs_from_one_devi
     ours, reference = same_start(cls, seed=0)
     one_device(reference)
     infos, said, failed = fit_saying(ours, devices, caplog)
-    if failed is not None:  # the strategy's step raised where one device's ran: said before it raised
-        assert len(said) == 1 and FAILS in said[0] and type(failed).__name__ in said[0], (form, said)
+    if failed is not None:  # the strategy's step raised where one device's ran: said before it raised (a step whose
+        # replicas race on shared state, an in-place teacher update, may raise in one run and differ in another)
+        assert len(said) == 1 and (FAILS in said[0] and type(failed).__name__ in said[0] or DIFFERS in said[0]), said
         return
     worst = max(state_differences(ours, reference).values())
     if worst <= REL:
@@ -83,3 +84,21 @@ def test_bad_options_are_refused():
         SparseDataParallelStrategy(check_exactness="loud")
     with pytest.raises(ValueError, match="check_exactness_every_n_steps="):
         SparseDataParallelStrategy(check_exactness_every_n_steps=-1)
+
+
+class Manual(PooledNet):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_a_manual_step_is_said_unchecked(caplog):
+    infos, said, _ = fit_saying(Manual(), 2, caplog)
+    assert not said and len(infos) == 1 and "not run, because the module optimizes manually" in infos[0]
