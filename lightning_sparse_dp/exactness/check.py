@@ -150,6 +150,16 @@ class ExactnessCheck:
         self.compare_values = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
 
+    @property
+    def batches_kept(self) -> str:
+        """Which batches split in DataLoader workers must keep the collated batch for this check
+        (:class:`~lightning_sparse_dp.split.presplit.PreSplitCollate`'s ``keep_batch``): each worker's first (a fit's
+        first training batch is worker 0's first) when only the first step is checked, all when every N steps,
+        none when off."""
+        if self.mode is None:
+            return "never"
+        return "first" if self.every_n_steps == 0 else "always"
+
     def reset(self) -> None:
         """A new fit: its first training step is checked."""
         self._last = None

@@ -59,6 +59,12 @@ class PreSplitCollate:
         num_chunks: the number of devices.
         layout, assignment, min_points, batch_sizes: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
             assignment must be picklable, e.g. ``functools.partial(balanced_assignment, groups=...)``).
+        keep_batch: which batches keep the collated batch (:attr:`PreSplitBatch.batch`, what the exactness check runs
+            one device's step on): ``"always"`` (default), ``"first"`` (each worker process's first batch: a fit's
+            first training batch is worker 0's first; the rest travel without it), ``"never"``.
+
+    Raises:
+        ValueError: a ``keep_batch`` other than those three.
 
     Picklable when ``collate_fn`` is, so it runs in worker processes.
     """
@@ -71,7 +77,10 @@ class PreSplitCollate:
         assignment: str | Assignment = "balanced",
         min_points: int = 1,
         batch_sizes: Collection[int] | None = None,
+        keep_batch: str = "always",
     ) -> None:
+        if keep_batch not in ("always", "first", "never"):
+            raise ValueError(f"keep_batch={keep_batch!r}; give 'always', 'first' or 'never'.")
         check_num_chunks(num_chunks)
         self.collate_fn = collate_fn or default_collate
         self.num_chunks = num_chunks
@@ -79,6 +88,8 @@ class PreSplitCollate:
         self.assignment = assignment
         self.min_points = min_points
         self.batch_sizes = batch_sizes
+        self.keep_batch = keep_batch
+        self._calls = 0  # in this process (each worker has its own copy)
 
     def __call__(self, samples: list[Any]) -> PreSplitBatch:
         batch = self.collate_fn(samples)
@@ -93,12 +104,14 @@ class PreSplitCollate:
         for chunk in chunks:  # a whole-batch chunk's source tensor cannot cross processes; it is rebuilt
             for spec in _specs(chunk):
                 spec.source = None
-        return PreSplitBatch(chunks, plan, as_specs(batch))
+        keep = self.keep_batch == "always" or (self.keep_batch == "first" and self._calls == 0)
+        self._calls += 1
+        return PreSplitBatch(chunks, plan, as_specs(batch) if keep else None)
 
 
 def presplit_loader(
     dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
-    module: Any = None,
+    module: Any = None, keep_batch: str = "always",
 ) -> Any:
     """A shallow copy of ``dataloader`` whose collate function is wrapped in :class:`PreSplitCollate`, when that
     helps and is safe; the user's DataLoader itself is never changed (after ``fit`` it yields what it yielded).
@@ -106,6 +119,7 @@ def presplit_loader(
     Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
     and only when neither ``module`` (the LightningModule) nor its Trainer's datamodule overrides
     ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
+    ``keep_batch``: :class:`PreSplitCollate`'s.
     """
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None) if module is not None else None
     if (
@@ -118,7 +132,8 @@ def presplit_loader(
         loader = copy.copy(dataloader)  # DataLoader.__setattr__ is bypassed: the copy has the same settings
         loader.__dict__["_iterator"] = None  # a persistent-workers iterator stays the user's
         sizes = (dataloader.batch_size,) if dataloader.batch_size is not None else None  # this loader's own
-        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes)
+        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes,
+                                            keep_batch)
         return loader
     return dataloader
 

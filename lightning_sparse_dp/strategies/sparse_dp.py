@@ -200,7 +200,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return dataloader  # one device: nothing to split
         options = self._split_options()
         del options["batch_sizes"]  # the worker's split takes its own loader's
-        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module)
+        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module,
+                               keep_batch=self._exactness.batches_kept)
 
     # --- the step: Lightning's four step hooks, each through the stages below --------------------------
     @override

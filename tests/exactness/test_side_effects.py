@@ -147,3 +147,20 @@ def test_the_check_runs_on_me_tensors_in_a_float32_batch(workers, caplog):
             ours, DataLoader([batch], batch_size=None, num_workers=workers)
         )
     assert "exactness check of training step 0 on 2 replicas: equals one device's" in caplog.text, caplog.text[-3000:]
+
+
+def test_workers_keep_the_collated_batch_only_where_the_check_needs_it():
+    from lightning_sparse_dp import PreSplitCollate
+    from lightning_sparse_dp.exactness.check import ExactnessCheck
+
+    samples = random_samples(6, seed=4)
+    first = PreSplitCollate(collate_dict, 2, keep_batch="first")
+    kept = [first(samples).batch is not None for _ in range(3)]
+    assert kept == [True, False, False]  # a worker's first batch only (a fit's first training batch is worker 0's)
+    assert PreSplitCollate(collate_dict, 2)(samples).batch["labels"].tolist() == collate_dict(samples)["labels"].tolist()
+    assert PreSplitCollate(collate_dict, 2, keep_batch="never")(samples).batch is None
+    with pytest.raises(ValueError, match="keep_batch="):
+        PreSplitCollate(collate_dict, 2, keep_batch="sometimes")
+    assert [ExactnessCheck(mode, n, "sparse_dp").batches_kept for mode, n in (("warn", 0), ("error", 3), (None, 0))] == [
+        "first", "always", "never"
+    ]
