@@ -149,6 +149,9 @@ class ExactnessCheck:
         #: reduces them, so there the gradients and the module's state after the step are compared
         self.compare_values = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
+        #: names of the module's frozen parameters the checked step changed in place on one device (an EMA teacher):
+        #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
+        self.frozen_written: set[str] = set()
 
     @property
     def batches_kept(self) -> str:
@@ -207,6 +210,7 @@ class ExactnessCheck:
             for run in (one_device, replicas):
                 states.restore()
                 twin = float64_copy(module, trainer, batch_norm_eval, one_device=run is one_device)
+                frozen = {n: p._version for n, p in twin.named_parameters() if not p.requires_grad}
                 try:
                     loss, logged, how = run(twin)
                 except Exception as err:
@@ -215,6 +219,8 @@ class ExactnessCheck:
                     _log.debug("the exactness check's run on the replicas failed", exc_info=True)
                     return Outcome([], failure=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
                 reading = how or reading
+                if run is one_device:  # what the step changes in place (before the replicas' run builds its replicas)
+                    self.frozen_written = {n for n, p in twin.named_parameters() if n in frozen and p._version != frozen[n]}
                 values = self.compare_values
                 records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values))
                 if run is one_device and states.drawn():

@@ -109,6 +109,21 @@ def say_diverged_buffers(names: Sequence[str], warning_cache: WarningCache | Non
         )
 
 
+def say_written_frozen(names: Sequence[str], count: int, warning_cache: WarningCache | None = None) -> None:
+    """A warning for each frozen parameter of the module that the replicas share and the step changed in place
+    (:meth:`~lightning_sparse_dp.step.replicate.Replicas.written_frozen`): applied once per replica this step; the next
+    step's replicas own copies of it."""
+    say = rank_zero_warn if warning_cache is None else warning_cache.warn
+    for name in names:
+        say(
+            f"sparse_dp: the step changed the frozen parameter {name!r} in place (e.g. an EMA teacher's "
+            f"t.mul_(m).add_(s, alpha=1 - m)), which the {count} replicas share on this device: this step applied the "
+            "change once per replica. From the next step each replica changes a copy of its own and the module keeps "
+            "the root replica's change, as one device's (and DDP's rank 0). The exactness check (check_exactness, on by "
+            "default) finds such parameters before the first step, so that no step applies it more than once."
+        )
+
+
 @contextmanager
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
@@ -145,16 +160,20 @@ def replica_state(
         attributes = persistent.attributes if own and persistent is not None else None
         left = StepState(module, replicas, deferred=True, attributes=attributes)
         state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers)
-        marks = persistent.buffer_marks() if own and persistent is not None and len(replicas) > 1 else []
+        watch = own and persistent is not None and len(replicas) > 1
+        marks = persistent.buffer_marks() if watch else []  # type: ignore[union-attr]
+        frozen = persistent.frozen_marks() if watch else []  # type: ignore[union-attr]
         if not deferred:
             for i in range(len(replicas)):
                 state.enter(i)
         yield state
         if marks:
             say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)), warning_cache)  # type: ignore[union-attr]
+        if frozen:
+            say_written_frozen(persistent.written_frozen(frozen), len(replicas), warning_cache)  # type: ignore[union-attr]
 
 
 __all__ = [
-    "enter_checked", "leave_checked", "replica_state",
+    "enter_checked", "leave_checked", "replica_state", "say_diverged_buffers", "say_written_frozen",
     "ReplicaState",
 ]

@@ -11,8 +11,12 @@ copied with ``Module._replicate_for_data_parallel``), with three differences:
   is seen at once; on other CUDA devices they are copies, refreshed before every step with
   ``torch.nn.parallel.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
   module's own (on other GPUs: copies, refreshed with the others, as ``nn.DataParallel`` broadcasts every
-  parameter every step). Replica parameters are real ``Parameter`` objects, so ``replica.layer.parameters()``
-  works in the step.
+  parameter every step), except those a step changes in place (an EMA teacher's ``t.mul_(m).add_(s, alpha=1 - m)``):
+  replicas after the root one sharing the module's storage would each apply the update to the one tensor (and race
+  with each other's saved tensors), so once :meth:`Replicas.written_frozen` has seen a step do it, the replicas are
+  rebuilt with copies of their own for those (``own_frozen``), refreshed every step, and the module keeps the root
+  replica's update, as DDP's rank 0 keeps its own. Replica parameters are real ``Parameter`` objects, so
+  ``replica.layer.parameters()`` works in the step.
 - Buffers follow ``nn.DataParallel``: the root replica shares the module's buffers (its in-place
   updates, e.g. batch-norm running statistics, persist); the other replicas hold copies, refreshed
   from the module's before every step (:class:`~lightning_sparse_dp.step.copies.BufferMirror`).
@@ -55,6 +59,8 @@ class Replicas:
     Args:
         module: the root module, on ``devices[0]``.
         devices: one device per replica.
+        own_frozen: qualified names of parameters that need no gradient of which the replicas after the root one get
+            copies of their own where they would share the module's storage (parameters a step changes in place).
 
     Attributes:
         modules: the replicas, ``modules[i]`` on ``devices[i]``.
@@ -64,14 +70,18 @@ class Replicas:
         batch_norm: whether the module had a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``) when built.
         attributes: what a step sets on the replicas' copies of the module's submodules
             (:class:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges`).
+        frozen_written: names of frozen parameters that replicas share and a step changed in place
+            (:meth:`written_frozen`): the next build owns them.
 
     Raises:
         MisconfigurationException: no devices, CPU and CUDA devices mixed, or a CUDA device the
             machine does not have (:func:`~lightning_sparse_dp.runtime.devices.check_devices`).
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device], own_frozen: Iterable[str] = ()) -> None:
         check_devices(devices)
+        self.own_frozen = frozenset(own_frozen)
+        self.frozen_written: set[str] = set()
         # Built outside inference mode even in a validation / predict step (Lightning runs them in
         # torch.inference_mode): tensors made there are inference tensors, which the training steps that
         # later refresh the same replicas could not update in place.
@@ -102,11 +112,16 @@ class Replicas:
         self._fingerprint = _fingerprint(self._source_dicts)
         self.batch_norm = has_batch_norm(self._sources)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        frozen_named = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self.frozen = [p for _, p in frozen_named]
+        owned = [(n, p) for n, p in frozen_named if n in self.own_frozen]
         index = {id(m): i for i, m in enumerate(self._sources)}
         self.modules: list[nn.Module] = []
         self.leaves: list[list[Tensor]] = []
         self._frozen_leaves: list[list[Tensor]] = []  # per replica: its copies of `frozen` (none where storage is shared)
+        self._owned_leaves: list[list[tuple[Tensor, Tensor]]] = []  # per replica: (module's, its copy) of own_frozen
+        shared_by_others = any(d.type == "cpu" or d == self.devices[0] for d in self.devices[1:])
+        self._shared_frozen = [(n, p) for n, p in frozen_named if n not in self.own_frozen] if shared_by_others else []
         self._copies: list[list[nn.Module]] = []
         buffer_slots: list[list[tuple[dict[str, Tensor | None], str]]] = []  # per replica > 0
         root_device = self.devices[0]
@@ -121,6 +136,9 @@ class Replicas:
                 for p in module.parameters():
                     if not p.requires_grad:
                         leaf_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
+            elif r > 0:  # frozen parameters a step changes in place: copies here too, refreshed every step
+                for _, p in owned:
+                    leaf_of[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=False)
             copies = [m._replicate_for_data_parallel() for m in self._sources]
             for m, c in zip(self._sources, copies):
                 c._parameters = {k: (None if p is None else leaf_of.get(id(p), p)) for k, p in m._parameters.items()}
@@ -136,6 +154,7 @@ class Replicas:
             self.modules.append(copies[0])
             self.leaves.append([leaf_of[id(p)] for p in self.trainable])
             self._frozen_leaves.append([] if shares_storage else [leaf_of[id(p)] for p in self.frozen])
+            self._owned_leaves.append([(p, leaf_of[id(p)]) for _, p in owned] if shares_storage and r > 0 else [])
             self._copies.append(copies)
             if r > 0:
                 buffer_slots.append(slots)
@@ -186,8 +205,24 @@ class Replicas:
         return self.serve(module, devices) and self.unchanged()
 
     def serve(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
-        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (a few microseconds)."""
-        return module is self.root and len(devices) <= len(self.devices) and list(devices) == self.devices[: len(devices)]
+        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (a few microseconds), and no
+        step changed in place a frozen parameter they share (:meth:`written_frozen`: then they are rebuilt)."""
+        return (
+            module is self.root and not self.frozen_written and len(devices) <= len(self.devices)
+            and list(devices) == self.devices[: len(devices)]
+        )
+
+    def frozen_marks(self) -> list[tuple[str, Tensor, int]]:
+        """Before a step: ``(name, parameter, version)`` of the module's frozen parameters that replicas after the root
+        one share (for :meth:`written_frozen`)."""
+        return [(n, p, p._version) for n, p in self._shared_frozen]
+
+    def written_frozen(self, marks: list[tuple[str, Tensor, int]]) -> list[str]:
+        """After a step: the names of ``marks``' parameters the step changed in place (their version moved), each
+        once; noted in :attr:`frozen_written`, so that the next step's replicas are built owning them."""
+        out = [n for n, p, version in marks if p._version != version and n not in self.frozen_written]
+        self.frozen_written.update(out)
+        return out
 
     def unchanged(self) -> bool:
         """Whether the module's structure, parameters and buffers are as the replicas were built from (the module's
@@ -241,10 +276,15 @@ class Replicas:
             self.modules[r].__dict__["_device"] = self.devices[r]
 
     def _copy_parameters(self, count: int | None = None) -> None:
-        """CUDA: copy the module's parameters, frozen ones too (an EMA teacher or a callback may change them in
-        place, as ``nn.DataParallel`` broadcasts every parameter every step), into the replicas on other devices (no
+        """The replicas' copies of the module's frozen parameters a step changes in place (``own_frozen``), and on
+        CUDA the module's parameters, frozen ones too (an EMA teacher or a callback may change them in place, as
+        ``nn.DataParallel`` broadcasts every parameter every step), into the replicas on other devices (no
         autograd)."""
         count = len(self.modules) if count is None else count
+        owned = [pair for r in range(1, count) for pair in self._owned_leaves[r]]
+        if owned:  # frozen parameters a step changes in place, in the replicas that share the module's storage
+            with torch.no_grad():
+                torch._foreach_copy_([leaf.data for _, leaf in owned], [p.detach() for p, _ in owned])
         others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
         if not others or not (self.trainable or self.frozen):
             return

@@ -130,6 +130,7 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
 
     def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
         twin.print = _quiet  # every replica's copy prints nothing (replica 0's would print once)
+        strategy._frozen_written |= check.frozen_written  # changed in place by the step: each replica owns a copy
         with apart(strategy):
             step, _ = strategy._context("training_step", (float64_batch(batch), *args[1:]), kwargs, twin)
             assert step is not None  # several devices: the stages run

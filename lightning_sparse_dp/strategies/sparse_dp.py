@@ -166,6 +166,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._loader_batch_sizes: set[int] = set()  # the batch_size of every DataLoader Lightning handed over
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
+        self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -329,7 +330,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             else:
                 if built is None or not built.matches(module, devices):
                     assert self.parallel_devices is not None
-                    built = self._replicas = Replicas(module, self.parallel_devices)
+                    if built is not None:  # frozen parameters a step changed in place: the new replicas own copies
+                        self._frozen_written |= built.frozen_written | built.own_frozen
+                    built = self._replicas = Replicas(module, self.parallel_devices, own_frozen=self._frozen_written)
                     self._replica_sync_layers = [sync_layers(r) for r in built.modules]
                 if not in_threads:
                     return built.refresh(len(devices))

@@ -84,3 +84,30 @@ def test_a_buffer_the_replicas_update_differently_is_said(module, said):
         assert "'label_counts'" in messages[0]
         whole = sum(torch.bincount(b["labels"], minlength=NUM_CLASSES) for b in batches).double()
         assert not torch.equal(ours.label_counts, whole)  # the first replica's chunks only, as the warning says
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_teacher_updated_in_place_in_the_step_is_one_devices(devices):
+    """An EMA teacher updated in place at the top of ``training_step`` (BYOL / MoCo): the replicas shared its storage on
+    CPU, so each applied the update (teacher 4.5e-2 / 8.4e-2 off after 3 steps, and a race with the replicas' saved
+    tensors that could fail the backward). The exactness check finds the parameters the step changes in place and
+    every replica owns a copy of them; the module keeps the root replica's update (issue 65, item 6)."""
+    from tests.support.step_forms import TeacherInPlace
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62, 63)]
+    ours, reference = same_start(TeacherInPlace, seed=0)
+    trainer(strategy="sparse_dp", devices=devices, max_steps=3, precision="64-true").fit(ours, loader(*batches))
+    trainer(max_steps=3, precision="64-true").fit(reference, loader(*batches))
+    assert_same_states(ours, reference)
+
+
+def test_a_teacher_updated_in_place_without_the_check_is_said_once_then_owned():
+    from lightning_sparse_dp import SparseDataParallelStrategy
+    from tests.support.step_forms import TeacherInPlace
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62, 63)]
+    with pytest.warns(UserWarning, match=r"changed the frozen parameter 'teacher.weight' in place") as caught:
+        strategy = SparseDataParallelStrategy(check_exactness=False)
+        trainer(strategy=strategy, devices=3, max_steps=3, precision="64-true").fit(TeacherInPlace(), loader(*batches))
+    assert len([w for w in caught if "'teacher.weight'" in str(w.message)]) == 1
+    assert strategy._frozen_written == {"teacher.weight", "teacher.bias"}
