@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -20,9 +21,9 @@ try:
     import MinkowskiEngine as ME
 except ImportError as err:  # pragma: no cover - exercised only on a machine without ME
     raise ImportError(
-        "lightning_sparse_dp needs MinkowskiEngine 0.5.4, which failed to import "
-        f"({err}). Build and install it with `bash scripts/setup.sh` (or "
-        "`bash scripts/build_minkowski.sh .venv/bin/python`) from the lightning-sparse-dp repository."
+        f"lightning_sparse_dp needs MinkowskiEngine 0.5.4, which failed to import ({err}). Build this project's patched "
+        f"ME into this interpreter from a lightning-sparse-dp checkout: `bash scripts/build_minkowski.sh {sys.executable}` "
+        "(`build_minkowski.sh --cuda PYTHON` for ME's CUDA extension); on a fresh Debian machine `bash scripts/setup.sh` sets everything up."
     ) from err
 
 #: the patches of scripts/minkowski_patches/ whose defects make CPU replicas (and CPU ranks) differ from one
