@@ -23,7 +23,8 @@ except ImportError as err:  # pragma: no cover - exercised only on a machine wit
     raise ImportError(
         f"lightning_sparse_dp needs MinkowskiEngine 0.5.4, which failed to import ({err}). Build this project's patched "
         f"ME into this interpreter from a lightning-sparse-dp checkout: `bash scripts/build_minkowski.sh {sys.executable}` "
-        "(`build_minkowski.sh --cuda PYTHON` for ME's CUDA extension); on a fresh Debian machine `bash scripts/setup.sh` sets everything up."
+        "(`build_minkowski.sh --cuda PYTHON` for ME's CUDA extension); on a fresh Debian machine "
+        "`bash scripts/setup.sh` sets everything up."
     ) from err
 
 #: the patches of scripts/minkowski_patches/ whose defects make CPU replicas (and CPU ranks) differ from one
