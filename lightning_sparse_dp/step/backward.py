@@ -89,11 +89,27 @@ class ReplicaBackward:
             if self.group is not None:
                 fn = partial(self.group.run, rank, fn)
             fns.append(self.times.timed(f"backward{rank}", fn))
-        self.executor.run(fns, devices)  # each in its replica's thread, autograd's device threads off there (runtime/executor.py)
+        try:  # each in its replica's thread, autograd's device threads off there (runtime/executor.py)
+            self.executor.run(fns, devices)
+        except RuntimeError as err:
+            if _IN_PLACE in str(err) and len(fns) > 1:
+                err.add_note(IN_PLACE_NOTE)
+            raise
         if self.group is not None:
             self.times.record(self.group.times.timings())  # each synchronized layer's share of the step
         with self.times.stage("reduce"):
             return self.replicas.reduce_gradients(count)
+
+
+_IN_PLACE = "modified by an inplace operation"  # autograd's message for a saved tensor changed since
+#: the note a replica's backward that failed on a tensor changed in place gets
+IN_PLACE_NOTE = (
+    "sparse_dp: a tensor a replica saved for its backward was changed in place meanwhile, most likely by another "
+    "replica's step: replicas on one device share the module's frozen parameters, so a step that changes one in "
+    "place (an EMA teacher's t.mul_(m).add_(s, alpha=1 - m)) changes it under the others. With check_exactness on "
+    "(the default) the replicas own copies of such parameters from the first step; without it, from the step after "
+    "the one that was said to change them. Or update the teacher in on_train_batch_end."
+)
 
 
 def _backward(loss: Tensor, grad: Tensor) -> None:

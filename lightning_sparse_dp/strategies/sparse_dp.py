@@ -186,6 +186,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     @override
     def teardown(self) -> None:
         revert_layer_sync(self)  # as DDPStrategy.teardown: the user's layer types come back, holding the trained values
+        if self._replicas is not None:  # frozen parameters the steps changed in place: owned by the next fit's replicas
+            self._frozen_written |= self._replicas.frozen_written
         self._replicas, self._replica_sync_layers = None, []
         super().teardown()  # the replica threads stopped, the CPU threads given back (single_process.py)
 
