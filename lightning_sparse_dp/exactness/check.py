@@ -39,13 +39,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
-from torchmetrics import Metric
 
 from lightning_sparse_dp.exactness.compare import StepRecord, differences, record_step
 from lightning_sparse_dp.exactness.probe import RandomStates, float64_copy, given_back
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replica.effects import StepEffects
-from lightning_sparse_dp.replica.recorder import LogRecorder
+from lightning_sparse_dp.replica.recorder import install_recorder
 from lightning_sparse_dp.runtime.defaults import float64_defaults
 
 _log = logging.getLogger(__name__)
@@ -101,14 +100,20 @@ def one_device_step(module: nn.Module, batch: Any, args: tuple, kwargs: dict) ->
     """The module's own ``training_step`` on ``batch`` and its backward, as plain Lightning runs them on one device:
     ``self.log`` recorded (:class:`~lightning_sparse_dp.replica.recorder.LogRecorder`, Lightning's checks), ``print``
     and the loggers' calls run nowhere, the gradients cleared after the step, then ``module.backward(loss)``."""
-    metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
-    recorder = module.log = LogRecorder(metrics, module)  # type: ignore[assignment]
-    module.print = _quiet  # type: ignore[assignment]
-    quiet = StepEffects("training_step", 1, run_none=True)
-    output = quiet.watch(0, lambda: module.training_step(batch, *args, **kwargs))  # type: ignore[operator]
+    output, logged = quiet_step(module, lambda: module.training_step(batch, *args, **kwargs))  # type: ignore[operator]
     loss = loss_of(output)
     backward(module, loss)
-    return loss, {name: call.value for name, call in recorder.calls.items()}, None
+    return loss, logged, None
+
+
+def quiet_step(module: nn.Module, step: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """``step()`` (a step of the check's copy ``module``) with nothing said or logged outside it: ``self.log`` recorded
+    (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`, Lightning's checks), ``print`` a no-op (as a
+    replica's after the first), the loggers' calls run nowhere (:class:`~lightning_sparse_dp.replica.effects.StepEffects`
+    ``run_none``). Returns the step's output and ``name -> value`` of what it logged."""
+    recorder = install_recorder(module, 1)
+    output = StepEffects("training_step", 1, run_none=True).watch(0, step)
+    return output, {name: call.value for name, call in recorder.calls.items()}
 
 
 def backward(module: nn.Module, loss: Tensor | None) -> None:
@@ -119,10 +124,6 @@ def backward(module: nn.Module, loss: Tensor | None) -> None:
     if loss is not None and loss.requires_grad:
         with torch.autograd.set_multithreading_enabled(False):
             module.backward(loss)  # type: ignore[operator]
-
-
-def _quiet(*args: Any, **kwargs: Any) -> None:
-    pass
 
 
 class ExactnessCheck:
@@ -223,10 +224,10 @@ class ExactnessCheck:
                     self.frozen_written = {n for n, p in twin.named_parameters() if n in frozen and p._version != frozen[n]}
                 values = self.compare_values
                 records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values))
-                if run is one_device and states.drawn():
-                    drawn = ", ".join(states.drawn())
-                    return Outcome([], skipped=f"the step draws random numbers ({drawn}'s generator) beyond dropout "
-                                               "layers, which one device and the replicas draw differently")
+                drawn = states.drawn() if run is one_device else []
+                if drawn:
+                    return Outcome([], skipped=f"the step draws random numbers ({', '.join(drawn)}'s generator) beyond "
+                                               "dropout layers, which one device and the replicas draw differently")
                 del twin, loss, logged
         found = sorted(differences(records[1], records[0]), key=lambda d: -d[1])
         return Outcome(found, compared=len(found), reading=reading)
@@ -275,4 +276,6 @@ def _figure(d: float) -> str:
     return "inf (missing, NaN or of another shape in one run)" if math.isinf(d) else f"{d:.1e}"
 
 
-__all__ = ["ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "resolve_mode"]
+__all__ = [
+    "ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "quiet_step", "resolve_mode",
+]

@@ -25,6 +25,7 @@ from lightning_sparse_dp.replica.effects import trainer_view
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec
 from lightning_sparse_dp.split.cut import sparse_kwargs
+from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 
 
@@ -69,9 +70,9 @@ def _double(x: Tensor) -> Tensor:
 
 
 def _double_me(x: Any) -> Any:
-    """An ``ME.SparseTensor`` / ``ME.TensorField`` with float64 features, on a coordinate manager of its own."""
-    spec = SparseSpec(type(x), _double(x.F), x.C.clone(), sparse_kwargs(x))
-    return spec.cls(features=spec.features, coordinates=spec.coordinates, device=x.device, **spec.kwargs)
+    """An ``ME.SparseTensor`` / ``ME.TensorField`` with float64 features, on a coordinate manager of its own, built on
+    its device as the scatter builds a chunk's (:func:`~lightning_sparse_dp.step.scatter.build_sparse`)."""
+    return build_sparse(SparseSpec(type(x), _double(x.F), x.C.clone(), sparse_kwargs(x)), x.device)
 
 
 def float64_batch(batch: Any) -> Any:

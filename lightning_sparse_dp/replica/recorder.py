@@ -128,8 +128,8 @@ class LogRecorder:
         return None
 
 
-def _no_print(*args: Any, **kwargs: Any) -> None:
-    pass
+def no_print(*args: Any, **kwargs: Any) -> None:
+    """``print`` of a replica after the first (and of the exactness check's copies): prints nothing."""
 
 
 def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None = None) -> LogRecorder:
@@ -147,7 +147,7 @@ def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None
         metrics = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
     recorder = replica.log = LogRecorder(metrics, replica)
     if index > 0:
-        replica.print = _no_print
+        replica.print = no_print
     return recorder
 
 
@@ -158,4 +158,4 @@ def remove_recorders(replicas: Sequence[Any]) -> None:
         replica.__dict__.pop("print", None)
 
 
-__all__ = ["LogCall", "LogRecorder", "MetricRef", "install_recorder", "remove_recorders"]
+__all__ = ["LogCall", "LogRecorder", "MetricRef", "install_recorder", "no_print", "remove_recorders"]

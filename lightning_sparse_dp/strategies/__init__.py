@@ -12,5 +12,5 @@
 - :mod:`~lightning_sparse_dp.strategies.checks`: the setup checks both run on the module (``dataloader_iter`` steps,
   batch norm per replica, the fewest points a chunk may hold);
 - :mod:`~lightning_sparse_dp.strategies.exactness`: the exactness check's two runs of the first training step on
-  ``sparse_dp`` (:mod:`lightning_sparse_dp.exactness` compares them).
+  either strategy (:mod:`lightning_sparse_dp.exactness` compares them).
 """

@@ -24,16 +24,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache
-from torchmetrics import Metric
 
-from lightning_sparse_dp.exactness.check import backward, one_device_step
+from lightning_sparse_dp.exactness.check import backward, one_device_step, quiet_step
 from lightning_sparse_dp.exactness.probe import float64_batch
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.loss.weights import zeroed
-from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
-from lightning_sparse_dp.replica.recorder import LogRecorder
+from lightning_sparse_dp.replica.recorder import no_print
 from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
@@ -129,7 +127,7 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
     samples: list[int] = []
 
     def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
-        twin.print = _quiet  # every replica's copy prints nothing (replica 0's would print once)
+        twin.print = no_print  # every replica's copy prints nothing (replica 0's would print once)
         strategy._frozen_written |= check.frozen_written  # changed in place by the step: each replica owns a copy
         with apart(strategy):
             step, _ = strategy._context("training_step", (float64_batch(batch), *args[1:]), kwargs, twin)
@@ -174,14 +172,11 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
 
     def on_ranks(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
         mine = on_device(chunks[strategy.global_rank])
-        recorder = twin.log = LogRecorder({n: m for n, m in twin.named_modules() if isinstance(m, Metric)}, twin)
-        twin.print = _quiet
         kept = strategy._loss_scale, strategy._site_memory, strategy._warning_cache
         strategy._site_memory, strategy._warning_cache = SiteMemory(), _Unsaid()
-        try:
-            run = partial(StepEffects("training_step", 1, run_none=True).watch, 0,
-                          partial(twin.training_step, mine, *args[1:], **kwargs))
-            output = strategy._weighted("training_step", (mine, *args[1:]), kwargs, run=run)
+        try:  # the rank's step under the strategy's weighting, on the copy: its logs recorded (not compared here)
+            run = partial(twin.training_step, mine, *args[1:], **kwargs)
+            output, _ = quiet_step(twin, partial(strategy._weighted, "training_step", (mine, *args[1:]), kwargs, run=run))
             scale = strategy._loss_scale
         finally:
             strategy._loss_scale, strategy._site_memory, strategy._warning_cache = kept
@@ -197,7 +192,6 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
             total = (loss.detach() * scale).reshape(1)
             dist.all_reduce(total)
             total = total[0] / world
-        del recorder
         return total, {}, (f"The strategy weighted each rank's loss by its share of the global batch "
                            f"(loss_weighting={strategy.loss_weighting!r}; rank {strategy.global_rank}'s loss scale "
                            f"{scale:.4g}, on top of its loss terms' own shares)")
@@ -206,10 +200,6 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
     sync = strategy._layer_sync is not None
     check.run(module, trainer, on_one_device, on_ranks, world, lambda: plan.num_samples,
               batch_norm_eval=not sync and has_batch_norm(module.modules()), warnings=said)
-
-
-def _quiet(*args: Any, **kwargs: Any) -> None:
-    pass
 
 
 def loss_reading(step: StepContext, loss_weighting: Any) -> str:

@@ -391,29 +391,3 @@ def test_gradient_accumulation_keeps_the_threading_model_and_one_devices_paramet
     assert_same_states(ours, reference)
     assert {(a == b, a.startswith("sparse_dp-replica"), on) for a, b, on in ran} == {(True, True, False)}
     assert len(ran) == 4 * 3
-
-
-@pytest.mark.parametrize("devices", [2, 3])
-def test_a_backward_inside_the_step_leaves_one_devices_gradients(devices):
-    """``aux.backward()`` in the step: on one device Lightning's ``zero_grad`` (between the step and its backward)
-    clears what it left; the replicas' gradients are cleared at the same point (issue 65, item 1: they were added
-    into the reduced gradient, 7.6-11 relative)."""
-    from tests.support.step_forms import BackwardInside
-
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (81, 82)]
-    ours, reference = same_start(BackwardInside, seed=0)
-    trainer(strategy="sparse_dp", devices=devices, max_steps=2, **F64).fit(ours, loader(*batches))
-    trainer(devices=1, max_steps=2, **F64).fit(reference, loader(*batches))
-    assert_same_states(ours, reference)
-
-
-def test_a_backward_inside_the_step_in_an_accumulation_window_is_said():
-    """Inside an accumulation window one device keeps what an inner backward left; each replica's is its chunk's, which
-    no weight makes the whole batch's: said once, naming the fix."""
-    from tests.support.step_forms import BackwardInside
-
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (81, 82, 83, 84)]
-    with pytest.warns(UserWarning, match="a backward inside training_step .* left gradients in an accumulation window"):
-        trainer(strategy="sparse_dp", devices=2, max_steps=2, accumulate_grad_batches=2, **F64).fit(
-            BackwardInside(), loader(*batches)
-        )
