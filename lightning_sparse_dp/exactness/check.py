@@ -154,16 +154,6 @@ class ExactnessCheck:
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
 
-    @property
-    def batches_kept(self) -> str:
-        """Which batches split in DataLoader workers must keep the collated batch for this check
-        (:class:`~lightning_sparse_dp.split.presplit.PreSplitCollate`'s ``keep_batch``): each worker's first (a fit's
-        first training batch is worker 0's first) when only the first step is checked, all when every N steps,
-        none when off."""
-        if self.mode is None:
-            return "never"
-        return "first" if self.every_n_steps == 0 else "always"
-
     def reset(self) -> None:
         """A new fit: its first training step is checked."""
         self._last = None

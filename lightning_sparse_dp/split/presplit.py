@@ -59,9 +59,10 @@ class PreSplitCollate:
         num_chunks: the number of devices.
         layout, assignment, min_points, batch_sizes: as for :func:`~lightning_sparse_dp.split.split_batch` (a callable
             assignment must be picklable, e.g. ``functools.partial(balanced_assignment, groups=...)``).
-        keep_batch: which batches keep the collated batch (:attr:`PreSplitBatch.batch`, what the exactness check runs
-            one device's step on): ``"always"`` (default), ``"first"`` (each worker process's first batch: a fit's
-            first training batch is worker 0's first; the rest travel without it), ``"never"``.
+        keep_batch: which batches keep the collated batch (:attr:`PreSplitBatch.batch`: what the strategy hands the
+            hooks and callbacks that receive ``batch``, and what the exactness check runs one device's step on):
+            ``"always"`` (default), ``"first"`` (each worker process's first batch: a fit's first training batch is
+            worker 0's first; the rest travel without it, and their hooks get the PreSplitBatch), ``"never"``.
 
     Raises:
         ValueError: a ``keep_batch`` other than those three.
@@ -111,7 +112,7 @@ class PreSplitCollate:
 
 def presplit_loader(
     dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
-    module: Any = None, keep_batch: str = "always",
+    module: Any = None,
 ) -> Any:
     """A shallow copy of ``dataloader`` whose collate function is wrapped in :class:`PreSplitCollate`, when that
     helps and is safe; the user's DataLoader itself is never changed (after ``fit`` it yields what it yielded).
@@ -119,7 +120,7 @@ def presplit_loader(
     Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
     and only when neither ``module`` (the LightningModule) nor its Trainer's datamodule overrides
     ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
-    ``keep_batch``: :class:`PreSplitCollate`'s.
+    Every batch keeps the collated batch (``keep_batch="always"``): the hooks receive it.
     """
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None) if module is not None else None
     if (
@@ -132,8 +133,7 @@ def presplit_loader(
         loader = copy.copy(dataloader)  # DataLoader.__setattr__ is bypassed: the copy has the same settings
         loader.__dict__["_iterator"] = None  # a persistent-workers iterator stays the user's
         sizes = (dataloader.batch_size,) if dataloader.batch_size is not None else None  # this loader's own
-        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes,
-                                            keep_batch)
+        loader.collate_fn = PreSplitCollate(dataloader.collate_fn, num_chunks, layout, assignment, min_points, sizes)
         return loader
     return dataloader
 

@@ -4,7 +4,8 @@ The hub (:meth:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStra
 this order, each filling in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`
 (:mod:`.context`); a stage never calls another:
 
-- :mod:`.one_device`: one device skips every stage: plain Lightning's step on the module itself;
+- :mod:`.prepare`: the batch where Lightning's loops move it (``batch_to_device``): what the hooks see; with one device
+  the module's own step skips every stage; where the module has its own batch-transfer hooks, the chunks placed there;
 - :mod:`.scatter`: the batch cut into chunks of whole samples (:mod:`lightning_sparse_dp.split`) and each chunk placed
   on its device, SparseTensor / TensorField built there, now or in its replica's thread;
 - :mod:`.replicate`: the module's persistent replicas, built once and refreshed each step; :mod:`.copies`: the copies

@@ -20,7 +20,6 @@ from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.step.check import DeferredCheck
-from lightning_sparse_dp.step.scatter import Transfer
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
 if TYPE_CHECKING:
@@ -35,14 +34,15 @@ class StepContext:
 
     Attributes:
         name: the step hook, ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
-        batch: the batch the hook was given (whole, or a :class:`~lightning_sparse_dp.split.presplit.PreSplitBatch`).
+        batch: the batch the hook was given, what Lightning's loop and hooks saw (the collated batch, or a
+            :class:`~lightning_sparse_dp.split.presplit.PreSplitBatch` that kept none).
+        source: what ``scatter`` splits (:class:`~lightning_sparse_dp.step.prepare.PreparedBatch`'s ``source``: the
+            batch, a PreSplitBatch, or chunks placed where Lightning moves a batch).
         module: the LightningModule (the root device's, which replica 0 is unless one chunk runs the module itself).
         args: the hook's arguments after the batch (``batch_idx``, ``dataloader_idx``); ``kwargs``: its keywords.
         manual: a training step under manual optimization (its chunks are made and its weights known before it).
         in_threads: each replica prepares in its own thread (``prepare_in_threads``, not for manual steps): it cuts and
             places its chunk (``scatter``) and refreshes itself (``replicate``).
-        transfer: the module's batch-transfer hooks run on each chunk
-            (:func:`~lightning_sparse_dp.step.scatter.batch_transfer`; ``None``: not overridden).
         timer: the strategy's clock of the stages (:class:`~lightning_sparse_dp.runtime.timing.StepTimer`).
         warnings: the strategy's one-time warnings and infos (Lightning's ``WarningCache``).
         devices: the step's devices, device ``i`` for chunk ``i`` (set once the chunks are known).
@@ -67,12 +67,12 @@ class StepContext:
 
     name: str
     batch: Any
+    source: Any
     module: nn.Module
     args: tuple
     kwargs: dict
     manual: bool
     in_threads: bool
-    transfer: Transfer | None
     timer: StepTimer
     warnings: WarningCache
     devices: list[torch.device] = field(default_factory=list)

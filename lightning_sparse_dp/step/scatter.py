@@ -114,20 +114,31 @@ def place_chunk(chunk: Any, device: torch.device, transfer: Transfer | None = No
 _TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
 
 
-def batch_transfer(module: Any, dataloader_idx: int = 0) -> Transfer | None:
+def _own_hook(owner: Any, hook: str) -> bool:
+    """Whether ``owner`` has its own ``hook``: overridden in its class (Lightning's ``is_overridden``) or set on the
+    instance (a wrapper ``is_overridden`` reads through, e.g. ``functools.partial`` with ``update_wrapper``)."""
+    return owner is not None and (is_overridden(hook, owner) or hook in vars(owner))
+
+
+def transfer_hooks_overridden(module: Any) -> bool:
+    """Whether ``module`` or its Trainer's datamodule has its own ``transfer_batch_to_device`` or
+    ``on_after_batch_transfer`` (:func:`batch_transfer`'s rule)."""
+    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    return any(_own_hook(owner, hook) for owner in (module, datamodule) for hook in _TRANSFER_HOOKS)
+
+
+def batch_transfer(module: Any, dataloader_idx: int = 0, always: bool = False) -> Transfer | None:
     """The batch-transfer hooks a DDP rank runs on its batch, for one chunk: ``transfer_batch_to_device(chunk, device,
-    dataloader_idx)`` then ``on_after_batch_transfer(chunk, dataloader_idx)``, each the datamodule's where it overrides
-    it, else the module's (Lightning's ``LightningModule._call_batch_hook`` rule); ``None`` when neither overrides
-    either (the chunk is moved as Lightning moves a batch). Called directly, not through the Trainer's hook machinery:
-    the replicas' threads call them at once, and Lightning's profilers time one call of an action at a time."""
+    dataloader_idx)`` then ``on_after_batch_transfer(chunk, dataloader_idx)``, each the datamodule's where it has its
+    own, else the module's (Lightning's ``LightningModule._call_batch_hook`` rule); ``None`` when neither has its own
+    of either (:func:`transfer_hooks_overridden`: the chunk is moved as Lightning moves a batch), unless ``always``.
+    Called directly, not through the Trainer's hook machinery: for a module that is not the Trainer's (the exactness
+    check's copy), whose hooks the Trainer cannot call."""
     if module is None:
         return None
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
-    owners = {}
-    for hook in _TRANSFER_HOOKS:
-        theirs = datamodule is not None and is_overridden(hook, datamodule)
-        owners[hook] = datamodule if theirs else module
-    if not any(is_overridden(hook, owner) for hook, owner in owners.items()):
+    owners = {hook: datamodule if _own_hook(datamodule, hook) else module for hook in _TRANSFER_HOOKS}
+    if not always and not transfer_hooks_overridden(module):
         return None
 
     def transfer(chunk: Any, device: torch.device) -> Any:
@@ -255,5 +266,5 @@ def say_idle(plan: SplitPlan, devices: int, warning_cache: WarningCache) -> bool
 __all__ = [
     "batch_transfer", "build_sparse", "check_chunk_count", "check_me_devices", "cut_and_place",
     "me_tensors_elsewhere", "pending_chunks", "PendingChunk", "place_batch", "place_chunk", "place_chunks",
-    "say_idle", "step_cutters", "Transfer",
+    "say_idle", "step_cutters", "Transfer", "transfer_hooks_overridden",
 ]

@@ -36,9 +36,9 @@ from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
 from lightning_sparse_dp.step.context import StepContext
-from lightning_sparse_dp.step.one_device import whole_batch_on
 from lightning_sparse_dp.step.replicate import has_batch_norm
-from lightning_sparse_dp.step.scatter import batch_transfer, build_sparse
+from lightning_sparse_dp.step.prepare import lightning_transfer
+from lightning_sparse_dp.step.scatter import build_sparse
 
 if TYPE_CHECKING:
     from torch import nn
@@ -121,7 +121,7 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
 
     def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
         probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
-        probe = whole_batch_on(probe, root, batch_transfer(twin, dataloader_idx))
+        probe = lightning_transfer(twin, dataloader_idx)(probe, root)  # built on root: the hooks move the rest
         return one_device_step(twin, probe, args[1:], kwargs)
 
     samples: list[int] = []

@@ -5,7 +5,7 @@ Lightning's four step hooks run the hub, ``_step``: :meth:`~SparseDataParallelSt
 around :meth:`~SparseDataParallelStrategy.parallel_apply` (``step/apply.py``) -> weigh (``step/weigh.py``) -> backward in
 the replicas (``step/backward.py``) -> :meth:`~SparseDataParallelStrategy.gather` (``step/gather.py``) -> log
 (``step/log.py``), each one call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`.
-One device skips them all (``step/one_device.py``). Lightning's plumbing for one process (world size 1, the replica
+One device skips them all (``step/prepare.py``: the module's own step on the batch Lightning moved). Lightning's plumbing for one process (world size 1, the replica
 threads from setup to teardown) is the base class,
 :class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`.
 """
@@ -36,9 +36,9 @@ from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.errors import explain_replica_error
 from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.log import emit, log_step
-from lightning_sparse_dp.step.one_device import one_device_batch
+from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch
 from lightning_sparse_dp.step.replicate import Replicas
-from lightning_sparse_dp.step.scatter import batch_transfer, pending_chunks, place_chunks, say_idle, step_cutters
+from lightning_sparse_dp.step.scatter import pending_chunks, place_chunks, say_idle, step_cutters
 from lightning_sparse_dp.step.skipped import skipped_outputs
 from lightning_sparse_dp.step.state import install_step, merge_into_module
 from lightning_sparse_dp.step.weigh import exact_outputs, weigh
@@ -167,6 +167,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
+        self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -188,7 +189,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         revert_layer_sync(self)  # as DDPStrategy.teardown: the user's layer types come back, holding the trained values
         if self._replicas is not None:  # frozen parameters the steps changed in place: owned by the next fit's replicas
             self._frozen_written |= self._replicas.frozen_written
-        self._replicas, self._replica_sync_layers = None, []
+        self._replicas, self._replica_sync_layers, self._prepared = None, [], None
         super().teardown()  # the replica threads stopped, the CPU threads given back (single_process.py)
 
     @override
@@ -203,8 +204,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return dataloader  # one device: nothing to split
         options = self._split_options()
         del options["batch_sizes"]  # the worker's split takes its own loader's
-        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module,
-                               keep_batch=self._exactness.batches_kept)
+        return presplit_loader(dataloader, len(self.parallel_devices), **options, module=self.lightning_module)
 
     # --- the step: Lightning's four step hooks, each through the stages below --------------------------
     @override
@@ -232,7 +232,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         """One step: scatter -> replicate -> parallel_apply -> weigh -> (backward) -> gather -> log
         (:meth:`_through_stages`), the replicas' ``self.log`` calls then logged once through the module."""
         step, whole_batch = self._context(name, args, kwargs, self.lightning_module)
-        if step is None:  # one device: plain Lightning's step on the module itself (step/one_device.py)
+        if step is None:  # one device: plain Lightning's step on the module itself (step/prepare.py)
             return getattr(self.lightning_module, name)(whole_batch, *args[1:], **kwargs)
         output, calls = self._through_stages(step)
         with step.timer.stage("emit"):
@@ -242,7 +242,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def _through_stages(self, step: StepContext) -> tuple[Any, list[LogCall]]:
         """The step's stages, each one call that fills in its part of ``step``: the gathered output, and the replicas'
         ``self.log`` calls reduced (not yet logged)."""
-        step.inputs, step.plan = self.scatter(step.batch, step)
+        step.inputs, step.plan = self.scatter(step.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
         merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
@@ -253,27 +253,54 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
 
     def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
-        """The step's context for ``module``, or ``None`` and the whole batch on the one device (:mod:`~.step.one_device`)."""
+        """The step's context for ``module``, or ``None`` and the whole batch on the one device (one device, nothing
+        to split: the module's own step). The batch is the one :meth:`batch_to_device` prepared, else (a step driven
+        by hand, the exactness check's copy) prepared here the same way."""
         if module is None or not args:
             raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {name}.")
-        # the batch-transfer hooks, run on each chunk as each DDP rank runs them on its batch (None: not overridden)
-        transfer = batch_transfer(module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
-        whole_batch = one_device_batch(args[0], self.parallel_devices, self.split_fn, transfer)
-        if whole_batch is not None:
-            return None, whole_batch
+        prepared = self._prepared
+        if prepared is not None and prepared.batch is args[0] and module is self.lightning_module:
+            self._prepared = None
+        else:
+            prepared = self._prepare(args[0], module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if prepared.whole is not None:
+            return None, prepared.whole
         self._timer.new_step()
         manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
         in_threads = self._in_threads() and not manual
-        return StepContext(name=name, batch=args[0], module=module, args=args[1:], kwargs=kwargs, manual=manual,
-                           in_threads=in_threads, transfer=transfer, timer=self._timer, warnings=self._warning_cache), None
+        return StepContext(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:],
+                           kwargs=kwargs, manual=manual, in_threads=in_threads, timer=self._timer,
+                           warnings=self._warning_cache), None
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """The batch Lightning's hooks and callbacks receive, prepared for the step (:mod:`~.step.prepare`): the
+        collated batch (with one device, moved by the transfer hooks as plain Lightning moves it); where the module or
+        its datamodule has its own batch-transfer hooks, the batch is split here and they run on each chunk with its
+        device, before the ``on_*_batch_start`` hooks, as Lightning runs them."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)  # on_before_batch_transfer, on older Lightning
+        module = self.lightning_module
+        if module is None or not self.parallel_devices:
+            return batch
+        self._prepared = self._prepare(batch, module, dataloader_idx)
+        return self._prepared.batch
+
+    def _prepare(self, batch: Any, module: Any, dataloader_idx: int) -> PreparedBatch:
+        """``batch`` prepared for the hooks and the step (:func:`~lightning_sparse_dp.step.prepare.prepare_batch`)."""
+        devices = self.parallel_devices or []
+        return prepare_batch(batch, module, devices, dataloader_idx,
+                             lambda b: step_cutters(b, len(devices), self.split_fn, **self._split_options()),
+                             one_device=len(devices) == 1 and self.split_fn is None)
 
     def scatter(self, batch: Any, step: StepContext | None = None) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples, chunk ``i`` for ``parallel_devices[i]``.
 
         The split is ``split_fn``, the DataLoader workers' (:class:`~lightning_sparse_dp.split.presplit.PreSplitBatch`)
         or :func:`~lightning_sparse_dp.split.split_batch`; at most one chunk per device (fewer when the batch has fewer
-        samples, said once). Placing builds each chunk's SparseTensor / TensorField on its device, after the module's
-        batch-transfer hooks (``step.transfer``; :func:`~lightning_sparse_dp.step.scatter.place_chunks`). Given a
+        samples, said once). Placing builds each chunk's SparseTensor / TensorField on its device and moves the rest
+        there (:func:`~lightning_sparse_dp.step.scatter.place_chunks`); chunks placed already, where the module's own
+        batch-transfer hooks ran on them (:class:`~lightning_sparse_dp.step.prepare.PlacedChunks`), are taken as they
+        are. Given a
         ``step`` that prepares in threads (``step.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
         instead: it is a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` until then.
 
@@ -284,15 +311,19 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             ValueError: a PreSplitBatch with more chunks than devices.
             BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
         """
-        devices, transfer = self.parallel_devices or (), step.transfer if step is not None else None
-        with self._timer.stage("split"):
-            cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
-            chunks = None if step is not None and step.in_threads else [cut_chunk() for cut_chunk in cutters]
+        devices = self.parallel_devices or ()
+        if isinstance(batch, PlacedChunks):  # split and placed where Lightning moves a batch (the transfer hooks ran)
+            inputs, plan = batch.chunks, batch.plan
+        else:
+            with self._timer.stage("split"):
+                cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
+            if step is not None and step.in_threads:
+                inputs = pending_chunks(cutters, devices, self._timer)
+            else:
+                with self._timer.stage("place"):
+                    inputs = place_chunks([cut_chunk() for cut_chunk in cutters], devices)
         self._said_idle = self._said_idle or say_idle(plan, len(devices), self._warning_cache)
-        if chunks is None:
-            return pending_chunks(cutters, devices, self._timer, transfer), plan
-        with self._timer.stage("place"):
-            return place_chunks(chunks, devices, transfer), plan
+        return inputs, plan
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
         """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
@@ -372,8 +403,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
                 "test / predict), which gives the strategy its devices."
             )
         if isinstance(step, str):
-            step = StepContext(name=step, batch=None, module=replicas[0], args=tuple(args), kwargs=dict(kwargs or {}),
-                               manual=False, in_threads=False, transfer=None, timer=self._timer, warnings=self._warning_cache)
+            step = StepContext(name=step, batch=None, source=None, module=replicas[0], args=tuple(args),
+                               kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
+                               warnings=self._warning_cache)
         executor = self._replica_threads()
         devices = self.parallel_devices[: len(replicas)]
         effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None

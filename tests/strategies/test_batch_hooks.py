@@ -55,20 +55,26 @@ class TransferHooks(SparseNet):
         return super().training_step({k: v for k, v in batch.items() if k != "extra"}, batch_idx)
 
 
-def test_batch_transfer_hooks_run_on_each_chunk_in_its_replicas_thread_as_ddp_ranks_run_them(both_preparations):
+def test_batch_transfer_hooks_run_on_each_chunk_where_lightning_runs_them_as_ddp_ranks_run_them(both_preparations):
+    """Each chunk's transfer hooks with its device, on Lightning's thread before on_train_batch_start (issue 66), as
+    each DDP rank runs them on its batch; the step exact."""
     batches = [{**collate_dict(random_samples(9, seed=s)), "extra": Moved(2.0)} for s in (1, 2)]
     batches = [{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in b.items()}
                for b in batches]
-    ours, reference = same_start(TransferHooks)
+
+    class Recorded(TransferHooks):
+        def on_train_batch_start(self, batch, batch_idx):
+            self.calls.append(("start", threading.current_thread().name))
+
+    ours, reference = same_start(Recorded)
     trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, loader(*batches))
     trainer(devices=1, max_steps=2, precision="64-true").fit(reference, loader(*batches))
     assert_same_states(ours, reference)
-    assert [c[0] for c in reference.calls] == ["transfer", "after"] * 2  # plain Lightning: once per batch
+    assert [c[0] for c in reference.calls] == ["transfer", "after", "start"] * 2  # plain Lightning: once per batch
+    assert [c[0] for c in ours.calls] == (["transfer", "after"] * 3 + ["start"]) * 2  # once per chunk, then the hook
     transfers = [c for c in ours.calls if c[0] == "transfer"]
-    assert len(transfers) == 6 and sum(c[3] for c in transfers) == 18  # once per chunk: 3 chunks of 9 samples a step
-    assert len([c for c in ours.calls if c[0] == "after"]) == 6
-    if both_preparations:  # each chunk's hooks in its replica's thread (the default), with its device
-        assert {c[1] for c in ours.calls} == {f"sparse_dp-replica{i}_0" for i in range(3)}
+    assert sum(c[3] for c in transfers) == 18  # 3 chunks of 9 samples a step
+    assert {c[1] for c in ours.calls} == {threading.main_thread().name}  # Lightning's thread, where its loop calls them
 
 
 def test_before_transfer_hook_runs_once_per_batch_as_under_plain_lightning():
