@@ -36,8 +36,8 @@ from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
 from lightning_sparse_dp.step.context import StepContext
-from lightning_sparse_dp.step.replicate import has_batch_norm
 from lightning_sparse_dp.step.prepare import lightning_transfer
+from lightning_sparse_dp.step.replicate import has_batch_norm
 from lightning_sparse_dp.step.scatter import build_sparse
 
 if TYPE_CHECKING:

@@ -5,8 +5,9 @@ Lightning's four step hooks run the hub, ``_step``: :meth:`~SparseDataParallelSt
 around :meth:`~SparseDataParallelStrategy.parallel_apply` (``step/apply.py``) -> weigh (``step/weigh.py``) -> backward in
 the replicas (``step/backward.py``) -> :meth:`~SparseDataParallelStrategy.gather` (``step/gather.py``) -> log
 (``step/log.py``), each one call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`.
-One device skips them all (``step/prepare.py``: the module's own step on the batch Lightning moved). Lightning's plumbing for one process (world size 1, the replica
-threads from setup to teardown) is the base class,
+Before them, :meth:`~SparseDataParallelStrategy.batch_to_device` prepares the batch where Lightning moves it
+(``step/prepare.py``): what the hooks see, and with one device the module's own step, which skips every stage.
+Lightning's plumbing for one process (world size 1, the replica threads from setup to teardown) is the base class,
 :class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`.
 """
 
