@@ -13,6 +13,13 @@ The value handed back to the step is ``L`` times a factor of 1 whose value :attr
 after the step, when every replica's ``D`` is known, so that it scales the gradient only; where
 ``D = 0`` (every label ignored, no voxel at a level) the value is 0, not NaN.
 
+A full reduction of a floating tensor by ``torch.sum`` / ``torch.mean`` (``y_hat.sum()``, ``per_point.mean()``: one
+value, no ``dim``; in a step with gradients, of a tensor that needs them) is a term too, of reduction ``"sum"`` or
+``"mean"`` over its elements (``D = x.numel()``): a loss written by hand over the chunk's rows (samples, points,
+voxels: a chunk holds whole samples, so the batch's rows are the chunks' rows together) is then exact as torch's are.
+A sum with one value in every replica (a penalty on the parameters, ``w.pow(2).sum()``) is read as the remainder
+(:mod:`~lightning_sparse_dp.loss.decide`).
+
 After a term, the mode follows the arithmetic the step does on terms: sums, differences, products and
 quotients by numbers (or by tensors that need no gradient: a scheduled coefficient), negation,
 copies and conversions. Each tensor so computed has a :class:`Form`: its coefficients ``c_k`` on the
@@ -52,10 +59,14 @@ T = TypeVar("T")
 
 
 _CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
+_SUM_KIND = "sum"
+#: torch's sums whose one-value results over rows of the chunk are terms too (``x.sum()``, ``torch.sum(x)``)
+SUM_FUNCTIONS = frozenset({torch.sum, torch.Tensor.sum})
 #: what ``__torch_function__`` does first with a function it is handed; anything else passes straight through
 _KINDS: dict[Any, str] = {
     **{f: _CAPTURED_KIND for f in CAPTURED}, **{f: _UNCAPTURED_KIND for f in UNCAPTURED},
     **{f: _MEAN_KIND for f in MEAN_FUNCTIONS}, **{f: _COLLECTIVE_KIND for f in COLLECTIVE_FUNCTIONS},
+    **{f: _SUM_KIND for f in SUM_FUNCTIONS},
 }
 
 
@@ -112,6 +123,8 @@ class Term:
     is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk; ``shared`` the
     call's arguments that apply to all its rows alike (a class weight:
     :func:`~lightning_sparse_dp.loss.denominators.shared_arguments`), which every replica must have been given alike.
+    A full ``torch.sum`` / ``torch.mean`` of a tensor is named ``"torch.sum"`` / ``"torch.mean"`` (no loss of torch's
+    is named ``torch.*``: :func:`~lightning_sparse_dp.loss.denominators.loss_name`).
 
     The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
     after the step, without a version bump, so the multiplication's backward (which reads ``s``
@@ -216,6 +229,8 @@ class TermCapture(StepObserver):
             kind = None
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
+        if (kind is _SUM_KIND or kind is _MEAN_KIND) and _full_reduction(args, kwargs) and not self._touches_forms(args):
+            return self._reduction(func, args, kwargs)
         if kind is None and not self._touches_forms(args):
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
@@ -263,11 +278,30 @@ class TermCapture(StepObserver):
             reduces_rows(bound.get("input")),
             shared_arguments(func, bound),
         )
+        return self._add(term, out, keep)
+
+    def _add(self, term: Term, out: Tensor, keep: Tensor | bool) -> Tensor:
+        """``out`` as the step's next term: scaled by the term's factor, its value kept, its form a term of its own."""
         value = _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
         self.terms.append(term)
         return value
+
+    def _reduction(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """A full ``torch.sum`` / ``torch.mean`` of a floating tensor (:func:`_full_reduction`) as a term: reduction
+        ``"sum"`` (no denominator) or ``"mean"`` over its ``numel()`` elements; a mean also counted for the logged
+        values (:func:`~lightning_sparse_dp.loss.means.note_mean`)."""
+        out = func(*args, **kwargs)
+        x = args[0]
+        mean = func in MEAN_FUNCTIONS
+        if mean:
+            note_mean(args, kwargs, out)
+        term = Term(
+            f"torch.{func.__name__}", float(x.numel()) if mean else None,
+            torch.ones((), dtype=out.dtype, device=out.device), call_site(2), int(x.shape[0]), reduces_rows(x),
+        )
+        return self._add(term, out, x.numel() > 0 or not mean)
 
     def combination(self, value: Any) -> tuple[list[float], float, float] | str:
         """How ``value`` is ``sum_k c_k L_k + r`` in this replica: ``(coeffs, r, scale)``, or why it is not.
@@ -305,6 +339,16 @@ class TermCapture(StepObserver):
         if abs(r) <= 64 * torch.finfo(value.dtype).eps * scale:
             r = 0.0
         return coeffs, r, scale
+
+
+def _full_reduction(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.sum`` / ``torch.mean`` call reduces a whole floating tensor of rows to one value: no ``dim``
+    (nor ``axis``), the input at least 1-dim and, where gradients are recorded, needing one (a count such as
+    ``mask.float().sum()`` stays a number the step divides by)."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or len(args) > 1 or "dim" in kwargs or "axis" in kwargs:
+        return False
+    return x.dim() >= 1 and x.is_floating_point() and (x.requires_grad or not torch.is_grad_enabled())
 
 
 def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:

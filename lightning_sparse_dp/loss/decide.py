@@ -126,11 +126,11 @@ def summarize(
         return Summary(comb, shape.samples, n, collectives=list(collectives))
     coeffs, r, scale = comb
     assert capture is not None
+    capture.read_numbers()
     out = Summary(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
     )
     position: dict[int, int] = {}
-    capture.read_numbers()
     for term, c in zip(capture.terms, coeffs):
         p = position.setdefault(term.site, len(out.sites))
         if p == len(out.sites):
@@ -173,14 +173,15 @@ class Decision:
     """What the replicas' summaries say: ``value`` (the whole batch's), or ``reason`` it is not a combination.
 
     ``scales[i][t]``: the gradient scale of replica ``i``'s term ``t`` relative to the weight of the replica's
-    loss as a whole (:func:`set_scales` multiplies it by that weight's inverse); ``empty`` names the terms
+    loss as a whole (:func:`set_scales` multiplies it by that weight's inverse; ``None``: the term's gradient is the
+    replica's weight, as the remainder's, for a full sum that has one value in every replica); ``empty`` names the terms
     the value uses with nothing to average over in the whole batch (the value is then NaN, as on one
     device); ``notes``: readings of an ambiguous step, each to be said once.
     """
 
     value: float | None
     reason: str | None = None
-    scales: list[list[float]] = field(default_factory=list)
+    scales: list[list[float | None]] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     count: float = 0.0  # replicas or ranks
@@ -202,6 +203,9 @@ def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: 
     memory = SiteMemory() if memory is None else memory
     out = Decision(None, count=float(len(summaries)), n=sum(s.n for s in summaries))
     reason = next((s.reason for s in summaries if s.reason is not None), None)
+    calls = sorted({c for s in summaries for c in s.collectives})
+    if reason is None and calls:  # a value the step normalized across ranks itself: its terms are not the batch's
+        reason = f"the step's own code calls {', '.join(calls)}, so its values are not the chunks' own"
     if reason is not None:
         out.reason = reason
         return out
@@ -225,7 +229,7 @@ def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Dec
             "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
         )
     value = rs[0]
-    site_scales: list[list[list[float]]] = [[[] for _ in s.sites] for s in summaries]
+    site_scales: list[list[list[float | None]]] = [[[] for _ in s.sites] for s in summaries]
     for p in range(len(summaries[0].sites)):
         sites = [s.sites[p] for s in summaries]
         if _per_sample(sites, summaries, memory, who, out.notes):
@@ -325,6 +329,11 @@ def _matched_part(
             f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
             "with a sample that has no loss)"
         )
+    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and site.name.startswith("torch."):
+        raise _NotExact(
+            f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked mean "
+            "such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
+        )
     if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites):
         raise _NotExact(
             f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
@@ -332,7 +341,7 @@ def _matched_part(
         )
     if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
         memory.setdefault(site.key, ("matched", None))
-    per_replica: list[list[float]] = [[] for _ in sites]
+    per_replica: list[list[float | None]] = [[] for _ in sites]
     part = 0.0
     for j, c in enumerate(site.coeffs):
         if len(sites) > 1 and c != 0.0 and any(s.shared[j] != site.shared[j] for s in sites):
@@ -348,6 +357,11 @@ def _matched_part(
                 f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
                 "chunk (e.g. out.F.mean(0)), which no split of the batch computes as one device does"
             )
+        if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _one_value([s.values[j] for s in sites]):
+            part += c * site.values[j]  # one value in every replica: of the parameters (a penalty), not of the chunks
+            for scale in per_replica:
+                scale.append(None)  # its gradient as the remainder's: the replica's weight
+            continue
         if site.sums[j]:
             part += c * sum(s.values[j] for s in sites)
             for scale in per_replica:
@@ -361,6 +375,11 @@ def _matched_part(
         for s, scale in zip(sites, per_replica):
             scale.append(s.denominators[j] / total if total > 0 else 0.0)
     return part, per_replica
+
+
+def _one_value(values: Sequence[float]) -> bool:
+    """Whether every replica's value is one number, to rounding (``_SAME``): a quantity of the parameters."""
+    return all(math.isclose(v, values[0], rel_tol=_SAME, abs_tol=0.0) for v in values)
 
 
 __all__ = ["ChunkShape", "Decision", "SiteMemory", "SiteTerms", "Summary", "decide", "summarize"]

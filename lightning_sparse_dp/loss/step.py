@@ -23,14 +23,14 @@ from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
 from lightning_sparse_dp.split import SplitPlan
 
 
-def set_scales(capture: TermCapture, scales: Sequence[float], factor: float) -> None:
-    """Scale the gradient of this replica's term ``t`` by ``factor * scales[t]``.
+def set_scales(capture: TermCapture, scales: Sequence[float | None], factor: float) -> None:
+    """Scale the gradient of this replica's term ``t`` by ``factor * scales[t]`` (``None``: 1, as the remainder's).
 
     ``factor`` undoes the weight the replica's loss gets as a whole: ``1 / w_i`` in ``sparse_dp`` (the
     gathered loss is ``sum_i w_i loss_i``), the world size in ``sparse_ddp`` (DDP averages gradients).
     """
     for term, scale in zip(capture.terms, scales):
-        term.scale = factor * scale
+        term.scale = 1.0 if scale is None else factor * scale
 
 
 def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: float) -> list[Tensor]:

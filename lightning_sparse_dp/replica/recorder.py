@@ -77,7 +77,8 @@ class LogRecorder:
     Raises (Lightning's own exceptions and messages, at the call, as ``LightningModule.log`` raises them):
         ValueError: a value that is not a number, a tensor or a Metric; a tensor with more than one element.
         MisconfigurationException: logging where Lightning refuses it (a ``predict_step``), a metric that is not a
-            submodule of the module (naming ``metric_attribute=``).
+            submodule of the module (naming ``metric_attribute=``, or asking for an attribute when the module has no
+            metric), one name logged twice in the step with different options.
         TypeError: an option ``LightningModule.log`` does not take.
     """
 
@@ -102,20 +103,36 @@ class LogRecorder:
                 " but it doesn't support logging"
             )
         if isinstance(value, Metric):
-            if id(value) not in self.metric_paths:
-                raise MisconfigurationException(
-                    "Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged."
-                    f" You can fix this by calling `self.log({name}, ..., metric_attribute=name)` where `name` is one"
-                    f" of {list(self.metrics)}"
-                )
-            value = MetricRef(self.metric_paths[id(value)])
+            value = MetricRef(self._metric_path(name, value, kwargs.get("metric_attribute")))
         elif isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(
                 f"`self.log({name}, {value})` was called, but the tensor must have a single element."
                 f" You can try doing `self.log({name}, {value}.mean())`"
             )
-        self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
+        earlier = self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
+        if earlier is not None and _metadata(earlier.kwargs) != _metadata(kwargs):  # ...with the same arguments
+            fx = getattr(self.module, "_current_fx_name", None) or "the step"
+            raise MisconfigurationException(
+                f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
+            )
         self.calls[name] = LogCall(name, value, kwargs, count_of(value), self._metric_value(value))
+
+    def _metric_path(self, name: str, metric: Metric, attribute: str | None) -> str:
+        """The module path of a logged metric (``metric_attribute`` when given), or Lightning's refusal."""
+        if attribute is not None and attribute in self.metrics:
+            return attribute
+        if not self.metrics:
+            raise MisconfigurationException(
+                "Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged."
+                " You can fix this by setting an attribute for the metric in your `LightningModule`."
+            )
+        if id(metric) not in self.metric_paths:
+            raise MisconfigurationException(
+                "Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged."
+                f" You can fix this by calling `self.log({name}, ..., metric_attribute=name)` where `name` is one"
+                f" of {list(self.metrics)}"
+            )
+        return self.metric_paths[id(metric)]
 
     def _metric_value(self, value: Any) -> tuple[str, str, Metric, int] | None:
         if not isinstance(value, Tensor):
@@ -126,6 +143,14 @@ class LogRecorder:
                 if attributes.get(cache) is value:
                     return how, path, m, m._update_count
         return None
+
+
+def _metadata(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's options as Lightning's result collection compares two calls of one name (``_Metadata``: every option
+    of ``LightningModule.log`` with its default, but the value and ``batch_size``)."""
+    bound = _LOG_SIGNATURE.bind(None, "", None, **kwargs)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value", "batch_size")}
 
 
 def no_print(*args: Any, **kwargs: Any) -> None:

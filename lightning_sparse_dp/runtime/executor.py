@@ -103,6 +103,8 @@ class ReplicaExecutor:
         affinity: ``affinity[i]``, the CPU ids replica thread ``i`` pins itself to (``os.sched_setaffinity``)
             before it runs anything when several replicas run (:func:`~lightning_sparse_dp.runtime.threads.plan_cores`);
             ``None``: not pinned.
+        transient: the threads end after each :meth:`run` (started again by the next): for a step run outside a
+            Trainer's setup and teardown, which leaves no thread behind.
 
     A call whose replicas have not finished after ``LSDP_STALL_WARNING_S`` seconds (default 300) is reported once,
     naming where each unfinished replica's thread is, and goes on (:class:`~lightning_sparse_dp.runtime.stall.StallWatch`).
@@ -118,18 +120,23 @@ class ReplicaExecutor:
         num_replicas: int,
         threads_per_replica: int | None = None,
         affinity: Sequence[frozenset[int]] | None = None,
+        transient: bool = False,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
         self.num_replicas = num_replicas
         self.threads_per_replica = threads_per_replica
         self.affinity = affinity
-        self._threads = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(num_replicas)
-        ]
+        self.transient = transient
+        self._seconds = stall_seconds()  # LSDP_STALL_WARNING_S (lightning_sparse_dp.runtime.stall)
+        self._threads, self._watch = self._start()
         self._lock = threading.Lock()
-        self._watch = StallWatch(stall_seconds())  # LSDP_STALL_WARNING_S (lightning_sparse_dp.runtime.stall)
         self._draws = SharedDraws()  # says once when replicas sharing a generator draw under deterministic=True
+
+    def _start(self) -> tuple[list[ThreadPoolExecutor], StallWatch]:
+        """One single-thread pool per replica (its thread starts with its first call) and the stall watch."""
+        pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(self.num_replicas)]
+        return pools, StallWatch(self._seconds)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaExecutor:
         """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
@@ -168,31 +175,45 @@ class ReplicaExecutor:
         generators = self._draws.before(devices)
         with self._lock:  # one step at a time: replicas of two steps never interleave
             try:
-                futures: list[Future] = [
-                    self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
-                    for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
-                ]
-            except BaseException:  # a thread refused the call (shut down): those started may wait for meanwhile
-                if meanwhile is not None:
-                    with suppress(Exception):
-                        meanwhile()
-                raise
-            self._watch.begin(futures, devices)  # a warning if stuck
-            mine: BaseException | None = None
-            if meanwhile is not None:
-                try:
-                    meanwhile()
-                except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
-                    mine = err
-            errors = [f.exception() for f in futures]  # waits for every replica
-            self._watch.end()
-        if mine is not None:
-            raise mine
-        failed = [e for e in errors if e is not None]
+                errors, futures = self._submit(fns, devices, state, streams, affinity, meanwhile)
+            finally:
+                if self.transient:  # no thread outlives the call
+                    self.shutdown()
+                    self._threads, self._watch = self._start()
+        failed = [e for e in errors[1:] if e is not None]
+        if errors[0] is not None:
+            raise errors[0]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
         self._draws.after(generators)
         return [f.result() for f in futures]
+
+    def _submit(
+        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], state: ThreadState, streams: list[Any],
+        affinity: Sequence[frozenset[int]] | None, meanwhile: Callable[[], None] | None,
+    ) -> tuple[list[BaseException | None], list[Future]]:
+        """Every callable submitted to its replica's thread, ``meanwhile()`` run here, every replica waited for:
+        ``meanwhile``'s error then each replica's (``None`` each where none), and the futures."""
+        try:
+            futures: list[Future] = [
+                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
+                for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
+            ]
+        except BaseException:  # a thread refused the call (shut down): those started may wait for meanwhile
+            if meanwhile is not None:
+                with suppress(Exception):
+                    meanwhile()
+            raise
+        self._watch.begin(futures, devices)  # a warning if stuck
+        mine: BaseException | None = None
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
+                mine = err
+        errors = [f.exception() for f in futures]  # waits for every replica
+        self._watch.end()
+        return [mine, *errors], futures
 
     def shutdown(self) -> None:
         """Stop the threads (waits for running callables)."""

@@ -60,6 +60,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         self._collective_warnings = WarningCache()  # a collective called in a replica's step, said once
         self._executor: ReplicaExecutor | None = None  # the replica threads (_start_replica_threads)
+        self._outside_fit: ReplicaExecutor | None = None  # for a step outside setup..teardown: threads per call
         self._thread_split: ThreadSplit | None = None  # the CPU threads split between them, given back at teardown
         self._core_groups: tuple[int, ...] | None = None  # replicas pinned to one core share a group (plan_cores)
 
@@ -184,20 +185,25 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         cores split between them, pinned per ``pin`` (:func:`~lightning_sparse_dp.runtime.threads.configure_replica_threads`;
         a warning for pinning on GPUs)."""
         assert self.parallel_devices is not None
-        executor = self._replica_threads()
+        if self._executor is None:
+            self._executor = ReplicaExecutor(len(self.parallel_devices))
+            weakref.finalize(self, self._executor.shutdown)
+        executor = self._executor
         if self._thread_split is None:
             self._thread_split, self._core_groups = configure_replica_threads(
                 executor, len(self.parallel_devices), pin, synchronized, self.root_device.type
             )
 
     def _replica_threads(self) -> ReplicaExecutor:
-        """The replica threads: made at setup and shut down at teardown; a step run after teardown (Lightning's loop
-        driven by hand after ``fit``, as plain Lightning allows) makes them again, shut down with the strategy."""
-        if self._executor is None:
+        """The replica threads: made at setup and shut down at teardown. A step run outside them (Lightning's loop
+        driven by hand after ``fit``, as plain Lightning allows) runs each of its calls on threads that end with the
+        call (a ``transient`` executor), so that nothing is left running after it."""
+        if self._executor is not None:
+            return self._executor
+        if self._outside_fit is None:
             assert self.parallel_devices is not None
-            self._executor = ReplicaExecutor(len(self.parallel_devices))
-            weakref.finalize(self, self._executor.shutdown)
-        return self._executor
+            self._outside_fit = ReplicaExecutor(len(self.parallel_devices), transient=True)
+        return self._outside_fit
 
     def _say_in_replica(self, call: str) -> None:
         """Once per strategy: a collective called from a replica's step returns the replica's own value (its chunk's)."""

@@ -176,7 +176,7 @@ def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name
 @pytest.mark.parametrize(
     "name, words",
     [
-        ("said_remainder", "differs from rank to rank"),
+        ("said_remainder", "hand-written masked mean"),
         ("said_statistic", "a statistic of the chunk"),
     ],
 )

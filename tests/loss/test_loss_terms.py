@@ -22,6 +22,8 @@ from tests.support.term_models import (
     BatchClassWeights,
     ChunkClassWeights,
     ChunkStatistic,
+    HandMean,
+    HandSum,
     LevelCompletion,
     LoggedOnly,
     MaskedMean,
@@ -118,13 +120,59 @@ def test_sum_over_decoder_levels_is_exact(devices):
     assert _worst(ours, reference) > 1e-6
 
 
+@pytest.mark.parametrize("model", [HandSum, HandMean])
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_loss_written_as_a_plain_sum_or_mean_over_the_batch_is_exact(model, devices, caplog):
+    """``x.sum()`` / ``x.mean()`` over the chunk's rows are terms (issue 66): each replica's sum counts once, each mean
+    by its elements, a penalty summed over the parameters once; parameters, loss and logged value at 1e-10."""
+    batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1), chunks=devices) for s in (1, 2)]
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _compare(model, batches, devices)
+    assert not _fallback_lines(caplog)
+    assert worst <= REL
+    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
+
+
+def test_a_dense_batchs_plain_sum_plus_a_constant_is_exact_as_lightnings_own_flow_tests_ask():
+    """Lightning's ``DeterministicModel`` (``loops/test_training_loop_flow_scalar.py``): ``l1(x).sum() + batch_idx`` on a
+    dense batch of 3 rows: the step's loss is one device's (171 there), on 2 replicas."""
+    import lightning as L
+
+    class Deterministic(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.l1 = torch.nn.Linear(2, 3, bias=False)
+            self.l1.weight = torch.nn.Parameter(torch.tensor([[4.0, 3, 5], [10, 11, 13]]).T.contiguous())
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            return self.l1(batch).sum() + batch_idx
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = torch.tensor([[0.5, 2.0], [1.0, 1.0], [2.0, 0.25]], dtype=torch.float64)
+    models = []
+    for kwargs in ({"strategy": "sparse_dp", "devices": 2}, {"devices": 1}):
+        torch.manual_seed(0)
+        m = Deterministic()
+        trainer(max_steps=2, **kwargs).fit(m, torch.utils.data.DataLoader([data, data], batch_size=None))
+        models.append(m)
+    ours, plain = models
+    assert ours.losses == pytest.approx(plain.losses, rel=REL) and len(plain.losses) == 2
+    assert relative_difference(ours.l1.weight, plain.l1.weight) <= REL
+
+
 def test_a_hand_written_masked_mean_falls_back_and_says_so_once(caplog):
     batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1)) for s in (1, 2)]
     with caplog.at_level(logging.INFO):
         worst, _, _ = _compare(MaskedMean, batches, 3)
     lines = [r.getMessage() for r in caplog.records if "loss_weighting='terms' cannot" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "hand-written masked mean" in lines[0] or "not computed from torch's mean-reduced losses" in lines[0]
+    assert "hand-written masked mean" in lines[0] and "divided torch.sum at" in lines[0], lines[0]
     assert "loss_weighting=lambda chunk" in lines[0] and "'auto'" in lines[0]
     assert worst > 1e-3  # weighted per replica by points: not exact, and said
 
@@ -259,7 +307,7 @@ def test_a_sum_reduction_counts_each_replica_once(devices, caplog):
 
 
 @pytest.mark.parametrize("model, words", [
-    (SmallRemainder, "differs from replica to replica"),
+    (SmallRemainder, "hand-written masked mean"),
     (ChunkStatistic, "a statistic of the chunk"),
     (ChunkClassWeights, "the weight given to F.cross_entropy"),
 ])

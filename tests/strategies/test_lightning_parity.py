@@ -78,6 +78,30 @@ def test_a_step_run_by_hand_after_fit_runs_as_on_one_device():
         got = mine.strategy.validation_step(batch, 0)
         want = one.strategy.validation_step(batch, 0)
     assert relative_difference(got, want) <= 1e-10
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("sparse_dp")]  # none left (issue 66)
+
+
+def test_a_training_step_driven_by_hand_after_fit_leaves_no_thread_and_equals_one_device():
+    """Lightning's loop tests drive the optimization by hand after ``fit`` (step, backward, optimizer step): the
+    replica threads serve each call and end with it, and the step is one device's."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from tests.support.helpers import loader
+
+    ours, reference = same_start(SparseNet)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in collate_dict(random_samples(9, seed=4)).items()}
+    before = set(threading.enumerate())
+    losses = []
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {"devices": 1})):
+        t = trainer(max_steps=1, precision="64-true", **kwargs)
+        t.fit(model, loader(batch))
+        t.state.stage = RunningStage.TRAINING
+        out = t.fit_loop.epoch_loop.automatic_optimization.run(t.optimizers[0], 0, {"batch": batch, "batch_idx": 0})
+        losses.append(out["loss"])
+    assert not [t.name for t in set(threading.enumerate()) - before]
+    assert relative_difference(losses[0], losses[1]) <= 1e-10
+    for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):
+        assert relative_difference(a, b) <= 1e-10, name
 
 
 class LogsBadly(SparseNet):
@@ -86,7 +110,8 @@ class LogsBadly(SparseNet):
     def __init__(self, what):
         super().__init__()
         self.what, self.caught = what, []
-        self.loose = __import__("torchmetrics").MeanMetric()  # a metric attribute, so the next one is not the only one
+        if what != "metric-none":  # a metric attribute, so the stray one is not the only one
+            self.loose = __import__("torchmetrics").MeanMetric()
 
     def _try(self, fn):
         try:
@@ -99,9 +124,11 @@ class LogsBadly(SparseNet):
             self._try(lambda: self.log("foo", None))
         elif self.what == "shape":
             self._try(lambda: self.log("foo", torch.ones(3)))
-        elif self.what == "metric":
+        elif self.what in ("metric", "metric-none"):
             stray = __import__("torchmetrics").MeanMetric()
             self._try(lambda: self.log("foo", stray))
+        elif self.what == "twice":  # one name, different options, in one step
+            self._try(lambda: (self.log("foo", 1.0), self.log("foo", 2.0, prog_bar=True)))
         return super().training_step(batch, batch_idx)
 
     def predict_step(self, batch, batch_idx):
@@ -109,7 +136,7 @@ class LogsBadly(SparseNet):
         return self.net(__import__("MinkowskiEngine").SparseTensor(batch["features"], batch["coordinates"])).F
 
 
-@pytest.mark.parametrize("what", ["none", "shape", "metric", "predict"])
+@pytest.mark.parametrize("what", ["none", "shape", "metric", "metric-none", "twice", "predict"])
 def test_lightnings_own_errors_for_what_self_log_refuses_raised_at_the_call(what):
     runs = {}
     for name, strategy, devices in (("plain", "auto", 1), ("ours", "sparse_dp", 3)):

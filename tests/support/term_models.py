@@ -162,6 +162,23 @@ class WithPenalty(ScanNetSeg):
         return super().loss(batch) + 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
 
 
+class HandSum(ScanNetSeg):
+    """The loss returned as a plain sum over the batch's points (``reduction="sum"`` written by hand), plus an L2
+    penalty on the parameters summed tensor by tensor (one value in every replica, whatever a tensor's rows)."""
+
+    def loss(self, batch):
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return 1e-3 * self.logits(batch).pow(2).sum() + 1e-2 * penalty
+
+
+class HandMean(ScanNetSeg):
+    """A per-point cross entropy (``reduction="none"``) averaged by hand: ``.mean()`` over the batch's points."""
+
+    def loss(self, batch):
+        labels = batch["labels"].clamp(max=NUM_CLASSES - 1)
+        return F.cross_entropy(self.logits(batch), labels, reduction="none").mean()
+
+
 class SometimesL1(MultiHead):
     """An L1 term only when the chunk has 3 samples or more: replicas may call different sequences of losses."""
 
