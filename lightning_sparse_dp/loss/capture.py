@@ -52,7 +52,7 @@ from lightning_sparse_dp.loss.denominators import (
 )
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
-from lightning_sparse_dp.loss.sites import CallSite, call_site, input_rows, reduces_rows
+from lightning_sparse_dp.loss.sites import CallSite, call_site, in_checkpoint, input_rows, reduces_rows
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
@@ -133,8 +133,8 @@ class Term:
     """
 
     __slots__ = (
-        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "_scale", "_factor",
-        "_numbers",
+        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "checkpointed",
+        "_scale", "_factor", "_numbers",
     )
 
     def __init__(
@@ -146,6 +146,7 @@ class Term:
         site = site or CallSite(0, "?", False)
         self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
         self.statistic = statistic
+        self.checkpointed = False  # called inside torch.utils.checkpoint: recomputed in backward, unscaled there
         self.value: Tensor | None = None
         self._scale = 1.0
         self._numbers: tuple[float, float] | None = None  # (D, L) once read (TermCapture.read_numbers)
@@ -259,16 +260,10 @@ class TermCapture(StepObserver):
     def _capture(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         out = func(*args, **kwargs)
         bound = bind(func, args, kwargs)
-        if is_sum(bound):
-            d: float | Tensor | None = None
-            keep: Tensor | bool = True
-        elif is_mean(bound):
-            d = denominator(func, bound)
-            if isinstance(d, Tensor) and d.device.type == "cpu":
-                d = float(d)  # no device to wait for
-            keep = d > 0 if isinstance(d, Tensor) else bool(d > 0)
-        else:
+        reduced = _reduced(func, bound)
+        if reduced is None:
             return out  # "none": what the step does with it is its own arithmetic
+        d, keep = reduced
         term = Term(
             loss_name(func),
             d,
@@ -281,8 +276,15 @@ class TermCapture(StepObserver):
         return self._add(term, out, keep)
 
     def _add(self, term: Term, out: Tensor, keep: Tensor | bool) -> Tensor:
-        """``out`` as the step's next term: scaled by the term's factor, its value kept, its form a term of its own."""
-        value = _scaled(out, keep, term._factor)
+        """``out`` as the step's next term: scaled by the term's factor, its value kept, its form a term of its own.
+
+        Inside ``torch.utils.checkpoint`` (:func:`~lightning_sparse_dp.loss.sites.in_checkpoint`) ``out`` is handed back
+        as torch made it: backward computes it again where no capture runs (torch function modes do not reach the
+        recomputation), so a factor there would be missing (``use_reentrant=True``: the gradient unscaled) or would
+        save tensors the recomputation does not (``use_reentrant=False``: torch's ``CheckpointError``). Such a term is
+        read but cannot be weighted (:func:`~lightning_sparse_dp.loss.decide.summarize` says why)."""
+        term.checkpointed = in_checkpoint()
+        value = out if term.checkpointed else _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
         self.terms.append(term)
@@ -339,6 +341,19 @@ class TermCapture(StepObserver):
         if abs(r) <= 64 * torch.finfo(value.dtype).eps * scale:
             r = 0.0
         return coeffs, r, scale
+
+
+def _reduced(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | bool] | None:
+    """A captured loss call's denominator (``None`` for ``reduction="sum"``) and where its value is kept (``False`` /
+    a tensor: 0 where the mean is over nothing); ``None`` for ``reduction="none"``."""
+    if is_sum(bound):
+        return None, True
+    if not is_mean(bound):
+        return None
+    d = denominator(func, bound)
+    if isinstance(d, Tensor) and d.device.type == "cpu":
+        d = float(d)  # no device to wait for
+    return d, (d > 0 if isinstance(d, Tensor) else bool(d > 0))
 
 
 def _full_reduction(args: tuple, kwargs: dict) -> bool:

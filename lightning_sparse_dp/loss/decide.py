@@ -126,6 +126,14 @@ def summarize(
         return Summary(comb, shape.samples, n, collectives=list(collectives))
     coeffs, r, scale = comb
     assert capture is not None
+    inside = next((t for t, c in zip(capture.terms, coeffs) if c != 0.0 and t.checkpointed), None)
+    if inside is not None:
+        why = (
+            f"{inside.name} at {inside.where} runs inside torch.utils.checkpoint, which computes it again in backward, "
+            "outside the step, where its gradient cannot be weighted. Checkpoint the layers and call the loss outside: "
+            "h = checkpoint(self.head, h, use_reentrant=False); loss = F.cross_entropy(h, y)"
+        )
+        return Summary(why, shape.samples, n, collectives=list(collectives))
     capture.read_numbers()
     out = Summary(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)

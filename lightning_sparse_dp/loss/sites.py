@@ -86,6 +86,20 @@ def call_site(depth: int = 1) -> CallSite:
     return site if in_loop == site.in_loop else site._replace(in_loop=in_loop)
 
 
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def in_checkpoint() -> bool:
+    """Whether the calling code runs inside ``torch.utils.checkpoint`` (a frame of ``torch/utils/checkpoint.py`` on the
+    stack): a loss computed there is computed again in backward, outside the step (:mod:`~.capture`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def input_rows(func: Any, a: Arguments) -> int:
     """The rows of a loss call's input: ``input.shape[0]``, 1 for a 0-dim input or an unbatched class score."""
     x = a.get("input")

@@ -55,8 +55,10 @@ def test_logging_bad_values_from_a_replica_raises_lightnings_own_errors():
     import torchmetrics
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises(MisconfigurationException, match="metric_attribute=name"):
+    with pytest.raises(MisconfigurationException, match="setting an attribute for the metric"):  # no metric at all
         LogRecorder()("acc", torchmetrics.Accuracy(task="binary"))
+    with pytest.raises(MisconfigurationException, match=r"metric_attribute=name\)` where `name` is one of \['acc'\]"):
+        LogRecorder({"acc": torchmetrics.Accuracy(task="binary")})("acc", torchmetrics.Accuracy(task="binary"))
     with pytest.raises(ValueError, match="`str` values cannot be logged"):
         LogRecorder()("acc", "high")
     with pytest.raises(ValueError, match="the tensor must have a single element"):
