@@ -92,9 +92,10 @@ class DigitNet(L.LightningModule):
     def forward(self, x: ME.SparseTensor) -> torch.Tensor:
         """Logits ``[B, 10]`` in batch-index order.
 
-        ME 0.5.4's global pooling does not sort its rows by batch index, and its default average mode
-        (``GLOBAL_AVG_POOLING_PYTORCH_INDEX``) gives wrong per-sample means on CPU for such batches, so the
-        network uses ``GLOBAL_AVG_POOLING_KERNEL`` and sorts the rows by ``C[:, 0]``.
+        Released ME 0.5.4's global pooling does not keep its rows in batch-index order, and its default average
+        mode (``GLOBAL_AVG_POOLING_PYTORCH_INDEX``) gives wrong per-sample means on CPU for such batches; the ME this
+        project builds fixes both (patches 01 and 02, docs/minkowskiengine.md). The network still uses
+        ``GLOBAL_AVG_POOLING_KERNEL`` and sorts the rows by ``C[:, 0]``, so it is right on a stock ME too.
         """
         out = self.head(self.pool(self.features(x)))
         return out.F[out.C[:, 0].argsort()]

@@ -12,7 +12,7 @@
 #   Neither: CUDA when PYTHON's torch is a CUDA build and sees a GPU, CPU otherwise.
 #   OpenBLAS: found by scripts/find_blas.sh (LSDP_BLAS_INCLUDE / LSDP_BLAS_LIB, the active conda
 #   environment, pkg-config, the system); PYTHON may be any interpreter (a venv's, conda's, a module's).
-#   Offline (a machine that reaches no package registry, e.g. a lent GPU machine; scripts/gpu_check.sh --bundle
+#   Offline (a machine that reaches no package registry, e.g. an HPC compute node; scripts/gpu_check.sh --bundle
 #   sets these from scripts/gpu_bundle.sh's bundle): LSDP_ME_SDIST=FILE uses that ME 0.5.4 source distribution
 #   instead of downloading one; LSDP_OFFLINE=1 also builds with PYTHON's own setuptools, wheel and ninja instead
 #   of a pinned build environment (with --blas given ME's setup.py needs no numpy.distutils) and lets pip reach
@@ -211,8 +211,8 @@ fi
 wheel=$(ls "$WHEEL_DIR"/[Mm]inkowski[Ee]ngine-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
-    took="CPU-only takes about 8 minutes on 2 cores"
-    [ "$VARIANT" = cpu ] || took="CUDA takes about 20 minutes for one architecture on 2 cores"
+    took="CPU-only takes about 5 to 8 minutes on 2 cores"
+    [ "$VARIANT" = cpu ] || took="CUDA takes 20 to 40 minutes for one architecture on 2 cores, 2 to 3.5 with 16 jobs"
     log "no cached wheel for $KEY: building ($took)"
     case "$(uname -s)" in Linux) ;; *) die "only Linux builds are supported by this script";; esac
     # OpenBLAS from wherever the environment has it (scripts/find_blas.sh: named folders, conda, pkg-config,

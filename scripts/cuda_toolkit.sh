@@ -22,7 +22,7 @@
 #     A wheel layout is not quite a CUDA_HOME: torch.utils.cpp_extension links with
 #     -L CUDA_HOME/lib64 -lcudart and ME adds -lcusparse, while the wheels ship lib/ with versioned
 #     names only (libcudart.so.13). The script adds lib64/ with unversioned links.
-# A system nvcc of another version on PATH is not used (this machine has CUDA 13.0 in
+# A system nvcc of another version on PATH is not used (a machine may have, say, CUDA 13.0 in
 # /usr/local/cuda without cuSPARSE headers, for instance).
 set -euo pipefail
 

@@ -1,22 +1,22 @@
-"""The GPU check's carried bundle: everything a lent GPU machine lacks to build and test, gathered where the package
-registries are reachable, and used there with no download, no apt and no write outside temporary folders and the
-interpreter's site-packages.
+"""The GPU check's offline bundle: everything a GPU node without network (an HPC compute node) lacks to build ME and
+run the GPU check, gathered where the package registries are reachable, and used on the node with no download, no
+apt and no write outside temporary folders and the interpreter's site-packages.
 
-    bash scripts/gpu_bundle.sh DIR [PYTHON]        # here: gather (about 30 s; 17 MB)
-    bash scripts/gpu_check.sh --bundle DIR         # on the GPU machine (scripts/gpu_check.py)
+    bash scripts/gpu_bundle.sh DIR [PYTHON]             # where the registries are reachable (about 30 s; 17 MB)
+    bash scripts/gpu_check.sh python3 --bundle DIR      # on the GPU node, in the copied checkout (scripts/gpu_check.py)
 
-What a GPU machine of this workplace has (its image, read 2026-11: Python 3.12, torch 2.11.0+cu130, nvcc 13.0 in
-/usr/local/cuda, lightning, torchmetrics, numpy, scikit-learn, pytest, hypothesis, setuptools, wheel, ninja) and
-lacks (no registry, no ``cblas.h``), and what a first try there met, are in issue 33. DIR holds:
+The node must bring a Python with torch's CUDA build and numpy, and nvcc (``CUDA_HOME``, default ``/usr/local/cuda``);
+it may lack a package registry and ``cblas.h`` (docs/cuda.md). DIR holds:
 
 * ``sdist/MinkowskiEngine-0.5.4.tar.gz``: ME's source distribution (``build_minkowski.sh --fetch-sdist``);
 * ``debs/``: Debian's OpenBLAS (``libopenblas0-pthread``, ``libopenblas-pthread-dev``) and the Fortran runtime it
   links (``libgfortran5``, ``libquadmath0``), from ``apt-get download`` (no root, nothing installed); unpacked on the
-  GPU machine under a temporary folder by :func:`unpack_openblas` (no dpkg needed);
-* ``wheels/``: wheels, for the GPU machine's Python (``--python-version``, default 3.12), of what the build and the
-  tests import, at the versions installed here, so that one missing there can be installed with no index;
-* ``cache/``: made on the GPU machine: ``build_minkowski.sh`` keeps the built wheel there (``LSDP_CACHE``), so a
-  second call on the same machine installs it in seconds;
+  GPU node under a temporary folder by :func:`unpack_openblas` (no dpkg needed);
+* ``wheels/``: wheels, for the GPU node's Python (``--python-version``, default 3.12), of what the build and the
+  tests import, at the versions installed where the bundle is made, so that one missing on the node can be installed
+  with no index;
+* ``cache/``: made on the GPU node: ``build_minkowski.sh`` keeps the built wheel there (``LSDP_CACHE``), so a
+  second call on the same node installs it in seconds;
 * ``bundle.json``: what is in it (file, bytes, sha256) and when it was made.
 """
 
@@ -38,7 +38,8 @@ ME_SDIST = "MinkowskiEngine-0.5.4.tar.gz"
 #: Debian packages: OpenBLAS with its headers (cblas.h) and the Fortran runtime libopenblas links
 DEBS = ("libopenblas0-pthread", "libopenblas-pthread-dev", "libgfortran5", "libquadmath0")
 #: module -> distribution, for what the ME build (setuptools, wheel, ninja) and the GPU tests and bench import
-#: beyond torch and numpy, which the GPU machine's Python must bring (a CUDA torch cannot be carried in 64 MiB)
+#: beyond torch and numpy, which the GPU node's Python must bring (a CUDA torch is gigabytes: install it on the node as
+#: your site does)
 MODULES = {
     "setuptools": "setuptools", "wheel": "wheel", "ninja": "ninja", "pytest": "pytest", "pluggy": "pluggy",
     "iniconfig": "iniconfig", "hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
@@ -47,7 +48,7 @@ MODULES = {
 #: of :data:`MODULES`, those the check goes on without: setuptools >= 70.1 has bdist_wheel itself, and without ninja
 #: the compile runs one file at a time
 OPTIONAL = ("wheel", "ninja")
-#: what must stay free of the 64 MiB a GPU call carries, for the repository itself
+#: the most the bundle may weigh: it stays small enough to copy to the node beside the checkout (about 17 MiB as made)
 LIMIT_BYTES = 40 * 2**20
 
 
@@ -117,8 +118,8 @@ def make(bundle: Path, python: str, python_version: str = "3.12") -> dict:
     manifest["bytes"] = total
     (bundle / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
     if total > LIMIT_BYTES:
-        sys.exit(f"gpu_bundle: {total / 2**20:.1f} MiB is over the {LIMIT_BYTES / 2**20:.0f} MiB a GPU call can "
-                 "carry beside the repository")
+        sys.exit(f"gpu_bundle: {total / 2**20:.1f} MiB is over the {LIMIT_BYTES / 2**20:.0f} MiB the bundle is meant "
+                 "to stay under (it is copied to the GPU node beside the checkout)")
     _say(f"{len(files)} files, {total / 2**20:.1f} MiB in {bundle}")
     return manifest
 
@@ -129,7 +130,7 @@ def check(bundle: Path) -> list[str]:
     manifest_path = bundle / "bundle.json"
     if not manifest_path.is_file():
         return [f"{bundle} has no bundle.json: make it with bash scripts/gpu_bundle.sh {bundle} where a registry "
-                "is reachable, and carry it"]
+                "is reachable, and copy it to this machine"]
     manifest = json.loads(manifest_path.read_text())
     problems = []
     for entry in manifest["files"]:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                         help="an interpreter with torch (ME's setup.py imports it to read the sdist's metadata)")
-    parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python, for the wheels")
+    parser.add_argument("--python-version", default="3.12", help="the GPU node's Python, for the wheels")
     args = parser.parse_args(argv)
     make(args.bundle.resolve(), args.python, args.python_version)
     problems = check(args.bundle.resolve())

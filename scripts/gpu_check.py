@@ -1,15 +1,15 @@
 """The GPU checklist of lightning-sparse-dp, in one command: run it on a machine with GPUs.
 
     bash scripts/gpu_check.sh [PYTHON] [--quick]
-    bash scripts/gpu_check.sh --bundle DIR [--quick]    # a bare GPU machine that reaches no registry
+    bash scripts/gpu_check.sh python3 --bundle DIR [--quick]    # a GPU node without network (an HPC compute node)
 
-With ``--bundle DIR`` (made by ``scripts/gpu_bundle.sh DIR`` where a registry is reachable, carried with the
-repository; see scripts/gpu_bundle.py) PYTHON defaults to the machine's ``python3``, which must hold a CUDA torch;
-the bundle's OpenBLAS is unpacked under a temporary folder, missing Python modules are installed from its wheels
-with no index, ME is built offline from its sdist with the machine's nvcc (``CUDA_HOME``, default
-``/usr/local/cuda``) and every core, and the wheel is kept in ``DIR/cache`` for a second call. The steps share a
-time budget (``--budget``, default 450 s) so that the whole check ends within 8 minutes of a bare machine; a step
-cut short by it is reported as such.
+With ``--bundle DIR`` (made by ``scripts/gpu_bundle.sh DIR`` where the package registries are reachable, then copied
+to the node with the checkout; see scripts/gpu_bundle.py and docs/cuda.md) PYTHON is the node's ``python3``, which
+must hold a CUDA torch; the bundle's OpenBLAS is unpacked under a temporary folder, missing Python modules are
+installed from its wheels with no index, ME is built offline from its sdist with the node's nvcc (``CUDA_HOME``,
+default ``/usr/local/cuda``) and every core, and the wheel is kept in ``DIR/cache`` for the next call. The steps share
+a time budget (``--budget``, default 450 s) so that the whole check ends within about 8 minutes, even where ME must
+be built first; a step cut short by it is reported as such.
 
 (or ``PYTHON scripts/gpu_check.py [--quick]``). PYTHON (default ``.venv/bin/python``) must have a
 CUDA build of torch and this package installed. Steps:
@@ -18,13 +18,13 @@ CUDA build of torch and this package installed. Steps:
    (exit status 3): nothing else can be checked.
 2. MinkowskiEngine with CUDA: the installed one if its backend was built with CUDA, else
    ``scripts/build_minkowski.sh --cuda PYTHON`` builds and caches one for the visible GPUs'
-   architectures (about 20 minutes for one architecture on 2 cores; minutes on a large machine).
+   architectures (20 to 40 minutes for one architecture on 2 cores, 2 to 3.5 minutes with 16 jobs).
 3. Exactness on GPUs: ``tests/strategies/test_gpu.py`` (sparse_dp on ``accelerator="gpu"`` with 1..N devices
    against plain Lightning on one GPU with the whole batch, float64, 1e-10 relative per tensor) and
    the CUDA paths' tests (``tests/runtime/test_cuda_paths_*.py``, ``tests/project/test_cuda_paths_scripts.py``).
 4. Speed: ``benchmarks/bench.py --accelerator gpu`` (``--quick`` for a short run).
 5. One summary line, ``gpu_check: PASS ...`` or ``gpu_check: FAIL ...``; the full outputs are in
-   ``gpu_check_logs/`` (or ``--logs DIR``). Put its figures in docs/cuda.md.
+   ``gpu_check_logs/`` (or ``--logs DIR``), the line also in ``summary.txt`` there.
 
 Exit status: 0 all passed, 1 a step failed, 3 no GPU visible (nothing run).
 """
@@ -100,16 +100,16 @@ def bench_headline(output: str) -> dict:
     return {}
 
 
-#: the most a built ME wheel may weigh to come back with the logs (the device tool carries 64 MiB in all, the
-#: bundle about 17)
+#: the most a built ME wheel may weigh to be copied into the logs folder, so that the logs stay small enough to copy
+#: back from the node (a CUDA wheel for one architecture is about 7 MB)
 WHEEL_BACK_MIB = 45
 
 
 def keep_me_wheel(cache: Path, out: Path) -> str:
     """Copy the ME wheels that ``build_minkowski.sh`` cached under ``cache`` (``<key>/<wheel>``) to ``out`` (same
-    layout), each at most :data:`WHEEL_BACK_MIB`, so that they come back with the logs: put into the next bundle's
-    ``cache/wheels/`` (docs/cuda.md), the next GPU check on the same image installs ME in seconds instead of building
-    it (about 200 s on an H200). Returns a few words for the summary."""
+    layout), each at most :data:`WHEEL_BACK_MIB`, so that they can be copied back with the logs: put into the
+    bundle's ``cache/wheels/`` (docs/cuda.md), the next GPU check on a node with the same software installs ME in
+    seconds instead of building it (about 200 s on an H200 node). Returns a few words for the summary."""
     said = []
     for wheel in sorted(cache.glob("*/*.whl")):
         mib = wheel.stat().st_size / 2**20

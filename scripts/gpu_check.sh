@@ -6,7 +6,8 @@
 # usage: scripts/gpu_check.sh [PYTHON] [--quick] [--logs DIR] [--bundle DIR] [--budget SECONDS]
 #   PYTHON  an interpreter with a CUDA build of torch (default: .venv/bin/python, else python3); without --bundle
 #           it must have lightning-sparse-dp installed
-#   --bundle DIR  a machine that reaches no registry: everything else from DIR (made by scripts/gpu_bundle.sh)
+#   --bundle DIR  a GPU node without network (an HPC compute node): everything else from DIR (made by
+#           scripts/gpu_bundle.sh where the registries are reachable, copied over with the checkout)
 # Exit status: 0 all passed, 1 a step failed, 3 no GPU visible (nothing was run).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 # Run the test suite on the lowest versions pyproject.toml admits (or those given), in a venv of their own.
 #
 # usage: scripts/min_versions.sh [VENV]     (default .venv-min)
-#   Environment: MIN_TORCH (default 2.13.0; 2.4.1 is the lowest run, 646 passed, 2026-11-26; each torch needs its
+#   Environment: MIN_TORCH (default 2.13.0; 2.4.1 is the lowest that passes the suite; each torch needs its
 #   own ME build, ~5 minutes on 2 cores), MIN_LIGHTNING (2.4.0), MIN_TORCHMETRICS (1.6.0: Metric.merge_state), PYTHON (python3).
 # Prints the versions it ran and pytest's summary line; exit status is pytest's.
 set -euo pipefail

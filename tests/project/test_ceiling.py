@@ -119,7 +119,7 @@ def test_unavoidable_work_is_the_plan_the_slowest_cut_the_reduction_and_two_hand
 
 
 def test_the_floor_fraction_bounds_every_step_with_that_unavoidable_work():
-    ceiling_step, unavoidable = 0.0116, 0.0012  # the 20:19 run's digits figures (docs/benchmarks.md)
+    ceiling_step, unavoidable = 0.0116, 0.0012  # digits figures of a full bench run (docs/benchmarks.md)
     best = ceiling.floor_fraction(ceiling_step, unavoidable)
     assert best == pytest.approx(11.6 / 12.8)
     for rest in (0.0, 0.0005, 0.004):  # the step's other own costs: its ceiling fraction is ceiling step / step
