@@ -14,6 +14,7 @@ Lightning's plumbing for one process (world size 1, the replica threads from set
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
@@ -169,6 +170,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
+        self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -433,11 +435,19 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward, timed, with autograd's device threads off here (a no-op on CPU): the node that runs the
-        replicas' passes (:mod:`~lightning_sparse_dp.step.backward`) runs in this thread on every device type."""
-        with self._timer.stage("backward"), torch.autograd.set_multithreading_enabled(False):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Lightning's backward (``Strategy.backward``, not overridden) from here to :meth:`post_backward`: timed, with
+        autograd's device threads off in this thread (a no-op on CPU), so that the node that runs the replicas' passes
+        (:mod:`~lightning_sparse_dp.step.backward`) runs in this thread on every device type."""
+        self._backward_scope.close()  # a backward that raised left its scope open: closed before the next one
+        self._backward_scope.enter_context(self._timer.stage("backward"))
+        self._backward_scope.enter_context(torch.autograd.set_multithreading_enabled(False))
+        super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._backward_scope.close()
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False

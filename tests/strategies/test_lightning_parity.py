@@ -164,3 +164,20 @@ def test_lightnings_workers_advice_for_one_process(monkeypatch):
         said[name] = [str(w.message) for w in caught if "does not have many workers" in str(w.message)]
     assert said["plain"] and said["ours"] == said["plain"]
     assert "num_workers=7" in said["ours"][0]
+
+
+def test_lightnings_backward_wrapped_on_the_base_class_runs_once_per_step_as_on_one_device():
+    """Lightning's own tests wrap ``Strategy.backward`` on the base class (``mock.patch.object(Strategy, "backward",
+    wraps=trainer.strategy.backward)``, its SWA tests): the strategy's backward is Lightning's, so the wrapper sees one
+    call per optimizer step and no recursion, as under plain Lightning."""
+    from unittest import mock
+
+    from lightning.pytorch.strategies import Strategy
+
+    calls = {}
+    for name, strategy, devices in (("plain", "auto", 1), ("ours", "sparse_dp", 3)):
+        t = trainer(strategy=strategy, devices=devices, max_steps=3)
+        with mock.patch.object(Strategy, "backward", wraps=t.strategy.backward) as wrapped:
+            t.fit(SparseNet(), sample_loader(random_samples(28)))
+        calls[name] = wrapped.call_count
+    assert calls["plain"] == 3 and calls["ours"] == calls["plain"]
