@@ -133,7 +133,8 @@ def batch_transfer(module: Any, dataloader_idx: int = 0, always: bool = False) -
     own, else the module's (Lightning's ``LightningModule._call_batch_hook`` rule); ``None`` when neither has its own
     of either (:func:`transfer_hooks_overridden`: the chunk is moved as Lightning moves a batch), unless ``always``.
     Called directly, not through the Trainer's hook machinery: for a module that is not the Trainer's (the exactness
-    check's copy), whose hooks the Trainer cannot call."""
+    check's copy), whose hooks the Trainer cannot call; the module (and its trainer's) carry the hook's name meanwhile,
+    as Lightning's hook call sets it, so that ``self.log`` in them is refused as there."""
     if module is None:
         return None
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
@@ -141,9 +142,23 @@ def batch_transfer(module: Any, dataloader_idx: int = 0, always: bool = False) -
     if not always and not transfer_hooks_overridden(module):
         return None
 
+    # the modules whose self.log the hooks may reach: this one, and its trainer's (a copy's hooks may close over it)
+    modules = {id(m): m for m in (module, getattr(getattr(module, "_trainer", None), "lightning_module", None))
+               if hasattr(m, "_current_fx_name")}
+
+    def call(hook: str, *args: Any) -> Any:
+        before = {key: m._current_fx_name for key, m in modules.items()}
+        for m in modules.values():  # self.log refused inside, as Lightning's hook call refuses it
+            m._current_fx_name = hook
+        try:
+            return getattr(owners[hook], hook)(*args)
+        finally:
+            for key, m in modules.items():
+                m._current_fx_name = before[key]
+
     def transfer(chunk: Any, device: torch.device) -> Any:
-        chunk = owners["transfer_batch_to_device"].transfer_batch_to_device(chunk, device, dataloader_idx)
-        return owners["on_after_batch_transfer"].on_after_batch_transfer(chunk, dataloader_idx)
+        chunk = call("transfer_batch_to_device", chunk, device, dataloader_idx)
+        return call("on_after_batch_transfer", chunk, dataloader_idx)
 
     return transfer
 

@@ -181,3 +181,21 @@ def test_lightnings_backward_wrapped_on_the_base_class_runs_once_per_step_as_on_
             t.fit(SparseNet(), sample_loader(random_samples(28)))
         calls[name] = wrapped.call_count
     assert calls["plain"] == 3 and calls["ours"] == calls["plain"]
+
+
+class LogsInTransfer(SparseNet):
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.log("moved", 1.0)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+def test_self_log_in_a_transfer_hook_is_refused_with_lightnings_words():
+    """The transfer hooks run through Lightning's own hook call (issue 66): ``self.log`` there is refused as there."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    said = {}
+    for name, strategy, devices in (("plain", "auto", 1), ("ours", "sparse_dp", 3)):
+        with pytest.raises(MisconfigurationException) as raised:
+            trainer(strategy=strategy, devices=devices, max_steps=1).fit(LogsInTransfer(), sample_loader(random_samples(14)))
+        said[name] = str(raised.value)
+    assert "You can't `self.log()` inside `transfer_batch_to_device`" in said["plain"] and said["ours"] == said["plain"]
