@@ -228,6 +228,8 @@ class TermCapture(StepObserver):
             kind = _KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
             kind = None
+        if (kind is _CAPTURED_KIND or kind is _SUM_KIND or kind is _MEAN_KIND) and in_transform():
+            return func(*args, **kwargs)  # inside torch.func's vmap / grad: its own function of the inputs, not a term
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
         if (kind is _SUM_KIND or kind is _MEAN_KIND) and _full_reduction(args, kwargs) and not self._touches_forms(args):
@@ -354,6 +356,16 @@ def _reduced(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | boo
     if isinstance(d, Tensor) and d.device.type == "cpu":
         d = float(d)  # no device to wait for
     return d, (d > 0 if isinstance(d, Tensor) else bool(d > 0))
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running: a loss called inside one is
+    the transform's function (per-sample gradients, a Hessian-vector product), evaluated on batched or wrapped tensors
+    whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and a step loss built
+    from such a result is not a combination of terms (said, weighted per replica). torch has no public test for it:
+    ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _full_reduction(args: tuple, kwargs: dict) -> bool:

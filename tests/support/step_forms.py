@@ -73,6 +73,30 @@ class CheckpointedHeadNonReentrant(CheckpointedHead):
     reentrant = False
 
 
+class PerSampleGradients(PooledNet):
+    """Per-sample gradients of the head (``torch.func.vmap(grad(...))`` over a loss), their mean norm logged; the step's
+    loss the plain cross-entropy. ``penalty``: the mean norm also added to the loss (a gradient penalty)."""
+
+    penalty = 0.0
+
+    def training_step(self, batch, batch_idx):
+        from torch.func import functional_call, grad, vmap
+
+        h, y = self.features(batch), batch["labels"]
+        params = dict(self.head.named_parameters())
+
+        def one(p, x, t):
+            return F.cross_entropy(functional_call(self.head, p, (x[None],)), t[None])
+
+        norms = vmap(grad(one), in_dims=(None, 0, 0))(params, h, y)["weight"].flatten(1).norm(dim=1)
+        self.log("grad_norm", norms.mean())
+        return F.cross_entropy(self.head(h), y) + self.penalty * norms.mean()
+
+
+class GradientPenalty(PerSampleGradients):
+    penalty = 0.1
+
+
 class BackwardInside(PooledNet):
     """A ``.backward()`` on an auxiliary quantity inside the step (Lightning's ``zero_grad`` clears what it leaves)."""
 

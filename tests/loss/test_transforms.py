@@ -1,0 +1,50 @@
+"""``torch.func`` transforms in the step (issue 65 item 4), against plain Lightning on one device in float64: a loss
+evaluated inside ``vmap`` / ``grad`` (per-sample gradients) is the transform's function, left alone by the capture
+(it crashed there reading a batched value); the step's own loss stays exact, and so does a loss built from the
+transform's result by a mean over the samples (a gradient penalty: a term of its own)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.support.helpers import (
+    REL,
+    collate_dict,
+    loader,
+    random_samples,
+    relative_difference,
+    same_start,
+    state_differences,
+    trainer64,
+)
+from tests.support.step_forms import GradientPenalty, PerSampleGradients
+
+
+def _fit_both(cls, devices):
+    batches = [collate_dict(random_samples(8, seed=s)) for s in (3, 4)]
+    ours, reference = same_start(cls, seed=0)
+    t = trainer64(strategy="sparse_dp", devices=devices, max_steps=2)
+    t.fit(ours, loader(*batches))
+    r = trainer64(max_steps=2)
+    r.fit(reference, loader(*batches))
+    return max(state_differences(ours, reference).values()), t, r
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_per_sample_gradients_in_the_step_train_and_log_as_on_one_device(devices, caplog):
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _fit_both(PerSampleGradients, devices)
+    assert worst <= REL
+    assert relative_difference(t.logged_metrics["grad_norm"], r.logged_metrics["grad_norm"]) <= REL
+    assert "cannot weight" not in caplog.text
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_gradient_penalty_from_per_sample_gradients_is_exact(devices, caplog):
+    """The penalty is the mean over the chunk's samples of their gradients' norms: a full mean, so a term of its own."""
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _fit_both(GradientPenalty, devices)
+    assert worst <= REL
+    assert "cannot weight" not in caplog.text
