@@ -134,7 +134,7 @@ class Term:
 
     __slots__ = (
         "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "checkpointed",
-        "_scale", "_factor", "_numbers",
+        "unrecorded", "_scale", "_factor", "_numbers",
     )
 
     def __init__(
@@ -147,6 +147,9 @@ class Term:
         self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
         self.statistic = statistic
         self.checkpointed = False  # called inside torch.utils.checkpoint: recomputed in backward, unscaled there
+        #: called where autograd records nothing in a step that records (a custom Function's forward, torch.no_grad):
+        #: the gradient that reaches it comes from elsewhere (a hand-written backward), past the term's factor
+        self.unrecorded = False
         self.value: Tensor | None = None
         self._scale = 1.0
         self._numbers: tuple[float, float] | None = None  # (D, L) once read (TermCapture.read_numbers)
@@ -200,7 +203,14 @@ class TermCapture(StepObserver):
         super().__init__(collectives)
         self.terms: list[Term] = []
         self.forms: dict[int, Form] = {}
+        self.recording = True  # whether the step records gradients (set by run)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """:meth:`StepObserver.run`, noting whether the step records gradients (a term called where nothing is
+        recorded then is :attr:`Term.unrecorded`)."""
+        self.recording = torch.is_grad_enabled()
+        return super().run(fn)
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -286,6 +296,7 @@ class TermCapture(StepObserver):
         save tensors the recomputation does not (``use_reentrant=False``: torch's ``CheckpointError``). Such a term is
         read but cannot be weighted (:func:`~lightning_sparse_dp.loss.decide.summarize` says why)."""
         term.checkpointed = in_checkpoint()
+        term.unrecorded = self.recording and not torch.is_grad_enabled() and not term.checkpointed
         value = out if term.checkpointed else _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})

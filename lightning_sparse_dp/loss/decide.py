@@ -126,12 +126,23 @@ def summarize(
         return Summary(comb, shape.samples, n, collectives=list(collectives))
     coeffs, r, scale = comb
     assert capture is not None
-    inside = next((t for t, c in zip(capture.terms, coeffs) if c != 0.0 and t.checkpointed), None)
+    # terms whose gradient the strategy cannot weight: only a value that carries a gradient (the loss) is refused
+    weighed = [(t, c) for t, c in zip(capture.terms, coeffs) if c != 0.0] if value.requires_grad else []
+    inside = next((t for t, c in weighed if t.checkpointed), None)
     if inside is not None:
         why = (
             f"{inside.name} at {inside.where} runs inside torch.utils.checkpoint, which computes it again in backward, "
             "outside the step, where its gradient cannot be weighted. Checkpoint the layers and call the loss outside: "
             "h = checkpoint(self.head, h, use_reentrant=False); loss = F.cross_entropy(h, y)"
+        )
+        return Summary(why, shape.samples, n, collectives=list(collectives))
+    unrecorded = next((t for t, c in weighed if t.unrecorded), None)
+    if unrecorded is not None:
+        why = (
+            f"{unrecorded.name} at {unrecorded.where} runs where autograd records nothing (inside a "
+            "torch.autograd.Function's forward, whose backward is written by hand, or under torch.no_grad), so the "
+            "gradient that reaches the loss does not pass through it and cannot be weighted. Call the loss outside the "
+            "Function (let it return the logits), or pass loss_weighting= a count of what the loss is a mean over"
         )
         return Summary(why, shape.samples, n, collectives=list(collectives))
     capture.read_numbers()
