@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.support.helpers import (
     REL,
@@ -19,7 +21,7 @@ from tests.support.helpers import (
     state_differences,
     trainer64,
 )
-from tests.support.step_forms import GradientPenalty, PerSampleGradients
+from tests.support.step_forms import GradientPenalty, PerSampleGradients, PooledNet
 
 
 def _fit_both(cls, devices):
@@ -48,3 +50,23 @@ def test_a_gradient_penalty_from_per_sample_gradients_is_exact(devices, caplog):
         worst, t, r = _fit_both(GradientPenalty, devices)
     assert worst <= REL
     assert "cannot weight" not in caplog.text
+
+
+class CompiledLoss(PooledNet):
+    """An L1 loss, a ``torch.compile``-d helper made lazily on the module (in its ``__dict__``, not a submodule)."""
+
+    def training_step(self, batch, batch_idx):
+        if "_l1" not in self.__dict__:
+            self.__dict__["_l1"] = torch.compile(lambda a, b: (a - b).abs().mean())
+        logits = self.head(self.features(batch))
+        target = F.one_hot(batch["labels"], logits.shape[1]).to(logits.dtype)
+        loss = self.__dict__["_l1"](logits, target)
+        assert loss.dim() == 0  # the compiled helper's value is one value inside a step too (issue 65 item 3)
+        return loss
+
+
+def test_a_compiled_loss_helper_trains_as_on_one_device_or_is_said(caplog):
+    with caplog.at_level(logging.INFO):
+        worst, _, _ = _fit_both(CompiledLoss, 2)
+    said = {r.getMessage() for r in caplog.records if "cannot weight the step's loss term by term" in r.getMessage()}
+    assert worst <= REL and len(said) <= 1  # its mean runs inside compiled code: said once, weighted by samples: exact
