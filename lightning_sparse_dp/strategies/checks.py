@@ -5,6 +5,8 @@ does; these are the module's traits that matter then, looked at before the steps
 
 - :func:`refuse_dataloader_iter`: a ``sparse_dp`` step written as ``step(self, dataloader_iter)`` fetches its batches
   itself, so it cannot be split before it runs: refused at setup;
+- :func:`refuse_compiled_submodules`: a ``torch.compile``-d submodule cannot be replicated (its wrapper calls the
+  module it wraps, the user's, and copying it writes into that module): refused at setup, naming the fix;
 - :func:`warn_unsynchronized_batchnorm`: batch norm without ``sync_batchnorm`` normalizes each chunk with its own
   statistics: said once at setup (SyncBatchNorm layers left unsynchronized as a warning);
 - :func:`min_points_per_chunk`: the fewest points the split gives a chunk, 2 where batch norm runs per replica (it
@@ -50,6 +52,32 @@ def refuse_dataloader_iter(module: nn.Module) -> None:
             f"sparse_dp does not support {', '.join(iterating)}(self, dataloader_iter): it splits each batch before the "
             "step runs, and such a step fetches its batches itself. Write the step as step(self, batch, batch_idx), or "
             "use strategy='sparse_ddp', which runs such steps as DDP does."
+        )
+
+
+def refuse_compiled_submodules(module: nn.Module, replicas: int) -> None:
+    """``sparse_dp`` at setup with several replicas: a submodule that ``torch.compile`` wrapped (``OptimizedModule``,
+    e.g. ``self.head = torch.compile(nn.Linear(...))``) cannot be replicated. Its compiled ``forward`` is bound to
+    the module it wraps, the user's, so a replica's call would run the user's parameters in every thread, and
+    ``Module._replicate_for_data_parallel`` (torch's, as ``nn.DataParallel`` uses it) sets the copy's attributes
+    through the wrapper's ``__setattr__``, which forwards them to the wrapped module: the user's module is changed.
+
+    Raises:
+        MisconfigurationException: naming the submodules and the fixes (keep the submodule uncompiled, compile a
+            function the step calls, or ``sparse_ddp``; Lightning itself refuses a compiled LightningModule for any
+            strategy but its single-device, DDP and FSDP ones).
+    """
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without torch.compile
+        return
+    compiled = [name for name, m in module.named_modules() if name and isinstance(m, OptimizedModule)]
+    if replicas > 1 and compiled:
+        raise MisconfigurationException(
+            f"sparse_dp: {', '.join(compiled)} is a torch.compile-d submodule, which cannot be replicated: its compiled "
+            "forward runs the module it wraps, not the replica's. Keep the submodule uncompiled (self.head = "
+            "nn.Linear(...)), or compile inside a helper the step calls (torch.compile of a function), or use "
+            "strategy='sparse_ddp', whose ranks each hold the whole module."
         )
 
 

@@ -47,6 +47,7 @@ from lightning_sparse_dp.step.weigh import exact_outputs, weigh
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin
 from lightning_sparse_dp.strategies.checks import (
     min_points_per_chunk,
+    refuse_compiled_submodules,
     refuse_dataloader_iter,
     warn_unsynchronized_batchnorm,
 )
@@ -178,6 +179,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         assert module is not None and self.parallel_devices is not None
         self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
         refuse_dataloader_iter(module)
+        refuse_compiled_submodules(module, len(self.parallel_devices))
         self._resolve_layer_sync()
         if self._layer_sync is None:  # said once: batch norm per replica
             warn_unsynchronized_batchnorm(module, len(self.parallel_devices))

@@ -70,3 +70,23 @@ def test_a_compiled_loss_helper_trains_as_on_one_device_or_is_said(caplog):
         worst, _, _ = _fit_both(CompiledLoss, 2)
     said = {r.getMessage() for r in caplog.records if "cannot weight the step's loss term by term" in r.getMessage()}
     assert worst <= REL and len(said) <= 1  # its mean runs inside compiled code: said once, weighted by samples: exact
+
+
+class CompiledSubmodule(PooledNet):
+    def __init__(self):
+        super().__init__()
+        self.chead = torch.compile(self.head)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.chead(self.features(batch)), batch["labels"])
+
+
+def test_a_compiled_submodule_is_refused_at_setup_and_the_module_left_as_it_was():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    module = CompiledSubmodule()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(MisconfigurationException, match="chead is a torch.compile-d submodule"):
+        trainer64(strategy="sparse_dp", devices=2, max_steps=1).fit(module, loader(collate_dict(random_samples(8))))
+    assert set(module.head._parameters) == {"weight", "bias"}  # torch's replica copy used to empty it
+    assert all(relative_difference(module.state_dict()[k], v) == 0 for k, v in before.items())
