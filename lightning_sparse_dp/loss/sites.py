@@ -11,6 +11,7 @@ from __future__ import annotations
 import dis
 import functools
 import importlib.util
+import itertools
 import os
 import sys
 import zlib
@@ -55,7 +56,11 @@ def _frame_site(code: Any, offset: int, line: int | None) -> CallSite:
     """The site of one instruction: its key, and whether a backward jump of its code spans it (a loop body)."""
     found = _SITES.get((code, offset))
     if found is None:
-        key = zlib.crc32(f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}:{offset}".encode())
+        # keyed by the call's place in the source (line and columns, Python 3.11's co_positions), not its bytecode
+        # offset: torch.compile runs a function's frames with other bytecode, where offsets move, positions do not
+        position = next(itertools.islice(code.co_positions(), offset // 2, None), None)
+        place = ":".join(map(str, position)) if position is not None and position[0] is not None else f"@{offset}"
+        key = zlib.crc32(f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}:{place}".encode())
         in_loop = code.co_name in _COMPREHENSIONS or any(
             ins.opname in _JUMPS and isinstance(ins.argval, int) and ins.argval <= offset < ins.offset
             for ins in dis.get_instructions(code)

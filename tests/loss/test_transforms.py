@@ -90,3 +90,26 @@ def test_a_compiled_submodule_is_refused_at_setup_and_the_module_left_as_it_was(
         trainer64(strategy="sparse_dp", devices=2, max_steps=1).fit(module, loader(collate_dict(random_samples(8))))
     assert set(module.head._parameters) == {"weight", "bias"}  # torch's replica copy used to empty it
     assert all(relative_difference(module.state_dict()[k], v) == 0 for k, v in before.items())
+
+
+class CompiledBody(PooledNet):
+    """A compiled function in the network's path (made lazily on the module), a class-weighted cross-entropy after it."""
+
+    def training_step(self, batch, batch_idx):
+        if "_body" not in self.__dict__:
+            self.__dict__["_body"] = torch.compile(lambda h: torch.relu(h) * 2)
+        logits = self.head(self.__dict__["_body"](self.features(batch)))
+        weight = torch.linspace(0.5, 1.5, logits.shape[1], dtype=logits.dtype)
+        return F.cross_entropy(logits, batch["labels"], weight=weight)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_compiled_code_in_the_step_leaves_the_loss_exact_and_its_reading_stable(devices, caplog):
+    """Call sites are keyed by their place in the source (not bytecode offsets, which compiled frames move): two fits
+    read the loss alike, exactly."""
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            worst, _, _ = _fit_both(CompiledBody, devices)
+        assert worst <= REL
+        assert "cannot weight" not in caplog.text
