@@ -120,19 +120,6 @@ def test_sum_over_decoder_levels_is_exact(devices):
     assert _worst(ours, reference) > 1e-6
 
 
-@pytest.mark.parametrize("model", [HandSum, HandMean])
-@pytest.mark.parametrize("devices", [2, 3])
-def test_a_loss_written_as_a_plain_sum_or_mean_over_the_batch_is_exact(model, devices, caplog):
-    """``x.sum()`` / ``x.mean()`` over the chunk's rows are terms (issue 66): each replica's sum counts once, each mean
-    by its elements, a penalty summed over the parameters once; parameters, loss and logged value at 1e-10."""
-    batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.1), chunks=devices) for s in (1, 2)]
-    with caplog.at_level(logging.INFO):
-        worst, t, r = _compare(model, batches, devices)
-    assert not _fallback_lines(caplog)
-    assert worst <= REL
-    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
-
-
 def test_a_dense_batchs_plain_sum_plus_a_constant_is_exact_as_lightnings_own_flow_tests_ask():
     """Lightning's ``DeterministicModel`` (``loops/test_training_loop_flow_scalar.py``): ``l1(x).sum() + batch_idx`` on a
     dense batch of 3 rows: the step's loss is one device's (171 there), on 2 replicas."""
@@ -296,11 +283,14 @@ def test_per_sample_losses_beside_a_whole_chunk_loss_are_exact(caplog):
     _exact_and_unsaid(PerSampleBeside, [seg_batch(8, seed=s, fractions=(0.1, 0.0, 0.4)) for s in (23, 24)], caplog)
 
 
+@pytest.mark.parametrize("model", [SumReduction, HandSum, HandMean])
 @pytest.mark.parametrize("devices", [2, 3])
-def test_a_sum_reduction_counts_each_replica_once(devices, caplog):
+def test_sums_and_means_over_the_batch_are_exact(model, devices, caplog):
+    """``reduction="sum"`` and, written by hand, ``x.sum()`` / ``x.mean()`` over the chunk's rows (terms too, issue 66):
+    each replica's sum counts once, each mean by its elements, a penalty summed over the parameters once."""
     batches = [seg_batch(7, seed=s, fractions=(0.1, 0.3, 1.0), chunks=devices) for s in (25, 26)]
     with caplog.at_level(logging.INFO):
-        worst, t, r = _compare(SumReduction, batches, devices)
+        worst, t, r = _compare(model, batches, devices)
     assert not _fallback_lines(caplog)
     assert worst <= REL
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
