@@ -339,7 +339,7 @@ def _samples_part(
             if d == 0 and not is_sum and c != 0.0:
                 part, out.empty = math.nan, out.empty + [site.name]
             part += c * v
-        per_replica.append([c / ci if ci != 0.0 else 0.0] * len(s.coeffs))
+        per_replica.append([c / ci if ci != 0.0 else None] * len(s.coeffs))  # None: not in the value (see below)
     return part, per_replica
 
 
@@ -368,7 +368,11 @@ def _matched_part(
     per_replica: list[list[float | None]] = [[] for _ in sites]
     part = 0.0
     for j, c in enumerate(site.coeffs):
-        if len(sites) > 1 and c != 0.0 and any(s.shared[j] != site.shared[j] for s in sites):
+        if c == 0.0:  # not in the value: a gradient reaches it only through other terms, already weighted there
+            for scale in per_replica:
+                scale.append(None)
+            continue
+        if len(sites) > 1 and any(s.shared[j] != site.shared[j] for s in sites):
             raise _NotExact(
                 f"the weight given to {site.name} at {site.where} (a class weight, pos_weight) differs from {who} to "
                 f"{who}: computed from the chunk (e.g. from its labels' class frequencies), where one device weights "
@@ -376,7 +380,7 @@ def _matched_part(
                 "dataset, or from the whole batch in on_before_batch_transfer and keep it on the module "
                 "(self.class_weights), so that every replica is given the same"
             )
-        if len(sites) > 1 and c != 0.0 and any(s.statistic[j] for s in sites):
+        if len(sites) > 1 and any(s.statistic[j] for s in sites):
             raise _NotExact(
                 f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
                 "chunk (e.g. out.F.mean(0)), which no split of the batch computes as one device does"

@@ -129,11 +129,33 @@ _THROUGH = (
 )
 
 
+def _of_parameters(node: Any, limit: int = 16) -> bool:
+    """Whether what the reduction ``node`` reduces is an elementwise function of leaves that need a gradient (the
+    module's parameters: ``head.bias.pow(2).mean()``) and of nothing else: every input path runs through
+    :data:`_THROUGH` nodes to an ``AccumulateGrad``. An input without a gradient on the way (a batch tensor: autograd
+    records it as no node) or any other node (a layer, which reads the batch) makes it not (a statistic of the chunk).
+    Looks at most ``limit`` nodes; not proven within them is not."""
+    stack, seen = [n for n, _ in node.next_functions], 0
+    while stack:
+        n = stack.pop()
+        seen += 1
+        if n is None or seen > limit:
+            return False
+        name = n.name()
+        if name == "torch::autograd::AccumulateGrad":
+            continue
+        if not name.startswith(_THROUGH):
+            return False
+        stack.extend(m for m, _ in n.next_functions)
+    return True
+
+
 def reduces_rows(x: Any, limit: int = 16) -> bool:
     """Whether ``x`` comes from a reduction over the rows (dim 0, or every dim) of a tensor, through elementwise
     ops only, as autograd recorded it: ``out.F.mean(0)``, ``feats.max(0).values``, ``x.mean()`` (a statistic of the
     chunk: no split of the batch computes it as one device does). A per-row reduction (``x.sum(1)``), ME's
-    global pooling (one row per sample) and a stack of per-sample statistics are not. Looks at most ``limit``
+    global pooling (one row per sample), a stack of per-sample statistics and a statistic of the parameters alone
+    (:func:`_of_parameters`: ``head.bias.pow(2).mean()``, one value in every replica) are not. Looks at most ``limit``
     autograd nodes; ``False`` for a tensor that needs no gradient."""
     stack, seen = [getattr(x, "grad_fn", None)], 0
     while stack and seen < limit:
@@ -148,9 +170,9 @@ def reduces_rows(x: Any, limit: int = 16) -> bool:
             dim = getattr(node, "_saved_dim", None)
             dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
             dims = tuple(d - 2**64 if d >= 2**63 else d for d in dims)  # autograd saves a negative dim as uint64
-            if ndim and (not dims or any(d % ndim == 0 for d in dims)):
+            if ndim and (not dims or any(d % ndim == 0 for d in dims)) and not _of_parameters(node):
                 return True
-            continue  # a reduction along the rows' other dims: per-row values
+            continue  # a reduction along the rows' other dims (per-row values), or of the parameters alone
         if name.startswith(_THROUGH):
             stack.extend(n for n, _ in node.next_functions)
     return False

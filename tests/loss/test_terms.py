@@ -279,7 +279,8 @@ def test_outside_capture_leaves_the_mode_when_the_step_entered_another_after_it(
 def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
     from lightning_sparse_dp.loss.sites import reduces_rows
 
-    a = x.clone().requires_grad_()
+    w = torch.ones(x.shape[1], dtype=x.dtype, requires_grad=True)  # a parameter
+    a = x * w  # rows of the chunk: the batch enters without a gradient, as a network's input does
     for statistic in (
         a.mean(0),
         a.sum(0, keepdim=True) * 2,
@@ -297,6 +298,7 @@ def test_a_reduction_over_rows_is_a_statistic_and_per_row_values_are_not():
         a * 2 + 1,
         torch.stack([a[index == s].mean(0) for s in range(2)]),
         a.mean(0).detach(),
+        a / (w.pow(2).mean() + 1).sqrt(),  # a statistic of the parameter alone: one value in every replica
     )
     assert not any(reduces_rows(r) for r in rows)
 
@@ -352,7 +354,9 @@ def test_per_sample_pooling_heads_are_not_a_statistic_of_the_chunk(head):
 def test_reductions_over_the_rows_are_a_statistic_of_the_chunk(head):
     from lightning_sparse_dp.loss.sites import reduces_rows
 
-    h = torch.randn(*_H, requires_grad=True)
+    # a layer's output as autograd sees it: the batch (no gradient) times a parameter; a leaf that needs a gradient
+    # is a parameter, whose statistics are one value in every replica (tests/loss/test_statistics.py)
+    h = torch.randn(*_H) * torch.ones((), requires_grad=True)
     assert reduces_rows(_CHUNK_STATISTICS[head](h))
 
 

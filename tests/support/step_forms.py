@@ -97,6 +97,22 @@ class GradientPenalty(PerSampleGradients):
     penalty = 0.1
 
 
+class ParameterStatistic(PooledNet):
+    """A statistic of a parameter in the logits' path (``z / sqrt(mean(bias ** 2) + 1)``): one value in every replica."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.head(self.features(batch))
+        return F.cross_entropy(z / (self.head.bias.pow(2).mean() + 1).sqrt(), batch["labels"])
+
+
+class ChunkStatisticOfLogits(PooledNet):
+    """A statistic of the chunk in the logits' path (``z - z.mean(0)``): no split computes it as one device does."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.head(self.features(batch))
+        return F.cross_entropy(z - z.mean(0), batch["labels"])
+
+
 class BackwardInside(PooledNet):
     """A ``.backward()`` on an auxiliary quantity inside the step (Lightning's ``zero_grad`` clears what it leaves)."""
 

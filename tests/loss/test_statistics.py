@@ -1,0 +1,35 @@
+"""Statistics in the logits' path (issue 65 item 7), against plain Lightning on one device in float64: a statistic of
+the parameters alone (``mean(bias ** 2)``, one value in every replica) is no statistic of the chunk, so the loss stays
+exact and unsaid (it was read as one and weighted per replica, 0.17 / 0.25 off); a statistic of the chunk is still said."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.support.helpers import REL, collate_dict, loader, random_samples, same_start, state_differences, trainer64
+from tests.support.step_forms import ChunkStatisticOfLogits, ParameterStatistic
+
+
+def _fit_both(cls, devices, caplog):
+    batches = [collate_dict(random_samples(8, seed=s)) for s in (3, 4, 5)]
+    ours, reference = same_start(cls, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy="sparse_dp", devices=devices, max_steps=3).fit(ours, loader(*batches))
+    trainer64(max_steps=3).fit(reference, loader(*batches))
+    said = {r.getMessage() for r in caplog.records if "cannot weight the step's loss term by term" in r.getMessage()}
+    return max(state_differences(ours, reference).values()), said
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_statistic_of_the_parameters_in_the_logits_path_is_exact_and_unsaid(devices, caplog):
+    worst, said = _fit_both(ParameterStatistic, devices, caplog)
+    assert worst <= REL and not said
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_statistic_of_the_chunk_in_the_logits_path_is_still_said(devices, caplog):
+    worst, said = _fit_both(ChunkStatisticOfLogits, devices, caplog)
+    assert len(said) == 1 and "a statistic of the chunk" in next(iter(said)), said
+    assert worst > 1e-8  # weighted per replica: not one device's (the exactness check says so too)
