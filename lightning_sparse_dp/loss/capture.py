@@ -308,7 +308,7 @@ class TermCapture(StepObserver):
         ``"sum"`` (no denominator) or ``"mean"`` over its ``numel()`` elements; a mean also counted for the logged
         values (:func:`~lightning_sparse_dp.loss.means.note_mean`)."""
         out = func(*args, **kwargs)
-        x = args[0]
+        x = args[0] if args else kwargs["input"]
         mean = func in MEAN_FUNCTIONS
         if mean:
             note_mean(args, kwargs, out)
@@ -372,8 +372,8 @@ def _reduced(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | boo
 def in_transform() -> bool:
     """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running: a loss called inside one is
     the transform's function (per-sample gradients, a Hessian-vector product), evaluated on batched or wrapped tensors
-    whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and a step loss built
-    from such a result is not a combination of terms (said, weighted per replica). torch has no public test for it:
+    whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and reads what the
+    step does with the transform's results outside it (a mean of per-sample norms is a term). No public torch test:
     ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing)."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None

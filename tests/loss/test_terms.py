@@ -369,3 +369,15 @@ def test_me_global_pooling_is_one_row_per_sample_not_a_statistic(pool):
     coords = torch.tensor([[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.int32)
     x = ME.SparseTensor(torch.randn(4, 3, requires_grad=True), coords)
     assert not reduces_rows(getattr(ME, pool)()(x).F)
+
+
+def test_full_sums_and_means_are_terms_whether_their_input_is_positional_or_a_keyword():
+    """``x.sum()``, ``torch.sum(input=x)``, ``torch.mean(x)``: terms (issue 66), a sum without denominator, a mean over
+    its elements; a reduction along a dim, an integer count and a tensor that needs no gradient are not."""
+    a = x.clone().requires_grad_()
+    capture = TermCapture()
+    value = capture.run(lambda: a.sum() + torch.sum(input=a) + 2 * torch.mean(a) + a.sum(0)[0] + (labels > 0).sum()
+                        + x.sum())
+    assert [t.name for t in capture.terms] == ["torch.sum", "torch.sum", "torch.mean"]
+    assert [t.denominator for t in capture.terms] == [None, None, float(a.numel())]
+    assert capture.combination(value)[0] == [1.0, 1.0, 2.0]
