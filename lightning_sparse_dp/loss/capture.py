@@ -44,15 +44,15 @@ from lightning_sparse_dp.loss.denominators import (
     CAPTURED,
     UNCAPTURED,
     bind,
-    denominator,
+    full_reduction,
     is_mean,
-    is_sum,
     loss_name,
+    reduction_of,
     shared_arguments,
 )
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
-from lightning_sparse_dp.loss.sites import CallSite, call_site, in_checkpoint, input_rows, reduces_rows
+from lightning_sparse_dp.loss.sites import CallSite, call_site, in_checkpoint, in_transform, input_rows, reduces_rows
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
@@ -242,7 +242,7 @@ class TermCapture(StepObserver):
             return func(*args, **kwargs)  # inside torch.func's vmap / grad: its own function of the inputs, not a term
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
-        if (kind is _SUM_KIND or kind is _MEAN_KIND) and _full_reduction(args, kwargs) and not self._touches_forms(args):
+        if (kind is _SUM_KIND or kind is _MEAN_KIND) and full_reduction(args, kwargs) and not self._touches_forms(args):
             return self._reduction(func, args, kwargs)
         if kind is None and not self._touches_forms(args):
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
@@ -272,7 +272,7 @@ class TermCapture(StepObserver):
     def _capture(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         out = func(*args, **kwargs)
         bound = bind(func, args, kwargs)
-        reduced = _reduced(func, bound)
+        reduced = reduction_of(func, bound)
         if reduced is None:
             return out  # "none": what the step does with it is its own arithmetic
         d, keep = reduced
@@ -304,9 +304,10 @@ class TermCapture(StepObserver):
         return value
 
     def _reduction(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        """A full ``torch.sum`` / ``torch.mean`` of a floating tensor (:func:`_full_reduction`) as a term: reduction
-        ``"sum"`` (no denominator) or ``"mean"`` over its ``numel()`` elements; a mean also counted for the logged
-        values (:func:`~lightning_sparse_dp.loss.means.note_mean`)."""
+        """A full ``torch.sum`` / ``torch.mean`` of a floating tensor
+        (:func:`~lightning_sparse_dp.loss.denominators.full_reduction`) as a term: reduction ``"sum"`` (no denominator)
+        or ``"mean"`` over its ``numel()`` elements; a mean also counted for the logged values
+        (:func:`~lightning_sparse_dp.loss.means.note_mean`)."""
         out = func(*args, **kwargs)
         x = args[0] if args else kwargs["input"]
         mean = func in MEAN_FUNCTIONS
@@ -354,39 +355,6 @@ class TermCapture(StepObserver):
         if abs(r) <= 64 * torch.finfo(value.dtype).eps * scale:
             r = 0.0
         return coeffs, r, scale
-
-
-def _reduced(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | bool] | None:
-    """A captured loss call's denominator (``None`` for ``reduction="sum"``) and where its value is kept (``False`` /
-    a tensor: 0 where the mean is over nothing); ``None`` for ``reduction="none"``."""
-    if is_sum(bound):
-        return None, True
-    if not is_mean(bound):
-        return None
-    d = denominator(func, bound)
-    if isinstance(d, Tensor) and d.device.type == "cpu":
-        d = float(d)  # no device to wait for
-    return d, (d > 0 if isinstance(d, Tensor) else bool(d > 0))
-
-
-def in_transform() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running: a loss called inside one is
-    the transform's function (per-sample gradients, a Hessian-vector product), evaluated on batched or wrapped tensors
-    whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and reads what the
-    step does with the transform's results outside it (a mean of per-sample norms is a term). No public torch test:
-    ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing)."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
-def _full_reduction(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``torch.sum`` / ``torch.mean`` call reduces a whole floating tensor of rows to one value: no ``dim``
-    (nor ``axis``), the input at least 1-dim and, where gradients are recorded, needing one (a count such as
-    ``mask.float().sum()`` stays a number the step divides by)."""
-    x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, Tensor) or len(args) > 1 or "dim" in kwargs or "axis" in kwargs:
-        return False
-    return x.dim() >= 1 and x.is_floating_point() and (x.requires_grad or not torch.is_grad_enabled())
 
 
 def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:

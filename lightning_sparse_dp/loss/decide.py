@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from lightning_sparse_dp.loss.capture import Term, TermCapture
+from lightning_sparse_dp.loss.capture import TermCapture
+from lightning_sparse_dp.loss.sites import unweighable
 from lightning_sparse_dp.split import SplitPlan
 
 _SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
@@ -127,7 +128,7 @@ def summarize(
     coeffs, r, scale = comb
     assert capture is not None
     # terms whose gradient the strategy cannot weight: only a value that carries a gradient (the loss) is refused
-    why = _unweighable([t for t, c in zip(capture.terms, coeffs) if c != 0.0]) if value.requires_grad else None
+    why = unweighable([t for t, c in zip(capture.terms, coeffs) if c != 0.0]) if value.requires_grad else None
     if why is not None:
         return Summary(why, shape.samples, n, collectives=list(collectives))
     capture.read_numbers()
@@ -153,26 +154,6 @@ def summarize(
     for site in out.sites:
         site.per_sample = shape.per_sample(site.rows)
     return out
-
-
-def _unweighable(terms: Sequence[Term]) -> str | None:
-    """Why a loss using ``terms`` cannot be weighted term by term: a term its backward does not reach through the
-    term's factor (computed again inside ``torch.utils.checkpoint``, or where autograd recorded nothing); else ``None``."""
-    for t in terms:
-        if t.checkpointed:
-            return (
-                f"{t.name} at {t.where} runs inside torch.utils.checkpoint, which computes it again in backward, "
-                "outside the step, where its gradient cannot be weighted. Checkpoint the layers and call the loss "
-                "outside: h = checkpoint(self.head, h, use_reentrant=False); loss = F.cross_entropy(h, y)"
-            )
-        if t.unrecorded:
-            return (
-                f"{t.name} at {t.where} runs where autograd records nothing (inside a torch.autograd.Function's "
-                "forward, whose backward is written by hand, or under torch.no_grad), so the gradient that reaches the "
-                "loss does not pass through it and cannot be weighted. Call the loss outside the Function (let it "
-                "return the logits), or pass loss_weighting= a count of what the loss is a mean over"
-            )
-    return None
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:

@@ -19,6 +19,10 @@ defines it (``tests/loss/test_terms.py`` checks every case against torch's own `
 
 Other losses torch reduces by a mean (``poisson_nll_loss``, ``ctc_loss``, margin losses...) are not
 captured: :data:`UNCAPTURED` names them, so a loss built from them is said to fall back.
+
+:func:`reduction_of` gives a captured call's ``D`` (none for ``reduction="sum"``) and where its value is kept;
+:func:`full_reduction` tells a ``torch.sum`` / ``torch.mean`` of a whole tensor of rows (``y_hat.sum()``), which is a
+term too: a sum, or a mean over ``x.numel()``.
 """
 
 from __future__ import annotations
@@ -157,6 +161,30 @@ def loss_name(func: Callable[..., Any]) -> str:
     return f"F.{getattr(func, '__name__', func)}"
 
 
+def reduction_of(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | bool] | None:
+    """A captured loss call's denominator (``None`` for ``reduction="sum"``) and where its value is kept (``False`` /
+    a tensor: 0 where the mean is over nothing); ``None`` for ``reduction="none"``."""
+    if is_sum(bound):
+        return None, True
+    if not is_mean(bound):
+        return None
+    d = denominator(func, bound)
+    if isinstance(d, Tensor) and d.device.type == "cpu":
+        d = float(d)  # no device to wait for
+    return d, (d > 0 if isinstance(d, Tensor) else bool(d > 0))
+
+
+def full_reduction(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.sum`` / ``torch.mean`` call reduces a whole floating tensor of rows to one value: no ``dim``
+    (nor ``axis``), the input at least 1-dim and, where gradients are recorded, needing one (a count such as
+    ``mask.float().sum()`` stays a number the step divides by)."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or len(args) > 1 or "dim" in kwargs or "axis" in kwargs:
+        return False
+    return x.dim() >= 1 and x.is_floating_point() and (x.requires_grad or not torch.is_grad_enabled())
+
+
 __all__ = [
-    "CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "is_mean", "is_sum", "loss_name", "shared_arguments",
+    "CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "full_reduction", "is_mean", "is_sum", "loss_name",
+    "reduction_of", "shared_arguments",
 ]

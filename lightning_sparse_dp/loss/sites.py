@@ -1,8 +1,10 @@
 """Sites: where the user's code called a captured loss, and what the loss's input is.
 
-:func:`call_site` names the place (code object and instruction of the innermost user frame, stable across
-processes) and whether a loop of the user's frames encloses it; :func:`input_rows` counts the input's rows;
-:func:`reduces_rows` tells a statistic of the chunk (``out.F.mean(0)``) from rows of it, on autograd's graph.
+:func:`call_site` names the place (the innermost user frame's file, function and source position, stable across
+processes and across compiled frames) and whether a loop of the user's frames encloses it; :func:`input_rows` counts
+the input's rows; :func:`reduces_rows` tells a statistic of the chunk (``out.F.mean(0)``) from rows of it, on autograd's
+graph. :func:`in_checkpoint` and :func:`in_transform` tell a call that ``torch.utils.checkpoint`` or a ``torch.func``
+transform runs, and :func:`unweighable` why a loss's gradient cannot reach the factors of terms called there.
 :mod:`~lightning_sparse_dp.loss.decide` reads per-sample losses and matched terms from these.
 """
 
@@ -15,13 +17,19 @@ import itertools
 import os
 import sys
 import zlib
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse_dp.loss.denominators import Arguments
 from lightning_sparse_dp.runtime.process import LOSS_SITES as _SITES
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from lightning_sparse_dp.loss.capture import Term
 
 
 @functools.cache
@@ -105,6 +113,36 @@ def in_checkpoint() -> bool:
     return False
 
 
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running: a loss called inside one is
+    the transform's function (per-sample gradients, a Hessian-vector product), evaluated on batched or wrapped tensors
+    whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and reads what the
+    step does with the transform's results outside it (a mean of per-sample norms is a term). No public torch test:
+    ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def unweighable(terms: Sequence[Term]) -> str | None:
+    """Why a loss using ``terms`` cannot be weighted term by term: a term its backward does not reach through the
+    term's factor (computed again inside ``torch.utils.checkpoint``, or where autograd recorded nothing); else ``None``."""
+    for t in terms:
+        if t.checkpointed:
+            return (
+                f"{t.name} at {t.where} runs inside torch.utils.checkpoint, which computes it again in backward, "
+                "outside the step, where its gradient cannot be weighted. Checkpoint the layers and call the loss "
+                "outside: h = checkpoint(self.head, h, use_reentrant=False); loss = F.cross_entropy(h, y)"
+            )
+        if t.unrecorded:
+            return (
+                f"{t.name} at {t.where} runs where autograd records nothing (inside a torch.autograd.Function's "
+                "forward, whose backward is written by hand, or under torch.no_grad), so the gradient that reaches the "
+                "loss does not pass through it and cannot be weighted. Call the loss outside the Function (let it "
+                "return the logits), or pass loss_weighting= a count of what the loss is a mean over"
+            )
+    return None
+
+
 def input_rows(func: Any, a: Arguments) -> int:
     """The rows of a loss call's input: ``input.shape[0]``, 1 for a 0-dim input or an unbatched class score."""
     x = a.get("input")
@@ -178,4 +216,5 @@ def reduces_rows(x: Any, limit: int = 16) -> bool:
     return False
 
 
-__all__ = ["CallSite", "call_site", "input_rows", "library_dirs", "reduces_rows"]
+__all__ = ["CallSite", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "reduces_rows",
+           "unweighable"]

@@ -175,14 +175,14 @@ class ReplicaExecutor:
         generators = self._draws.before(devices)
         with self._lock:  # one step at a time: replicas of two steps never interleave
             try:
-                errors, futures = self._submit(fns, devices, state, streams, affinity, meanwhile)
+                mine, errors, futures = self._submit(fns, devices, state, streams, affinity, meanwhile)
             finally:
                 if self.transient:  # no thread outlives the call
                     self.shutdown()
                     self._threads, self._watch = self._start()
-        failed = [e for e in errors[1:] if e is not None]
-        if errors[0] is not None:
-            raise errors[0]
+        if mine is not None:
+            raise mine
+        failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
         self._draws.after(generators)
@@ -191,9 +191,9 @@ class ReplicaExecutor:
     def _submit(
         self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], state: ThreadState, streams: list[Any],
         affinity: Sequence[frozenset[int]] | None, meanwhile: Callable[[], None] | None,
-    ) -> tuple[list[BaseException | None], list[Future]]:
+    ) -> tuple[BaseException | None, list[BaseException | None], list[Future]]:
         """Every callable submitted to its replica's thread, ``meanwhile()`` run here, every replica waited for:
-        ``meanwhile``'s error then each replica's (``None`` each where none), and the futures."""
+        ``meanwhile``'s error, each replica's (``None`` where none) and the futures."""
         try:
             futures: list[Future] = [
                 self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
@@ -213,7 +213,7 @@ class ReplicaExecutor:
                 mine = err
         errors = [f.exception() for f in futures]  # waits for every replica
         self._watch.end()
-        return [mine, *errors], futures
+        return mine, errors, futures
 
     def shutdown(self) -> None:
         """Stop the threads (waits for running callables)."""

@@ -74,9 +74,7 @@ def lightning_transfer(module: Any, dataloader_idx: int) -> Transfer:
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.lightning_module is module:
         return lambda chunk, device: module._apply_batch_transfer_handler(chunk, device, dataloader_idx)
-    direct = batch_transfer(module, dataloader_idx, always=True)
-    assert direct is not None
-    return direct
+    return batch_transfer(module, dataloader_idx)
 
 
 def collated(batch: Any) -> Any:

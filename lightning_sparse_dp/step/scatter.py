@@ -12,14 +12,15 @@ CUDA code allocates on the *current* CUDA device, so a SparseTensor for device `
 ``torch.cuda.device(d)`` (:func:`~lightning_sparse_dp.runtime.devices.device_context`; upstream MinkowskiEngine issue
 #535, "All inputs must be on the same device"). A 0.5.x SparseTensor has no ``.to()``: it is never built on the host
 first and moved, only built once where it is used, and one that reaches a GPU replica already built on another device is
-refused (:func:`check_me_devices`). The rest of the chunk is moved by the batch-transfer hooks where the module or its
-datamodule overrides them (:func:`batch_transfer`: ``transfer_batch_to_device`` then ``on_after_batch_transfer``, as a
-DDP rank runs them on its batch), else by Lightning's ``move_data_to_device`` (:func:`place_chunk`).
+refused (:func:`check_me_devices`). The rest of the chunk is moved by Lightning's ``move_data_to_device``, or by a
+``transfer`` it is given (:func:`place_chunk`): the batch-transfer hooks, where the module or its datamodule has its own
+(:func:`transfer_hooks_overridden`), which run where Lightning runs them (:mod:`~lightning_sparse_dp.step.prepare`,
+through Lightning's hook call, or :func:`batch_transfer` for a copy of the module), as a DDP rank runs them on its batch.
 
 :func:`place_chunks` places every chunk on the calling thread; :func:`pending_chunks` instead hands each replica a
-:class:`PendingChunk`, so that chunk ``i`` is cut and placed in replica ``i``'s thread, beside the other replicas'
-(timed as stage ``scatter<i>``). :func:`place_batch` places a whole batch on one device, rebuilding its ME tensors
-there, for a step that does not split it (plain Lightning's, or a ``sparse_ddp`` rank's, on a GPU).
+:class:`PendingChunk` (moved without hooks), so that chunk ``i`` is cut and placed in replica ``i``'s thread, beside
+the other replicas' (timed as stage ``scatter<i>``). :func:`place_batch` places a whole batch on one device,
+rebuilding its ME tensors there, for a step that does not split it (plain Lightning's, or a ``sparse_ddp`` rank's, on a GPU).
 """
 
 from __future__ import annotations
@@ -127,20 +128,15 @@ def transfer_hooks_overridden(module: Any) -> bool:
     return any(_own_hook(owner, hook) for owner in (module, datamodule) for hook in _TRANSFER_HOOKS)
 
 
-def batch_transfer(module: Any, dataloader_idx: int = 0, always: bool = False) -> Transfer | None:
+def batch_transfer(module: Any, dataloader_idx: int = 0) -> Transfer:
     """The batch-transfer hooks a DDP rank runs on its batch, for one chunk: ``transfer_batch_to_device(chunk, device,
     dataloader_idx)`` then ``on_after_batch_transfer(chunk, dataloader_idx)``, each the datamodule's where it has its
-    own, else the module's (Lightning's ``LightningModule._call_batch_hook`` rule); ``None`` when neither has its own
-    of either (:func:`transfer_hooks_overridden`: the chunk is moved as Lightning moves a batch), unless ``always``.
-    Called directly, not through the Trainer's hook machinery: for a module that is not the Trainer's (the exactness
+    own (:func:`transfer_hooks_overridden`'s rule), else the module's (Lightning's ``LightningModule._call_batch_hook``
+    rule). Called directly, not through the Trainer's hook machinery: for a module that is not the Trainer's (the exactness
     check's copy), whose hooks the Trainer cannot call; the module (and its trainer's) carry the hook's name meanwhile,
     as Lightning's hook call sets it, so that ``self.log`` in them is refused as there."""
-    if module is None:
-        return None
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
     owners = {hook: datamodule if _own_hook(datamodule, hook) else module for hook in _TRANSFER_HOOKS}
-    if not always and not transfer_hooks_overridden(module):
-        return None
 
     # the modules whose self.log the hooks may reach: this one, and its trainer's (a copy's hooks may close over it)
     modules = {id(m): m for m in (module, getattr(getattr(module, "_trainer", None), "lightning_module", None))
@@ -182,18 +178,17 @@ class PendingChunk:
         return self.make()
 
 
-def cut_and_place(cut: Callable[[], Any], device: torch.device, transfer: Transfer | None = None) -> Any:
-    """``cut()``'s chunk placed on ``device`` (:func:`place_chunk`)."""
-    return place_chunk(cut(), device, transfer)
+def cut_and_place(cut: Callable[[], Any], device: torch.device) -> Any:
+    """``cut()``'s chunk placed on ``device`` (:func:`place_chunk`: tensors moved as Lightning moves a batch; a module's
+    own transfer hooks run where Lightning runs them instead, :mod:`~lightning_sparse_dp.step.prepare`)."""
+    return place_chunk(cut(), device)
 
 
 def pending_chunks(
     cutters: Sequence[Callable[[], Any]], devices: Sequence[torch.device], timer: Any = None,
-    transfer: Transfer | None = None,
 ) -> list[PendingChunk]:
-    """One :class:`PendingChunk` per cutter: ``cutters[i]()``'s chunk placed on ``devices[i]`` (with ``transfer``, see
-    :func:`place_chunk`), timed as stage ``scatter<i>`` by ``timer`` (a :class:`~lightning_sparse_dp.runtime.timing.StepTimer`)
-    when given.
+    """One :class:`PendingChunk` per cutter: ``cutters[i]()``'s chunk placed on ``devices[i]`` (:func:`cut_and_place`),
+    timed as stage ``scatter<i>`` by ``timer`` (a :class:`~lightning_sparse_dp.runtime.timing.StepTimer`) when given.
 
     Raises:
         ValueError: more cutters than devices (:func:`check_chunk_count`).
@@ -202,7 +197,7 @@ def pending_chunks(
     """
     check_chunk_count(len(cutters), devices)
     check_coordinate_manager_mode(len(cutters))
-    makes = [partial(cut_and_place, cut, device, transfer) for cut, device in zip(cutters, devices)]
+    makes = [partial(cut_and_place, cut, device) for cut, device in zip(cutters, devices)]
     return [PendingChunk(make if timer is None else timer.timed(f"scatter{i}", make)) for i, make in enumerate(makes)]
 
 
