@@ -15,11 +15,11 @@ cluster environments, process groups and gradient all-reduce are used as they ar
   Otherwise (said once) rank ``r`` with ``n_r`` of the global batch's ``N = sum_r n_r`` (the same
   gather) has its loss scaled by ``world_size * n_r / N``: the gradient of the mean over what
   ``n_r`` counts;
-- **logged values** reduced with the same weights: ``self.log(..., sync_dist=True)`` on-step values
-  that are combinations of captured losses are the global batch's, other means are
-  ``sum_r n_r v_r / N``; epoch means weight each rank's step by ``n_r`` (Lightning's ``batch_size``),
-  so they equal one device's for means over what ``n_r`` counts (not for terms with other
-  denominators, e.g. a loss with an ignore label);
+- **logged values** reduced with the same weights: a mean logged with ``self.log(..., sync_dist=True)`` reaches
+  Lightning's results after the step as the global batch's value (combinations of captured losses exactly, other
+  means weighted by their element counts, else ``sum_r n_r v_r / N``) with one device's batch size, the same on
+  every rank, so on-step values and epoch means are one device's
+  (:mod:`~lightning_sparse_dp.ddp.logged_means`);
 - **point-balanced batches**: the ``DistributedSampler`` Lightning injects is replaced by
   :class:`~lightning_sparse_dp.ddp.sampler.PointBalancedBatchSampler` (whole samples, even point
   counts, no padding, the same number of steps on every rank);
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -51,10 +52,11 @@ from lightning_sparse_dp.ddp.exchange import (
     gather_objects,
     gather_step_outputs,
 )
+from lightning_sparse_dp.ddp.logged_means import HeldMeans, settle, whole_value
 from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
-from lightning_sparse_dp.loss.decide import ChunkShape, Summary, decide, summarize
+from lightning_sparse_dp.loss.decide import ChunkShape, Summary, summarize
 from lightning_sparse_dp.loss.means import MEAN_NAMES, count_of
 from lightning_sparse_dp.loss.step import rank_scale
 from lightning_sparse_dp.loss.values import loss_of
@@ -131,6 +133,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._collectives: list[str] = []  # torch.distributed calls of the user's code in this step
         self._iterating: list[str] = []  # steps written as step(self, dataloader_iter), found at setup
         self._loss_scale = 1.0
+        self._settling = False  # the step's held means are being logged as the global batch's (reduce leaves them)
         self._point_counts: dict[int, tuple[Any, list[int]]] = {}  # id(dataset) -> (dataset, counts)
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
         self._warning_cache = WarningCache()
@@ -201,17 +204,19 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             self._loss_scale = self.world_size * n / total if total > 0 else 0.0
         self._count = n
         results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None) if run is None else None
-        if results is not None and self.loss_weighting != "equal":
-            results.batch_size = int(n)  # epoch means weight this rank's step by n_r (an explicit batch_size wins)
+        means = HeldMeans(results, self._log_row) if results is not None and self.loss_weighting != "equal" else None
         self._batch, self._plan, self._collectives = batch, plan, []
         self._capture = TermCapture(self._collectives) if terms else None
         observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
         step = run or partial(getattr(super(), step_name), *args, **kwargs)
         try:
-            output = observer.run(step)
+            with means or nullcontext():
+                output = observer.run(step)
             module = self.lightning_module
             if step_name == "training_step" and terms and (module is None or module.automatic_optimization):
                 self._loss_scale = self._term_scale(output)
+            if means is not None and means.calls:  # every rank logs its sync_dist means alike, as DDP requires
+                self._settle(means)
             return output
         finally:
             self._count = None
@@ -292,6 +297,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             total = tensor.to(torch.float64)
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             return total / dist.get_world_size(group)
+        if self._settling:
+            return tensor
         if self._count is None or not is_mean or not isinstance(tensor, Tensor) or self.loss_weighting == "equal":
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         if group is None:
@@ -303,8 +310,26 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         dist.all_reduce(pair, op=dist.ReduceOp.SUM, group=group)
         return (pair[0] / pair[1]).reshape(tensor.shape).to(tensor.dtype)
 
+    def _settle(self, means: HeldMeans) -> None:
+        """The step's held ``sync_dist`` means (:mod:`~lightning_sparse_dp.ddp.logged_means`) logged as the global
+        batch's values, every rank's part in one gather."""
+        rows = {key: (call.row, call.batch_size, call.explicit) for key, call in means.calls.items()}
+        ranks = self._gather((ChunkShape.of(self._step_plan(), 0).samples, rows))
+        settled = settle(ranks, partial(whole_value, memory=self._site_memory), means.calls)
+        self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
+        try:
+            means.release(settled)
+        finally:
+            self._settling = False
+
     def _rank_mean(self, tensor: Tensor) -> Tensor:
         """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
+        return whole_value(self._gather(self._log_row(tensor)), tensor, self._site_memory)
+
+    def _log_row(self, tensor: Tensor) -> tuple[Any, list[float], Any, float]:
+        """What this rank tells the others of a logged value (:func:`~lightning_sparse_dp.ddp.logged_means.whole_value`
+        reads it): its summary where it is a combination of captured losses, its values, the element count of a
+        mean the step computed, and ``n_r``."""
         x = tensor.detach()
         one = x.numel() == 1  # a logged float is a tensor on the rank's device by now (Lightning's self.log)
         summary = None
@@ -316,17 +341,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if count is None and one:
             count = count_of(float(x))
         n = 1.0 if self._collectives else float(self._count or 0.0)
-        mine = (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
-        rows = self._gather(mine)
-        if all(r[0] is not None for r in rows):
-            value = decide([r[0] for r in rows], self._site_memory, "rank").value
-            if value is not None:
-                return torch.tensor(value, dtype=tensor.dtype, device=tensor.device).reshape(tensor.shape)
-        weights = [float(r[2]) for r in rows] if all(r[2] is not None for r in rows) else [r[3] for r in rows]
-        total = sum(weights)
-        values = torch.tensor([r[1] for r in rows], dtype=torch.float64)
-        share = torch.tensor([w / total if total > 0 else 1.0 / len(rows) for w in weights], dtype=torch.float64)
-        return (values * share[:, None]).sum(0).reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
+        return (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

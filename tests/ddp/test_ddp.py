@@ -171,6 +171,11 @@ def test_losses_as_written_on_two_processes_equal_one_device(ddp_term_runs, name
     mine, theirs = _logged(ranks[0]["history"]), _logged(ref["history"])
     assert len(mine["train_loss"]) >= 4
     assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=RTOL)  # each step's whole-batch value
+    assert name != "terms_ignore" or {"train_loss_epoch_only", "train_loss_constant", "val_loss"} <= theirs.keys()
+    for epoch_level in ("train_loss_epoch_only", "train_loss_constant", "val_loss"):  # sync_dist epoch means
+        if epoch_level in theirs:
+            assert len(mine[epoch_level]) == len(theirs[epoch_level]) >= 2, epoch_level
+            assert mine[epoch_level] == pytest.approx(theirs[epoch_level], rel=RTOL), epoch_level
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,7 @@ class Scenario:
     trainer: dict[str, Any] = field(default_factory=dict)
     resume: bool = False  # resume from <out>/sparse_dp.ckpt (one epoch trained by sparse_dp)
     evaluate: bool = False  # after fit: trainer.test and trainer.predict on the validation data
+    explicit_batch_size: bool = False  # the class model logs batch_size= its samples (else Lightning infers points)
 
     def build(self, reference: bool) -> L.LightningModule:
         torch.manual_seed(SEED)
@@ -175,7 +176,7 @@ class Scenario:
             return TERM_MODELS[self.model]().double()
         if self.model.startswith("form:"):
             return FORM_MODELS[self.model.removeprefix("form:")]().double()
-        model = ClassNet(self.batch_norm, explicit_batch_size=reference) if self.model == "class" else PointNet(self.batch_norm)
+        model = ClassNet(self.batch_norm, self.explicit_batch_size) if self.model == "class" else PointNet(self.batch_norm)
         # float64 from the start: Lightning loads a resumed checkpoint into the module *before* "64-true" converts
         # it, so a float32 module would round the checkpoint's float64 weights (seen: 2.7e-8 relative)
         return model.double()
@@ -187,7 +188,8 @@ SCENARIOS = {
         Scenario("samples", "class", evaluate=True),
         Scenario("points", "point", loss_weighting="points"),
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
-        Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2}),
+        Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2},
+                 explicit_batch_size=True),
         Scenario("resume", "class", batch_norm=True, resume=True, trainer={"sync_batchnorm": True}),
         Scenario("pairs", "pair", loss_weighting=pairs_in, batch_norm=True, epochs=1, trainer={"sync_batchnorm": True},
                  evaluate=True),

@@ -151,8 +151,15 @@ class ScenesIgnoreSeg(ScanNetSeg):
         labels[batch["labels"][batch["coordinates"][:, 0].long()] == 0] = 255
         return self.criterion(self.logits(batch), labels)
 
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        # epoch level only: a mean over labeled points weighted by the points Lightning infers, and by a constant
+        self.log("train_loss_epoch_only", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("train_loss_constant", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=4)
+        return loss
+
     def validation_step(self, batch, batch_idx):
-        pass
+        self.log("val_loss", self.loss(batch), sync_dist=True)
 
 
 class WithPenalty(ScanNetSeg):

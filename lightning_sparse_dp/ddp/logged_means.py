@@ -1,0 +1,147 @@
+"""Logged means of a ``sparse_ddp`` step, held back until every rank's are known, then logged as the global batch's.
+
+Lightning accumulates a mean logged with ``on_epoch=True`` as ``sum(value * batch_size)`` per rank and, at the
+epoch's end, divides the ranks' summed products by their summed batch sizes (``_ResultMetric.update`` /
+``.compute`` in ``lightning.pytorch.trainer.connectors.logger_connector.result``). That is one device's epoch mean
+only when each rank's value is a mean over exactly what its ``batch_size`` counts; a loss with an ignore label,
+or a mean over samples logged with the points Lightning infers from the coordinates, is off wherever the ranks'
+shares differ. Here a mean-reduced tensor logged with ``sync_dist=True`` in a training / validation / test step
+(:class:`HeldMeans`) reaches Lightning's results only after the step, and then as the global batch's value ``V``
+(the strategy's reading of every rank's value, gathered once for all such names: :func:`settle`) and one device's
+batch size ``B``, the same on every rank. Every rank then accumulates one device's ``sum_b V_b B_b`` and
+``sum_b B_b``, so the epoch mean, and its on-step value, are one device's.
+
+``B`` is what one device's ``self.log`` would weigh the batch by: the sum of the ranks' ``batch_size`` (each rank's
+count: Lightning's inference from its share, e.g. its points, or an explicit per-rank count), or the one value every
+rank passed where it is not each rank's own sample count (a constant such as ``self.hparams.batch_size``:
+:func:`~lightning_sparse_dp.step.log.constant_batch_size`, as ``sparse_dp`` reads its replicas').
+
+As with Lightning's DDP, a name logged with ``sync_dist=True`` must be logged by every rank in the step (the gather is
+a collective); a name some ranks leave out in a step is the value of those that logged it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_sparse_dp.loss.decide import decide
+from lightning_sparse_dp.step.log import constant_batch_size
+
+#: one rank's reading of a logged value: (its summary where it is a combination of the step's captured losses, else
+#: ``None``; its values as floats; the element count of a mean the step computed, else ``None``; ``n_r``)
+Row = tuple[Any, list[float], Any, float]
+
+
+@dataclass
+class HeldCall:
+    """One held ``self.log`` of a step: the value (0-dim tensor, Lightning's copy of what was logged), what the
+    strategy tells the other ranks of it (``row``, read while the step runs: its losses and means are known then),
+    its ``batch_size`` as Lightning resolved it, and whether the step passed it (else Lightning inferred it)."""
+
+    value: Tensor
+    row: Any
+    batch_size: int
+    explicit: bool
+
+
+def held(metric: Any) -> bool:
+    """Whether a logged result (Lightning's ``_ResultMetric``) is held: a tensor mean-reduced over the epoch (or
+    logged on step) and synchronized across ranks (``sync_dist=True``, not ``rank_zero_only``)."""
+    meta = metric.meta
+    return bool(metric.is_tensor and meta.is_mean_reduction and meta.sync.should and not meta.sync.rank_zero_only)
+
+
+class HeldMeans:
+    """For one step of one rank: Lightning's results (``trainer._results``, a ``_ResultCollection``) take the step's
+    held means (:func:`held`) into :attr:`calls` instead of accumulating them; :meth:`release` accumulates the
+    settled values. Entered around the step in the rank's own thread; the results object's ``update_metrics`` is
+    shadowed on that instance only, and given back on exit. ``row(value)`` is what the rank tells the others of a
+    held value. A name logged twice in a step keeps its last value, as Lightning's on-step value does.
+    """
+
+    def __init__(self, results: Any, row: Callable[[Tensor], Any]) -> None:
+        self.results = results
+        self.row = row
+        self.calls: dict[str, HeldCall] = {}
+        self._update: Callable[[str, Any, int], None] | None = None
+
+    def __enter__(self) -> HeldMeans:
+        update = self._update = self.results.update_metrics
+        results = self.results
+
+        def update_metrics(key: str, value: Any, batch_size: int) -> None:
+            if not held(results[key]):
+                update(key, value, batch_size)
+                return
+            explicit = results.batch_size is None or batch_size != results.batch_size
+            value = value.detach()
+            self.calls[key] = HeldCall(value, self.row(value), int(batch_size), explicit)
+
+        results.update_metrics = update_metrics
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        vars(self.results).pop("update_metrics", None)
+
+    def release(self, settled: dict[str, tuple[Tensor, int]]) -> None:
+        """Accumulate each held name's settled ``(value, batch_size)`` in Lightning's results, as its ``self.log``
+        would have (the same order)."""
+        assert self._update is not None
+        for key in self.calls:
+            value, size = settled[key]
+            self._update(key, value, size)
+        self.calls = {}
+
+
+def whole_value(rows: Sequence[Row], like: Tensor, memory: Any) -> Tensor:
+    """The global batch's value of a logged value from the ranks' rows: the loss's own where every row is a
+    combination of captured losses (:func:`~lightning_sparse_dp.loss.decide.decide`, with the strategy's site memory
+    ``memory``), else the values weighted by the means' element counts where every rank has one, else by ``n_r``;
+    shaped, typed and placed like ``like``."""
+    if all(r[0] is not None for r in rows):
+        value = decide([r[0] for r in rows], memory, "rank").value
+        if value is not None:
+            return torch.tensor(value, dtype=like.dtype, device=like.device).reshape(like.shape)
+    weights = [float(r[2]) for r in rows] if all(r[2] is not None for r in rows) else [r[3] for r in rows]
+    total = sum(weights)
+    values = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    share = torch.tensor([w / total if total > 0 else 1.0 / len(rows) for w in weights], dtype=torch.float64)
+    return (values * share[:, None]).sum(0).reshape(like.shape).to(device=like.device, dtype=like.dtype)
+
+
+def settle(
+    ranks: Sequence[tuple[int, dict[str, tuple[Any, int, bool]]]],
+    whole_value: Callable[[list[Any], Tensor], Tensor],
+    mine: dict[str, HeldCall],
+) -> dict[str, tuple[Tensor, int]]:
+    """Every held name's global value and one device's batch size, read alike on every rank.
+
+    Args:
+        ranks: every rank's ``(samples in its share, {name: (row, batch_size, explicit)})``, in rank order; ``row`` is
+            what ``whole_value`` reads (the strategy's summary of the value).
+        whole_value: ``whole_value(rows of the ranks that logged the name, this rank's value) -> value``: the global
+            batch's value, shaped and typed like this rank's.
+        mine: this rank's held calls (the names it settles).
+
+    Returns:
+        ``{name: (value, batch_size)}`` for the names in ``mine``.
+    """
+    samples = [n for n, _ in ranks]
+    out: dict[str, tuple[Tensor, int]] = {}
+    for key, call in mine.items():
+        present = [r for r, (_, rows) in enumerate(ranks) if key in rows]
+        sizes = [ranks[r][1][key][1] for r in present]
+        constant = None
+        if all(ranks[r][1][key][2] for r in present):  # explicit everywhere: a count per rank, or one constant
+            constant = constant_batch_size(sizes, present, sum(samples), samples)
+        value = whole_value([ranks[r][1][key][0] for r in present], call.value)
+        out[key] = (value, constant if constant is not None else sum(sizes))
+    return out
+
+
+__all__ = ["HeldCall", "HeldMeans", "Row", "held", "settle", "whole_value"]

@@ -1,0 +1,65 @@
+"""Unit tests of lightning_sparse_dp/ddp/logged_means.py: which logged values are held, and the batch size and value
+each is settled to (the process runs in tests/ddp/test_ddp.py compare whole fits with one device)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+from lightning_sparse_dp.ddp.logged_means import HeldMeans, settle, whole_value
+
+
+def _log(results: _ResultCollection, name: str, value: float, **options) -> None:
+    options.setdefault("batch_size", 3)
+    results.log("training_step", name, torch.tensor(value, dtype=torch.float64), sync_dist_fn=lambda v, **_: v, **options)
+
+
+def test_held_means_reach_the_results_only_as_settled_and_others_at_once():
+    results = _ResultCollection(training=True)
+    with HeldMeans(results, row=lambda v: float(v)) as means:
+        _log(results, "held", 2.0, on_step=False, on_epoch=True, sync_dist=True)
+        _log(results, "own", 5.0, on_step=False, on_epoch=True)  # no sync_dist: the rank's own, accumulated now
+        _log(results, "summed", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+    assert "update_metrics" not in vars(results)  # the instance's own method is back
+    assert list(means.calls) == ["training_step.held"] and means.calls["training_step.held"].row == 2.0
+    assert float(results["training_step.held"].cumulated_batch_size) == 0  # nothing accumulated yet
+    assert float(results["training_step.own"].value) == 15.0 and float(results["training_step.summed"].value) == 1.0
+    means.release({"training_step.held": (torch.tensor(4.0, dtype=torch.float64), 7)})
+    held = results["training_step.held"]
+    assert float(held.value) == 28.0 and int(held.cumulated_batch_size) == 7
+
+
+def _ranks(*rows):
+    """rows: per rank (samples, {name: (value, batch_size, explicit)}); the value is its own row."""
+    return [(samples, {k: (v, size, explicit) for k, (v, size, explicit) in named.items()}) for samples, named in rows]
+
+
+def _mean_of_rows(rows, like):
+    return torch.tensor(sum(rows) / len(rows), dtype=like.dtype)
+
+
+class _Call:
+    def __init__(self, value: float) -> None:
+        self.value = torch.tensor(value, dtype=torch.float64)
+
+
+def test_batch_size_is_one_devices_sum_of_counts_or_the_one_constant():
+    mine = {"a": _Call(1.0), "b": _Call(1.0), "c": _Call(1.0), "d": _Call(1.0)}
+    ranks = _ranks(
+        (2, {"a": (1.0, 40, False), "b": (1.0, 2, True), "c": (1.0, 8, True), "d": (1.0, 5, True)}),
+        (3, {"a": (3.0, 40, False), "b": (3.0, 3, True), "c": (3.0, 8, True)}),
+    )
+    settled = settle(ranks, _mean_of_rows, mine)
+    assert settled["a"][1] == 80  # inferred on each rank (its points, equal by chance): summed, as one device infers
+    assert settled["b"][1] == 5  # each rank's own sample count: summed
+    assert settled["c"][1] == 8  # one constant that is not the ranks' counts: counted once, as one device weighs it
+    assert settled["d"] == (torch.tensor(1.0, dtype=torch.float64), 5)  # logged by one rank only: that rank's
+    assert float(settled["a"][0]) == 2.0
+
+
+def test_whole_value_weights_by_the_means_element_counts_else_by_the_ranks_counts():
+    like = torch.tensor(0.0, dtype=torch.float64)
+    by_counts = whole_value([(None, [1.0], 1, 10.0), (None, [4.0], 3, 10.0)], like, memory=None)
+    assert float(by_counts) == (1.0 * 1 + 4.0 * 3) / 4
+    by_ranks = whole_value([(None, [1.0], None, 1.0), (None, [4.0], 3, 2.0)], like, memory=None)
+    assert float(by_ranks) == (1.0 * 1 + 4.0 * 2) / 3
