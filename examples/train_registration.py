@@ -124,9 +124,8 @@ def main() -> None:
     parser.add_argument("--val-pairs", type=int, default=24)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "runs"))
     args = parser.parse_args()
-    accelerator = args.accelerator
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() and torch.cuda.device_count() >= args.devices else "cpu"
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.devices
+    accelerator = ("gpu" if enough_gpus else "cpu") if args.accelerator == "auto" else args.accelerator
     L.seed_everything(0, workers=True)
     train = DataLoader(ScanPairs(args.train_pairs, seed=1), batch_size=8, shuffle=True, collate_fn=collate_pairs)
     val = DataLoader(ScanPairs(args.val_pairs, seed=2), batch_size=8, collate_fn=collate_pairs)

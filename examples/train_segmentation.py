@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassJaccardIndex
 
 from lightning_sparse_dp import SparseDataParallelStrategy, SparseDDPStrategy
@@ -98,22 +98,16 @@ def make_scene(rng: np.random.Generator, density: float = 60.0):
     return points.astype(np.float32), labels.astype(np.int64)
 
 
-class Scenes(Dataset):
-    """``n`` generated scenes (fixed by ``seed``): voxel coordinates ``[n_i, 3]``, features ``[n_i, 2]``, labels."""
-
-    def __init__(self, n: int, seed: int, voxel_size: float) -> None:
-        rng = np.random.default_rng(seed)
-        self.scenes = []
-        for _ in range(n):
-            points, labels = make_scene(rng)
-            features = np.stack([np.ones(len(points)), points[:, 2] / 2.5], 1).astype(np.float32)
-            self.scenes.append((torch.from_numpy(points / voxel_size), torch.from_numpy(features), torch.from_numpy(labels)))
-
-    def __len__(self) -> int:
-        return len(self.scenes)
-
-    def __getitem__(self, i: int):
-        return self.scenes[i]
+def make_scenes(n: int, seed: int, voxel_size: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``n`` generated scenes (fixed by ``seed``), a list a DataLoader reads as its dataset: voxel coordinates
+    ``[n_i, 3]`` (float, in voxels), features ``[n_i, 2]`` (a constant and the height), per-point labels ``[n_i]``."""
+    rng = np.random.default_rng(seed)
+    scenes = []
+    for _ in range(n):
+        points, labels = make_scene(rng)
+        features = np.stack([np.ones(len(points)), points[:, 2] / 2.5], 1).astype(np.float32)
+        scenes.append((torch.from_numpy(points / voxel_size), torch.from_numpy(features), torch.from_numpy(labels)))
+    return scenes
 
 
 def collate(scenes):
@@ -209,9 +203,9 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0, workers=True)
-    train = Scenes(args.train_scenes, seed=1, voxel_size=args.voxel_size)
-    val = Scenes(args.val_scenes, seed=2, voxel_size=args.voxel_size)
-    points = [len(s[2]) for s in train.scenes]
+    train = make_scenes(args.train_scenes, seed=1, voxel_size=args.voxel_size)
+    val = make_scenes(args.val_scenes, seed=2, voxel_size=args.voxel_size)
+    points = [len(s[2]) for s in train]
     strategy = {"sparse_dp": SparseDataParallelStrategy, "sparse_ddp": SparseDDPStrategy}[args.strategy]
     trainer = L.Trainer(
         strategy=strategy(loss_weighting="points"),
@@ -219,10 +213,8 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         max_epochs=args.max_epochs,
-        logger=[
-            CSVLogger(Path(args.out) / "csv", name="segmentation"),
-            TensorBoardLogger(Path(args.out) / "tensorboard", name="segmentation"),
-        ],
+        logger=[kind(Path(args.out) / folder, name="segmentation")
+                for kind, folder in ((CSVLogger, "csv"), (TensorBoardLogger, "tensorboard"))],
         enable_checkpointing=False,
         log_every_n_steps=5,
     )
@@ -237,13 +229,11 @@ def main() -> None:
         DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate),
         DataLoader(val, batch_size=args.batch_size, collate_fn=collate),
     )
-    miou = float(trainer.callback_metrics["val_miou"])  # the whole validation set's, on every rank
-    if trainer.is_global_zero:
-        print(
-            f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
-            f"in {time.perf_counter() - start:.1f} s; logs in {trainer.loggers[0].log_dir}"
-        )
-        print(f"val_miou={miou:.4f}")
+    # val_miou: the whole validation set's, on every rank
+    wall, miou = time.perf_counter() - start, float(trainer.callback_metrics["val_miou"])
+    if trainer.is_global_zero:  # the result on the last line
+        print(f"trained {args.max_epochs} epochs with {args.strategy} on {args.devices} {args.accelerator} device(s) "
+              f"in {wall:.1f} s; logs in {trainer.loggers[0].log_dir}\nval_miou={miou:.4f}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@
 This file holds the public names only; the folders are the plan (``docs/architecture.md`` draws it), each
 ``__init__`` listing its files in data-path order:
 
-- :mod:`~lightning_sparse_dp.strategies`: the two strategies; ``sparse_dp``'s ``training_step`` is the hub that
-  calls the stages of one step in order;
+- :mod:`~lightning_sparse_dp.strategies`: the two strategies; ``sparse_dp``'s step hooks run the hub that calls the
+  stages of one step in order;
 - :mod:`~lightning_sparse_dp.exactness`: the first training step run on one device and on the replicas, compared;
-- :mod:`~lightning_sparse_dp.step`: those stages, one file each: scatter, replicate, the replicas' step state,
-  apply, weigh, backward, gather, log;
+- :mod:`~lightning_sparse_dp.step`: those stages, one file each (``docs/architecture.md`` draws the data path);
 - :mod:`~lightning_sparse_dp.replica`: what makes a replica's step one device's (its state on the module, metrics,
   ``self.log``, loggers);
 - :mod:`~lightning_sparse_dp.split`: a batch into chunks of whole samples, and back;

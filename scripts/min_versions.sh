@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite on the lowest versions pyproject.toml admits (or those given), in a venv of their own.
 #
-# usage: scripts/min_versions.sh [VENV]     (default .venv-min)
+# usage: scripts/min_versions.sh [VENV [PYTEST ARGS...]]     (default .venv-min; the whole suite)
+#   e.g. scripts/min_versions.sh .venv-min tests/runtime/test_compat.py   (the private names of Lightning and
+#   torchmetrics the package uses, lightning_sparse_dp/runtime/compat.py)
 #   Environment: MIN_TORCH (default 2.13.0; 2.4.1 is the lowest that passes the suite; each torch needs its
 #   own ME build, ~5 minutes on 2 cores), MIN_LIGHTNING (2.4.0), MIN_TORCHMETRICS (1.6.0: Metric.merge_state), PYTHON (python3).
 # Prints the versions it ran and pytest's summary line; exit status is pytest's.
@@ -20,4 +22,4 @@ bash scripts/build_minkowski.sh "$PY"
 import importlib.metadata as m
 print("min_versions:", ", ".join(f"{p} {m.version(p)}" for p in ("torch", "lightning", "torchmetrics", "MinkowskiEngine")))
 PYEOF
-"$PY" -m pytest -q -p no:cacheprovider
+"$PY" -m pytest -q -p no:cacheprovider "${@:2}"

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.loss.decide import decide
+from lightning_sparse_dp.runtime.compat import inferred_batch_size, is_synced_mean, shadow_result_updates
 from lightning_sparse_dp.step.log import constant_batch_size
 
 #: one rank's reading of a logged value: (its summary where it is a combination of the step's captured losses, else
@@ -49,18 +50,13 @@ class HeldCall:
     explicit: bool
 
 
-def held(metric: Any) -> bool:
-    """Whether a logged result (Lightning's ``_ResultMetric``) is held: a tensor mean-reduced over the epoch (or
-    logged on step) and synchronized across ranks (``sync_dist=True``, not ``rank_zero_only``)."""
-    meta = metric.meta
-    return bool(metric.is_tensor and meta.is_mean_reduction and meta.sync.should and not meta.sync.rank_zero_only)
-
-
 class HeldMeans:
     """For one step of one rank: Lightning's results (``trainer._results``, a ``_ResultCollection``) take the step's
-    held means (:func:`held`) into :attr:`calls` instead of accumulating them; :meth:`release` accumulates the
-    settled values. Entered around the step in the rank's own thread; the results object's ``update_metrics`` is
-    shadowed on that instance only, and given back on exit. ``row(value)`` is what the rank tells the others of a
+    held means (the tensors mean-reduced and logged with ``sync_dist=True``:
+    :func:`~lightning_sparse_dp.runtime.compat.is_synced_mean`) into :attr:`calls` instead of accumulating them;
+    :meth:`release`, after the block, accumulates the settled values. Entered around the step in the rank's own thread;
+    the results object's ``update_metrics`` is shadowed on that instance only, and given back on exit
+    (:func:`~lightning_sparse_dp.runtime.compat.shadow_result_updates`). ``row(value)`` is what the rank tells the others of a
     held value. A name logged twice in a step keeps its last value, as Lightning's on-step value does.
     """
 
@@ -68,33 +64,30 @@ class HeldMeans:
         self.results = results
         self.row = row
         self.calls: dict[str, HeldCall] = {}
-        self._update: Callable[[str, Any, int], None] | None = None
+        self._shadow = shadow_result_updates(results, self._hold)
+
+    def _hold(self, update: Callable[[str, Any, int], None], key: str, value: Any, batch_size: int) -> None:
+        if not is_synced_mean(self.results[key]):
+            update(key, value, batch_size)
+            return
+        inferred = inferred_batch_size(self.results)
+        explicit = inferred is None or batch_size != inferred
+        value = value.detach()
+        self.calls[key] = HeldCall(value, self.row(value), int(batch_size), explicit)
 
     def __enter__(self) -> HeldMeans:
-        update = self._update = self.results.update_metrics
-        results = self.results
-
-        def update_metrics(key: str, value: Any, batch_size: int) -> None:
-            if not held(results[key]):
-                update(key, value, batch_size)
-                return
-            explicit = results.batch_size is None or batch_size != results.batch_size
-            value = value.detach()
-            self.calls[key] = HeldCall(value, self.row(value), int(batch_size), explicit)
-
-        results.update_metrics = update_metrics
+        self._shadow.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        vars(self.results).pop("update_metrics", None)
+        self._shadow.__exit__(*exc)
 
     def release(self, settled: dict[str, tuple[Tensor, int]]) -> None:
-        """Accumulate each held name's settled ``(value, batch_size)`` in Lightning's results, as its ``self.log``
-        would have (the same order)."""
-        assert self._update is not None
+        """After the block: accumulate each held name's settled ``(value, batch_size)`` in Lightning's results, as its
+        ``self.log`` would have (the same order)."""
         for key in self.calls:
             value, size = settled[key]
-            self._update(key, value, size)
+            self.results.update_metrics(key, value, size)
         self.calls = {}
 
 
@@ -144,4 +137,4 @@ def settle(
     return out
 
 
-__all__ = ["HeldCall", "HeldMeans", "Row", "held", "settle", "whole_value"]
+__all__ = ["HeldCall", "HeldMeans", "Row", "settle", "whole_value"]

@@ -9,9 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
@@ -20,6 +18,7 @@ from lightning_sparse_dp.ddp.sampler import (
     declared_point_counts,
     measure_point_counts,
 )
+from lightning_sparse_dp.runtime.compat import IndexBatchSamplerWrapper, inner_batch_sampler, reinstantiate_loader
 
 
 def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoader:
@@ -28,14 +27,14 @@ def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Any) -> DataLoa
     Uses Lightning's own DataLoader re-instantiation (``lightning.pytorch.utilities.data``), as its
     sampler injection does.
     """
-    if isinstance(dataloader.batch_sampler, _IndexBatchSamplerWrapper):
+    if isinstance(dataloader.batch_sampler, IndexBatchSamplerWrapper):
         # Lightning's predict wrapper cannot be re-instantiated: read the loader's arguments from a copy that
         # holds the BatchSampler it wraps (DataLoader forbids setting batch_sampler, hence __dict__)
         dataloader = copy.copy(dataloader)
-        dataloader.__dict__["batch_sampler"] = dataloader.batch_sampler._batch_sampler
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
-    kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
-    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+        dataloader.__dict__["batch_sampler"] = inner_batch_sampler(dataloader.batch_sampler)
+    return reinstantiate_loader(
+        dataloader, sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False
+    )
 
 
 def _in_dataset_order(sampler: Any) -> bool:
@@ -71,8 +70,8 @@ def point_balanced_loader(
     if not isinstance(dataloader, DataLoader):
         return dataloader
     inner = dataloader.batch_sampler  # for predict, Lightning wraps it to record each batch's indices
-    predicting = isinstance(inner, _IndexBatchSamplerWrapper)
-    inner = inner._batch_sampler if predicting else inner  # type: ignore[union-attr]
+    predicting = isinstance(inner, IndexBatchSamplerWrapper)
+    inner = inner_batch_sampler(inner) if predicting else inner
     sampler = getattr(inner, "sampler", None)
     if (
         type(inner) is not BatchSampler
@@ -110,7 +109,7 @@ def point_balanced_loader(
     if predicting:
         if predict_samplers is not None:
             predict_samplers.append(batch_sampler)
-        return replace_batch_sampler(dataloader, _IndexBatchSamplerWrapper(batch_sampler))
+        return replace_batch_sampler(dataloader, IndexBatchSamplerWrapper(batch_sampler))
     return replace_batch_sampler(dataloader, batch_sampler)
 
 

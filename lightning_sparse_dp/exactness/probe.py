@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sparse_dp.replica.effects import trainer_view
+from lightning_sparse_dp.runtime.compat import set_trainer
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec
 from lightning_sparse_dp.split.cut import sparse_kwargs
@@ -53,7 +54,7 @@ def float64_copy(module: nn.Module, trainer: Any, batch_norm_eval: bool, one_dev
                 memo[id(value)] = value
     twin = copy.deepcopy(module, memo)
     twin.double()
-    twin.__dict__["_trainer"] = trainer_view(trainer)
+    set_trainer(twin, trainer_view(trainer))
     for m in twin.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.eval()

@@ -128,8 +128,8 @@ class Term:
 
     The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
     after the step, without a version bump, so the multiplication's backward (which reads ``s``
-    then) scales the gradient that reaches the call. A plain multiplication costs less than a
-    Python autograd function's backward (seen: about 10 against 30 microseconds).
+    then) scales the gradient that reaches the call. A plain multiplication's backward costs less than a
+    Python autograd function's (docs/benchmarks.md, "Costs of the step's parts").
     """
 
     __slots__ = (
@@ -242,9 +242,11 @@ class TermCapture(StepObserver):
             return func(*args, **kwargs)  # inside torch.func's vmap / grad: its own function of the inputs, not a term
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
-        if (kind is _SUM_KIND or kind is _MEAN_KIND) and full_reduction(args, kwargs) and not self._touches_forms(args):
+        if (kind is _SUM_KIND or kind is _MEAN_KIND) and full_reduction(args, kwargs) and not (
+            self.forms and self._touches_forms(args)
+        ):
             return self._reduction(func, args, kwargs)
-        if kind is None and not self._touches_forms(args):
+        if kind is None and (not self.forms or not self._touches_forms(args)):
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND:
@@ -362,8 +364,8 @@ def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:
 
     What a torchmetrics metric computes in a step is its own state (merged across replicas by
     :mod:`~lightning_sparse_dp.replica.metrics`), never a term of the loss, so the capture has nothing to follow in
-    it, while every torch call made under the mode costs a Python ``__torch_function__`` call (an
-    accuracy update of 48 samples: about 53 us bare, 130 under the mode). The wrapped call runs with the
+    it, while every torch call made under the mode costs a Python ``__torch_function__`` call (a metric's
+    update makes many small torch calls: docs/benchmarks.md, "Costs of the step's parts"). The wrapped call runs with the
     observer popped from the thread's torch function mode stack when it is the innermost mode (else, a
     mode the step entered after it is on top, the call runs under both). Without an observer in the thread it
     calls ``fn`` directly.

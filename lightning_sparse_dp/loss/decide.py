@@ -177,9 +177,10 @@ class SiteMemory(dict):
 class Decision:
     """What the replicas' summaries say: ``value`` (the whole batch's), or ``reason`` it is not a combination.
 
-    ``scales[i][t]``: the gradient scale of replica ``i``'s term ``t`` relative to the weight of the replica's
-    loss as a whole (:func:`set_scales` multiplies it by that weight's inverse; ``None``: the term's gradient is the
-    replica's weight, as the remainder's, for a full sum that has one value in every replica); ``empty`` names the terms
+    ``scales[i][t]``: the gradient scale of replica ``i``'s term ``t``, its share ``s_it`` of the whole batch's term
+    (:meth:`~lightning_sparse_dp.loss.reweight.PartWeight.scale_terms` divides it by the replica's weight in the
+    reduction; ``None``: the term's gradient is the replica's weight, as the remainder's, for a full sum that has one
+    value in every replica); ``empty`` names the terms
     the value uses with nothing to average over in the whole batch (the value is then NaN, as on one
     device); ``notes``: readings of an ambiguous step, each to be said once.
     """

@@ -83,7 +83,7 @@ def call_site(depth: int = 1) -> CallSite:
     The site is the innermost frame outside torch, Lightning and this package (its code and
     instruction, so two loss calls on one line are two sites); ``in_loop`` is whether any of the user's
     frames up to the step (the first library frame above) is inside a loop: a loss called once per
-    sample from a helper function is in a loop too. Costs a walk of the stack (a few microseconds).
+    sample from a helper function is in a loop too. Costs a walk of the stack.
     """
     library = library_dirs()
     frame = sys._getframe(depth + 1)

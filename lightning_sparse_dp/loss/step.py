@@ -18,31 +18,10 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Decision, SiteMemory, Summary, decide, summarize
+from lightning_sparse_dp.loss.reweight import PartWeight, shifted
 from lightning_sparse_dp.loss.values import is_loss_value, loss_of
 from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
 from lightning_sparse_dp.split import SplitPlan
-
-
-def set_scales(capture: TermCapture, scales: Sequence[float | None], factor: float) -> None:
-    """Scale the gradient of this replica's term ``t`` by ``factor * scales[t]`` (``None``: 1, as the remainder's).
-
-    ``factor`` undoes the weight the replica's loss gets as a whole: ``1 / w_i`` in ``sparse_dp`` (the
-    gathered loss is ``sum_i w_i loss_i``), the world size in ``sparse_ddp`` (DDP averages gradients).
-    """
-    for term, scale in zip(capture.terms, scales):
-        term.scale = 1.0 if scale is None else factor * scale
-
-
-def exact_losses(losses: Sequence[Tensor], weights: Sequence[float], value: float) -> list[Tensor]:
-    """The replicas' losses shifted by one constant so that ``sum_i weights[i] * loss_i`` is ``value``.
-
-    The shift is detached: each replica's loss keeps its gradient ``w_i``, which :func:`set_scales`
-    (``factor = 1 / w_i``) turns into the terms' own weights, and its remainder's gradient
-    ``w_i`` adds up to the remainder's own. The gather (the strategy's, or an override) then
-    combines them as any loss.
-    """
-    base = sum(w * loss.item() for w, loss in zip(weights, losses))  # .item(): float(loss.detach()) without the alias
-    return [loss + (value - base) for loss in losses]
 
 
 def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
@@ -126,8 +105,9 @@ def rank_scale(
         if decision.reason is not None and summaries[rank].reason != "nothing was captured":
             warning_cache.info(fallback_message("sparse_ddp", decision.reason, plan()))
         return 1.0
-    set_scales(capture, decision.scales[rank], world_size)
-    return 1.0
+    part = PartWeight.rank(world_size, shares=decision.scales[rank])
+    part.scale_terms(capture)
+    return part.loss_factor
 
 
 class StepTerms:
@@ -221,8 +201,8 @@ class StepTerms:
         if decision.value is None:
             self.say_fallback(decision)
             return decision
-        for capture, scales, w in zip(self.captures, decision.scales, weights):
-            set_scales(capture, scales, 1.0 / w if w else 0.0)
+        for capture, shares, w in zip(self.captures, decision.scales, weights):
+            PartWeight.replica(w, shares).scale_terms(capture)
         return decision
 
     def exact_outputs(self, outputs: Sequence[Any], weights: Sequence[float]) -> list[Any]:
@@ -230,8 +210,8 @@ class StepTerms:
         losses = [loss_of(o) for o in outputs]
         if self.decision is None or self.decision.value is None or any(loss is None for loss in losses):
             return list(outputs)
-        shifted = exact_losses(losses, weights, self.decision.value)  # type: ignore[arg-type]
-        return [loss if isinstance(o, Tensor) else {**o, "loss": loss} for o, loss in zip(outputs, shifted)]
+        exact = shifted(losses, weights, self.decision.value)  # type: ignore[arg-type]
+        return [loss if isinstance(o, Tensor) else {**o, "loss": loss} for o, loss in zip(outputs, exact)]
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
@@ -249,6 +229,5 @@ class StepTerms:
 
 
 __all__ = [
-    "StepTerms", "collective_message", "empty_message", "exact_losses", "fallback_message", "rank_scale", "say",
-    "set_scales",
+    "StepTerms", "collective_message", "empty_message", "fallback_message", "rank_scale", "say",
 ]

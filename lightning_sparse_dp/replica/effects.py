@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
+from lightning_sparse_dp.runtime.compat import set_trainer, trainer_of
 from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
 
 T = TypeVar("T")
@@ -196,7 +197,7 @@ def trainer_view(trainer: Any) -> Any:
 def give_view(replica: Any) -> None:
     """The replica's ``_trainer`` (Lightning's ``self.trainer``) a :func:`trainer_view`, for its step; the replica's
     next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it)."""
-    replica.__dict__["_trainer"] = trainer_view(replica.__dict__.get("_trainer"))
+    set_trainer(replica, trainer_view(trainer_of(replica)))
 
 
 __all__ = ["StepEffects", "give_view", "trainer_view", "view"]

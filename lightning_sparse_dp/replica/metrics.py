@@ -11,9 +11,9 @@ it, the copies' states are merged into the root's metrics
 modules back.
 
 The copies, and the empty copy in which the merge combines the replicas' states for the whole batch's ``forward`` value,
-are made once and kept for the run (``Metric.clone`` deep-copies, about 0.4 ms for an accuracy metric; emptying the copy
-costs a tenth of that): each step empties those used since (:func:`reset_metric`, torchmetrics' ``reset`` done in
-place).
+are made once and kept for the run (``Metric.clone`` deep-copies, which costs far more than emptying a copy:
+docs/benchmarks.md, "Costs of the step's parts"): each step empties those used since (:func:`reset_metric`,
+torchmetrics' ``reset`` done in place).
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ from torchmetrics import Metric
 
 from lightning_sparse_dp.loss.capture import outside_capture
 from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
+from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
 #: What ``torchmetrics.Metric.reset`` sets besides the states (torchmetrics 1.x); tests/replica/test_metric_reset.py
 #: checks that :func:`reset_metric` leaves a metric as ``reset`` does.
-_RESET_ATTRIBUTES = {"_update_count": 0, "_forward_cache": None, "_computed": None, "_cache": None, "_is_synced": False}
 
 
 def reset_metric(metric: Metric) -> None:
-    """``metric.reset()``, about ten times cheaper for metrics that keep torchmetrics' own ``reset``.
+    """``metric.reset()``, cheaper for metrics that keep torchmetrics' own ``reset``.
 
     torchmetrics' ``reset`` sets every tensor state to a fresh clone of its default through the modules'
-    ``__setattr__`` (about 30 us for a 4-state metric). Here the tensor states, the metric's own since the last
+    ``__setattr__``, one Python call per state. Here the tensor states, the metric's own since the last
     reset (a merge into the root builds new tensors for the root), are copied back to their defaults in
     place with one fused ``torch._foreach_copy_``, list states are cleared, and the other attributes
     ``reset`` sets are set directly. Anything else (an overridden ``reset``, a state whose shape, dtype or
@@ -53,7 +53,7 @@ def reset_metric(metric: Metric) -> None:
     inference = torch.is_inference_mode_enabled()
     attributes = metric.__dict__
     states, defaults, lists = [], [], []
-    for name, default in metric._defaults.items():
+    for name, default in state_defaults(metric).items():
         current = attributes.get(name)
         if isinstance(default, torch.Tensor):
             if not (
@@ -77,7 +77,7 @@ def reset_metric(metric: Metric) -> None:
         torch._foreach_copy_(states, defaults)
     for state in lists:
         state.clear()
-    attributes.update(_RESET_ATTRIBUTES)
+    attributes.update(RESET_ATTRIBUTES)
 
 
 class ReplicaMetrics:
@@ -115,7 +115,7 @@ class ReplicaMetrics:
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
             self._copies[key] = copy
-        elif any(m._update_count or m._computed is not None or m._forward_cache is not None for _, m in metric_levels(copy)):
+        elif any(update_count(m) or computed(m) is not None or forward_cache(m) is not None for _, m in metric_levels(copy)):
             # else no update, forward or compute ran on it (or a metric inside it: MinMaxMetric counts only its
             # inner metric's updates) since its reset: it is still empty
             for _, level in reversed(metric_levels(copy)):
@@ -155,7 +155,8 @@ class ReplicaMetrics:
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
             yield step
-            merge_into_root(step.merged, plan)
+            if step.merged:  # the metrics the replicas used in the step
+                merge_into_root(step.merged, plan)
         finally:
             step.uninstall()
 

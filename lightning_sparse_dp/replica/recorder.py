@@ -28,6 +28,14 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_sparse_dp.loss.means import count_of
+from lightning_sparse_dp.runtime.compat import (
+    computed,
+    current_hook,
+    forward_cache,
+    results_of,
+    trainer_of,
+    update_count,
+)
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -95,8 +103,8 @@ class LogRecorder:
         # Lightning's own checks and messages, in its order (lightning/pytorch/core/module.py, LightningModule.log)
         if not isinstance(value, (Tensor, numbers.Number, Metric)):
             raise ValueError(f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values cannot be logged")
-        trainer = getattr(self.module, "_trainer", None)
-        if trainer is not None and getattr(trainer, "_results", True) is None:
+        trainer = trainer_of(self.module)
+        if trainer is not None and results_of(trainer) is None:
             raise MisconfigurationException(
                 "You are trying to `self.log()` but the loop's result collection is not registered"
                 " yet. This is most likely because you are trying to log in a `predict` hook,"
@@ -111,7 +119,7 @@ class LogRecorder:
             )
         earlier = self.calls.pop(name, None)  # a later call with the same name replaces the earlier one, as in Lightning
         if earlier is not None and _metadata(earlier.kwargs) != _metadata(kwargs):  # ...with the same arguments
-            fx = getattr(self.module, "_current_fx_name", None) or "the step"
+            fx = current_hook(self.module) or "the step"
             raise MisconfigurationException(
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
@@ -138,10 +146,9 @@ class LogRecorder:
         if not isinstance(value, Tensor):
             return None
         for path, m in self.metrics.items():
-            attributes = m.__dict__
-            for how, cache in (("forward", "_forward_cache"), ("compute", "_computed")):
-                if attributes.get(cache) is value:
-                    return how, path, m, m._update_count
+            for how, cached in (("forward", forward_cache(m)), ("compute", computed(m))):
+                if cached is value:
+                    return how, path, m, update_count(m)
         return None
 
 

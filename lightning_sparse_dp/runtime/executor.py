@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sparse_dp.runtime.defaults import float64_defaults, float64_defaults_on
+from lightning_sparse_dp.runtime.defaults import float64_defaults
 from lightning_sparse_dp.runtime.devices import current_stream, device_context
+from lightning_sparse_dp.runtime.process import FLOAT64_DEFAULTS as FLOAT64
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _this_thread
 from lightning_sparse_dp.runtime.randomness import SharedDraws
 from lightning_sparse_dp.runtime.stall import StallWatch, stall_seconds
@@ -66,14 +67,14 @@ class ThreadState:
                 (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             )
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads(),
-                   float64_defaults_on())
+                   getattr(FLOAT64, "on", False))  # float64_defaults_on(), read in place (once per call)
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set).
 
         Only what differs from the thread's own state is entered (a replica thread usually has the caller's
         state already: grad mode on, no inference mode, autocast off): entering ``torch.autocast`` and the
-        grad-mode contexts costs ~10 us of Python a call, which replica threads take in turn under the GIL.
+        grad-mode contexts costs Python at every call, which replica threads take in turn under the GIL.
         """
         if torch.get_num_threads() != self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
@@ -85,7 +86,7 @@ class ThreadState:
             # the dtype counts while disabled too: a step's own torch.autocast(device_type) without a dtype takes it
             if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        if self.float64_defaults and not float64_defaults_on():
+        if self.float64_defaults and not getattr(FLOAT64, "on", False):
             stack.enter_context(float64_defaults())
 
 

@@ -118,8 +118,8 @@ def plan_cores(
 
     Why: with ``R`` replica threads on ``C < R`` cores the operating system runs ``C`` of them at a time,
     and wherever the replicas wait for each other (every synchronized batch norm, forward and backward,
-    and the end of the step) the last ones run while cores idle: measured on 2 cores, 3 replicas, up to 1/3
-    of a synchronized step. Pinned instead, core ``c`` runs its own replicas only, and the points are
+    and the end of the step) the last ones run while cores idle (docs/benchmarks.md, "Costs of the step's
+    parts"). Pinned instead, core ``c`` runs its own replicas only, and the points are
     evened per core, not per replica: the ``R`` replicas are spread over the ``C`` cores in order (the
     first ``C - R % C`` cores get ``R // C`` replicas, the others one more), and a batch's samples are
     balanced over the cores first and over each core's replicas second. A core stays busy while any of
@@ -266,8 +266,8 @@ def split_threads(num_replicas: int) -> ThreadSplit | None:
     The share is ``threads_per_replica(num_replicas)``, or ``k`` when the user called ``torch.set_num_threads(k)``
     after importing this package: each replica thread runs with the calling thread's ``k`` intra-op threads, and
     ME would set it back to its import-time count (every core) at every SparseTensor, so ME and OpenBLAS get
-    ``k`` too (digits, 2 replicas on 2 cores after ``torch.set_num_threads(1)``: 34-75 ms a step with ME left
-    alone, against 18-21): :func:`chosen_torch_threads`.
+    ``k`` too (left at every core, each replica's ME and OpenBLAS threads compete for the cores the replicas share:
+    docs/benchmarks.md, "Costs of the step's parts"): :func:`chosen_torch_threads`.
 
     ``OMP_NUM_THREADS`` set before the imports is the user's count, which ME, OpenBLAS and torch read then; set
     after them (a notebook cell), only this run reads it: it is taken as ``k`` the same way.

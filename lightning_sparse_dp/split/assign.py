@@ -104,7 +104,7 @@ def _balanced_members(sample_sizes: Tensor, num_chunks: int, groups: Sequence[in
 
 
 def _ids(members: list[int]) -> Tensor:
-    """Sample ids as an int64 tensor (numpy: a few microseconds where ``torch.tensor`` of a list takes ~10)."""
+    """Sample ids as an int64 tensor (through numpy: cheaper than ``torch.tensor`` of a list)."""
     return torch.from_numpy(np.array(members, dtype=np.int64))
 
 
@@ -249,7 +249,7 @@ def assign(sizes: Tensor, num_chunks: int, assignment: str | Assignment) -> tupl
         return _maps([m for m in members_of(*args, sizes, num_chunks, **keywords) if m], num_samples)
     chunk_samples = [torch.as_tensor(c, dtype=torch.long).flatten().cpu() for c in fn(sizes, num_chunks)]
     chunk_samples = [c for c in chunk_samples if c.numel() > 0]
-    # the checks and the derived maps in numpy: a few microseconds each where torch ops cost several times that
+    # the checks and the derived maps in numpy: less overhead per call than torch ops on arrays this small
     lengths = np.array([c.numel() for c in chunk_samples], dtype=np.int64)
     ids = np.concatenate([c.numpy() for c in chunk_samples]) if chunk_samples else np.empty(0, dtype=np.int64)
     _check_assigned(ids, num_samples)

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, default_collate
 
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, check_num_chunks, split_batch
 from lightning_sparse_dp.split.assign import Assignment
@@ -122,7 +123,7 @@ def presplit_loader(
     ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
     Every batch keeps the collated batch (``keep_batch="always"``): the hooks receive it.
     """
-    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None) if module is not None else None
+    datamodule = getattr(trainer_of(module), "datamodule", None) if module is not None else None
     if (
         isinstance(dataloader, DataLoader)
         and dataloader.num_workers > 0

@@ -223,7 +223,7 @@ class ChunkRows(Sequence[Tensor]):
         if isinstance(j, slice):
             return tuple(self[i] for i in range(len(self._rows))[j])
         rows = self._rows[j]
-        if rows is None:  # one comparison pass per chunk (numpy's flatnonzero: 2-3x torch.nonzero's speed here)
+        if rows is None:  # one comparison pass per chunk (numpy's flatnonzero: faster than torch.nonzero here)
             rows = self._rows[j] = torch.from_numpy(np.flatnonzero(self._chunk_of_point == (j % len(self._rows))))
         return rows
 

@@ -110,7 +110,7 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
     """
     if batch_index.numel() == 0:
         raise BatchLayoutError(f"{name} is empty: the batch has no points. Filter out empty samples before collation.")
-    index = batch_index.detach().cpu().numpy()  # numpy: a few microseconds per call where torch ops take several
+    index = batch_index.detach().cpu().numpy()  # numpy: less overhead per call than torch ops on small arrays
     try:
         table = np.bincount(index).astype(np.int64, copy=False)  # refuses a negative entry itself
     except ValueError:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.loss.values import loss_of
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.runtime.executor import ReplicaExecutor
 from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.step.replicate import Replicas
@@ -169,7 +170,7 @@ def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: 
 def zero_grad_due(module: Any, batch_idx: Any) -> bool:
     """Whether Lightning's automatic optimization clears the gradients between this training step and its backward
     (``loops/optimization/automatic.py``, ``_make_zero_grad_fn``: at the first batch of each accumulation window)."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     every = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
     return not isinstance(batch_idx, int) or batch_idx % max(int(every), 1) == 0
 

@@ -1,7 +1,7 @@
 """Check: whether the replicas still fit the module, checked on the calling thread while the replicas make their chunks.
 
 Whether the module's structure, parameters and buffers are as the replicas were built from
-(:meth:`~lightning_sparse_dp.step.replicate.Replicas.unchanged`) takes tens to hundreds of microseconds every step.
+(:meth:`~lightning_sparse_dp.step.replicate.Replicas.unchanged`) walks the whole module every step.
 :class:`DeferredCheck` takes that check, then the refresh of the replicas' tensors and the step's state for the
 replicas, on the calling thread while the replicas' threads cut and place their chunks, instead of before they start;
 each replica's thread waits for the outcome before it touches the module. Replicas that no longer fit raise

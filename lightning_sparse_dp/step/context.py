@@ -1,9 +1,9 @@
 """The step's context: what one ``sparse_dp`` step carries from stage to stage, named.
 
-:meth:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy.training_step` (and the other three step
-hooks) make one :class:`StepContext`; each stage reads what the stages before it filled in and fills in its own part,
-so the hub passes one object instead of a dozen parameters and a stage's results have names, not tuple positions.
-The fields are listed in the order the stages fill them (``docs/architecture.md`` draws the path).
+The strategy makes one :class:`StepContext` per step (its ``_context``, for any of its four step hooks); each stage
+reads what the stages before it filled in and fills in its own part, so the hub passes one object instead of a dozen
+parameters and a stage's results have names, not tuple positions. The fields are listed about in the order the stages
+fill them (``devices`` once the chunks are known; ``docs/architecture.md`` draws the path).
 """
 
 from __future__ import annotations

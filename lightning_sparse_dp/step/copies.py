@@ -55,8 +55,8 @@ class BufferMirror:
     tensor per (dtype, device) of the replica's (each copy with a version counter of its own, as
     ``broadcast_coalesced``'s outputs), and a refresh concatenates the module's buffers (flat views of
     them, made once) into the first replica's flat tensor with ``torch.cat(..., out=...)`` and copies that
-    into the others'. Segmentation network of the bench, 39 buffers, 2 replicas: about 31 us with a cold
-    cache against 90 us for one ``copy_`` per buffer. Other buffers (not contiguous, another layout, needing a
+    into the others': a few calls per dtype instead of one ``copy_`` per buffer, which costs more
+    (docs/benchmarks.md, "Costs of the step's parts"). Other buffers (not contiguous, another layout, needing a
     gradient) are copied one by one.
 
     The flat views keep the module's buffer storage alive, so a buffer given new storage (``module.to(...)``,

@@ -2,7 +2,8 @@
 
 After the step, :func:`reduce_log_calls` merges the replicas' calls (recorded by each replica's
 :class:`~lightning_sparse_dp.replica.recorder.LogRecorder`) name by name and :func:`emit` logs them through the root
-module; :func:`log_step` runs both, as stages ``log`` and ``emit``, as a one-device step logs inside the step.
+module; :func:`log_step` reduces them (stage ``log``) and the strategy's hub then emits them (stage ``emit``), as a
+one-device step logs inside the step.
 
 A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) is logged as the root
 module's metric of the same name, whose state :mod:`lightning_sparse_dp.replica.metric_merge` has merged; the value a
@@ -55,6 +56,7 @@ from torch import Tensor
 from lightning_sparse_dp.loss.means import MEAN_NAMES
 from lightning_sparse_dp.loss.values import is_loss_value
 from lightning_sparse_dp.replica.recorder import LogCall, LogRecorder, MetricRef
+from lightning_sparse_dp.runtime.compat import forward_cache, update_count
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _WARNINGS
 from lightning_sparse_dp.split.presplit import PreSplitBatch
 
@@ -201,11 +203,11 @@ def _metric_value(present: list[tuple[int, LogCall]], replicas: int, root: torch
         return None
     how, path = sources[0][0], sources[0][1]  # type: ignore[index]
     if how == "forward":
-        if not all(m._update_count == 1 and m._forward_cache is c.value for (_, _, m, _), (_, c) in zip(sources, present)):  # type: ignore[misc]
+        if not all(update_count(m) == 1 and forward_cache(m) is c.value for (_, _, m, _), (_, c) in zip(sources, present)):  # type: ignore[misc]
             return None
-        value = root.get_submodule(path)._forward_cache
+        value = forward_cache(root.get_submodule(path))
     else:
-        if not all(0 < count == m._update_count for _, _, m, count in sources):  # type: ignore[misc]
+        if not all(0 < count == update_count(m) for _, _, m, count in sources):  # type: ignore[misc]
             return None
         value = root.get_submodule(path).compute()
     return value if isinstance(value, Tensor) and value.numel() == 1 else None

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.runtime.compat import call_after_backward, trainer_of
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
@@ -82,7 +83,7 @@ class ManualStep:
         scales the loss (``precision_plugin.pre_backward``) and the optimizer step unscales the gradients, so each
         replica's backward must start from the scaled weight too. Scaling a root-device tensor also makes the scaler
         set up its scale there, where the step's ``unscale_`` looks for it."""
-        trainer = getattr(self.module, "_trainer", None)
+        trainer = trainer_of(self.module)
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if scaler is None or not scaler.is_enabled():
             return 1.0
@@ -95,12 +96,9 @@ class ManualStep:
                 continue
             grad = grad.to(parameter.device)
             parameter.grad = grad if parameter.grad is None else parameter.grad + grad
-        trainer = getattr(self.module, "_trainer", None)
+        trainer = trainer_of(self.module)
         if trainer is not None:
-            from lightning.pytorch.trainer import call
-
-            call._call_callback_hooks(trainer, "on_after_backward")
-            call._call_lightning_module_hook(trainer, "on_after_backward")
+            call_after_backward(trainer)
 
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""

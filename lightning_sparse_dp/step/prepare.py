@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
+from lightning_sparse_dp.runtime.compat import apply_batch_transfer, trainer_of
 from lightning_sparse_dp.split import SparseSpec, SplitPlan
 from lightning_sparse_dp.split.presplit import PreSplitBatch
 from lightning_sparse_dp.step.scatter import (
@@ -71,9 +72,9 @@ def lightning_transfer(module: Any, dataloader_idx: int) -> Transfer:
     ``_apply_batch_transfer_handler`` (Lightning's hook machinery: datamodule first, profiler, ``self.log`` refused)
     when ``module`` is its Trainer's module; else (a copy of it, e.g. the exactness check's) each hook called directly
     (:func:`~lightning_sparse_dp.step.scatter.batch_transfer`)."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     if trainer is not None and trainer.lightning_module is module:
-        return lambda chunk, device: module._apply_batch_transfer_handler(chunk, device, dataloader_idx)
+        return lambda chunk, device: apply_batch_transfer(module, chunk, device, dataloader_idx)
     return batch_transfer(module, dataloader_idx)
 
 

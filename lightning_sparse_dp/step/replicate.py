@@ -205,7 +205,7 @@ class Replicas:
         return self.serve(module, devices) and self.unchanged()
 
     def serve(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
-        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (a few microseconds), and no
+        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (no walk of the module), and no
         step changed in place a frozen parameter they share (:meth:`written_frozen`: then they are rebuilt)."""
         return (
             module is self.root and not self.frozen_written and len(devices) <= len(self.devices)
@@ -226,10 +226,9 @@ class Replicas:
 
     def unchanged(self) -> bool:
         """Whether the module's structure, parameters and buffers are as the replicas were built from (the module's
-        fingerprint: every submodule's, parameter's and buffer's identity, ``requires_grad``, storage and dtype; tens
-        to hundreds of microseconds for a network of tens to hundreds of modules, on the cold cache a step starts on,
-        so the strategy takes it while the replicas' threads cut and place their chunks:
-        :class:`~lightning_sparse_dp.step.check.DeferredCheck`)."""
+        fingerprint: every submodule's, parameter's and buffer's identity, ``requires_grad``, storage and dtype: a
+        walk of the whole module, on the cold cache a step starts on, so the strategy takes it while the replicas'
+        threads cut and place their chunks: :class:`~lightning_sparse_dp.step.check.DeferredCheck`)."""
         return _fingerprint(self._source_dicts) == self._fingerprint
 
     def refresh(self, count: int | None = None) -> list[nn.Module]:

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_sparse_dp.runtime.compat import current_hook, has_hook_name, set_current_hook, trainer_of
 from lightning_sparse_dp.runtime.devices import device_context
 from lightning_sparse_dp.runtime.me import check_coordinate_manager_mode, is_me_tensor, is_tensor_field
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, plan_split, split_batch
@@ -124,7 +125,7 @@ def _own_hook(owner: Any, hook: str) -> bool:
 def transfer_hooks_overridden(module: Any) -> bool:
     """Whether ``module`` or its Trainer's datamodule has its own ``transfer_batch_to_device`` or
     ``on_after_batch_transfer`` (:func:`batch_transfer`'s rule)."""
-    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    datamodule = getattr(trainer_of(module), "datamodule", None)
     return any(_own_hook(owner, hook) for owner in (module, datamodule) for hook in _TRANSFER_HOOKS)
 
 
@@ -135,22 +136,21 @@ def batch_transfer(module: Any, dataloader_idx: int = 0) -> Transfer:
     rule). Called directly, not through the Trainer's hook machinery: for a module that is not the Trainer's (the exactness
     check's copy), whose hooks the Trainer cannot call; the module (and its trainer's) carry the hook's name meanwhile,
     as Lightning's hook call sets it, so that ``self.log`` in them is refused as there."""
-    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    datamodule = getattr(trainer_of(module), "datamodule", None)
     owners = {hook: datamodule if _own_hook(datamodule, hook) else module for hook in _TRANSFER_HOOKS}
 
     # the modules whose self.log the hooks may reach: this one, and its trainer's (a copy's hooks may close over it)
-    modules = {id(m): m for m in (module, getattr(getattr(module, "_trainer", None), "lightning_module", None))
-               if hasattr(m, "_current_fx_name")}
+    modules = {id(m): m for m in (module, getattr(trainer_of(module), "lightning_module", None)) if has_hook_name(m)}
 
     def call(hook: str, *args: Any) -> Any:
-        before = {key: m._current_fx_name for key, m in modules.items()}
+        before = {key: current_hook(m) for key, m in modules.items()}
         for m in modules.values():  # self.log refused inside, as Lightning's hook call refuses it
-            m._current_fx_name = hook
+            set_current_hook(m, hook)
         try:
             return getattr(owners[hook], hook)(*args)
         finally:
             for key, m in modules.items():
-                m._current_fx_name = before[key]
+                set_current_hook(m, before[key])
 
     def transfer(chunk: Any, device: torch.device) -> Any:
         chunk = call("transfer_batch_to_device", chunk, device, dataloader_idx)

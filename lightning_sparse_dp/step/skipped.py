@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_sparse_dp.runtime.compat import trainer_of
+
 if TYPE_CHECKING:
     from lightning_sparse_dp.step.context import StepContext
 
@@ -49,7 +51,7 @@ def output_readers(step_name: str, module: Any) -> list[str]:
     if hook is None:
         return ["the training loop (the loss)" if step_name == "training_step" else "the predict loop (the predictions)"]
     readers = [f"{type(module).__name__}.{hook}"] if is_overridden(hook, module) else []
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     for callback in getattr(trainer, "callbacks", None) or ():
         if _implements(callback, hook):
             readers.append(f"{type(callback).__name__}.{hook}")

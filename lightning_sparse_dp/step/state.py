@@ -1,11 +1,11 @@
 """State: the stage that installs the replicas' per-step state around the apply stage and merges what the step left.
 
-Two calls of the hub (:meth:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy.training_step`),
-both timed as stage ``state``: :func:`install_step` around ``parallel_apply`` (the step's batch-norm group, the
-capture of the replicas' losses, :func:`~lightning_sparse_dp.replica.install.replica_state` installed by the deferred
-check or here, manual optimization's calls met once), and after the weigh stage :func:`merge_into_module`: what the
-replicas' steps set on the module, merged as one device's step leaves it, a value that is a combination of captured
-losses by its whole-batch value, any other as step outputs are gathered (:func:`combine_values`).
+Two calls from the hub (the strategy's ``_through_stages``), both timed as stage ``state``: :func:`install_step`
+around ``parallel_apply`` (the step's batch-norm group, the capture of the replicas' losses,
+:func:`~lightning_sparse_dp.replica.install.replica_state` installed by the deferred check or here, manual
+optimization's calls met once), and after the weigh stage :func:`merge_into_module`: what the replicas' steps set on
+the module, merged as one device's step leaves it, a value that is a combination of captured losses by its
+whole-batch value, any other as step outputs are gathered (:func:`combine_values`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def install_step(
     n = len(step.replicas)
     with ExitStack() as stack:
         with step.timer.stage("state"):
-            step.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
+            layers = sync_layers[:n]  # a group for two replicas or more with synchronized layers, else None
+            step.group = stack.enter_context(synchronized(layers)) if len(layers) > 1 and layers[0] else None
             install = partial(stack.enter_context, replica_state(
                 step.module, step.replicas, step.devices, metrics, persistent, step.group, step.refresh_in_threads,
                 step.plan, step.warnings,

@@ -1,8 +1,8 @@
 """Strategies: the two Lightning strategies, registered as ``"sparse_dp"`` and ``"sparse_ddp"``, and what they share.
 
 - :mod:`~lightning_sparse_dp.strategies.sparse_dp`: :class:`~.sparse_dp.SparseDataParallelStrategy`, one process, one
-  replica thread per device; its ``training_step`` (and the other step hooks) is the hub that calls the stages of
-  :mod:`lightning_sparse_dp.step` in data-path order;
+  replica thread per device; its step hooks run the hub that calls the stages of :mod:`lightning_sparse_dp.step` in
+  data-path order (``docs/architecture.md`` draws the path);
 - :mod:`~lightning_sparse_dp.strategies.single_process`: Lightning's plumbing for a strategy of one process (world size
   1, collectives as no-ops, the batch left where the DataLoader put it, the replica threads from setup to teardown);
 - :mod:`~lightning_sparse_dp.strategies.sparse_ddp`: :class:`~.sparse_ddp.SparseDDPStrategy`, Lightning's DDP with the

@@ -28,10 +28,11 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp.exactness.check import backward, one_device_step, quiet_step
 from lightning_sparse_dp.exactness.probe import float64_batch
 from lightning_sparse_dp.loss.decide import SiteMemory
+from lightning_sparse_dp.loss.reweight import scaled
 from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.loss.weights import zeroed
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import no_print
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
@@ -86,7 +87,7 @@ def _due(owner: Any, count: int, args: tuple) -> Any:
     two or more; automatic optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`), else
     ``None``; a manual step is said once not to be checked."""
     module, check = owner.lightning_module, owner._exactness
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     if check.mode is None or module is None or trainer is None or count < 2 or not args:
         return None
     if not check.due(trainer.global_step):
@@ -181,7 +182,7 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
         finally:
             strategy._loss_scale, strategy._site_memory, strategy._warning_cache = kept
         loss = loss_of(output)
-        backward(twin, None if loss is None else (zeroed(loss) if scale == 0.0 else loss * scale))
+        backward(twin, None if loss is None else scaled(loss, scale))
         for p in twin.parameters():  # DDP's average of the ranks' gradients (a rank without one adds zeros)
             if p.requires_grad:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)

@@ -10,13 +10,11 @@ left it (the step places each chunk on its own device), and teardown skips
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.data import suggested_max_num_workers
-from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
@@ -25,24 +23,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_sparse_dp.runtime.compat import LOOPS_CALL_BEFORE_TRANSFER, call_batch_hook, trainer_of
 from lightning_sparse_dp.runtime.devices import check_default_streams, check_devices
 from lightning_sparse_dp.runtime.executor import ReplicaExecutor, replicas_running
 from lightning_sparse_dp.runtime.me import check_coordinate_manager_mode
 from lightning_sparse_dp.runtime.threads import ThreadSplit, configure_replica_threads
-
-
-def _loops_call_before_transfer() -> bool:
-    """Whether Lightning's loops call ``on_before_batch_transfer`` before ``Strategy.batch_to_device`` (Lightning 2.6:
-    ``loops/training_epoch_loop.py``), rather than ``batch_to_device`` calling it through
-    ``LightningModule._apply_batch_transfer_handler`` (earlier 2.x)."""
-    try:
-        return "on_before_batch_transfer" not in inspect.getsource(LightningModule._apply_batch_transfer_handler)
-    except (OSError, TypeError):  # no source at hand: the current Lightning's behaviour
-        return True
-
-
-#: read once: the hook runs once per batch, as under plain Lightning, whichever Lightning is installed
-LOOPS_CALL_BEFORE_TRANSFER = _loops_call_before_transfer()
 
 
 class SingleProcessParallelStrategy(ParallelStrategy):
@@ -120,7 +105,7 @@ class SingleProcessParallelStrategy(ParallelStrategy):
         """Lightning's advice for a loader with fewer than 2 workers, where Lightning's own check stays silent because
         it assumes a process per device (``suggested_max_num_workers(num_devices)``): this strategy is one process, so
         the bound is one process's, as plain Lightning's on one device (``data_connector._worker_check``)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = trainer_of(self.lightning_module)
         if not isinstance(dataloader, DataLoader) or trainer is None or dataloader.num_workers >= 2:
             return
         ours, lightnings = suggested_max_num_workers(1), suggested_max_num_workers(max(1, trainer.num_devices))
@@ -137,8 +122,8 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[0]
+        assert self._parallel_devices is not None
+        return self._parallel_devices[0]
 
     @property
     @override
@@ -168,16 +153,17 @@ class SingleProcessParallelStrategy(ParallelStrategy):
 
         The hook runs once per batch, as under plain Lightning: Lightning 2.6's loops call it before this
         method (:data:`LOOPS_CALL_BEFORE_TRANSFER`), earlier versions' ``batch_to_device`` called it, and then
-        this method does. ``transfer_batch_to_device`` and ``on_after_batch_transfer`` run in the step, on each chunk
-        in its replica's thread with its device, as each DDP rank runs them on its batch
-        (:func:`~lightning_sparse_dp.step.scatter.batch_transfer`).
+        this method does. The subclass's ``batch_to_device`` then prepares the batch for the step: where the module has
+        its own ``transfer_batch_to_device`` / ``on_after_batch_transfer``, they run there, on the main thread, on
+        each chunk with its device (:mod:`~lightning_sparse_dp.step.prepare`); otherwise each chunk is moved in its
+        replica's thread.
         """
         module = self.lightning_module
         if module is None:
             return batch
         if LOOPS_CALL_BEFORE_TRANSFER:
             return batch
-        return module._call_batch_hook("on_before_batch_transfer", batch, dataloader_idx)
+        return call_batch_hook(module, "on_before_batch_transfer", batch, dataloader_idx)
 
     # --- the replica threads: one per replica, from setup to teardown ------------------------------------
     def _start_replica_threads(self, pin: bool | None, synchronized: bool) -> None:

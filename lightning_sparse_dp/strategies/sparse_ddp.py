@@ -58,9 +58,10 @@ from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Summary, summarize
 from lightning_sparse_dp.loss.means import MEAN_NAMES, count_of
+from lightning_sparse_dp.loss.reweight import PartWeight, scaled
 from lightning_sparse_dp.loss.step import rank_scale
 from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.runtime.compat import results_of, trainer_of, uses_distributed_sampler
 from lightning_sparse_dp.runtime.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
 from lightning_sparse_dp.step.scatter import check_me_devices, place_batch
@@ -201,9 +202,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if step_name == "training_step" and not terms:  # the gradient scale needs N now; evaluation steps need no collective
             total = self.global_count(n)
             # a global batch with nothing to count (every label ignored) contributes no gradient, never NaN
-            self._loss_scale = self.world_size * n / total if total > 0 else 0.0
+            self._loss_scale = PartWeight.rank(self.world_size, n / total if total > 0 else 0.0).loss_factor
         self._count = n
-        results = getattr(getattr(self.lightning_module, "_trainer", None), "_results", None) if run is None else None
+        results = results_of(trainer_of(self.lightning_module)) if run is None else None
         means = HeldMeans(results, self._log_row) if results is not None and self.loss_weighting != "equal" else None
         self._batch, self._plan, self._collectives = batch, plan, []
         self._capture = TermCapture(self._collectives) if terms else None
@@ -254,7 +255,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if "training_step" not in self._iterating:
+        if "training_step" not in self._iterating and not self._exactness.done:
             check_rank_step(self, args, kwargs)  # when due: this step on one device and on the ranks, compared
         return self._weighted("training_step", args, kwargs)
 
@@ -276,10 +277,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         module = self.lightning_module
         if self._capture is not None and module is not None and not module.automatic_optimization:
             self._loss_scale = self._term_scale(closure_loss)
-        if self._loss_scale == 0.0:  # nothing to count on this rank (e.g. every label ignored): a NaN mean adds 0
-            closure_loss = zeroed(closure_loss)
-        elif self._loss_scale != 1.0:
-            closure_loss = closure_loss * self._loss_scale
+        closure_loss = scaled(closure_loss, self._loss_scale)  # 0: nothing to count here (a NaN mean adds 0)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -389,11 +387,11 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """Lightning's, then its ``DistributedSampler`` replaced by a :class:`PointBalancedBatchSampler` where it
         is Lightning's own injection (:func:`~lightning_sparse_dp.ddp.rank_loaders.point_balanced_loader`)."""
         dataloader = super().process_dataloader(dataloader)
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = trainer_of(self.lightning_module)
         return point_balanced_loader(
             dataloader, world_size=self.world_size, rank=self.global_rank, split=self.split,
             counts_of=self.dataset_point_counts, say=self._warning_cache.info, predict_samplers=self._predict_samplers,
-            use_distributed_sampler=trainer is None or trainer._accelerator_connector.use_distributed_sampler,
+            use_distributed_sampler=uses_distributed_sampler(trainer),
         )
 
     def dataset_point_counts(self, dataset: Any) -> list[int]:

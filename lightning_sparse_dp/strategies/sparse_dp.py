@@ -1,63 +1,49 @@
-"""The ``sparse_dp`` strategy: one process, one replica per device, every step through the stages of one file each.
+"""The ``sparse_dp`` strategy: one process, one replica per device; the hub of the step's stages (``lightning_sparse_dp/step/``).
 
-Lightning's four step hooks run the hub, ``_step``: :meth:`~SparseDataParallelStrategy.scatter` (``step/scatter.py``) ->
-:meth:`~SparseDataParallelStrategy.replicate` (``step/replicate.py``) -> the replicas' step state (``step/state.py``)
-around :meth:`~SparseDataParallelStrategy.parallel_apply` (``step/apply.py``) -> weigh (``step/weigh.py``) -> backward in
-the replicas (``step/backward.py``) -> :meth:`~SparseDataParallelStrategy.gather` (``step/gather.py``) -> log
-(``step/log.py``), each one call that fills in its part of the step's :class:`~lightning_sparse_dp.step.context.StepContext`.
-Before them, :meth:`~SparseDataParallelStrategy.batch_to_device` prepares the batch where Lightning moves it
-(``step/prepare.py``): what the hooks see, and with one device the module's own step, which skips every stage.
-Lightning's plumbing for one process (world size 1, the replica threads from setup to teardown) is the base class,
-:class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`.
+Lightning's four step hooks run the hub, ``_step``, which calls each stage once, in the order ``docs/architecture.md``
+draws; Lightning's plumbing for one process (world size 1, the replica threads from setup to teardown) is the base
+class, :class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParallelStrategy`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import WarningCache
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
 from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
 from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
-from lightning_sparse_dp.split import SplitPlan, balanced_assignment
+from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
-from lightning_sparse_dp.step.apply import replica_steps
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
-from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepContext
-from lightning_sparse_dp.step.errors import explain_replica_error
-from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.log import emit, log_step
-from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch
+from lightning_sparse_dp.step.prepare import PreparedBatch, prepare_batch
 from lightning_sparse_dp.step.replicate import Replicas
-from lightning_sparse_dp.step.scatter import pending_chunks, place_chunks, say_idle, step_cutters
-from lightning_sparse_dp.step.skipped import skipped_outputs
-from lightning_sparse_dp.step.state import install_step, merge_into_module
+from lightning_sparse_dp.step.scatter import step_cutters
+from lightning_sparse_dp.step.state import merge_into_module
 from lightning_sparse_dp.step.weigh import exact_outputs, weigh
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin
 from lightning_sparse_dp.strategies.checks import (
-    min_points_per_chunk,
     refuse_compiled_submodules,
     refuse_dataloader_iter,
     warn_unsynchronized_batchnorm,
 )
 from lightning_sparse_dp.strategies.exactness import check_training_step
 from lightning_sparse_dp.strategies.single_process import SingleProcessParallelStrategy
+from lightning_sparse_dp.strategies.stages import ReplicaStages
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
-from lightning_sparse_dp.syncbn.replicas import sync_layers
 
 
-class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrategy):
+class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
     Every step: the batch is split into chunks of whole samples (batch indices renumbered), each chunk
@@ -67,7 +53,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     the chosen weighting. ``self.log`` calls in replicas are reduced and logged once.
 
     The stages are methods to override, as ``torch.nn.DataParallel``'s are: :meth:`scatter` (split and place),
-    :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`, each given the step's
+    :meth:`replicate`, :meth:`parallel_apply` and :meth:`gather`
+    (:class:`~lightning_sparse_dp.strategies.stages.ReplicaStages`), each given the step's
     :class:`~lightning_sparse_dp.step.context.StepContext` and timed as Lightning profiler action ``[sparse_dp]<stage>``.
 
     Args:
@@ -171,6 +158,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
+        self._options: tuple[tuple, dict[str, Any]] | None = None  # the split's options and what they were made for
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
 
     @override
@@ -214,7 +202,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     # --- the step: Lightning's four step hooks, each through the stages below --------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        check_training_step(self, args, kwargs)  # when due: this step on one device and on the replicas, compared
+        if not self._exactness.done:  # when due: this step on one device and on the replicas, compared
+            check_training_step(self, args, kwargs)
         with self.precision_plugin.train_step_context():
             return self._step("training_step", args, kwargs)
 
@@ -234,8 +223,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
             return self._step("predict_step", args, kwargs)
 
     def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
-        """One step: scatter -> replicate -> parallel_apply -> weigh -> (backward) -> gather -> log
-        (:meth:`_through_stages`), the replicas' ``self.log`` calls then logged once through the module."""
+        """One step through the stages (:meth:`_through_stages`), the replicas' ``self.log`` calls then logged once
+        through the module."""
         step, whole_batch = self._context(name, args, kwargs, self.lightning_module)
         if step is None:  # one device: plain Lightning's step on the module itself (step/prepare.py)
             return getattr(self.lightning_module, name)(whole_batch, *args[1:], **kwargs)
@@ -250,12 +239,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         step.inputs, step.plan = self.scatter(step.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
-        merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
+        merge_into_module(step, self._parallel_devices[0], self.output_layout)  # what the replicas set on it, as one device's
         if step.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
         output = self.gather(exact_outputs(step), step.plan, step.weights)
-        return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
+        return output, log_step(step, self._parallel_devices[0])  # the replicas' self.log calls, reduced
 
     def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
         """The step's context for ``module``, or ``None`` and the whole batch on the one device (one device, nothing
@@ -285,156 +274,17 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
         device, before the ``on_*_batch_start`` hooks, as Lightning runs them."""
         batch = super().batch_to_device(batch, device, dataloader_idx)  # on_before_batch_transfer, on older Lightning
         module = self.lightning_module
-        if module is None or not self.parallel_devices:
+        if module is None or not self._parallel_devices:
             return batch
         self._prepared = self._prepare(batch, module, dataloader_idx)
         return self._prepared.batch
 
     def _prepare(self, batch: Any, module: Any, dataloader_idx: int) -> PreparedBatch:
         """``batch`` prepared for the hooks and the step (:func:`~lightning_sparse_dp.step.prepare.prepare_batch`)."""
-        devices = self.parallel_devices or []
+        devices = self._parallel_devices or []
         return prepare_batch(batch, module, devices, dataloader_idx,
                              lambda b: step_cutters(b, len(devices), self.split_fn, **self._split_options()),
                              one_device=len(devices) == 1 and self.split_fn is None)
-
-    def scatter(self, batch: Any, step: StepContext | None = None) -> tuple[list[Any], SplitPlan]:
-        """Split ``batch`` into chunks of whole samples, chunk ``i`` for ``parallel_devices[i]``.
-
-        The split is ``split_fn``, the DataLoader workers' (:class:`~lightning_sparse_dp.split.presplit.PreSplitBatch`)
-        or :func:`~lightning_sparse_dp.split.split_batch`; at most one chunk per device (fewer when the batch has fewer
-        samples, said once). Placing builds each chunk's SparseTensor / TensorField on its device and moves the rest
-        there (:func:`~lightning_sparse_dp.step.scatter.place_chunks`); chunks placed already, where the module's own
-        batch-transfer hooks ran on them (:class:`~lightning_sparse_dp.step.prepare.PlacedChunks`), are taken as they
-        are. Given a
-        ``step`` that prepares in threads (``step.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
-        instead: it is a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` until then.
-
-        Returns:
-            ``(inputs, plan)``: the chunks, chunk ``i`` for device ``i``, and the split's plan.
-
-        Raises:
-            ValueError: a PreSplitBatch with more chunks than devices.
-            BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
-        """
-        devices = self.parallel_devices or ()
-        if isinstance(batch, PlacedChunks):  # split and placed where Lightning moves a batch (the transfer hooks ran)
-            inputs, plan = batch.chunks, batch.plan
-        else:
-            with self._timer.stage("split"):
-                cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
-            if step is not None and step.in_threads:
-                inputs = pending_chunks(cutters, devices, self._timer)
-            else:
-                with self._timer.stage("place"):
-                    inputs = place_chunks([cut_chunk() for cut_chunk in cutters], devices)
-        self._said_idle = self._said_idle or say_idle(plan, len(devices), self._warning_cache)
-        return inputs, plan
-
-    def _run_replicas(self, step: StepContext) -> list[Any]:
-        """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
-        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
-        deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
-        touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
-        step.devices = (self.parallel_devices or [])[: len(step.inputs)]
-        for attempt in (1, 2):
-            step.replicas = self.replicate(step.module, step.devices, step)
-            try:
-                with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
-                                  self.loss_weighting, self._site_memory):
-                    step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
-                break
-            except StaleReplicas:
-                if attempt == 2:
-                    raise
-                self._replicas, step.check, step.refresh_in_threads = None, None, False
-        return skipped_outputs(step)  # None from some chunks: one device's result where it is known, else refused
-
-    def replicate(self, module: nn.Module, devices: Sequence[torch.device], step: StepContext | None = None) -> list[nn.Module]:
-        """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
-
-        One chunk on the root device runs ``module`` itself. Otherwise the persistent
-        :class:`~lightning_sparse_dp.step.replicate.Replicas` are refreshed, or rebuilt when the module's structure,
-        parameters or devices changed. Given a ``step`` that prepares in threads (``step.in_threads``), each replica's
-        refresh is left to its own thread (``step.refresh_in_threads``; here only the tensors, on CPU not the buffers),
-        and replicas built in an earlier step are checked by ``step.check`` (a
-        :class:`~lightning_sparse_dp.step.check.DeferredCheck`, run by :meth:`parallel_apply`) while the threads cut.
-        """
-        with self._timer.stage("replicate"):
-            if list(devices) == [self.root_device]:
-                return [module]
-            built, in_threads = self._replicas, step is not None and step.in_threads
-            if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
-                step.check = DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads)  # type: ignore[union-attr]
-            else:
-                if built is None or not built.matches(module, devices):
-                    assert self.parallel_devices is not None
-                    if built is not None:  # frozen parameters a step changed in place: the new replicas own copies
-                        self._frozen_written |= built.frozen_written | built.own_frozen
-                    built = self._replicas = Replicas(module, self.parallel_devices, own_frozen=self._frozen_written)
-                    self._replica_sync_layers = [sync_layers(r) for r in built.modules]
-                if not in_threads:
-                    return built.refresh(len(devices))
-                built.refresh_tensors(len(devices), buffers=not built.buffers_in_threads)
-            step.refresh_in_threads = True  # type: ignore[union-attr]
-            return built.modules[: len(devices)]
-
-    def parallel_apply(
-        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | str, args: tuple = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
-        """Run ``replicas[i].<step hook>(inputs[i], ...)`` for every ``i`` at once, one thread each.
-
-        Args:
-            replicas: from :meth:`replicate`.
-            inputs: from :meth:`scatter`, one chunk per replica (a
-                :class:`~lightning_sparse_dp.step.scatter.PendingChunk` is made in its replica's thread first).
-            step: the hub's :class:`~lightning_sparse_dp.step.context.StepContext`: its hook and arguments, what each
-                replica's step runs under (``group``, ``terms``, each replica's ``before`` / ``after`` in its thread;
-                :func:`~lightning_sparse_dp.step.apply.replica_steps`) and ``step.check``, run on this thread once the
-                replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). Or a step
-                hook's name, for a call outside a step: the replicas' steps with nothing installed.
-            args, kwargs: the hook's other arguments (``batch_idx``, ``dataloader_idx``) when ``step`` is a name.
-
-        Returns:
-            the replicas' outputs, replica order.
-
-        Raises:
-            RuntimeError: a strategy that has no devices yet (not given to a Trainer).
-            Exception: the first failing replica's error, with a note naming the replica and device.
-        """
-        if self.parallel_devices is None:
-            raise RuntimeError(
-                "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
-                "test / predict), which gives the strategy its devices."
-            )
-        if isinstance(step, str):
-            step = StepContext(name=step, batch=None, source=None, module=replicas[0], args=tuple(args),
-                               kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
-                               warnings=self._warning_cache)
-        executor = self._replica_threads()
-        devices = self.parallel_devices[: len(replicas)]
-        effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
-        steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
-                              step.before, step.after, effects)
-        meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
-        with self._timer.stage("apply"):
-            try:
-                outputs = executor.run(steps, devices, meanwhile=meanwhile)
-            except Exception as err:
-                raise err if step.plan is None else explain_replica_error(err, step.plan)
-        if effects is not None and not self._checking:  # loggers' calls (the check's copies make none)
-            effects.say(self._warning_cache)
-        return outputs
-
-    def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
-        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.step.gather.gather_outputs`).
-
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`: the whole
-        batch's mean for the loss weighting); other outputs are merged back in batch order by ``output_layout`` or their
-        lengths.
-        """
-        with self._timer.stage("gather"):
-            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -450,20 +300,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, SingleProcessParallelStrat
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         self._backward_scope.close()
-
-    def _in_threads(self) -> bool:  # prepare_in_threads: None is True
-        return self.prepare_in_threads is not False
-
-    def _split_options(self) -> dict[str, Any]:
-        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk`` and the
-        loaders' ``batch_sizes``."""
-        pinned = self._core_groups is not None and self.split == "balanced"
-        assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
-        module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
-        batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
-        return {"layout": self.layout, "assignment": assignment,
-                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
-                "batch_sizes": self._loader_batch_sizes}
 
 
 SparseDataParallelStrategy.register_strategies(StrategyRegistry)

@@ -38,11 +38,11 @@ exact and the ranks' partial sums are combined without further rounding.
 Per-channel arithmetic on CPU. The ``[C]``-sized values (the statistics and their combination, the
 normalization's and the gradient's per-channel factors) are computed in float64 numpy arrays when the
 input is on the CPU (:data:`HOST_DEVICE_TYPES`), torch tensors elsewhere, with the same formulas. Each
-torch op costs a few microseconds of Python and dispatch and releases the GIL and takes it back; on
-vectors of a few dozen values that is the whole cost, and replica threads running the same layer
-queued for the GIL at every one of some 50 such ops per layer (``benchmarks/syncbn_layer.py --threads 2``
-shows a small layer's time in two threads; docs/benchmarks.md has the figures before and after).
-numpy keeps the GIL through such small operations and costs well under a microsecond each. The
+torch op costs Python and dispatch and releases the GIL and takes it back; on vectors of a few dozen
+values that is the whole cost, and replica threads running the same layer queued for the GIL at every
+one of some 50 such ops per layer (``benchmarks/syncbn_layer.py --threads 2`` shows a small layer's time
+in two threads; docs/benchmarks.md, "Costs of the step's parts", has the figures before and after).
+numpy keeps the GIL through such small operations and costs far less each. The
 input-sized work (centering, statistics, normalization, backward sums, input gradient) stays in
 torch's native kernels.
 

@@ -1,10 +1,10 @@
 """Gathered batch norm: a small synchronized layer of CPU replicas computed once, on the replicas' input together.
 
 On a small layer (digits: about 1,000 points x 32 channels a replica) the per-rank path of
-:mod:`lightning_sparse_dp.syncbn._functions` costs Python, not arithmetic: some 400 us a layer for the
-statistics' exchange and combination and the per-channel factors, against 100 us for torch's
-``BatchNorm1d`` (``benchmarks/syncbn_layer.py --points 1000 --channels 32``), and the replica threads take
-that Python in turn under the GIL. So when the replicas are threads of one process on the CPU
+:mod:`lightning_sparse_dp.syncbn._functions` costs Python, not arithmetic: the statistics' exchange and
+combination and the per-channel factors cost more than torch's whole ``BatchNorm1d``
+(``benchmarks/syncbn_layer.py --points 1000 --channels 32``; docs/benchmarks.md, "Costs of the step's parts"),
+and the replica threads take that Python in turn under the GIL. So when the replicas are threads of one process on the CPU
 (:meth:`~lightning_sparse_dp.syncbn.collective.ThreadGroup.all_gather_apply`) and their inputs hold at most
 :data:`GATHER_MAX_BYTES` bytes together, the rank that completes the layer's rendezvous does the layer
 for all of them:
@@ -47,9 +47,8 @@ from torch import Tensor
 
 #: Most bytes of input (``N x C x *`` values in the compute dtype, all replicas together) of a layer computed
 #: gathered; above it each replica computes its own part (the per-rank path). 1 MiB: 262,144 float32 or 131,072
-#: float64 values. Chosen with ``benchmarks/syncbn_layer.py --threads 3`` on 2 cores (docs/benchmarks.md): 3 x 1,000
-#: points x 32 channels float32, 845 us a layer gathered against 1,856 per rank; 3 x 2,700 x 32 float32, 2,241
-#: against 2,799; 3 x 1,400 x 32 float64, 2,387 against 2,543; 3 x 10,000 x 32 float32, 5,912 against 2,661.
+#: float64 values. Chosen as the crossover of the two paths in three replica threads
+#: (``benchmarks/syncbn_layer.py --threads 3``; the figures: docs/benchmarks.md, "Costs of the step's parts").
 GATHER_MAX_BYTES = 1 << 20
 
 

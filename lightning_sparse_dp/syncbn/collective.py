@@ -106,8 +106,8 @@ class FusedCollective(Collective, Protocol):
 
 def is_fused(collective: Collective) -> bool:
     """``isinstance(collective, FusedCollective)``, remembered per type: a runtime-checkable protocol's
-    ``isinstance`` looks up every member (about 15 us here, against 0.1 for this), and synchronized layers ask it in
-    every forward and backward of every replica."""
+    ``isinstance`` looks up every member (a dict lookup here), and synchronized layers ask it in every forward and
+    backward of every replica."""
     kind = type(collective)
     fused = _FUSED.get(kind)
     if fused is None:

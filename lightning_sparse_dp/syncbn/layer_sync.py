@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.syncbn.batchnorm import Swap, convert_sync_batchnorm, revert_sync_batchnorm
 
 
@@ -66,7 +67,7 @@ def revert_layer_sync(strategy: Any) -> None:
 
 def _fitting(strategy: Any) -> bool:
     module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 

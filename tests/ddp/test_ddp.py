@@ -33,7 +33,7 @@ from tests.support.ddp_helpers import (
     result,
     trainer_kwargs,
 )
-from tests.support.helpers import relative_difference
+from tests.support.exact import relative_difference
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-10

@@ -10,7 +10,7 @@ import pytest
 
 from tests.ddp.test_ddp import RTOL, _load, _reference, _run
 from tests.support.ddp_helpers import FORM_SCENARIOS
-from tests.support.helpers import relative_difference
+from tests.support.exact import relative_difference
 
 EQUAL = "exactness check of training step 0 on 2 ranks: equals one device's"
 DIFFERS = "exactness check of training step 0 on 2 ranks: differs from one device's"

@@ -13,8 +13,9 @@ import warnings
 import pytest
 
 from lightning_sparse_dp.exactness.check import ExactnessError
-from tests.support.helpers import REL, collate_dict, loader, random_samples, same_start, state_differences, trainer64
-from tests.support.step_forms import FORMS, PooledNet
+from tests.support.exact import REL, same_start, state_differences, trainer64
+from tests.support.helpers import collate_dict, loader, random_samples
+from tests.support.step_forms import FORMS, ManualOptimization, PooledNet
 
 EQUAL = "equals one device's"
 DIFFERS = "differs from one device's"
@@ -86,17 +87,9 @@ def test_bad_options_are_refused():
         SparseDataParallelStrategy(check_exactness_every_n_steps=-1)
 
 
-class Manual(PooledNet):
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
-        loss = super().training_step(batch, batch_idx)
-        self.manual_backward(loss)
-        opt.step()
+class Manual(ManualOptimization, PooledNet):
+    def manual_loss(self, batch, batch_idx):
+        return PooledNet.training_step(self, batch, batch_idx)
 
 
 def test_a_manual_step_is_said_unchecked(caplog):

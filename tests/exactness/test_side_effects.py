@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.support.helpers import NUM_CLASSES, collate_dict, field_batch, loader, random_samples, same_start, trainer
+from tests.support.exact import same_start
+from tests.support.helpers import NUM_CLASSES, collate_dict, field_batch, loader, random_samples, trainer
 from tests.support.step_forms import PooledNet
 
 

@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from tests.support.helpers import REL, collate_dict, loader, random_samples, same_start, state_differences, trainer64
+from tests.support.exact import REL, same_start, state_differences, trainer64
+from tests.support.helpers import collate_dict, loader, random_samples
 from tests.support.step_forms import (
     CheckpointedHead,
     CheckpointedHeadNonReentrant,

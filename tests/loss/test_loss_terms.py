@@ -8,15 +8,15 @@ logged values. Chunks are given 0 %, 5-40 % and 100 % ignored labels by the spli
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import pytest
 import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.support.clients import fresh_loader
-from tests.support.helpers import relative_difference, state_differences, unchecked
-from tests.support.helpers import trainer as _trainer
+from tests.support.exact import REL, relative_difference, state_differences
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import unchecked
 from tests.support.term_models import (
     MODE_DEPTHS,
     BatchClassWeights,
@@ -40,9 +40,6 @@ from tests.support.term_models import (
 )
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
-
-trainer = partial(_trainer, precision="64-true")
-REL = 1e-10
 
 
 def _same(cls, *args, **kwargs):

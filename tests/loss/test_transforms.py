@@ -11,16 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.helpers import (
-    REL,
-    collate_dict,
-    loader,
-    random_samples,
-    relative_difference,
-    same_start,
-    state_differences,
-    trainer64,
-)
+from tests.support.exact import REL, relative_difference, same_start, state_differences, trainer64
+from tests.support.helpers import collate_dict, loader, random_samples
 from tests.support.step_forms import GradientPenalty, PerSampleGradients, PooledNet
 
 

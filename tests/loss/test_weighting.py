@@ -15,17 +15,8 @@ from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights, resolve_auto
-from tests.support.helpers import (
-    IN_CHANNELS,
-    NUM_CLASSES,
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    fit_float64,
-    random_samples,
-    relative_difference,
-    same_start,
-)
+from tests.support.exact import assert_same_states, fit_float64, relative_difference, same_start
+from tests.support.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, collate_dict, random_samples
 
 IGNORE = -100  # torch's default ignore_index
 

@@ -75,7 +75,8 @@ def test_registration_example_is_exact_against_one_device():
     layout, the loss weighted by pairs): two float64 steps on 3 replicas with sync batch norm equal one device's."""
     import torch
 
-    from tests.support.helpers import load_file, relative_difference, same_start, trainer
+    from tests.support.exact import relative_difference, same_start
+    from tests.support.helpers import load_file, trainer
 
     reg = load_file(ROOT / "examples" / "train_registration.py")
     data = reg.ScanPairs(16, seed=5)

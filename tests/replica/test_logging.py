@@ -7,16 +7,8 @@ import lightning as L
 import pytest
 import torch
 
-from tests.support.helpers import (
-    SparseNet,
-    collate_dict,
-    fit_float64,
-    loader,
-    random_samples,
-    relative_difference,
-    same_start,
-    trainer,
-)
+from tests.support.exact import fit_float64, relative_difference, same_start
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

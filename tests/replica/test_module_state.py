@@ -11,15 +11,8 @@ import MinkowskiEngine as ME
 import pytest
 import torch
 
-from tests.support.helpers import (
-    SparseNet,
-    collate_dict,
-    loader,
-    random_samples,
-    same_start,
-    trainer,
-    unchecked,
-)
+from tests.support.exact import same_start
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

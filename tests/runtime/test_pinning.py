@@ -16,12 +16,12 @@ from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.runtime.executor import ReplicaExecutor
 from lightning_sparse_dp.runtime.threads import configure_replica_threads, plan_cores
 from lightning_sparse_dp.split.assign import balanced_assignment
-from tests.support.helpers import SparseNet, assert_same_states, collate_dict, loader, random_samples, same_start
-from tests.support.helpers import trainer as _trainer
+from tests.support.exact import assert_same_states, same_start
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples
 
 _real_affinity = getattr(os, "sched_getaffinity", None)  # kept from the test below's monkeypatch
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no os.sched_setaffinity here")
-trainer = partial(_trainer, precision="64-true")
 
 
 @needs_affinity
@@ -202,7 +202,8 @@ def test_pinned_split_with_ignore_labels_and_class_weights_equals_one_device(mon
     # the per-core split gives the replicas uneven shares of the ignored points: the loss as users write it
     # (nn.CrossEntropyLoss with ignore_index and class weights) must still train and log as one device
     from tests.support.clients import fresh_loader
-    from tests.support.helpers import same_start, state_differences, trainer
+    from tests.support.exact import same_start, state_differences
+    from tests.support.helpers import trainer
     from tests.support.term_models import ScanNetSeg, seg_batch
 
     def fit(model, strategy="auto", devices=1):

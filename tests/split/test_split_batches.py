@@ -16,19 +16,8 @@ import torch.nn.functional as F
 
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.split import merge_batch
-from tests.support.helpers import (
-    IN_CHANNELS,
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    fit_float64,
-    loader,
-    random_samples,
-    relative_difference,
-    same_start,
-    trainer,
-    unchecked,
-)
+from tests.support.exact import assert_same_states, fit_float64, relative_difference, same_start
+from tests.support.helpers import IN_CHANNELS, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 # --- float coordinates in the split ------------------------------------------------------------------
 

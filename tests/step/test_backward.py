@@ -13,18 +13,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.step.check import DeferredCheck
 from lightning_sparse_dp.step.copies import BufferHandOff
-from tests.support.helpers import (
-    NUM_CLASSES,
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    relative_difference,
-    run_isolated,
-    same_start,
-    trainer,
-)
+from tests.support.exact import assert_same_states, relative_difference, same_start
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, run_isolated, trainer
+from tests.support.step_forms import ManualOptimization
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 
@@ -346,18 +337,13 @@ class _BackwardThreads(SparseNet):
         return loss
 
 
-class _ManualBackwardThreads(_BackwardThreads):
-    def __init__(self, batch_norm=True):
-        super().__init__(batch_norm=batch_norm)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
+class _ManualBackwardThreads(ManualOptimization, _BackwardThreads):
+    def manual_loss(self, batch, batch_idx):
         loss = self.loss(batch)
         self._probe(loss)
-        self.manual_backward(loss)
-        opt.step()
+        return loss
+
+    def after_step(self, loss):
         return loss
 
 

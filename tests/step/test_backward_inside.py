@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.helpers import assert_same_states, collate_dict, loader, random_samples, same_start, trainer
+from tests.support.exact import assert_same_states, same_start
+from tests.support.helpers import collate_dict, loader, random_samples, trainer
 from tests.support.step_forms import BackwardInside
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)

@@ -3,40 +3,25 @@ optimizer calls met once per step, against one device with the whole batch, floa
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
 from tests.support.clients import fresh_loader
-from tests.support.helpers import (
-    SparseNet,
-    collate_dict,
-    loader,
-    random_samples,
-    relative_difference,
-    state_differences,
-)
+from tests.support.exact import relative_difference, state_differences
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples
 from tests.support.helpers import trainer as _trainer
+from tests.support.step_forms import ManualOptimization
 from tests.support.term_models import ScanNetSeg, seg_batch
 
-trainer = partial(_trainer, precision="64-true")
 
-
-class ManualSeg(ScanNetSeg):
+class ManualSeg(ManualOptimization, ScanNetSeg):
     """ScanNetSeg (an ignore label) under manual optimization: zero_grad, manual_backward, clipping, step, a scheduler."""
 
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
-        loss = self.loss(batch)
-        self.manual_backward(loss)
+    def before_step(self, opt):
         self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-        opt.step()
+
+    def after_step(self, loss):
         self.lr_schedulers().step()
         self.log("train_loss", loss)
 
@@ -106,18 +91,11 @@ def test_the_comparison_above_can_fail():
     assert any(not torch.equal(v, start[k]) for k, v in ours.state_dict().items() if v.is_floating_point())
 
 
-class ManualSparseNet(SparseNet):
+class ManualSparseNet(ManualOptimization, SparseNet):
     """SparseNet (batch norm) under manual optimization: zero_grad, manual_backward, step."""
 
     def __init__(self):
         super().__init__(batch_norm=True)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(self.loss(batch))
-        opt.step()
 
 
 def test_manual_backward_under_a_loss_scaler_is_scaled_like_lightnings():

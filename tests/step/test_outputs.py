@@ -10,7 +10,8 @@ from torch import Tensor
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.step.gather import gather_outputs
-from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, fit_float64, loader, random_samples, trainer
+from tests.support.exact import fit_float64
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

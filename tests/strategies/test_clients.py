@@ -13,7 +13,8 @@ import torch
 
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from tests.support.clients import CLIENTS, fresh_loader
-from tests.support.helpers import same_start, state_differences, trainer
+from tests.support.exact import same_start, state_differences
+from tests.support.helpers import trainer
 
 
 class _LoggedLosses(L.Callback):

@@ -1,11 +1,8 @@
 """Exact data parallelism: the module's buffers the step reads and updates (nn.DataParallel's rule, and where it
 is not one device's, said).
 
-Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
-device with the whole batch (plain Lightning, strategy="auto"), in float64 (``trainer64``, ``REL``:
-tests/support/helpers.py). Exactness here: test_exactness_metrics.py, test_exactness_buffers.py and
-test_exactness_points_and_order.py; batch norm: tests/syncbn/test_batchnorm_exactness.py; the rest of the Trainer:
-test_trainer_features.py.
+Each test is an exactness pair (tests/support/exact.py): sparse_dp on CPU replicas, and the same module trained by
+plain Lightning on one device with the whole batch, in float64.
 """
 
 from __future__ import annotations
@@ -15,16 +12,9 @@ import warnings
 import pytest
 import torch
 
-from tests.support.helpers import (
-    NUM_CLASSES,
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    same_start,
-)
-from tests.support.helpers import trainer64 as trainer
+from tests.support.exact import assert_same_states, same_start
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

@@ -1,10 +1,7 @@
 """Exact data parallelism: torchmetrics metrics updated, called and logged in the step, merged as one device's.
 
-Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
-device with the whole batch (plain Lightning, strategy="auto"), in float64 (``trainer64``, ``REL``:
-tests/support/helpers.py). Exactness here: test_exactness_metrics.py, test_exactness_buffers.py and
-test_exactness_points_and_order.py; batch norm: tests/syncbn/test_batchnorm_exactness.py; the rest of the Trainer:
-test_trainer_features.py.
+The metrics' values and the trained states are compared with one device's in float64 (tests/support/exact.py), the
+module trained there by plain Lightning on the whole batch.
 """
 
 from __future__ import annotations
@@ -15,16 +12,9 @@ import torch
 import torchmetrics
 from torch import nn
 
-from tests.support.helpers import (
-    NUM_CLASSES,
-    REL,
-    SparseNet,
-    collate_dict,
-    loader,
-    random_samples,
-    same_start,
-)
-from tests.support.helpers import trainer64 as trainer
+from tests.support.exact import REL, same_start
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

@@ -1,10 +1,7 @@
 """Exact data parallelism: per-point weighting of per-point losses, and predictions in the batch's order.
 
-Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
-device with the whole batch (plain Lightning, strategy="auto"), in float64 (``trainer64``, ``REL``:
-tests/support/helpers.py). Exactness here: test_exactness_metrics.py, test_exactness_buffers.py and
-test_exactness_points_and_order.py; batch norm: tests/syncbn/test_batchnorm_exactness.py; the rest of the Trainer:
-test_trainer_features.py.
+The reference of every test: plain Lightning on one device with the whole batch, from the same start, in float64
+(tests/support/exact.py says how the two are compared).
 """
 
 from __future__ import annotations
@@ -14,18 +11,9 @@ import pytest
 import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
-from tests.support.helpers import (
-    SegNet,
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    field_batch,
-    loader,
-    random_samples,
-    same_start,
-    state_differences,
-)
-from tests.support.helpers import trainer64 as trainer
+from tests.support.exact import assert_same_states, same_start, state_differences
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import SegNet, SparseNet, collate_dict, field_batch, loader, random_samples
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

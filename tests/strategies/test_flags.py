@@ -7,7 +7,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 
-from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, same_start, trainer
+from tests.support.exact import same_start
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
 
 def _batches():

@@ -22,6 +22,7 @@ import torch
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.step.scatter import place_batch
+from tests.support.exact import same_start, state_differences
 from tests.support.helpers import (
     SegNet,
     SparseNet,
@@ -29,8 +30,6 @@ from tests.support.helpers import (
     field_batch,
     loader,
     random_samples,
-    same_start,
-    state_differences,
     trainer,
     unchecked,
 )

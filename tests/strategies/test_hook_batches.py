@@ -9,7 +9,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from tests.support.helpers import SparseNet, random_samples, same_start, sample_loader, trainer
+from tests.support.exact import same_start
+from tests.support.helpers import SparseNet, random_samples, sample_loader, trainer
 
 HOOKS = [f"on_{stage}_batch_{when}" for stage in ("train", "validation", "test", "predict") for when in ("start", "end")]
 

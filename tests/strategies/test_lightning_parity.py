@@ -9,15 +9,8 @@ import threading
 import pytest
 import torch
 
-from tests.support.helpers import (
-    SparseNet,
-    collate_dict,
-    random_samples,
-    relative_difference,
-    same_start,
-    sample_loader,
-    trainer,
-)
+from tests.support.exact import relative_difference, same_start
+from tests.support.helpers import SparseNet, collate_dict, random_samples, sample_loader, trainer
 
 
 def test_no_thread_is_left_running_after_any_of_twenty_fits():

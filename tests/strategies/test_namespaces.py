@@ -12,7 +12,8 @@ import torch.nn.functional as F
 pl = pytest.importorskip("pytorch_lightning")
 
 import lightning_sparse_dp  # noqa: E402
-from tests.support.helpers import IN_CHANNELS, NUM_CLASSES, collate_dict, random_samples, relative_difference  # noqa: E402
+from tests.support.exact import relative_difference  # noqa: E402
+from tests.support.helpers import IN_CHANNELS, NUM_CLASSES, collate_dict, random_samples  # noqa: E402
 
 
 def _network() -> torch.nn.Sequential:

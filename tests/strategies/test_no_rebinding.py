@@ -12,16 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.helpers import (
-    SparseNet,
-    assert_same_states,
-    loader,
-    relative_difference,
-    run_isolated,
-    same_start,
-    sample_loader,
-    trainer,
-)
+from tests.support.exact import assert_same_states, relative_difference, same_start
+from tests.support.helpers import SparseNet, loader, run_isolated, sample_loader, trainer
 from tests.support.helpers import random_samples as samples_of
 
 
@@ -38,6 +30,16 @@ def fit(model, strategy="auto", devices=1, steps=2, **kwargs):
     return t
 
 
+def fit_both(cls, devices: int = 3):
+    """``cls`` from the same start fitted on one device, then by sparse_dp on ``devices`` replicas, the states compared
+    (:func:`assert_same_states`): ``(ours, our trainer, the one device's trainer)``."""
+    ours, reference = same_start(cls)
+    one = fit(reference)
+    mine = fit(ours, "sparse_dp", devices)
+    assert_same_states(ours, reference)
+    return ours, mine, one
+
+
 class LogsWithTorchMean(SparseNet):
     """``self.log(..., reduce_fx=torch.mean)``: Lightning checks ``reduce_fx is torch.mean``."""
 
@@ -50,10 +52,7 @@ class LogsWithTorchMean(SparseNet):
 
 @pytest.mark.parametrize("devices", [2, 3])
 def test_log_with_reduce_fx_torch_mean_trains_and_logs_one_devices_value(devices):
-    ours, reference = same_start(LogsWithTorchMean)
-    one = fit(reference)
-    mine = fit(ours, "sparse_dp", devices)
-    assert_same_states(ours, reference)
+    _, mine, one = fit_both(LogsWithTorchMean, devices)
     assert relative_difference(mine.callback_metrics["frac"], one.callback_metrics["frac"]) <= 1e-10
 
 
@@ -68,10 +67,7 @@ class PicklesItsConfig(SparseNet):
 
 
 def test_a_step_pickles_torchs_functions_as_on_one_device():
-    ours, reference = same_start(PicklesItsConfig)
-    fit(reference)
-    fit(ours, "sparse_dp", 3)
-    assert_same_states(ours, reference)
+    ours, _, _ = fit_both(PicklesItsConfig)
     assert ours.restored == {"criterion": F.cross_entropy, "reduce": torch.mean}
 
 
@@ -89,10 +85,7 @@ class ScriptsInTheStep(SparseNet):
 
 
 def test_torch_jit_script_of_torch_mean_inside_a_step():
-    ours, reference = same_start(ScriptsInTheStep)
-    fit(reference)
-    fit(ours, "sparse_dp", 3)
-    assert_same_states(ours, reference)
+    fit_both(ScriptsInTheStep)
 
 
 class Helper:

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 
 import lightning_sparse_dp  # noqa: F401  (registers strategy="sparse_dp")
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.support.helpers import assert_same_states, load_file, relative_difference, same_start, trainer
+from tests.support.exact import assert_same_states, relative_difference, same_start
+from tests.support.helpers import load_file, trainer
 from tests.support.pairs import PairNet, pair_batch, pairs_in
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)

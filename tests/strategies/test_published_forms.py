@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.split import BatchLayoutError, split_batch
-from tests.support.helpers import assert_same_states, relative_difference, same_start, trainer
+from tests.support.exact import assert_same_states, relative_difference, same_start
+from tests.support.helpers import trainer
 
 NUM_SCANS = 6
 

@@ -15,15 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_sparse_dp
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.runtime.devices import check_devices
-from tests.support.helpers import (
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    same_start,
-    trainer,
-)
+from tests.support.exact import assert_same_states, same_start
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 

@@ -9,16 +9,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_sparse_dp import SparseDataParallelStrategy
-from tests.support.helpers import (
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    same_start,
-    sample_loader,
-    trainer,
-)
+from tests.support.exact import assert_same_states, same_start
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, sample_loader, trainer
 
 
 @pytest.fixture

@@ -1,14 +1,13 @@
 """The rest of the Trainer under sparse_dp: bf16 autocast, clipping and accumulation, deterministic runs,
 schedulers with several validation loaders, checkpointing, early stopping, and resuming.
 
-Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
-device with the whole batch (plain Lightning, strategy="auto").
+Each feature is run by sparse_dp on CPU replicas and by plain Lightning (strategy="auto") on one device with the
+whole batch, from the same start; every Trainer here runs "64-true" unless told otherwise (tests/support/exact.py).
 """
 
 from __future__ import annotations
 
 import warnings
-from functools import partial
 
 import MinkowskiEngine as ME
 import numpy as np
@@ -19,22 +18,9 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torchmetrics import MeanMetric
 
 from lightning_sparse_dp.runtime.randomness import shared_generators
-from tests.support.helpers import (
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    run_isolated,
-    same_start,
-    unchecked,
-)
-from tests.support.helpers import trainer as _trainer
-
-#: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
-#: reaches 1e-4 relative and can hide a real difference. Every Trainer here runs "64-true" unless told otherwise.
-trainer = partial(_trainer, precision="64-true")
-REL = 1e-10
+from tests.support.exact import REL, assert_same_states, same_start
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, run_isolated, unchecked
 
 
 def _close_states(ours, reference, rtol, atol):
@@ -222,7 +208,7 @@ def test_resuming_continues_exactly_as_an_uninterrupted_run(tmp_path):
         """
         import torch, lightning_sparse_dp
         from pathlib import Path
-        from tests.support.helpers import same_start
+        from tests.support.exact import same_start
         from tests.strategies.test_trainer_features import _Scheduled, _fit_epochs
         tmp = Path(".")
         straight, first_half = same_start(_Scheduled, batch_norm=True)

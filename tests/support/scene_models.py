@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from tests.support.helpers import IN_CHANNELS, NUM_CLASSES
-from tests.support.term_models import ScanNetSeg, ScenesIgnoreSeg, _per_sample
+from tests.support.helpers import NUM_CLASSES
+from tests.support.step_forms import ManualOptimization
+from tests.support.term_models import OffsetHead, ScanNetSeg, ScenesIgnoreSeg, _per_sample, _remainder, _statistic
 
 
 class ScenesPerSample(ScenesIgnoreSeg):
@@ -19,19 +19,10 @@ class ScenesPerSample(ScenesIgnoreSeg):
         return sum(losses) / len(losses)
 
 
-class ScenesManual(ScenesIgnoreSeg):
+class ScenesManual(ManualOptimization, ScenesIgnoreSeg):
     """:class:`ScenesIgnoreSeg` under manual optimization: ``manual_backward`` inside the step."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        opt.zero_grad()
-        loss = self.loss(batch)
-        self.manual_backward(loss)
-        opt.step()
+    def after_step(self, loss):
         self.log("train_loss", loss, sync_dist=True)
 
 
@@ -47,9 +38,8 @@ class ScenesRemainder(ScenesIgnoreSeg):
     """:class:`SmallRemainder` on ``tests.support.ddp_helpers.Scenes`` batches (said, not exact)."""
 
     def loss(self, batch):
-        logits = self.logits(batch)
-        mask = batch["point_labels"] != 0
-        return F.cross_entropy(logits, batch["point_labels"]) + 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
+        logits, mask = self.logits(batch), batch["point_labels"] != 0
+        return F.cross_entropy(logits, batch["point_labels"]) + _remainder(logits, mask)
 
 
 class ScenesStatistic(ScenesIgnoreSeg):
@@ -57,7 +47,7 @@ class ScenesStatistic(ScenesIgnoreSeg):
 
     def loss(self, batch):
         logits = self.logits(batch)
-        return F.cross_entropy(logits, batch["point_labels"]) + F.mse_loss(logits.mean(0), torch.zeros_like(logits[0]))
+        return F.cross_entropy(logits, batch["point_labels"]) + _statistic(logits)
 
 
 class ScenesWeights(ScenesIgnoreSeg):
@@ -69,12 +59,8 @@ class ScenesWeights(ScenesIgnoreSeg):
         )
 
 
-class ScenesHeads(ScenesIgnoreSeg):
+class ScenesHeads(OffsetHead, ScenesIgnoreSeg):
     """A sum of criteria over different masks: a cross entropy plus 0.3 times an L1 over the points labeled 1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.offset = nn.Linear(NUM_CLASSES, IN_CHANNELS)
 
     def loss(self, batch):
         logits = self.logits(batch)

@@ -42,6 +42,35 @@ class PooledNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ManualOptimization:
+    """Mixin, first among the bases of a LightningModule: ``automatic_optimization = False`` and the training step
+    users write for it: ``opt.zero_grad()``, ``self.manual_backward(loss)`` of :meth:`manual_loss` (``self.loss(batch)``
+    unless overridden), :meth:`before_step`, ``opt.step()``, then :meth:`after_step`, whose value the step returns."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def manual_loss(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def before_step(self, opt) -> None:
+        """Between the backward and the optimizer's step (gradient clipping, say): nothing by default."""
+
+    def after_step(self, loss):
+        """After the optimizer's step (schedulers, logging): nothing by default, and the step returns nothing."""
+        return None
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.manual_loss(batch, batch_idx)
+        self.manual_backward(loss)
+        self.before_step(opt)
+        opt.step()
+        return self.after_step(loss)
+
+
 class CheckpointedLoss(PooledNet):
     """Activation checkpointing around the head and its loss (``torch.utils.checkpoint``)."""
 

@@ -279,12 +279,17 @@ class PerSampleLoop(ScanNetSeg):
         return sum(losses) / len(losses)
 
 
-class PerSampleBeside(ScanNetSeg):
-    """A whole-chunk cross entropy plus 0.5 times the mean of per-sample L1 losses (two call sites, one loop)."""
+class OffsetHead:
+    """Mixin, first among the bases of a :class:`ScanNetSeg`: an ``offset`` head after its own layers, mapping the
+    logits to the input features' width (an L1 regression's, beside the cross entropy)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.offset = nn.Linear(NUM_CLASSES, IN_CHANNELS)
+
+
+class PerSampleBeside(OffsetHead, ScanNetSeg):
+    """A whole-chunk cross entropy plus 0.5 times the mean of per-sample L1 losses (two call sites, one loop)."""
 
     def loss(self, batch):
         logits = self.logits(batch)
@@ -303,13 +308,23 @@ class SumReduction(ScanNetSeg):
         return F.cross_entropy(self.logits(batch), batch["labels"], ignore_index=255, reduction="sum") / 100.0
 
 
+def _remainder(logits, mask):
+    """``1e-6`` times a hand-written masked mean (of the logits' squared norms over ``mask``)."""
+    return 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
+
+
+def _statistic(logits):
+    """An MSE on the mean logits of the chunk: a torch loss on a statistic of the chunk."""
+    return F.mse_loss(logits.mean(0), torch.zeros_like(logits[0]))
+
+
 class SmallRemainder(ScanNetSeg):
     """A cross entropy plus ``1e-6`` times a hand-written masked mean: a remainder that differs between replicas."""
 
     def loss(self, batch):
         logits = self.logits(batch)
         mask = batch["labels"] != 255
-        return self.criterion(logits, batch["labels"]) + 1e-6 * (logits.pow(2).sum(1) * mask).sum() / mask.sum()
+        return self.criterion(logits, batch["labels"]) + _remainder(logits, mask)
 
 
 class ChunkClassWeights(ScanNetSeg):
@@ -341,6 +356,6 @@ class ChunkStatistic(ScanNetSeg):
 
     def loss(self, batch):
         logits = self.logits(batch)
-        return self.criterion(logits, batch["labels"]) + F.mse_loss(logits.mean(0), torch.zeros_like(logits[0]))
+        return self.criterion(logits, batch["labels"]) + _statistic(logits)
 
 

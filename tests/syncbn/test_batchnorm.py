@@ -12,7 +12,8 @@ from lightning_sparse_dp.syncbn import _functions, _gathered
 from lightning_sparse_dp.syncbn._functions import combine_statistics, compute_dtype
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_sparse_dp.syncbn.collective import ReplicaAborted, ThreadGroup
-from tests.support.helpers import relative_difference, run_ranks
+from tests.support.exact import relative_difference
+from tests.support.helpers import run_ranks
 
 
 @pytest.fixture(params=["gathered", "per-rank"])

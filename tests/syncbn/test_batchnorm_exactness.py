@@ -1,13 +1,11 @@
 """Synchronized batch norm in sparse_dp steps: equal to one device with the whole batch, ME's own sync layers,
 eval on running statistics, no replica waiting forever, and the swap that keeps the state dict.
 
-Every test compares sparse_dp on CPU replicas with an independent reference: the same module on one
-device with the whole batch (plain Lightning, strategy="auto").
+The reference is one device with the whole batch under plain Lightning (strategy="auto"), in float64 unless a test
+says otherwise: the pairs of tests/support/exact.py.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import MinkowskiEngine as ME
 import pytest
@@ -16,24 +14,11 @@ from torch import nn
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
-from tests.support.helpers import (
-    SparseNet,
-    assert_same_states,
-    collate_dict,
-    loader,
-    random_samples,
-    run_isolated,
-    same_start,
-    state_differences,
-)
-from tests.support.helpers import trainer as _trainer
+from tests.support.exact import REL, assert_same_states, same_start, state_differences
+from tests.support.exact import trainer64 as trainer
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, run_isolated
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
-
-#: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
-#: reaches 1e-4 relative and can hide a real difference. Every Trainer here runs "64-true" unless told otherwise.
-trainer = partial(_trainer, precision="64-true")
-REL = 1e-10
 
 
 # --- synchronized batch norm ------------------------------------------------------------------------

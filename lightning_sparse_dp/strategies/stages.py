@@ -1,0 +1,198 @@
+"""The ``sparse_dp`` strategy's four public stages, methods to override as ``torch.nn.DataParallel``'s are.
+
+:meth:`ReplicaStages.scatter` (split and place), :meth:`ReplicaStages.replicate`, :meth:`ReplicaStages.parallel_apply`
+and :meth:`ReplicaStages.gather`, each timed as Lightning profiler action ``[sparse_dp]<stage>``; the hub
+(:class:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy`) calls them in the order
+``docs/architecture.md`` draws. A mixin of the strategy: it reads the strategy's options and state (devices, timer,
+replicas, warnings) and keeps nothing of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sparse_dp.replica.effects import StepEffects
+from lightning_sparse_dp.split import SplitPlan, balanced_assignment
+from lightning_sparse_dp.step.apply import replica_steps
+from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
+from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.errors import explain_replica_error
+from lightning_sparse_dp.step.gather import gather_outputs
+from lightning_sparse_dp.step.prepare import PlacedChunks
+from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.step.scatter import pending_chunks, place_chunks, say_idle, step_cutters
+from lightning_sparse_dp.step.skipped import skipped_outputs
+from lightning_sparse_dp.step.state import install_step
+from lightning_sparse_dp.strategies.checks import min_points_per_chunk
+from lightning_sparse_dp.syncbn.replicas import sync_layers
+
+
+class ReplicaStages:
+    """``scatter`` -> ``replicate`` -> ``parallel_apply`` -> ``gather`` of the ``sparse_dp`` strategy, and the split's
+    options they share (a mixin: ``self`` is the strategy)."""
+
+    def scatter(self, batch: Any, step: StepContext | None = None) -> tuple[list[Any], SplitPlan]:
+        """Split ``batch`` into chunks of whole samples, chunk ``i`` for ``parallel_devices[i]``.
+
+        The split is ``split_fn``, the DataLoader workers' (:class:`~lightning_sparse_dp.split.presplit.PreSplitBatch`)
+        or :func:`~lightning_sparse_dp.split.split_batch`; at most one chunk per device (fewer when the batch has fewer
+        samples, said once). Placing builds each chunk's SparseTensor / TensorField on its device and moves the rest
+        there (:func:`~lightning_sparse_dp.step.scatter.place_chunks`); chunks placed already, where the module's own
+        batch-transfer hooks ran on them (:class:`~lightning_sparse_dp.step.prepare.PlacedChunks`), are taken as they
+        are. Given a
+        ``step`` that prepares in threads (``step.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
+        instead: it is a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` until then.
+
+        Returns:
+            ``(inputs, plan)``: the chunks, chunk ``i`` for device ``i``, and the split's plan.
+
+        Raises:
+            ValueError: a PreSplitBatch with more chunks than devices.
+            BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
+        """
+        devices = self._parallel_devices or ()
+        if isinstance(batch, PlacedChunks):  # split and placed where Lightning moves a batch (the transfer hooks ran)
+            inputs, plan = batch.chunks, batch.plan
+        else:
+            with self._timer.stage("split"):
+                cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
+            if step is not None and step.in_threads:
+                inputs = pending_chunks(cutters, devices, self._timer)
+            else:
+                with self._timer.stage("place"):
+                    inputs = place_chunks([cut_chunk() for cut_chunk in cutters], devices)
+        self._said_idle = self._said_idle or say_idle(plan, len(devices), self._warning_cache)
+        return inputs, plan
+
+    def _run_replicas(self, step: StepContext) -> list[Any]:
+        """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
+        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
+        deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
+        touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
+        step.devices = (self._parallel_devices or [])[: len(step.inputs)]
+        for attempt in (1, 2):
+            step.replicas = self.replicate(step.module, step.devices, step)
+            try:
+                with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
+                                  self.loss_weighting, self._site_memory):
+                    step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
+                break
+            except StaleReplicas:
+                if attempt == 2:
+                    raise
+                self._replicas, step.check, step.refresh_in_threads = None, None, False
+        if any(o is None for o in step.outputs):  # None from some chunks: one device's result where known, else refused
+            return skipped_outputs(step)
+        return step.outputs
+
+    def replicate(self, module: nn.Module, devices: Sequence[torch.device], step: StepContext | None = None) -> list[nn.Module]:
+        """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
+
+        One chunk on the root device runs ``module`` itself. Otherwise the persistent
+        :class:`~lightning_sparse_dp.step.replicate.Replicas` are refreshed, or rebuilt when the module's structure,
+        parameters or devices changed. Given a ``step`` that prepares in threads (``step.in_threads``), each replica's
+        refresh is left to its own thread (``step.refresh_in_threads``; here only the tensors, on CPU not the buffers),
+        and replicas built in an earlier step are checked by ``step.check`` (a
+        :class:`~lightning_sparse_dp.step.check.DeferredCheck`, run by :meth:`parallel_apply`) while the threads cut.
+        """
+        with self._timer.stage("replicate"):
+            if list(devices) == [self._parallel_devices[0]]:
+                return [module]
+            built, in_threads = self._replicas, step is not None and step.in_threads
+            if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
+                step.check = DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads)  # type: ignore[union-attr]
+            else:
+                if built is None or not built.matches(module, devices):
+                    assert self._parallel_devices is not None
+                    if built is not None:  # frozen parameters a step changed in place: the new replicas own copies
+                        self._frozen_written |= built.frozen_written | built.own_frozen
+                    built = self._replicas = Replicas(module, self._parallel_devices, own_frozen=self._frozen_written)
+                    self._replica_sync_layers = [sync_layers(r) for r in built.modules]
+                if not in_threads:
+                    return built.refresh(len(devices))
+                built.refresh_tensors(len(devices), buffers=not built.buffers_in_threads)
+            step.refresh_in_threads = True  # type: ignore[union-attr]
+            return built.modules[: len(devices)]
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | str, args: tuple = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``replicas[i].<step hook>(inputs[i], ...)`` for every ``i`` at once, one thread each.
+
+        Args:
+            replicas: from :meth:`replicate`.
+            inputs: from :meth:`scatter`, one chunk per replica (a
+                :class:`~lightning_sparse_dp.step.scatter.PendingChunk` is made in its replica's thread first).
+            step: the hub's :class:`~lightning_sparse_dp.step.context.StepContext`: its hook and arguments, what each
+                replica's step runs under (``group``, ``terms``, each replica's ``before`` / ``after`` in its thread;
+                :func:`~lightning_sparse_dp.step.apply.replica_steps`) and ``step.check``, run on this thread once the
+                replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). Or a step
+                hook's name, for a call outside a step: the replicas' steps with nothing installed.
+            args, kwargs: the hook's other arguments (``batch_idx``, ``dataloader_idx``) when ``step`` is a name.
+
+        Returns:
+            the replicas' outputs, replica order.
+
+        Raises:
+            RuntimeError: a strategy that has no devices yet (not given to a Trainer).
+            Exception: the first failing replica's error, with a note naming the replica and device.
+        """
+        if self._parallel_devices is None:
+            raise RuntimeError(
+                "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
+                "test / predict), which gives the strategy its devices."
+            )
+        if isinstance(step, str):
+            step = StepContext(name=step, batch=None, source=None, module=replicas[0], args=tuple(args),
+                               kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
+                               warnings=self._warning_cache)
+        executor = self._replica_threads()
+        devices = self._parallel_devices[: len(replicas)]
+        effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
+        steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
+                              step.before, step.after, effects)
+        meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
+        with self._timer.stage("apply"):
+            try:
+                outputs = executor.run(steps, devices, meanwhile=meanwhile)
+            except Exception as err:
+                raise err if step.plan is None else explain_replica_error(err, step.plan)
+        if effects is not None and not self._checking:  # loggers' calls (the check's copies make none)
+            effects.say(self._warning_cache)
+        return outputs
+
+    def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
+        """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.step.gather.gather_outputs`).
+
+        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`: the whole
+        batch's mean for the loss weighting); other outputs are merged back in batch order by ``output_layout`` or their
+        lengths.
+        """
+        with self._timer.stage("gather"):
+            return gather_outputs(outputs, plan, weights, self._parallel_devices[0], self.output_layout, self._warning_cache)
+
+    def _in_threads(self) -> bool:  # prepare_in_threads: None is True
+        return self.prepare_in_threads is not False
+
+    def _split_options(self) -> dict[str, Any]:
+        """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk`` and the
+        loaders' ``batch_sizes``."""
+        module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
+        batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
+        key = (module, synchronized, batch_norm, id(self.layout), self.split, id(self._core_groups))
+        if self._options is None or self._options[0] != key:  # made once while the module and the options hold
+            pinned = self._core_groups is not None and self.split == "balanced"
+            assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
+            self._options = key, {"layout": self.layout, "assignment": assignment,
+                                  "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
+                                  "batch_sizes": self._loader_batch_sizes}
+        return dict(self._options[1])
+
+
+__all__ = ["ReplicaStages"]
