@@ -181,15 +181,15 @@ def clear_replica_gradients(step: StepContext, replicas: Replicas | None) -> Non
     cleared too, so that the step's backward reduces only its own, as one device's ``.grad`` holds only its own. Inside
     an accumulation window, where one device's ``.grad`` keeps them, the replicas' are their chunks' gradients, which no
     weight makes the whole batch's: said once (they stay, and are reduced with the step's). The replicas' parameters are
-    the persistent replicas' leaves (not the module's, which Lightning clears)."""
+    the persistent replicas' parameters (not the module's, which Lightning clears)."""
     if replicas is None or len(step.replicas) < 2 or step.manual or not torch.is_grad_enabled():
         return
-    leaves = replicas.leaves[: len(step.replicas)]
+    params = replicas.parameters[: len(step.replicas)]
     if zero_grad_due(step.module, step.args[0] if step.args else step.kwargs.get("batch_idx")):
-        for per_replica in leaves:
-            for leaf in per_replica:
-                leaf.grad = None
-    elif any(leaf.grad is not None for per_replica in leaves for leaf in per_replica):
+        for per_replica in params:
+            for param in per_replica:
+                param.grad = None
+    elif any(param.grad is not None for per_replica in params for param in per_replica):
         step.warnings.warn(
             "sparse_dp: a backward inside training_step (e.g. aux.backward(), measure_flops) left gradients in an "
             "accumulation window (accumulate_grad_batches > 1), where one device keeps them in .grad: each replica's "

@@ -7,7 +7,7 @@ copied with ``Module._replicate_for_data_parallel``), with three differences:
   module, so each replica's backward (run in its own thread) accumulates into its own ``.grad`` and
   :meth:`Replicas.reduce_gradients` adds them up in replica order (bit-for-bit repeatable, as
   ``torch.nn.parallel.comm.reduce_add_coalesced`` for ``nn.DataParallel``). On CPU, and for the replica on
-  the root device, the leaves share the module's parameter storage, so the optimizer's in-place update
+  the root device, the replicas' parameters share the module's parameter storage, so the optimizer's in-place update
   is seen at once; on other CUDA devices they are copies, refreshed before every step with
   ``torch.nn.parallel.comm.broadcast_coalesced`` (no autograd). Parameters that need no gradient are the
   module's own (on other GPUs: copies, refreshed with the others, as ``nn.DataParallel`` broadcasts every
@@ -66,7 +66,7 @@ class Replicas:
         modules: the replicas, ``modules[i]`` on ``devices[i]``.
         trainable: the module's parameters that require a gradient, in ``module.parameters()`` order.
         frozen: the module's other parameters, in the same order.
-        leaves: ``leaves[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
+        parameters: ``parameters[i][j]`` is replica ``i``'s parameter for ``trainable[j]``.
         batch_norm: whether the module had a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``) when built.
         attributes: what a step sets on the replicas' copies of the module's submodules
             (:class:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges`).
@@ -109,7 +109,7 @@ class Replicas:
         ]
         self._diverged: set[str] = set()  # the buffers diverged_buffers has named (each once for these replicas)
         self._source_dicts = [m.__dict__ for m in self._sources]
-        self._fingerprint = _fingerprint(self._source_dicts)
+        self._structure = _structure_key(self._source_dicts)
         self.batch_norm = has_batch_norm(self._sources)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         frozen_named = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -117,9 +117,9 @@ class Replicas:
         owned = [(n, p) for n, p in frozen_named if n in self.own_frozen]
         index = {id(m): i for i, m in enumerate(self._sources)}
         self.modules: list[nn.Module] = []
-        self.leaves: list[list[Tensor]] = []
-        self._frozen_leaves: list[list[Tensor]] = []  # per replica: its copies of `frozen` (none where storage is shared)
-        self._owned_leaves: list[list[tuple[Tensor, Tensor]]] = []  # per replica: (module's, its copy) of own_frozen
+        self.parameters: list[list[Tensor]] = []
+        self._frozen_copies: list[list[Tensor]] = []  # per replica: its copies of `frozen` (none where storage is shared)
+        self._owned_copies: list[list[tuple[Tensor, Tensor]]] = []  # per replica: (module's, its copy) of own_frozen
         shared_by_others = any(d.type == "cpu" or d == self.devices[0] for d in self.devices[1:])
         self._shared_frozen = [(n, p) for n, p in frozen_named if n not in self.own_frozen] if shared_by_others else []
         self._copies: list[list[nn.Module]] = []
@@ -128,20 +128,20 @@ class Replicas:
         for r, device in enumerate(self.devices):
             shares_storage = device.type == "cpu" or device == root_device
             slots = []  # replica r > 0: where its copy of each of the module's buffers goes, in `buffer_sources` order
-            leaf_of = {}
+            copy_of = {}
             for p in self.trainable:
                 data = p.detach() if shares_storage else torch.empty_like(p, device=device)
-                leaf_of[id(p)] = nn.Parameter(data, requires_grad=True)
+                copy_of[id(p)] = nn.Parameter(data, requires_grad=True)
             if not shares_storage:  # frozen parameters: copies on the replica's device, refreshed every step as well
                 for p in module.parameters():
                     if not p.requires_grad:
-                        leaf_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
+                        copy_of[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=False)
             elif r > 0:  # frozen parameters a step changes in place: copies here too, refreshed every step
                 for _, p in owned:
-                    leaf_of[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=False)
+                    copy_of[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=False)
             copies = [m._replicate_for_data_parallel() for m in self._sources]
             for m, c in zip(self._sources, copies):
-                c._parameters = {k: (None if p is None else leaf_of.get(id(p), p)) for k, p in m._parameters.items()}
+                c._parameters = {k: (None if p is None else copy_of.get(id(p), p)) for k, p in m._parameters.items()}
                 if r == 0:
                     c._buffers = m._buffers  # DataParallel: the root replica's buffers are the module's
                 else:
@@ -152,9 +152,9 @@ class Replicas:
             if hasattr(copies[0], "_device"):  # Lightning's DeviceDtypeModuleMixin: `self.device` in the replica
                 copies[0]._device = device
             self.modules.append(copies[0])
-            self.leaves.append([leaf_of[id(p)] for p in self.trainable])
-            self._frozen_leaves.append([] if shares_storage else [leaf_of[id(p)] for p in self.frozen])
-            self._owned_leaves.append([(p, leaf_of[id(p)]) for _, p in owned] if shares_storage and r > 0 else [])
+            self.parameters.append([copy_of[id(p)] for p in self.trainable])
+            self._frozen_copies.append([] if shares_storage else [copy_of[id(p)] for p in self.frozen])
+            self._owned_copies.append([(p, copy_of[id(p)]) for _, p in owned] if shares_storage and r > 0 else [])
             self._copies.append(copies)
             if r > 0:
                 buffer_slots.append(slots)
@@ -229,7 +229,7 @@ class Replicas:
         fingerprint: every submodule's, parameter's and buffer's identity, ``requires_grad``, storage and dtype: a
         walk of the whole module, on the cold cache a step starts on, so the strategy takes it while the replicas'
         threads cut and place their chunks: :class:`~lightning_sparse_dp.step.check.DeferredCheck`)."""
-        return _fingerprint(self._source_dicts) == self._fingerprint
+        return _structure_key(self._source_dicts) == self._structure
 
     def refresh(self, count: int | None = None) -> list[nn.Module]:
         """Bring the first ``count`` replicas (default all) up to date with the module; returns them.
@@ -280,10 +280,10 @@ class Replicas:
         ``nn.DataParallel`` broadcasts every parameter every step), into the replicas on other devices (no
         autograd)."""
         count = len(self.modules) if count is None else count
-        owned = [pair for r in range(1, count) for pair in self._owned_leaves[r]]
+        owned = [pair for r in range(1, count) for pair in self._owned_copies[r]]
         if owned:  # frozen parameters a step changes in place, in the replicas that share the module's storage
             with torch.no_grad():
-                torch._foreach_copy_([leaf.data for _, leaf in owned], [p.detach() for p, _ in owned])
+                torch._foreach_copy_([copy.data for _, copy in owned], [p.detach() for p, _ in owned])
         others = [r for r in range(1, count) if self.devices[r] != self.devices[0] and self.devices[r].type == "cuda"]
         if not others or not (self.trainable or self.frozen):
             return
@@ -292,8 +292,8 @@ class Replicas:
             sources = [p.detach() for p in chain(self.trainable, self.frozen)]
             copies = dict(zip(targets, comm.broadcast_coalesced(sources, [self.devices[0], *targets])[1:]))
             for r in others:
-                leaves = [leaf.data for leaf in chain(self.leaves[r], self._frozen_leaves[r])]
-                torch._foreach_copy_(leaves, list(copies[self.devices[r]]))
+                params = [param.data for param in chain(self.parameters[r], self._frozen_copies[r])]
+                torch._foreach_copy_(params, list(copies[self.devices[r]]))
 
     def reduce_gradients(self, count: int | None = None) -> list[Tensor | None]:
         """The replicas' gradients, per trainable parameter, added in replica order on the root device.
@@ -304,10 +304,10 @@ class Replicas:
         count = len(self.modules) if count is None else count
         root = self.devices[0]
         grads = []
-        for leaves in self.leaves[:count]:
-            grads.append([leaf.grad for leaf in leaves])
-            for leaf in leaves:
-                leaf.grad = None
+        for params in self.parameters[:count]:
+            grads.append([param.grad for param in params])
+            for param in params:
+                param.grad = None
         if all(g is not None and g.layout == torch.strided for per_replica in grads for g in per_replica):
             # every replica has every gradient: one fused add per replica, in place into replica 0's gradients
             # (owned by nobody else now), in replica order as below
@@ -327,14 +327,14 @@ class Replicas:
         return out
 
 
-def _fingerprint(dicts: list[dict[str, Any]]) -> tuple:
+def _structure_key(dicts: list[dict[str, Any]]) -> tuple:
     """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
 
     ``dicts``: the modules' ``__dict__``. Built with C-level iteration (``map``, ``itertools.chain``; this runs
     every step, mostly on a cold cache after the previous step's backward pass): per module the sizes of its three
     dicts, then every child's, parameter's and buffer's identity, and each parameter's ``requires_grad``, storage
     address and dtype and each buffer's storage address. A conversion (``module.to(torch.float64)``, a precision
-    plugin's) gives every non-empty tensor new storage at a new address: the replicas' leaves (parameters) and
+    plugin's) gives every non-empty tensor new storage at a new address: the replicas' parameters and
     :class:`BufferMirror`'s views (buffers) keep the old storage alive, so the address is not reused.
     """
     children = list(map(_MODULES, dicts))

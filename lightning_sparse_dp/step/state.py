@@ -10,8 +10,9 @@ whole-batch value, any other as step outputs are gathered (:func:`combine_values
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -21,13 +22,14 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import step_weights
-from lightning_sparse_dp.replica.install import enter_checked, leave_checked, replica_state
+from lightning_sparse_dp.replica.install import ReplicaState, enter_checked, leave_checked, replica_state
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.manual import manual_step
 from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.replicas import synchronized
 
 
@@ -45,53 +47,75 @@ def combine_values(
     return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=False), False
 
 
+@dataclass(eq=False)
+class InstalledStep:
+    """What :func:`install_step` installed for one step, for the hub to put in the step's context.
+
+    Attributes:
+        group: the step's batch-norm group (``None`` without synchronized layers, outside manual steps).
+        terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
+        before, after: each replica's preparation and wrap-up in its own thread (``None``: on the calling thread).
+        state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`); where the
+            deferred check installs it, set once the body ended.
+        weights: the replicas' weights, known before a manual step (``None`` otherwise).
+    """
+
+    group: ThreadGroup | None = None
+    terms: StepTerms | None = None
+    before: list[Callable[[], Any]] | None = None
+    after: list[Callable[[], Any]] | None = None
+    state: ReplicaState | None = None
+    weights: list[float] | None = None
+
+
 @contextmanager
 def install_step(
     step: StepContext, persistent: Replicas | None, sync_layers: Sequence[Sequence[Any]], metrics: ReplicaMetrics,
     loss_weighting: Any, site_memory: Any,
-) -> Iterator[None]:
-    """The replicas' per-step state around the apply stage (stage ``state``), undone at exit: the step's batch-norm
-    group (``step.group``, :func:`~lightning_sparse_dp.syncbn.replicas.synchronized` of ``sync_layers``), the capture of
-    the replicas' mean-reduced losses (``step.terms``, :meth:`~lightning_sparse_dp.loss.step.StepTerms.for_step`) and
-    :func:`replica_state` (``step.state``), which ``step.check`` installs once it passed (each replica waits for it in
-    its ``step.before``: :func:`enter_checked`), else installed here, each replica's part in its own thread when
-    ``step.refresh_in_threads``; under manual optimization the replicas' optimizer calls, met once, with the weights
-    known before the step (``step.weights``, :func:`~lightning_sparse_dp.step.manual.manual_step`).
+) -> Iterator[InstalledStep]:
+    """The replicas' per-step state around the apply stage (stage ``state``), undone at exit; yields what it installed
+    (:class:`InstalledStep`): the step's batch-norm group (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized` of
+    ``sync_layers``), the capture of the replicas' mean-reduced losses
+    (:meth:`~lightning_sparse_dp.loss.step.StepTerms.for_step`) and :func:`replica_state`, which ``step.check`` installs
+    once it passed (each replica waits for it in its ``before``: :func:`enter_checked`), else installed here, each
+    replica's part in its own thread when ``step.refresh_in_threads``; under manual optimization the replicas'
+    optimizer calls, met once, with the weights known before the step
+    (:func:`~lightning_sparse_dp.step.manual.manual_step`). Reads the step's context, writes none of it.
 
     Args:
         persistent: the strategy's :class:`~lightning_sparse_dp.step.replicate.Replicas` (``None`` before any).
         metrics: the strategy's :class:`~lightning_sparse_dp.replica.metrics.ReplicaMetrics`; ``loss_weighting`` and
             ``site_memory``: its options for :class:`~lightning_sparse_dp.loss.step.StepTerms`.
     """
-    n = len(step.replicas)
+    n, out = len(step.replicas), InstalledStep()
     with ExitStack() as stack:
         with step.timer.stage("state"):
             layers = sync_layers[:n]  # a group for two replicas or more with synchronized layers, else None
-            step.group = stack.enter_context(synchronized(layers)) if len(layers) > 1 and layers[0] else None
+            out.group = stack.enter_context(synchronized(layers)) if len(layers) > 1 and layers[0] else None
             install = partial(stack.enter_context, replica_state(
-                step.module, step.replicas, step.devices, metrics, persistent, step.group, step.refresh_in_threads,
+                step.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
                 step.plan, step.warnings,
             ))
-            step.terms = StepTerms.for_step(loss_weighting, step.name, n, step.warnings, site_memory)
-            if step.terms is not None:
-                step.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+            out.terms = StepTerms.for_step(loss_weighting, step.name, n, step.warnings, site_memory)
+            if out.terms is not None:
+                out.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
             if step.check is not None:  # installed by the check, on the calling thread, once it passed
                 step.check.prepare = install
-                step.before = [partial(enter_checked, step.check, i) for i in range(n)]
-                step.after = [partial(leave_checked, step.check, i) for i in range(n)]
+                out.before = [partial(enter_checked, step.check, i) for i in range(n)]
+                out.after = [partial(leave_checked, step.check, i) for i in range(n)]
             else:
-                step.state = install()
-                step.before = [partial(step.state.enter, i) for i in range(n)] if step.refresh_in_threads else None
-                step.after = [partial(step.state.leave, i) for i in range(n)] if step.refresh_in_threads else None
+                out.state = install()
+                out.before = [partial(out.state.enter, i) for i in range(n)] if step.refresh_in_threads else None
+                out.after = [partial(out.state.leave, i) for i in range(n)] if step.refresh_in_threads else None
         if step.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
             assert persistent is not None and step.plan is not None
-            step.weights = step_weights(step.plan, step.inputs, loss_weighting, step.warnings)
-            step.group = stack.enter_context(
-                manual_step(step.module, persistent, step.replicas, step.group, step.weights, step.terms, step.plan)
+            out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.warnings)
+            out.group = stack.enter_context(
+                manual_step(step.module, persistent, step.replicas, out.group, out.weights, out.terms, step.plan)
             )
-        yield
+        yield out
         if step.check is not None:
-            step.state = step.check.prepared
+            out.state = step.check.prepared
         with step.timer.stage("state"):  # ... and undone (metrics merged into the root's)
             stack.close()
 
@@ -105,4 +129,4 @@ def merge_into_module(step: StepContext, root: torch.device, output_layout: Mapp
         step.state.left.merge(combine, step.warnings)
 
 
-__all__ = ["combine_values", "install_step", "merge_into_module"]
+__all__ = ["InstalledStep", "combine_values", "install_step", "merge_into_module"]

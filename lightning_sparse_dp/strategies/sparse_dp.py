@@ -24,6 +24,7 @@ from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
+from lightning_sparse_dp.step.check import DeferredCheck
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.log import emit, log_step
 from lightning_sparse_dp.step.prepare import PreparedBatch, prepare_batch
@@ -160,6 +161,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
         self._options: tuple[tuple, dict[str, Any]] | None = None  # the split's options and what they were made for
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
+        self._refresh: tuple[DeferredCheck | None, bool] = (None, False)  # how replicate left the replicas' refresh
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -76,11 +76,16 @@ class ReplicaStages:
         touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
         step.devices = (self._parallel_devices or [])[: len(step.inputs)]
         for attempt in (1, 2):
+            self._refresh = (None, False)  # an override of replicate that does not call this one refreshes nothing
             step.replicas = self.replicate(step.module, step.devices, step)
+            step.check, step.refresh_in_threads = self._refresh
             try:
                 with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
-                                  self.loss_weighting, self._site_memory):
+                                  self.loss_weighting, self._site_memory) as installed:
+                    step.group, step.terms, step.state = installed.group, installed.terms, installed.state
+                    step.before, step.after, step.weights = installed.before, installed.after, installed.weights
                     step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
+                step.state = installed.state  # where the deferred check installed it: known once the body ended
                 break
             except StaleReplicas:
                 if attempt == 2:
@@ -96,16 +101,18 @@ class ReplicaStages:
         One chunk on the root device runs ``module`` itself. Otherwise the persistent
         :class:`~lightning_sparse_dp.step.replicate.Replicas` are refreshed, or rebuilt when the module's structure,
         parameters or devices changed. Given a ``step`` that prepares in threads (``step.in_threads``), each replica's
-        refresh is left to its own thread (``step.refresh_in_threads``; here only the tensors, on CPU not the buffers),
-        and replicas built in an earlier step are checked by ``step.check`` (a
-        :class:`~lightning_sparse_dp.step.check.DeferredCheck`, run by :meth:`parallel_apply`) while the threads cut.
+        refresh is left to its own thread (here only the tensors, on CPU not the buffers), and replicas built in an
+        earlier step are checked by a :class:`~lightning_sparse_dp.step.check.DeferredCheck` (run by
+        :meth:`parallel_apply`) while the threads cut: both noted in ``self._refresh`` (``(check, refresh_in_threads)``),
+        which the hub puts in the step's context. Writes nothing of ``step``.
         """
+        self._refresh = (None, False)
         with self._timer.stage("replicate"):
             if list(devices) == [self._parallel_devices[0]]:
                 return [module]
             built, in_threads = self._replicas, step is not None and step.in_threads
             if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
-                step.check = DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads)  # type: ignore[union-attr]
+                self._refresh = (DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads), True)
             else:
                 if built is None or not built.matches(module, devices):
                     assert self._parallel_devices is not None
@@ -116,12 +123,12 @@ class ReplicaStages:
                 if not in_threads:
                     return built.refresh(len(devices))
                 built.refresh_tensors(len(devices), buffers=not built.buffers_in_threads)
-            step.refresh_in_threads = True  # type: ignore[union-attr]
+                self._refresh = (None, True)
             return built.modules[: len(devices)]
 
     def parallel_apply(
-        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | str, args: tuple = (),
-        kwargs: Mapping[str, Any] | None = None,
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | None = None, *,
+        hook: str | None = None, args: tuple = (), kwargs: Mapping[str, Any] | None = None,
     ) -> list[Any]:
         """Run ``replicas[i].<step hook>(inputs[i], ...)`` for every ``i`` at once, one thread each.
 
@@ -132,15 +139,17 @@ class ReplicaStages:
             step: the hub's :class:`~lightning_sparse_dp.step.context.StepContext`: its hook and arguments, what each
                 replica's step runs under (``group``, ``terms``, each replica's ``before`` / ``after`` in its thread;
                 :func:`~lightning_sparse_dp.step.apply.replica_steps`) and ``step.check``, run on this thread once the
-                replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). Or a step
-                hook's name, for a call outside a step: the replicas' steps with nothing installed.
-            args, kwargs: the hook's other arguments (``batch_idx``, ``dataloader_idx``) when ``step`` is a name.
+                replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). ``None``
+                for a call outside a step: the replicas' ``hook`` with nothing installed.
+            hook, args, kwargs: without ``step``, the step hook's name (``"training_step"``...) and its other arguments
+                (``batch_idx``, ``dataloader_idx``).
 
         Returns:
             the replicas' outputs, replica order.
 
         Raises:
             RuntimeError: a strategy that has no devices yet (not given to a Trainer).
+            TypeError: neither a ``step`` nor a ``hook``.
             Exception: the first failing replica's error, with a note naming the replica and device.
         """
         if self._parallel_devices is None:
@@ -148,8 +157,13 @@ class ReplicaStages:
                 "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
                 "test / predict), which gives the strategy its devices."
             )
-        if isinstance(step, str):
-            step = StepContext(name=step, batch=None, source=None, module=replicas[0], args=tuple(args),
+        if step is None:
+            if not isinstance(hook, str):
+                raise TypeError(
+                    "sparse_dp: parallel_apply(replicas, inputs, step) runs the step's StepContext; outside a step, "
+                    "name the step hook: parallel_apply(replicas, inputs, hook='training_step', args=(batch_idx,))."
+                )
+            step = StepContext(name=hook, batch=None, source=None, module=replicas[0], args=tuple(args),
                                kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
                                warnings=self._warning_cache)
         executor = self._replica_threads()

@@ -48,7 +48,7 @@ def test_parameters_are_broadcast_once_to_each_gpu_and_copied_into_every_replica
     module[1].bias.requires_grad_(False)
     replicas = replicate_module.Replicas(module, [torch.device("cpu")] * 3)
     replicas.devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2)]
-    replicas._frozen_leaves = [[], [torch.empty(2)], [torch.empty(2)]]  # as built on GPUs (CPU replicas share)
+    replicas._frozen_copies = [[], [torch.empty(2)], [torch.empty(2)]]  # as built on GPUs (CPU replicas share)
     asked.clear(), copied.clear()
     replicas._copy_parameters()
     assert replicas.frozen == [module[1].bias] and len(replicas.trainable) == 3

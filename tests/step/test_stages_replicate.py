@@ -43,7 +43,7 @@ def test_me_layers_work_in_replicas_and_share_parameters():
     assert all(p.grad is None for p in model.parameters())  # gradients stay on the replicas until reduced
     for g, q in zip(grads, reference.parameters()):
         torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6)
-    assert all(p.grad is None for leaves in replicas.leaves for p in leaves)
+    assert all(p.grad is None for leaves in replicas.parameters for p in leaves)
 
 
 def test_replica_parameters_are_leaves_whose_gradients_add_up_in_replica_order():
@@ -253,7 +253,7 @@ def test_replicas_built_in_inference_mode_serve_training_steps_after_it():
     refreshed = replicas.refresh()  # a training step: the replicas' buffers are updated in place
     assert all(torch.equal(r[1].running_mean, model[1].running_mean) for r in refreshed)
     refreshed[1](torch.randn(4, 3)).sum().backward()
-    assert replicas.leaves[1][0].grad is not None and model[0].weight.grad is None
+    assert replicas.parameters[1][0].grad is not None and model[0].weight.grad is None
 
 
 @pytest.mark.parametrize("missing", [False, True], ids=["every-gradient", "one-missing"])
@@ -264,7 +264,7 @@ def test_replica_gradients_are_added_in_replica_order(missing):
     grads = [[torch.randn(p.shape, generator=g, dtype=torch.float64) * 10 ** r for p in replicas.trainable] for r in range(3)]
     if missing:
         grads[1][2] = None  # replica 1 did not use the second layer's weight
-    for leaves, per_replica in zip(replicas.leaves, grads):
+    for leaves, per_replica in zip(replicas.parameters, grads):
         for leaf, grad in zip(leaves, per_replica):
             leaf.grad = None if grad is None else grad.clone()
     expected = []
@@ -276,4 +276,4 @@ def test_replica_gradients_are_added_in_replica_order(missing):
         expected.append(total)
     reduced = replicas.reduce_gradients()
     assert all(torch.equal(a, b) for a, b in zip(reduced, expected))  # bit for bit
-    assert all(leaf.grad is None for leaves in replicas.leaves for leaf in leaves)
+    assert all(leaf.grad is None for leaves in replicas.parameters for leaf in leaves)

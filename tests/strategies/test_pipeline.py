@@ -208,10 +208,12 @@ def test_a_step_outside_setup_makes_its_replica_threads_and_one_without_devices_
     """A step run before setup or after teardown (Lightning's loop driven by hand) runs, as under plain Lightning; a
     strategy no Trainer gave devices says what is missing (issue 58)."""
     with pytest.raises(RuntimeError, match="no devices yet.*through a Trainer"):
-        SparseDataParallelStrategy().parallel_apply([SparseNet()], [_batch()], "training_step", (0,))
+        SparseDataParallelStrategy().parallel_apply([SparseNet()], [_batch()], hook="training_step", args=(0,))
     strategy = SparseDataParallelStrategy(parallel_devices=[torch.device("cpu")] * 2)
     modules, batches = [SparseNet(), SparseNet()], [_batch(), _batch(seed=5)]
-    got = strategy.parallel_apply(modules, batches, "validation_step", (0,))
+    got = strategy.parallel_apply(modules, batches, hook="validation_step", args=(0,))
+    with pytest.raises(TypeError, match="name the step hook"):
+        strategy.parallel_apply(modules, batches)
     want = [m.validation_step(b, 0) for m, b in zip(modules, batches)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
