@@ -24,13 +24,14 @@ from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
-from lightning_sparse_dp.step.check import DeferredCheck
+from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.log import emit, log_step
 from lightning_sparse_dp.step.prepare import PreparedBatch, prepare_batch
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import step_cutters
-from lightning_sparse_dp.step.state import merge_into_module
+from lightning_sparse_dp.step.skipped import skipped_outputs
+from lightning_sparse_dp.step.state import install_step, merge_into_module
 from lightning_sparse_dp.step.weigh import exact_outputs, weigh
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin
 from lightning_sparse_dp.strategies.checks import (
@@ -267,6 +268,32 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         return StepContext(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:],
                            kwargs=kwargs, manual=manual, in_threads=in_threads, timer=self._timer,
                            warnings=self._warning_cache), None
+
+    def _run_replicas(self, step: StepContext) -> list[Any]:
+        """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
+        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
+        deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
+        touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
+        step.devices = (self._parallel_devices or [])[: len(step.inputs)]
+        for attempt in (1, 2):
+            self._refresh = (None, False)  # an override of replicate that does not call this one refreshes nothing
+            step.replicas = self.replicate(step.module, step.devices, step)
+            (step.check, step.refresh_in_threads), self._refresh = self._refresh, (None, False)  # the strategy keeps none
+            try:
+                with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
+                                  self.loss_weighting, self._site_memory) as installed:
+                    step.group, step.terms, step.state = installed.group, installed.terms, installed.state
+                    step.before, step.after, step.weights = installed.before, installed.after, installed.weights
+                    step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
+                step.state = installed.state  # where the deferred check installed it: known once the body ended
+                break
+            except StaleReplicas:
+                if attempt == 2:
+                    raise
+                self._replicas, step.check, step.refresh_in_threads = None, None, False
+        if any(o is None for o in step.outputs):  # None from some chunks: one device's result where known, else refused
+            return skipped_outputs(step)
+        return step.outputs
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

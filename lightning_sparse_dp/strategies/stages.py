@@ -19,15 +19,13 @@ from torch import nn
 from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.step.apply import replica_steps
-from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
+from lightning_sparse_dp.step.check import DeferredCheck
 from lightning_sparse_dp.step.context import StepContext
 from lightning_sparse_dp.step.errors import explain_replica_error
 from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.prepare import PlacedChunks
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import pending_chunks, place_chunks, say_idle, step_cutters
-from lightning_sparse_dp.step.skipped import skipped_outputs
-from lightning_sparse_dp.step.state import install_step
 from lightning_sparse_dp.strategies.checks import min_points_per_chunk
 from lightning_sparse_dp.syncbn.replicas import sync_layers
 
@@ -68,32 +66,6 @@ class ReplicaStages:
                     inputs = place_chunks([cut_chunk() for cut_chunk in cutters], devices)
         self._said_idle = self._said_idle or say_idle(plan, len(devices), self._warning_cache)
         return inputs, plan
-
-    def _run_replicas(self, step: StepContext) -> list[Any]:
-        """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
-        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
-        deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
-        touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
-        step.devices = (self._parallel_devices or [])[: len(step.inputs)]
-        for attempt in (1, 2):
-            self._refresh = (None, False)  # an override of replicate that does not call this one refreshes nothing
-            step.replicas = self.replicate(step.module, step.devices, step)
-            step.check, step.refresh_in_threads = self._refresh
-            try:
-                with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
-                                  self.loss_weighting, self._site_memory) as installed:
-                    step.group, step.terms, step.state = installed.group, installed.terms, installed.state
-                    step.before, step.after, step.weights = installed.before, installed.after, installed.weights
-                    step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
-                step.state = installed.state  # where the deferred check installed it: known once the body ended
-                break
-            except StaleReplicas:
-                if attempt == 2:
-                    raise
-                self._replicas, step.check, step.refresh_in_threads = None, None, False
-        if any(o is None for o in step.outputs):  # None from some chunks: one device's result where known, else refused
-            return skipped_outputs(step)
-        return step.outputs
 
     def replicate(self, module: nn.Module, devices: Sequence[torch.device], step: StepContext | None = None) -> list[nn.Module]:
         """The replicas of ``module`` for ``devices`` (replica ``i`` on ``devices[i]``), refreshed for this step.
