@@ -5,7 +5,7 @@
 - a cross entropy over 100 rows, plain and under a term capture (``terms.TermCapture``: the call's site, its
   input's rows, whether it is a statistic of the chunk, its denominator);
 - ``terms.call_site`` and ``terms.reduces_rows`` alone;
-- ``replica/state.py`` StepState around a step of 3 replicas (snapshot and merge of what the step set on ``self``);
+- ``replica/changes.py`` ModuleChanges around a step of 3 replicas (snapshot and merge of what the step set on ``self``);
 - ``sparse_ddp``'s exchange of the ranks' term summaries (``exchange.gather_objects``: one fixed-size all-gather) against
   the 138-float all-reduce it replaced and ``torch.distributed.all_gather_object``, 2 gloo ranks on this machine.
 """
@@ -65,7 +65,7 @@ def _gather(rank: int, port: int) -> None:
 def main() -> None:
     from lightning_sparse_dp.loss.capture import TermCapture
     from lightning_sparse_dp.loss.sites import call_site, reduces_rows
-    from lightning_sparse_dp.replica.state import StepState
+    from lightning_sparse_dp.replica.changes import ModuleChanges
     from tests.support.helpers import SparseNet
 
     x = torch.randn(100, 10, requires_grad=True)
@@ -77,13 +77,13 @@ def main() -> None:
     module, replicas = SparseNet(), [SparseNet() for _ in range(3)]
 
     def state():
-        StepState(module, replicas).merge(lambda values: (values[0], True), None)
+        ModuleChanges(module, replicas).merge(lambda values: (values[0], True), None)
 
     print(f"  cross entropy, plain:                 {median_us(lambda: F.cross_entropy(x, y)):8.1f} us")
     print(f"  cross entropy, under a term capture:  {median_us(captured):8.1f} us")
     print(f"  terms.call_site:                      {median_us(lambda: call_site(0)):8.1f} us")
     print(f"  terms.reduces_rows (x * 2):           {median_us(lambda: reduces_rows(x * 2)):8.1f} us")
-    print(f"  StepState, 3 replicas:                {median_us(state):8.1f} us")
+    print(f"  ModuleChanges, 3 replicas:                {median_us(state):8.1f} us")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

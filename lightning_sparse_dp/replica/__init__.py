@@ -3,7 +3,7 @@
 Installed around the apply stage and undone after it, in each replica's own thread where it can be:
 
 - :mod:`.install`: each replica's per-step state put in place before its step and taken back after it;
-- :mod:`.state`: the module's attributes around a step: each replica's own copies of its lists and dicts, merged
+- :mod:`.changes`: the module's attributes around a step: each replica's own copies of its lists and dicts, merged
   back as one device's step leaves them; :mod:`.snapshot`: which attributes are followed, and how values are
   copied and compared; :mod:`.attributes`: the same for the module's submodules;
 - :mod:`.metrics`: torchmetrics metrics copied per replica, reset each step; :mod:`.metric_merge`: their states

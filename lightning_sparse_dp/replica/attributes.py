@@ -6,14 +6,14 @@ regularizer, ``self.calls += 1``) does so on its replica's copy in a ``sparse_dp
 again, so what the step set there is lost, and the module's layer never changes, where one device's does.
 :class:`SubmoduleChanges` finds those attributes after each replica's step (in the replica's thread: one identity
 comparison per followed entry, in C, once its copies were found clean) for
-:class:`~lightning_sparse_dp.replica.state.StepState`, which merges them into the module's submodules as it merges the
+:class:`~lightning_sparse_dp.replica.changes.ModuleChanges`, which merges them into the module's submodules as it merges the
 module's own attributes.
 
-Followed: the plain ``__dict__`` entries of every submodule but the module itself (:class:`StepState` follows those)
+Followed: the plain ``__dict__`` entries of every submodule but the module itself (:class:`ModuleChanges` follows those)
 and torchmetrics metrics and their insides (merged by :mod:`~lightning_sparse_dp.replica.metrics`); not torch's own entries of
 a module, nor what the strategy itself sets on the copies (:data:`OWN_KEYS`). A layer's lists and short dicts, which
-a refresh shares with its copies, get a copy per replica from :class:`~lightning_sparse_dp.replica.state.StepState` before the
-step (``self.history.append(x)`` changes the replica's own), merged as the module's own lists and dicts are.
+a refresh shares with its copies, get a copy per replica from :class:`~lightning_sparse_dp.replica.changes.ModuleChanges`
+before the step (``self.history.append(x)`` changes the replica's own), merged as the module's own lists and dicts are.
 """
 
 from __future__ import annotations

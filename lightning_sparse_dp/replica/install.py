@@ -4,7 +4,7 @@
 :class:`ReplicaState` whose part for each replica (:meth:`ReplicaState.enter`, in the replica's own thread where it
 can be) installs its buffer copies and refresh from the module where its thread makes them, its empty metric copies,
 its ``self.log`` recorder and ``self.print``, its view of the loggers (whose calls run once:
-:mod:`lightning_sparse_dp.replica.effects`), and the :class:`~lightning_sparse_dp.replica.state.StepState` that notes
+:mod:`lightning_sparse_dp.replica.effects`), and the :class:`~lightning_sparse_dp.replica.changes.ModuleChanges` that notes
 what its step sets on the module. With the strategy's deferred check of the replicas
 (:class:`~lightning_sparse_dp.step.check.DeferredCheck`) the calling thread installs it once the check passed, and each
 replica waits for it before its step (:func:`enter_checked`, :func:`leave_checked`). At exit the recorders are removed
@@ -23,10 +23,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import nn
 
+from lightning_sparse_dp.replica.changes import ModuleChanges
 from lightning_sparse_dp.replica.effects import give_view
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.replica.recorder import install_recorder, remove_recorders
-from lightning_sparse_dp.replica.state import StepState
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
@@ -39,11 +39,11 @@ if TYPE_CHECKING:  # the step's types only: nothing here imports the step's stag
 class ReplicaState:
     """The replicas' per-step state (:func:`replica_state`): the log ``recorders`` (one per replica, ``None`` until
     its :meth:`enter`), the batch-norm ``group`` (``None`` without synchronized layers) and ``left``, the
-    :class:`StepState` of what the step sets on the module."""
+    :class:`ModuleChanges` of what the step sets on the module."""
 
     def __init__(
         self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
-        group: ThreadGroup | None, left: StepState, buffers: BufferHandOff | None = None,
+        group: ThreadGroup | None, left: ModuleChanges, buffers: BufferHandOff | None = None,
     ) -> None:
         self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
         self.left, self.buffers = left, buffers
@@ -56,8 +56,8 @@ class ReplicaState:
         :meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`), its empty metric copies
         (:meth:`~lightning_sparse_dp.replica.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
         replica's copy), its ``self.log`` recorder and ``self.print``
-        (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`), then :meth:`StepState.enter` (which notes the replica's
-        attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
+        (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`), then :meth:`ModuleChanges.enter` (which notes
+        the replica's attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
         writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
         if self.buffers is not None and i > 0:
             self.buffers.copy(i)
@@ -73,7 +73,7 @@ class ReplicaState:
 
     def leave(self, i: int) -> None:
         """Replica ``i``'s part after its step, in its thread: what it set on its copies of the module's submodules
-        (:meth:`StepState.leave`)."""
+        (:meth:`ModuleChanges.leave`)."""
         self.left.leave(i)
 
 
@@ -158,7 +158,7 @@ def replica_state(
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
         attributes = persistent.attributes if own and persistent is not None else None
-        left = StepState(module, replicas, deferred=True, attributes=attributes)
+        left = ModuleChanges(module, replicas, deferred=True, attributes=attributes)
         state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers)
         watch = own and persistent is not None and len(replicas) > 1
         marks = persistent.buffer_marks() if watch else []  # type: ignore[union-attr]

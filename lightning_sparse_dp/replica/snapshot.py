@@ -1,6 +1,6 @@
 """Snapshot: which of the module's attributes a step's state follows, and how their values are copied and compared.
 
-The helpers of :class:`~lightning_sparse_dp.replica.state.StepState`: which ``__dict__`` entries are the user's
+The helpers of :class:`~lightning_sparse_dp.replica.changes.ModuleChanges`: which ``__dict__`` entries are the user's
 (:func:`is_followed`, not Lightning's or torch's own: :func:`library_keys`), which objects are the user's own plain
 objects whose public attributes are compared before and after a step (:func:`is_plain_object`, :func:`public_state`,
 :func:`changed_keys`), when values are one value (:func:`all_same`), and the lists and dicts each replica gets its own

@@ -54,7 +54,7 @@ class StepContext:
             on the calling thread once the replicas started.
         refresh_in_threads: set by ``replicate`` when it left each replica's refresh to the replica's thread.
         group: the step's batch-norm group (``None`` without synchronized layers and outside manual steps).
-        state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`: recorders,
+        replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`: recorders,
             what the step set on the module), from :func:`~lightning_sparse_dp.step.state.install_step`.
         terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
         before: each replica's preparation in its own thread, and ``after`` its wrap-up (``None``: done on the calling
@@ -82,7 +82,7 @@ class StepContext:
     check: DeferredCheck | None = None
     refresh_in_threads: bool = False
     group: ThreadGroup | None = None
-    state: ReplicaState | None = None
+    replica_state: ReplicaState | None = None
     terms: StepTerms | None = None
     before: list[Callable[[], Any]] | None = None
     after: list[Callable[[], Any]] | None = None

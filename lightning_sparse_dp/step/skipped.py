@@ -115,11 +115,11 @@ def check_skipped(
 
 def skipped_outputs(step: StepContext) -> list[Any]:
     """``step.outputs``, or where some chunks' steps returned ``None``, :func:`check_skipped`'s verdict on them (from the
-    names each replica logged, ``step.state.recorders``)."""
+    names each replica logged, ``step.replica_state.recorders``)."""
     if all(o is not None for o in step.outputs):
         return step.outputs
-    assert step.state is not None and step.plan is not None
-    recorded = [r.calls if r is not None else {} for r in step.state.recorders]
+    assert step.replica_state is not None and step.plan is not None
+    recorded = [r.calls if r is not None else {} for r in step.replica_state.recorders]
     return check_skipped(step.outputs, step.name, step.module, step.plan.chunk_samples, recorded)
 
 

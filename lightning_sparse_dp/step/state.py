@@ -55,7 +55,7 @@ class InstalledStep:
         group: the step's batch-norm group (``None`` without synchronized layers, outside manual steps).
         terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
         before, after: each replica's preparation and wrap-up in its own thread (``None``: on the calling thread).
-        state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`); where the
+        replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`); where the
             deferred check installs it, set once the body ended.
         weights: the replicas' weights, known before a manual step (``None`` otherwise).
     """
@@ -64,7 +64,7 @@ class InstalledStep:
     terms: StepTerms | None = None
     before: list[Callable[[], Any]] | None = None
     after: list[Callable[[], Any]] | None = None
-    state: ReplicaState | None = None
+    replica_state: ReplicaState | None = None
     weights: list[float] | None = None
 
 
@@ -104,9 +104,9 @@ def install_step(
                 out.before = [partial(enter_checked, step.check, i) for i in range(n)]
                 out.after = [partial(leave_checked, step.check, i) for i in range(n)]
             else:
-                out.state = install()
-                out.before = [partial(out.state.enter, i) for i in range(n)] if step.refresh_in_threads else None
-                out.after = [partial(out.state.leave, i) for i in range(n)] if step.refresh_in_threads else None
+                out.replica_state = install()
+                out.before = [partial(out.replica_state.enter, i) for i in range(n)] if step.refresh_in_threads else None
+                out.after = [partial(out.replica_state.leave, i) for i in range(n)] if step.refresh_in_threads else None
         if step.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
             assert persistent is not None and step.plan is not None
             out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.warnings)
@@ -115,18 +115,18 @@ def install_step(
             )
         yield out
         if step.check is not None:
-            out.state = step.check.prepared
+            out.replica_state = step.check.prepared
         with step.timer.stage("state"):  # ... and undone (metrics merged into the root's)
             stack.close()
 
 
 def merge_into_module(step: StepContext, root: torch.device, output_layout: Mapping[str, str] | None) -> None:
-    """What the replicas' steps set on the module (``step.state.left``), merged into it as one device's step would have
-    left it (stage ``state``; :meth:`~lightning_sparse_dp.replica.state.StepState.merge` by :func:`combine_values`)."""
-    assert step.state is not None and step.plan is not None and step.weights is not None
+    """What the replicas' steps set on the module (``step.replica_state.left``), merged into it as one device's step would have
+    left it (stage ``state``; :meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.merge` by :func:`combine_values`)."""
+    assert step.replica_state is not None and step.plan is not None and step.weights is not None
     with step.timer.stage("state"):
         combine = partial(combine_values, step.plan, step.weights, step.terms, root, output_layout, step.warnings)
-        step.state.left.merge(combine, step.warnings)
+        step.replica_state.left.merge(combine, step.warnings)
 
 
 __all__ = ["InstalledStep", "combine_values", "install_step", "merge_into_module"]

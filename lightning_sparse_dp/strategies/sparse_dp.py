@@ -282,10 +282,11 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
             try:
                 with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
                                   self.loss_weighting, self._site_memory) as installed:
-                    step.group, step.terms, step.state = installed.group, installed.terms, installed.state
+                    step.group, step.terms = installed.group, installed.terms
+                    step.replica_state = installed.replica_state
                     step.before, step.after, step.weights = installed.before, installed.after, installed.weights
                     step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
-                step.state = installed.state  # where the deferred check installed it: known once the body ended
+                step.replica_state = installed.replica_state  # where the check installed it: known once the body ended
                 break
             except StaleReplicas:
                 if attempt == 2:

@@ -91,7 +91,7 @@ def test_the_submodules_lists_and_dicts_are_listed_as_they_are_now():
 
 def test_followed_modules_are_the_submodules_but_the_module_itself_and_metrics():
     """:func:`followed_modules`, read against the module's own ``named_modules()``: every submodule is followed but the
-    module itself (its attributes are StepState's) and a torchmetrics metric with what is inside it (metrics merge)."""
+    module itself (its attributes are ModuleChanges's) and a torchmetrics metric with what is inside it (metrics merge)."""
     from lightning_sparse_dp.replica.attributes import followed_modules
 
     module = _Net()

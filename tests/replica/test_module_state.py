@@ -1,4 +1,4 @@
-"""What a sparse_dp step leaves on the module and its submodules is one device's (lightning_sparse_dp/replica/state.py,
+"""What a sparse_dp step leaves on the module and its submodules is one device's (lightning_sparse_dp/replica/changes.py,
 attributes.py): attributes set, lists and dicts changed in place, and what no merge can undo said; each fit against
 one device with the whole batch."""
 
@@ -107,12 +107,12 @@ def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():
 
 
 def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_keys_are_theirs():
-    """StepState on a dict attribute: a key every replica sets merges as an attribute does, a key each replica adds
+    """ModuleChanges on a dict attribute: a key every replica sets merges as an attribute does, a key each replica adds
     for its own samples (a per-sample cache) is theirs, a key all remove goes, one changed by some replicas only is
     said; the module keeps its own dict (a defaultdict stays one); a dict of more than 16 entries is shared."""
     from lightning.pytorch.utilities.rank_zero import WarningCache
 
-    from lightning_sparse_dp.replica.state import StepState
+    from lightning_sparse_dp.replica.changes import ModuleChanges
 
     module = torch.nn.Module()
     module.stats = collections.defaultdict(list, {"sum": 0, "gone": 1, "flag": False, "per_stage": {"val": []}})
@@ -121,7 +121,7 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     replicas = [torch.nn.Module() for _ in range(3)]
     for r in replicas:
         r.__dict__.update(module.__dict__)
-    state = StepState(module, replicas)
+    state = ModuleChanges(module, replicas)
     for i, r in enumerate(replicas):
         assert r.stats is not stats and r.stats["per_stage"] is not stats["per_stage"] and r.big is big
         r.stats["sum"] += 10.0 * (i + 1)  # every replica: merged as an attribute (combine: numbers, tensors)
@@ -145,7 +145,7 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     module.tmp, module.scratch, module.partial = 1, [0], 5
     for r in replicas:
         r.__dict__.update(module.__dict__)
-    state = StepState(module, replicas)
+    state = ModuleChanges(module, replicas)
     for r in replicas:
         del r.tmp, r.scratch  # removed by every replica's step: gone, as on one device
     del replicas[1].partial  # by one only: said

@@ -82,12 +82,12 @@ def test_metric_states_from_a_replica_on_another_gpu_are_moved_before_the_merge(
 
 
 def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
-    """``StepState.merge``: a value only some replicas set, entries the replicas appended in different numbers, and
+    """``ModuleChanges.merge``: a value only some replicas set, entries the replicas appended in different numbers, and
     values the output merge cannot read reach the module moved to its device (a replica on another GPU left them on
     its own). The module's device is ``meta`` here, so that a move shows on CPU."""
     from lightning.pytorch.utilities.rank_zero import WarningCache
 
-    from lightning_sparse_dp.replica.state import StepState
+    from lightning_sparse_dp.replica.changes import ModuleChanges
 
     class Holder(torch.nn.Module):
         device = torch.device("meta")  # as a LightningModule's .device says where the module is
@@ -97,7 +97,7 @@ def test_what_replicas_leave_on_self_reaches_the_module_on_its_device():
     replicas = [Holder(), Holder()]
     for r in replicas:
         r.__dict__.update(module.__dict__)
-    state = StepState(module, replicas)
+    state = ModuleChanges(module, replicas)
     replicas[1].__dict__["best"] = torch.ones(2)  # set by one replica only
     replicas[0].__dict__["history"].append(torch.zeros(1))  # appended in different numbers
     replicas[1].__dict__["history"] += [torch.zeros(1), torch.ones(1)]

@@ -4,7 +4,7 @@ Replicas are copies of the module (:mod:`lightning_sparse_dp.step.replicate`), s
 (``self.flag = True``, ``self.last_loss = loss.detach()``) lands on a replica and is lost, and what it
 appends to a list of the module (``self.validation_step_outputs.append(...)``, the pattern Lightning 2
 recommends since ``validation_epoch_end`` was removed) is appended once per replica, and so is what it appends to a
-list in a dict (``self.outputs["val"].append(...)``) or counts in one (``self.counts["steps"] += 1``). :class:`StepState`
+list in a dict (``self.outputs["val"].append(...)``) or counts in one (``self.counts["steps"] += 1``). :class:`ModuleChanges`
 gives each replica its own copy of the module's list attributes and dict attributes of at most 16 entries before the
 step (the lists and dicts in those copied too, to 8 levels: :func:`~.snapshot.copy_nested`; a longer dict, such as
 a per-sample cache that the replicas fill with their own samples' keys, is shared as before) and, after it:
@@ -54,7 +54,7 @@ from lightning_sparse_dp.replica.attributes import SubmoduleChanges
 _MISSING = object()
 
 
-class StepState:
+class ModuleChanges:
     """The module's attributes around one step of ``replicas`` (copies of ``module``; the module itself, when it is
     among them, keeps what it sets, as one device does).
 
@@ -397,4 +397,4 @@ class StepState:
         before.extend(merged)
 
 
-__all__ = ["StepState"]
+__all__ = ["ModuleChanges"]
