@@ -150,9 +150,6 @@ class ExactnessCheck:
         #: reduces them, so there the gradients and the module's state after the step are compared
         self.compare_values = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
-        #: no training step of this fit will be checked any more (off, or checked once with ``every_n_steps=0``): the
-        #: strategy's step reads this attribute and calls nothing of the check's
-        self.done = mode is None
         #: names of the module's frozen parameters the checked step changed in place on one device (an EMA teacher):
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
@@ -160,7 +157,12 @@ class ExactnessCheck:
     def reset(self) -> None:
         """A new fit: its first training step is checked."""
         self._last = None
-        self.done = self.mode is None
+
+    @property
+    def done(self) -> bool:
+        """Whether no training step of this fit will be checked any more: off, or checked once with
+        ``every_n_steps=0`` (the strategies then skip the check's step machinery)."""
+        return self.mode is None or (self._last is not None and self.every_n_steps == 0)
 
     def due(self, global_step: int) -> bool:
         """Whether the training step at ``global_step`` is checked (noted as checked when it is)."""
@@ -170,7 +172,6 @@ class ExactnessCheck:
         if last is not None and (self.every_n_steps == 0 or global_step - last < self.every_n_steps):
             return False
         self._last = global_step
-        self.done = self.every_n_steps == 0
         return True
 
     def run(

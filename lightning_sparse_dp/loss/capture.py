@@ -261,10 +261,9 @@ class TermCapture(StepObserver):
         return out
 
     def _touches_forms(self, args: tuple) -> bool:
-        """Whether an argument (or a tensor of a list / tuple first argument) is a tensor computed from terms."""
+        """Whether an argument (or a tensor of a list / tuple first argument) is a tensor computed from terms. Asked
+        only once there are forms (the callers test ``self.forms`` first: every torch call of the step comes here)."""
         forms = self.forms
-        if not forms:
-            return False
         for a in args:
             if isinstance(a, Tensor) and id(a) in forms:
                 return True

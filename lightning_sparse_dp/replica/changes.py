@@ -82,8 +82,7 @@ class ModuleChanges:
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         if not self.active:
             return
-        library, skipped = snapshot.library_keys(), (nn.Module, nn.Parameter)  # snapshot.is_followed, in one pass
-        self.before = {k: v for k, v in module.__dict__.items() if k not in library and not isinstance(v, skipped)}
+        self.before = {k: v for k, v in module.__dict__.items() if snapshot.is_followed(k, v)}
         self.containers = [k for k, v in self.before.items() if snapshot.is_copied(v)]  # each replica gets its own copies
         # which the module's own containers must not see change: only code holding the module itself (a hook's
         # closure) reaches them during the step (said in merge)

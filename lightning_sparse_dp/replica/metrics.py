@@ -155,8 +155,7 @@ class ReplicaMetrics:
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
             yield step
-            if step.merged:  # the metrics the replicas used in the step
-                merge_into_root(step.merged, plan)
+            merge_into_root(step.merged, plan)
         finally:
             step.uninstall()
 

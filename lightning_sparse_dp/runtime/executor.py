@@ -29,9 +29,8 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_sparse_dp.runtime.defaults import float64_defaults
+from lightning_sparse_dp.runtime.defaults import float64_defaults, float64_defaults_on
 from lightning_sparse_dp.runtime.devices import current_stream, device_context
-from lightning_sparse_dp.runtime.process import FLOAT64_DEFAULTS as FLOAT64
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _this_thread
 from lightning_sparse_dp.runtime.randomness import SharedDraws
 from lightning_sparse_dp.runtime.stall import StallWatch, stall_seconds
@@ -67,7 +66,7 @@ class ThreadState:
                 (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             )
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads(),
-                   getattr(FLOAT64, "on", False))  # float64_defaults_on(), read in place (once per call)
+                   float64_defaults_on())
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set).
@@ -86,7 +85,7 @@ class ThreadState:
             # the dtype counts while disabled too: a step's own torch.autocast(device_type) without a dtype takes it
             if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        if self.float64_defaults and not getattr(FLOAT64, "on", False):
+        if self.float64_defaults and not float64_defaults_on():
             stack.enter_context(float64_defaults())
 
 

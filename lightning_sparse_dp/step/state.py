@@ -90,8 +90,7 @@ def install_step(
     n, out = len(step.replicas), InstalledStep()
     with ExitStack() as stack:
         with step.timer.stage("state"):
-            layers = sync_layers[:n]  # a group for two replicas or more with synchronized layers, else None
-            out.group = stack.enter_context(synchronized(layers)) if len(layers) > 1 and layers[0] else None
+            out.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
             install = partial(stack.enter_context, replica_state(
                 step.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
                 step.plan, step.warnings,

@@ -122,8 +122,8 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self._parallel_devices is not None
-        return self._parallel_devices[0]
+        assert self.parallel_devices is not None
+        return self.parallel_devices[0]
 
     @property
     @override

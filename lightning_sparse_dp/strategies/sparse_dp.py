@@ -160,7 +160,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
-        self._options: tuple[tuple, dict[str, Any]] | None = None  # the split's options and what they were made for
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
         self._refresh: tuple[DeferredCheck | None, bool] = (None, False)  # how replicate left the replicas' refresh
 
@@ -242,12 +241,12 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         step.inputs, step.plan = self.scatter(step.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
-        merge_into_module(step, self._parallel_devices[0], self.output_layout)  # what the replicas set on it, as one device's
+        merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
         if step.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
         output = self.gather(exact_outputs(step), step.plan, step.weights)
-        return output, log_step(step, self._parallel_devices[0])  # the replicas' self.log calls, reduced
+        return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
 
     def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
         """The step's context for ``module``, or ``None`` and the whole batch on the one device (one device, nothing
@@ -274,16 +273,14 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
         deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
         touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
-        step.devices = (self._parallel_devices or [])[: len(step.inputs)]
+        step.devices = (self.parallel_devices or [])[: len(step.inputs)]
         for attempt in (1, 2):
-            self._refresh = (None, False)  # an override of replicate that does not call this one refreshes nothing
             step.replicas = self.replicate(step.module, step.devices, step)
             (step.check, step.refresh_in_threads), self._refresh = self._refresh, (None, False)  # the strategy keeps none
             try:
                 with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
                                   self.loss_weighting, self._site_memory) as installed:
                     step.group, step.terms = installed.group, installed.terms
-                    step.replica_state = installed.replica_state
                     step.before, step.after, step.weights = installed.before, installed.after, installed.weights
                     step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
                 step.replica_state = installed.replica_state  # where the check installed it: known once the body ended
@@ -292,9 +289,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
                 if attempt == 2:
                     raise
                 self._replicas, step.check, step.refresh_in_threads = None, None, False
-        if any(o is None for o in step.outputs):  # None from some chunks: one device's result where known, else refused
-            return skipped_outputs(step)
-        return step.outputs
+        return skipped_outputs(step)  # None from some chunks: one device's result where it is known, else refused
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -304,14 +299,14 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         device, before the ``on_*_batch_start`` hooks, as Lightning runs them."""
         batch = super().batch_to_device(batch, device, dataloader_idx)  # on_before_batch_transfer, on older Lightning
         module = self.lightning_module
-        if module is None or not self._parallel_devices:
+        if module is None or not self.parallel_devices:
             return batch
         self._prepared = self._prepare(batch, module, dataloader_idx)
         return self._prepared.batch
 
     def _prepare(self, batch: Any, module: Any, dataloader_idx: int) -> PreparedBatch:
         """``batch`` prepared for the hooks and the step (:func:`~lightning_sparse_dp.step.prepare.prepare_batch`)."""
-        devices = self._parallel_devices or []
+        devices = self.parallel_devices or []
         return prepare_batch(batch, module, devices, dataloader_idx,
                              lambda b: step_cutters(b, len(devices), self.split_fn, **self._split_options()),
                              one_device=len(devices) == 1 and self.split_fn is None)

@@ -53,7 +53,7 @@ class ReplicaStages:
             ValueError: a PreSplitBatch with more chunks than devices.
             BatchLayoutError: a batch the split cannot read (see :func:`~lightning_sparse_dp.split.split_batch`).
         """
-        devices = self._parallel_devices or ()
+        devices = self.parallel_devices or ()
         if isinstance(batch, PlacedChunks):  # split and placed where Lightning moves a batch (the transfer hooks ran)
             inputs, plan = batch.chunks, batch.plan
         else:
@@ -80,17 +80,17 @@ class ReplicaStages:
         """
         self._refresh = (None, False)
         with self._timer.stage("replicate"):
-            if list(devices) == [self._parallel_devices[0]]:
+            if list(devices) == [self.root_device]:
                 return [module]
             built, in_threads = self._replicas, step is not None and step.in_threads
             if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
                 self._refresh = (DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads), True)
             else:
                 if built is None or not built.matches(module, devices):
-                    assert self._parallel_devices is not None
+                    assert self.parallel_devices is not None
                     if built is not None:  # frozen parameters a step changed in place: the new replicas own copies
                         self._frozen_written |= built.frozen_written | built.own_frozen
-                    built = self._replicas = Replicas(module, self._parallel_devices, own_frozen=self._frozen_written)
+                    built = self._replicas = Replicas(module, self.parallel_devices, own_frozen=self._frozen_written)
                     self._replica_sync_layers = [sync_layers(r) for r in built.modules]
                 if not in_threads:
                     return built.refresh(len(devices))
@@ -124,7 +124,7 @@ class ReplicaStages:
             TypeError: neither a ``step`` nor a ``hook``.
             Exception: the first failing replica's error, with a note naming the replica and device.
         """
-        if self._parallel_devices is None:
+        if self.parallel_devices is None:
             raise RuntimeError(
                 "sparse_dp: a step ran on a strategy with no devices yet; run it through a Trainer (fit / validate / "
                 "test / predict), which gives the strategy its devices."
@@ -139,7 +139,7 @@ class ReplicaStages:
                                kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
                                warnings=self._warning_cache)
         executor = self._replica_threads()
-        devices = self._parallel_devices[: len(replicas)]
+        devices = self.parallel_devices[: len(replicas)]
         effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
         steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
                               step.before, step.after, effects)
@@ -161,7 +161,7 @@ class ReplicaStages:
         lengths.
         """
         with self._timer.stage("gather"):
-            return gather_outputs(outputs, plan, weights, self._parallel_devices[0], self.output_layout, self._warning_cache)
+            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False
@@ -169,16 +169,13 @@ class ReplicaStages:
     def _split_options(self) -> dict[str, Any]:
         """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk`` and the
         loaders' ``batch_sizes``."""
+        pinned = self._core_groups is not None and self.split == "balanced"
+        assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
         module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
         batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
-        key = (module, synchronized, batch_norm, id(self.layout), self.split, id(self._core_groups))
-        if self._options is None or self._options[0] != key:  # made once while the module and the options hold
-            pinned = self._core_groups is not None and self.split == "balanced"
-            assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
-            self._options = key, {"layout": self.layout, "assignment": assignment,
-                                  "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
-                                  "batch_sizes": self._loader_batch_sizes}
-        return dict(self._options[1])
+        return {"layout": self.layout, "assignment": assignment,
+                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
+                "batch_sizes": self._loader_batch_sizes}
 
 
 __all__ = ["ReplicaStages"]
