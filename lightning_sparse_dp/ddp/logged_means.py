@@ -109,16 +109,16 @@ def whole_value(rows: Sequence[Row], like: Tensor, memory: Any) -> Tensor:
 
 def settle(
     ranks: Sequence[tuple[int, dict[str, tuple[Any, int, bool]]]],
-    whole_value: Callable[[list[Any], Tensor], Tensor],
+    value_of: Callable[[list[Any], Tensor], Tensor],
     mine: dict[str, HeldCall],
 ) -> dict[str, tuple[Tensor, int]]:
     """Every held name's global value and one device's batch size, read alike on every rank.
 
     Args:
         ranks: every rank's ``(samples in its share, {name: (row, batch_size, explicit)})``, in rank order; ``row`` is
-            what ``whole_value`` reads (the strategy's summary of the value).
-        whole_value: ``whole_value(rows of the ranks that logged the name, this rank's value) -> value``: the global
-            batch's value, shaped and typed like this rank's.
+            what ``value_of`` reads (the strategy's summary of the value).
+        value_of: ``value_of(rows of the ranks that logged the name, this rank's value) -> value``: the global
+            batch's value, shaped and typed like this rank's (the strategy's :func:`whole_value`).
         mine: this rank's held calls (the names it settles).
 
     Returns:
@@ -132,7 +132,7 @@ def settle(
         constant = None
         if all(ranks[r][1][key][2] for r in present):  # explicit everywhere: a count per rank, or one constant
             constant = constant_batch_size(sizes, present, sum(samples), samples)
-        value = whole_value([ranks[r][1][key][0] for r in present], call.value)
+        value = value_of([ranks[r][1][key][0] for r in present], call.value)
         out[key] = (value, constant if constant is not None else sum(sizes))
     return out
 
