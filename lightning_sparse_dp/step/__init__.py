@@ -1,10 +1,11 @@
 """Step: the stages of one ``sparse_dp`` step, one file a stage, in data-path order.
 
-The strategy's hub calls them in order, each filling in its part of the step's
+The strategy's hub calls them in order; each returns its results, which the hub writes into the step's
 :class:`~lightning_sparse_dp.step.context.StepContext`: ``docs/architecture.md`` draws the path and says where a
 stage's file uses another's helpers. The files:
 
-- :mod:`.context`: the :class:`~lightning_sparse_dp.step.context.StepContext` the stages fill in;
+- :mod:`.context`: what a step is given (:class:`~lightning_sparse_dp.step.context.StepCall`) and its stages'
+  results (:class:`~lightning_sparse_dp.step.context.StepContext`);
 - :mod:`.prepare`: the batch at Lightning's ``batch_to_device``: what the hooks see, what the step splits;
 - :mod:`.scatter`: chunks of whole samples (:mod:`lightning_sparse_dp.split`) placed on their devices;
 - :mod:`.replicate`: the module's persistent replicas; :mod:`.copies`: what they carry beyond torch's replication (ME

@@ -182,15 +182,15 @@ def clear_replica_gradients(step: StepContext, replicas: Replicas | None) -> Non
     an accumulation window, where one device's ``.grad`` keeps them, the replicas' are their chunks' gradients, which no
     weight makes the whole batch's: said once (they stay, and are reduced with the step's). The replicas' parameters are
     the persistent replicas' parameters (not the module's, which Lightning clears)."""
-    if replicas is None or len(step.replicas) < 2 or step.manual or not torch.is_grad_enabled():
+    if replicas is None or len(step.replicas) < 2 or step.call.manual or not torch.is_grad_enabled():
         return
     params = replicas.parameters[: len(step.replicas)]
-    if zero_grad_due(step.module, step.args[0] if step.args else step.kwargs.get("batch_idx")):
+    if zero_grad_due(step.call.module, step.call.args[0] if step.call.args else step.call.kwargs.get("batch_idx")):
         for per_replica in params:
             for param in per_replica:
                 param.grad = None
     elif any(param.grad is not None for per_replica in params for param in per_replica):
-        step.warnings.warn(
+        step.call.warnings.warn(
             "sparse_dp: a backward inside training_step (e.g. aux.backward(), measure_flops) left gradients in an "
             "accumulation window (accumulate_grad_batches > 1), where one device keeps them in .grad: each replica's "
             "are its chunk's, added up, not the whole batch's. Add the auxiliary term to the loss the step returns, or "
@@ -205,7 +205,7 @@ def backward_in_replicas(step: StepContext, replicas: Replicas | None, executor:
     if len(step.replicas) < 2 or not torch.is_grad_enabled():
         return step.outputs
     assert replicas is not None
-    return parallel_backward(step.outputs, replicas, executor=executor, group=step.group, times=step.timer)
+    return parallel_backward(step.outputs, replicas, executor=executor, group=step.group, times=step.call.timer)
 
 
 __all__ = ["backward_in_replicas", "clear_replica_gradients", "ReplicaBackward", "parallel_backward", "zero_grad_due"]

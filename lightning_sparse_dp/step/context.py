@@ -1,9 +1,10 @@
-"""The step's context: what one ``sparse_dp`` step carries from stage to stage, named.
+"""The step's context: what one ``sparse_dp`` step is given (:class:`StepCall`) and what its stages make
+(:class:`StepContext`), named.
 
-The strategy makes one :class:`StepContext` per step (its ``_context``, for any of its four step hooks); each stage
-reads what the stages before it filled in and fills in its own part, so the hub passes one object instead of a dozen
-parameters and a stage's results have names, not tuple positions. The fields are listed about in the order the stages
-fill them (``devices`` once the chunks are known; ``docs/architecture.md`` draws the path).
+The strategy makes one :class:`StepContext` per step (its ``_context``, for any of its four step hooks), holding the
+step's :class:`StepCall`: the hook, the batch, its arguments and how the step runs, set once and never changed (a
+frozen dataclass). Each stage returns its results; the hub (the strategy's ``_through_stages``) alone writes them into
+the context, so the next stage reads them by name, not by tuple position. ``docs/architecture.md`` draws the path.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ if TYPE_CHECKING:
     from lightning_sparse_dp.replica.install import ReplicaState
 
 
-@dataclass(eq=False)
-class StepContext:
-    """One ``sparse_dp`` step, from the batch to the gathered output.
-
-    The hub sets the fields up to ``warnings`` when the step starts; the stages fill in the rest, in this order.
+@dataclass(frozen=True, eq=False)
+class StepCall:
+    """What one ``sparse_dp`` step is given, set when it starts (read-only: ``FrozenInstanceError`` on assignment).
 
     Attributes:
         name: the step hook, ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
@@ -45,25 +44,7 @@ class StepContext:
             places its chunk (``scatter``) and refreshes itself (``replicate``).
         timer: the strategy's clock of the stages (:class:`~lightning_sparse_dp.runtime.timing.StepTimer`).
         warnings: the strategy's one-time warnings and infos (Lightning's ``WarningCache``).
-        devices: the step's devices, device ``i`` for chunk ``i`` (set once the chunks are known).
-        inputs: the chunks from ``scatter`` (placed, or a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` each);
-            ``plan``: its :class:`~lightning_sparse_dp.split.SplitPlan`.
-        replicas: the modules from ``replicate``, replica ``i`` for ``inputs[i]``.
-        check: the deferred check of replicas built in an earlier step
-            (:class:`~lightning_sparse_dp.step.check.DeferredCheck`), set by ``replicate``; ``parallel_apply`` runs it
-            on the calling thread once the replicas started.
-        refresh_in_threads: set by ``replicate`` when it left each replica's refresh to the replica's thread.
-        group: the step's batch-norm group (``None`` without synchronized layers and outside manual steps).
-        replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`: recorders,
-            what the step set on the module), from :func:`~lightning_sparse_dp.step.state.install_step`.
-        terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
-        before: each replica's preparation in its own thread, and ``after`` its wrap-up (``None``: done on the calling
-            thread).
-        outputs: the replicas' outputs from ``parallel_apply``, replica order.
-        losses: each replica's loss, and ``weights`` its weight in the whole batch's
-            (:func:`~lightning_sparse_dp.step.weigh.weigh`).
     """
-
 
     name: str
     batch: Any
@@ -75,6 +56,34 @@ class StepContext:
     in_threads: bool
     timer: StepTimer
     warnings: WarningCache
+
+
+@dataclass(eq=False)
+class StepContext:
+    """One ``sparse_dp`` step: its :class:`StepCall` and, in the order the hub writes them, its stages' results.
+
+    Attributes:
+        call: what the step was given (:class:`StepCall`).
+        devices: the step's devices, device ``i`` for chunk ``i`` (set once the chunks are known).
+        inputs: the chunks from ``scatter`` (placed, or a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` each);
+            ``plan``: its :class:`~lightning_sparse_dp.split.SplitPlan`.
+        replicas: the modules from ``replicate``, replica ``i`` for ``inputs[i]``.
+        check: the deferred check of replicas built in an earlier step
+            (:class:`~lightning_sparse_dp.step.check.DeferredCheck`), left by ``replicate``; ``parallel_apply`` runs it
+            on the calling thread once the replicas started.
+        refresh_in_threads: whether ``replicate`` left each replica's refresh to the replica's thread.
+        group: the step's batch-norm group (``None`` without synchronized layers and outside manual steps).
+        replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`: recorders,
+            what the step set on the module), from :func:`~lightning_sparse_dp.step.state.install_step`.
+        terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
+        before: each replica's preparation in its own thread, and ``after`` its wrap-up (``None``: done on the calling
+            thread).
+        outputs: the replicas' outputs from ``parallel_apply``, replica order.
+        losses: each replica's loss, and ``weights`` its weight in the whole batch's
+            (:func:`~lightning_sparse_dp.step.weigh.weigh`).
+    """
+
+    call: StepCall
     devices: list[torch.device] = field(default_factory=list)
     inputs: list[Any] = field(default_factory=list)
     plan: SplitPlan | None = None
@@ -91,4 +100,4 @@ class StepContext:
     weights: list[float] | None = None
 
 
-__all__ = ["StepContext"]
+__all__ = ["StepCall", "StepContext"]

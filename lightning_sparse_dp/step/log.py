@@ -283,11 +283,12 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
     no ``batch_size`` given: Lightning infers it from the batch, unless it was split in workers), for the hub to log
     through Lightning's own ``self.log`` once (stage ``emit``, :func:`emit`), as a one-device step logs inside the step."""
     assert step.replica_state is not None and step.plan is not None and step.weights is not None
-    with step.timer.stage("log"):
+    with step.call.timer.stage("log"):
         return reduce_log_calls(
-            step.replica_state.recorders, step.weights, step.plan.num_samples, root, step.module, step.losses, step.warnings,
+            step.replica_state.recorders, step.weights, step.plan.num_samples, root, step.call.module, step.losses,
+            step.call.warnings,
             step.terms.log_value if step.terms is not None else None,
-            infer_batch_size=not isinstance(step.batch, PreSplitBatch),
+            infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
         )
 

@@ -120,7 +120,7 @@ def skipped_outputs(step: StepContext) -> list[Any]:
         return step.outputs
     assert step.replica_state is not None and step.plan is not None
     recorded = [r.calls if r is not None else {} for r in step.replica_state.recorders]
-    return check_skipped(step.outputs, step.name, step.module, step.plan.chunk_samples, recorded)
+    return check_skipped(step.outputs, step.call.name, step.call.module, step.plan.chunk_samples, recorded)
 
 
 __all__ = ["skipped_outputs", "SKIPPED_STEP_HELP", "check_skipped", "output_readers"]

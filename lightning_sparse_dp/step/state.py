@@ -89,13 +89,13 @@ def install_step(
     """
     n, out = len(step.replicas), InstalledStep()
     with ExitStack() as stack:
-        with step.timer.stage("state"):
+        with step.call.timer.stage("state"):
             out.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
             install = partial(stack.enter_context, replica_state(
-                step.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
-                step.plan, step.warnings,
+                step.call.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
+                step.plan, step.call.warnings,
             ))
-            out.terms = StepTerms.for_step(loss_weighting, step.name, n, step.warnings, site_memory)
+            out.terms = StepTerms.for_step(loss_weighting, step.call.name, n, step.call.warnings, site_memory)
             if out.terms is not None:
                 out.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
             if step.check is not None:  # installed by the check, on the calling thread, once it passed
@@ -106,16 +106,16 @@ def install_step(
                 out.replica_state = install()
                 out.before = [partial(out.replica_state.enter, i) for i in range(n)] if step.refresh_in_threads else None
                 out.after = [partial(out.replica_state.leave, i) for i in range(n)] if step.refresh_in_threads else None
-        if step.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
+        if step.call.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
             assert persistent is not None and step.plan is not None
-            out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.warnings)
+            out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.call.warnings)
             out.group = stack.enter_context(
-                manual_step(step.module, persistent, step.replicas, out.group, out.weights, out.terms, step.plan)
+                manual_step(step.call.module, persistent, step.replicas, out.group, out.weights, out.terms, step.plan)
             )
         yield out
         if step.check is not None:
             out.replica_state = step.check.prepared
-        with step.timer.stage("state"):  # ... and undone (metrics merged into the root's)
+        with step.call.timer.stage("state"):  # ... and undone (metrics merged into the root's)
             stack.close()
 
 
@@ -123,9 +123,9 @@ def merge_into_module(step: StepContext, root: torch.device, output_layout: Mapp
     """What the replicas' steps set on the module (``step.replica_state.left``), merged into it as one device's step would have
     left it (stage ``state``; :meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.merge` by :func:`combine_values`)."""
     assert step.replica_state is not None and step.plan is not None and step.weights is not None
-    with step.timer.stage("state"):
-        combine = partial(combine_values, step.plan, step.weights, step.terms, root, output_layout, step.warnings)
-        step.replica_state.left.merge(combine, step.warnings)
+    with step.call.timer.stage("state"):
+        combine = partial(combine_values, step.plan, step.weights, step.terms, root, output_layout, step.call.warnings)
+        step.replica_state.left.merge(combine, step.call.warnings)
 
 
 __all__ = ["InstalledStep", "combine_values", "install_step", "merge_into_module"]

@@ -23,10 +23,10 @@ def weigh(step: StepContext, loss_weighting: Any) -> tuple[list[Any], list[float
     where a manual step needed them before it); with ``step.terms``, each term weighted by its own share (gradient
     scales set) or ``"auto"`` said once. Stage ``weigh``."""
     assert step.plan is not None
-    with step.timer.stage("weigh"):
+    with step.call.timer.stage("weigh"):
         losses = [loss_of(o) for o in step.outputs]
         weights = step.weights if step.weights is not None else step_weights(
-            step.plan, step.inputs, loss_weighting, step.warnings
+            step.plan, step.inputs, loss_weighting, step.call.warnings
         )
         if step.terms is not None:
             step.terms.weigh(losses, step.plan, weights)
@@ -40,7 +40,7 @@ def exact_outputs(step: StepContext) -> list[Any]:
     if step.terms is None:
         return step.outputs
     assert step.weights is not None
-    with step.timer.stage("weigh"):
+    with step.call.timer.stage("weigh"):
         return step.terms.exact_outputs(step.outputs, step.weights)
 
 

@@ -25,7 +25,7 @@ from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
-from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.context import StepCall, StepContext
 from lightning_sparse_dp.step.log import emit, log_step
 from lightning_sparse_dp.step.prepare import PreparedBatch, prepare_batch
 from lightning_sparse_dp.step.replicate import Replicas
@@ -231,21 +231,21 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         if step is None:  # one device: plain Lightning's step on the module itself (step/prepare.py)
             return getattr(self.lightning_module, name)(whole_batch, *args[1:], **kwargs)
         output, calls = self._through_stages(step)
-        with step.timer.stage("emit"):
-            emit(step.module, calls)
+        with step.call.timer.stage("emit"):
+            emit(step.call.module, calls)
         return output
 
     def _through_stages(self, step: StepContext) -> tuple[Any, list[LogCall]]:
-        """The step's stages, each one call that fills in its part of ``step``: the gathered output, and the replicas'
-        ``self.log`` calls reduced (not yet logged)."""
-        step.inputs, step.plan = self.scatter(step.source, step)
+        """The step's stages, one call each, their results written into ``step`` here (a stage writes none of it): the
+        gathered output, and the replicas' ``self.log`` calls reduced (not yet logged)."""
+        step.inputs, step.plan = self.scatter(step.call.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
         merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
-        if step.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
+        if step.call.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
-        output = self.gather(exact_outputs(step), step.plan, step.weights)
+        output = self.gather(exact_outputs(step), step)
         return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
 
     def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
@@ -264,9 +264,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._timer.new_step()
         manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
         in_threads = self._in_threads() and not manual
-        return StepContext(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:],
-                           kwargs=kwargs, manual=manual, in_threads=in_threads, timer=self._timer,
-                           warnings=self._warning_cache), None
+        call = StepCall(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:], kwargs=kwargs,
+                        manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache)
+        return StepContext(call), None
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
         """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
@@ -275,7 +275,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
         step.devices = (self.parallel_devices or [])[: len(step.inputs)]
         for attempt in (1, 2):
-            step.replicas = self.replicate(step.module, step.devices, step)
+            step.replicas = self.replicate(step.call.module, step.devices, step)
             (step.check, step.refresh_in_threads), self._refresh = self._refresh, (None, False)  # the strategy keeps none
             try:
                 with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,

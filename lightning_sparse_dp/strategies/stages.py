@@ -20,7 +20,7 @@ from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.step.apply import replica_steps
 from lightning_sparse_dp.step.check import DeferredCheck
-from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.context import StepCall, StepContext
 from lightning_sparse_dp.step.errors import explain_replica_error
 from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.prepare import PlacedChunks
@@ -32,7 +32,14 @@ from lightning_sparse_dp.syncbn.replicas import sync_layers
 
 class ReplicaStages:
     """``scatter`` -> ``replicate`` -> ``parallel_apply`` -> ``gather`` of the ``sparse_dp`` strategy, and the split's
-    options they share (a mixin: ``self`` is the strategy)."""
+    options they share (a mixin: ``self`` is the strategy).
+
+    One signature: each stage takes its data first (the batch; the module and devices; the replicas and their chunks;
+    the replicas' outputs) and the step's :class:`~lightning_sparse_dp.step.context.StepContext` last, as ``step``, and
+    returns its results without writing any of ``step`` (the hub does). ``scatter``, ``replicate`` and
+    ``parallel_apply`` also run without a step (``step=None``: on the calling thread; ``parallel_apply`` then names the
+    hook); ``gather`` reads the step's plan and weights, so it needs one.
+    """
 
     def scatter(self, batch: Any, step: StepContext | None = None) -> tuple[list[Any], SplitPlan]:
         """Split ``batch`` into chunks of whole samples, chunk ``i`` for ``parallel_devices[i]``.
@@ -43,7 +50,7 @@ class ReplicaStages:
         there (:func:`~lightning_sparse_dp.step.scatter.place_chunks`); chunks placed already, where the module's own
         batch-transfer hooks ran on them (:class:`~lightning_sparse_dp.step.prepare.PlacedChunks`), are taken as they
         are. Given a
-        ``step`` that prepares in threads (``step.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
+        ``step`` that prepares in threads (``step.call.in_threads``), chunk ``i`` is cut and placed in replica ``i``'s thread
         instead: it is a :class:`~lightning_sparse_dp.step.scatter.PendingChunk` until then.
 
         Returns:
@@ -59,7 +66,7 @@ class ReplicaStages:
         else:
             with self._timer.stage("split"):
                 cutters, plan = step_cutters(batch, len(devices), self.split_fn, **self._split_options())
-            if step is not None and step.in_threads:
+            if step is not None and step.call.in_threads:
                 inputs = pending_chunks(cutters, devices, self._timer)
             else:
                 with self._timer.stage("place"):
@@ -72,7 +79,7 @@ class ReplicaStages:
 
         One chunk on the root device runs ``module`` itself. Otherwise the persistent
         :class:`~lightning_sparse_dp.step.replicate.Replicas` are refreshed, or rebuilt when the module's structure,
-        parameters or devices changed. Given a ``step`` that prepares in threads (``step.in_threads``), each replica's
+        parameters or devices changed. Given a ``step`` that prepares in threads (``step.call.in_threads``), each replica's
         refresh is left to its own thread (here only the tensors, on CPU not the buffers), and replicas built in an
         earlier step are checked by a :class:`~lightning_sparse_dp.step.check.DeferredCheck` (run by
         :meth:`parallel_apply`) while the threads cut: both noted in ``self._refresh`` (``(check, refresh_in_threads)``),
@@ -82,7 +89,7 @@ class ReplicaStages:
         with self._timer.stage("replicate"):
             if list(devices) == [self.root_device]:
                 return [module]
-            built, in_threads = self._replicas, step is not None and step.in_threads
+            built, in_threads = self._replicas, step is not None and step.call.in_threads
             if in_threads and built is not None and len(devices) > 1 and built.serve(module, devices):
                 self._refresh = (DeferredCheck(built, len(devices), buffers=not built.buffers_in_threads), True)
             else:
@@ -135,13 +142,14 @@ class ReplicaStages:
                     "sparse_dp: parallel_apply(replicas, inputs, step) runs the step's StepContext; outside a step, "
                     "name the step hook: parallel_apply(replicas, inputs, hook='training_step', args=(batch_idx,))."
                 )
-            step = StepContext(name=hook, batch=None, source=None, module=replicas[0], args=tuple(args),
-                               kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
-                               warnings=self._warning_cache)
+            step = StepContext(StepCall(name=hook, batch=None, source=None, module=replicas[0], args=tuple(args),
+                                        kwargs=dict(kwargs or {}), manual=False, in_threads=False, timer=self._timer,
+                                        warnings=self._warning_cache))
         executor = self._replica_threads()
         devices = self.parallel_devices[: len(replicas)]
-        effects = StepEffects(step.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
-        steps = replica_steps(replicas, inputs, step.name, step.args, step.kwargs, step.terms, step.group, self._timer,
+        effects = StepEffects(step.call.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
+        call = step.call
+        steps = replica_steps(replicas, inputs, call.name, call.args, call.kwargs, step.terms, step.group, self._timer,
                               step.before, step.after, effects)
         meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
         with self._timer.stage("apply"):
@@ -153,15 +161,24 @@ class ReplicaStages:
             effects.say(self._warning_cache)
         return outputs
 
-    def gather(self, outputs: Sequence[Any], plan: SplitPlan, weights: Sequence[float]) -> Any:
+    def gather(self, outputs: Sequence[Any], step: StepContext) -> Any:
         """The replicas' outputs as one output on the root device (:func:`~lightning_sparse_dp.step.gather.gather_outputs`).
 
-        The loss is ``sum_i weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`: the whole
-        batch's mean for the loss weighting); other outputs are merged back in batch order by ``output_layout`` or their
-        lengths.
+        The loss is ``sum_i step.weights[i] * loss_i`` (:func:`~lightning_sparse_dp.loss.weights.step_weights`: the whole
+        batch's mean for the loss weighting); other outputs are merged back in batch order (``step.plan``) by
+        ``output_layout`` or their lengths.
+
+        Raises:
+            ValueError: a ``step`` without its plan or weights (a context no hub filled in).
         """
+        if step.plan is None or step.weights is None:
+            raise ValueError(
+                "sparse_dp: gather(outputs, step) merges by the step's split plan and weights; give it the step's "
+                "context after scatter and weigh filled them in."
+            )
         with self._timer.stage("gather"):
-            return gather_outputs(outputs, plan, weights, self.root_device, self.output_layout, self._warning_cache)
+            return gather_outputs(outputs, step.plan, step.weights, self.root_device, self.output_layout,
+                                  self._warning_cache)
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False

@@ -60,12 +60,12 @@ class _Recording(SparseDataParallelStrategy):
         return super().replicate(module, devices, step)
 
     def parallel_apply(self, replicas, inputs, step, *args, **kwargs):
-        self.calls.append(f"parallel_apply:{step.name}:{len(replicas)}")
+        self.calls.append(f"parallel_apply:{step.call.name}:{len(replicas)}")
         return super().parallel_apply(replicas, inputs, step, *args, **kwargs)
 
-    def gather(self, outputs, plan, weights):
+    def gather(self, outputs, step):
         self.calls.append("gather")
-        return 2 * super().gather(outputs, plan, weights)
+        return 2 * super().gather(outputs, step)
 
 
 def test_overridden_stages_are_called_in_order_and_take_effect():
