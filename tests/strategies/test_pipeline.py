@@ -3,6 +3,7 @@ per-step replica state that is undone after the step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import MinkowskiEngine as ME
@@ -16,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.ddp.exchange import local_count
 from lightning_sparse_dp.replica.recorder import LogRecorder
+from lightning_sparse_dp.step.context import StepCall, StepContext
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
@@ -216,6 +218,19 @@ def test_a_step_outside_setup_makes_its_replica_threads_and_one_without_devices_
         strategy.parallel_apply(modules, batches)
     want = [m.validation_step(b, 0) for m, b in zip(modules, batches)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_step_is_given_apart_from_its_results_and_gather_needs_them():
+    """What a step is given (``step.call``) is read-only; ``gather`` reads the plan and weights the stages made, and a
+    context without them is refused naming what is missing (issue 68)."""
+    strategy = SparseDataParallelStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    call = StepCall(name="validation_step", batch=None, source=None, module=SparseNet(), args=(0,), kwargs={},
+                    manual=False, in_threads=False, timer=strategy._timer, warnings=WarningCache())
+    step = StepContext(call)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.call.name = "training_step"
+    with pytest.raises(ValueError, match="gather\\(outputs, step\\) merges by the step's split plan and weights"):
+        strategy.gather([torch.tensor(1.0), torch.tensor(2.0)], step)
 
 
 def test_sparse_ddp_says_what_auto_chose(caplog):
