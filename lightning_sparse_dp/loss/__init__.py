@@ -14,7 +14,8 @@ One module per idea, in the order a step meets them:
   computes, counted), and the names a mean goes by (:data:`~lightning_sparse_dp.loss.means.MEAN_NAMES`);
 - :mod:`~lightning_sparse_dp.loss.decide`: the replicas' summaries read as matched terms or per-sample losses, and
   each term's weight; :mod:`~lightning_sparse_dp.loss.step`: that decision applied to a step and said once where it
-  falls back;
+  falls back; :mod:`~lightning_sparse_dp.loss.reweight`: one replica's (rank's) re-weighting, the invariant between
+  its weight, its terms' shares and the value shift stated once;
 - :mod:`~lightning_sparse_dp.loss.weights`: the per-chunk weights (``"auto"``, ``"samples"``, ``"points"``, a
   callable) where the loss is weighted as a whole;
 - :mod:`~lightning_sparse_dp.loss.collectives`: ``sparse_ddp`` steps that reduce across ranks themselves.

@@ -7,5 +7,7 @@
 - :mod:`.devices`: the devices' checks, device contexts and streams (the GPU-only code, kept thin);
 - :mod:`.timing`: stage times and Lightning profiler actions;
 - :mod:`.me`: the installed MinkowskiEngine (this project's patches, its coordinate manager);
-- :mod:`.namespaces`: the same package for modules written against ``pytorch_lightning``.
+- :mod:`.namespaces`: the same package for modules written against ``pytorch_lightning``;
+- :mod:`.compat`: every private Lightning and torchmetrics name the package uses, reached there only;
+- :mod:`.defaults`: float64 defaults for torch's factory functions in the exactness check's threads only.
 """

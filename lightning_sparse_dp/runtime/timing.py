@@ -6,7 +6,8 @@ replicas' per-step state: metric copies and their merge into the root's, log rec
 replica's own part runs in its thread, inside ``replica<i>``), ``apply`` (all replicas' steps, wall clock),
 ``replica<i>`` (replica ``i``'s step, inside its thread, its preparation included), ``scatter<i>`` (chunk ``i`` cut
 and placed in replica ``i``'s thread, part of ``replica<i>``), ``weigh`` (the loss weights and the terms' decision),
-``gather``, ``log`` (the replicas' ``self.log`` calls reduced and logged), ``backward`` (the whole backward pass:
+``gather``, ``log`` (the replicas' ``self.log`` calls reduced), ``emit`` (the reduced values logged once through the
+module's ``self.log``), ``backward`` (the whole backward pass:
 every replica's at once, then the reduction),
 ``backward<i>`` (replica ``i``'s backward pass, inside its thread), ``reduce`` (the replicas'
 gradients added into the module's) and, with synchronized batch norm, ``syncbn<j>`` (layer ``j``'s

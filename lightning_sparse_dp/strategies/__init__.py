@@ -2,7 +2,8 @@
 
 - :mod:`~lightning_sparse_dp.strategies.sparse_dp`: :class:`~.sparse_dp.SparseDataParallelStrategy`, one process, one
   replica thread per device; its step hooks run the hub that calls the stages of :mod:`lightning_sparse_dp.step` in
-  data-path order (``docs/architecture.md`` draws the path);
+  data-path order (``docs/architecture.md`` draws the path); :mod:`~lightning_sparse_dp.strategies.stages`: its four
+  public stages (``scatter``, ``replicate``, ``parallel_apply``, ``gather``), methods to override;
 - :mod:`~lightning_sparse_dp.strategies.single_process`: Lightning's plumbing for a strategy of one process (world size
   1, collectives as no-ops, the batch left where the DataLoader put it, the replica threads from setup to teardown);
 - :mod:`~lightning_sparse_dp.strategies.sparse_ddp`: :class:`~.sparse_ddp.SparseDDPStrategy`, Lightning's DDP with the

@@ -270,7 +270,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
         """:meth:`replicate`, the replicas' step state around :meth:`parallel_apply`, and the outputs as one device's
-        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.check_skipped`). When the replicas'
+        (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.skipped_outputs`). When the replicas'
         deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
         touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
         step.devices = (self.parallel_devices or [])[: len(step.inputs)]
