@@ -9,12 +9,19 @@ does; these are the module's traits that matter then, looked at before the steps
   module it wraps, the user's, and copying it writes into that module): refused at setup, naming the fix;
 - :func:`warn_unsynchronized_batchnorm`: batch norm without ``sync_batchnorm`` normalizes each chunk with its own
   statistics: said once at setup (SyncBatchNorm layers left unsynchronized as a warning);
+- :func:`refuse_old_gather`: a ``gather`` override written for ``gather(outputs, plan, weights)`` (before the stages
+  took the step's context) would fail in the first step with Python's own ``TypeError``: refused at setup, naming the
+  signature to write;
 - :func:`min_points_per_chunk`: the fewest points the split gives a chunk, 2 where batch norm runs per replica (it
   needs more than one value per channel), for every step's split; what a chunk still raises is explained by
   :func:`~lightning_sparse_dp.step.errors.explain_replica_error`.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -38,6 +45,23 @@ def min_points_per_chunk(module: nn.Module, synchronized: bool, batch_norm: bool
     if synchronized:
         return 1
     return 2 if (has_batch_norm(module.modules()) if batch_norm is None else batch_norm) else 1
+
+
+def refuse_old_gather(gather: Callable[..., Any]) -> None:
+    """``sparse_dp`` at setup: the strategy's bound ``gather`` must take ``(outputs, step)``, as the hub calls it.
+
+    Raises:
+        MisconfigurationException: a ``gather`` that cannot be called so (an override written for the earlier
+            ``gather(outputs, plan, weights)``), naming the signature to write and where plan and weights are now.
+    """
+    try:
+        inspect.signature(gather).bind([], None)
+    except TypeError:
+        raise MisconfigurationException(
+            f"sparse_dp: {gather.__qualname__}{inspect.signature(gather)} cannot be called as gather(outputs, step), "
+            "how the strategy calls its stages. Write it as def gather(self, outputs, step) and read step.plan and "
+            "step.weights (it was gather(outputs, plan, weights)); super().gather(outputs, step) does the default."
+        ) from None
 
 
 def refuse_dataloader_iter(module: nn.Module) -> None:

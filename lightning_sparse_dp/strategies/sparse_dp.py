@@ -37,6 +37,7 @@ from lightning_sparse_dp.strategies.base import SparseStrategyMixin
 from lightning_sparse_dp.strategies.checks import (
     refuse_compiled_submodules,
     refuse_dataloader_iter,
+    refuse_old_gather,
     warn_unsynchronized_batchnorm,
 )
 from lightning_sparse_dp.strategies.exactness import check_training_step
@@ -169,6 +170,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         assert module is not None and self.parallel_devices is not None
         self._check_minkowski_build(self.root_device.type, len(self.parallel_devices))
         refuse_dataloader_iter(module)
+        refuse_old_gather(self.gather)
         refuse_compiled_submodules(module, len(self.parallel_devices))
         self._resolve_layer_sync()
         if self._layer_sync is None:  # said once: batch norm per replica

@@ -147,8 +147,8 @@ class ReplicaStages:
                                         warnings=self._warning_cache))
         executor = self._replica_threads()
         devices = self.parallel_devices[: len(replicas)]
-        effects = StepEffects(step.call.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
         call = step.call
+        effects = StepEffects(call.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
         steps = replica_steps(replicas, inputs, call.name, call.args, call.kwargs, step.terms, step.group, self._timer,
                               step.before, step.after, effects)
         meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check

@@ -12,6 +12,7 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_sparse_dp import SparseDataParallelStrategy
@@ -231,6 +232,16 @@ def test_the_step_is_given_apart_from_its_results_and_gather_needs_them():
         step.call.name = "training_step"
     with pytest.raises(ValueError, match="gather\\(outputs, step\\) merges by the step's split plan and weights"):
         strategy.gather([torch.tensor(1.0), torch.tensor(2.0)], step)
+
+
+class _OldGather(SparseDataParallelStrategy):
+    def gather(self, outputs, plan, weights):  # the signature before the stages took the step's context
+        return super().gather(outputs, plan)
+
+
+def test_a_gather_written_for_the_old_signature_is_refused_at_setup():
+    with pytest.raises(MisconfigurationException, match=r"def gather\(self, outputs, step\).*step\.plan"):
+        trainer(strategy=_OldGather(), devices=3).fit(SparseNet(), loader(_batch()))
 
 
 def test_sparse_ddp_says_what_auto_chose(caplog):
