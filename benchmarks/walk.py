@@ -10,7 +10,8 @@ replicas' threads, installed before the fit) counts the Python function calls wh
 ``lightning_sparse_dp/`` (a generator once, however often it resumes; comprehensions and generator expressions are
 not counted) from the end of training step ``--step - 1`` to the end of step ``--step`` (batch transfer, hooks, the
 step, its backward and the optimizer step): the step's whole path, counted the same way on every run. Prints the
-three counts, the files by calls and the functions called most; ``--json`` prints one JSON line instead.
+three counts, each package folder's share of them, the files by calls and the functions called most; ``--json``
+prints one JSON line instead.
 """
 
 from __future__ import annotations
@@ -118,6 +119,15 @@ def main() -> None:
     print(f"one training step of sparse_dp on {args.devices} CPU replicas (step {args.step}):")
     print(f"  package files {figures['files']}, distinct package functions {figures['functions']}, "
           f"package calls {figures['calls']}")
+    print("\nfolders (files, distinct functions, calls):")
+    folders: dict[str, list] = {}
+    for (file, _), n in counter.calls.items():
+        entry = folders.setdefault(file.split(os.sep)[0] if os.sep in file else ".", [set(), 0, 0])
+        entry[0].add(file)
+        entry[1] += 1
+        entry[2] += n
+    for folder, (names, functions, calls) in sorted(folders.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {folder + '/':14s} {len(names):4d} {functions:6d} {calls:6d}")
     print("\nfiles by calls:")
     for file, n in files.most_common():
         print(f"  {n:6d}  {file}")
