@@ -31,9 +31,6 @@ from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
-#: What ``torchmetrics.Metric.reset`` sets besides the states (torchmetrics 1.x); tests/replica/test_metric_reset.py
-#: checks that :func:`reset_metric` leaves a metric as ``reset`` does.
-
 
 def reset_metric(metric: Metric) -> None:
     """``metric.reset()``, cheaper for metrics that keep torchmetrics' own ``reset``.

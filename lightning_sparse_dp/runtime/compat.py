@@ -163,7 +163,8 @@ def reinstantiate_loader(dataloader: Any, **changes: Any) -> Any:
 
 # --- torchmetrics ---------------------------------------------------------------------------------------------------
 
-#: what ``Metric.reset`` sets besides the states
+#: what ``Metric.reset`` sets besides the states (torchmetrics 1.x); tests/replica/test_metric_reset.py checks that
+#: :func:`~lightning_sparse_dp.replica.metrics.reset_metric` leaves a metric as ``reset`` does
 RESET_ATTRIBUTES = {"_update_count": 0, "_forward_cache": None, "_computed": None, "_cache": None, "_is_synced": False}
 
 
