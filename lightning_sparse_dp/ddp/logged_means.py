@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse_dp.loss.decide import decide
+from lightning_sparse_dp.loss.means import count_of
 from lightning_sparse_dp.runtime.compat import inferred_batch_size, is_synced_mean, shadow_result_updates
 from lightning_sparse_dp.step.log import constant_batch_size
 
@@ -91,6 +92,26 @@ class HeldMeans:
         self.calls = {}
 
 
+def rank_row(tensor: Tensor, capture: Any, summary_of: Callable[[Tensor], Any], n: float) -> Row:
+    """What a rank tells the others of a logged value (a :data:`Row`, which :func:`whole_value` reads): its summary
+    where it is a combination of the step's captured losses (``capture``: the rank's
+    :class:`~lightning_sparse_dp.loss.capture.TermCapture`, ``None`` without ``loss_weighting="terms"``;
+    ``summary_of(value)``: the rank's :class:`~lightning_sparse_dp.loss.decide.Summary` of it), its values as floats,
+    the element count of a mean the step computed (:func:`~lightning_sparse_dp.loss.means.count_of`), and ``n``
+    (the rank's ``n_r``)."""
+    x = tensor.detach()
+    one = x.numel() == 1  # a logged float is a tensor on the rank's device by now (Lightning's self.log)
+    summary = None
+    if capture is not None:
+        target = tensor if id(tensor) in capture.forms else capture.tensor_of(float(x)) if one else None
+        if target is not None:
+            summary = summary_of(target)
+    count = count_of(tensor)
+    if count is None and one:
+        count = count_of(float(x))
+    return (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
+
+
 def whole_value(rows: Sequence[Row], like: Tensor, memory: Any) -> Tensor:
     """The global batch's value of a logged value from the ranks' rows: the loss's own where every row is a
     combination of captured losses (:func:`~lightning_sparse_dp.loss.decide.decide`, with the strategy's site memory
@@ -137,4 +158,4 @@ def settle(
     return out
 
 
-__all__ = ["HeldCall", "HeldMeans", "Row", "settle", "whole_value"]
+__all__ = ["HeldCall", "HeldMeans", "Row", "rank_row", "settle", "whole_value"]

@@ -52,12 +52,12 @@ from lightning_sparse_dp.ddp.exchange import (
     gather_objects,
     gather_step_outputs,
 )
-from lightning_sparse_dp.ddp.logged_means import HeldMeans, settle, whole_value
+from lightning_sparse_dp.ddp.logged_means import HeldMeans, Row, rank_row, settle, whole_value
 from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Summary, summarize
-from lightning_sparse_dp.loss.means import MEAN_NAMES, count_of
+from lightning_sparse_dp.loss.means import MEAN_NAMES
 from lightning_sparse_dp.loss.reweight import PartWeight, scaled
 from lightning_sparse_dp.loss.step import rank_scale
 from lightning_sparse_dp.loss.values import loss_of
@@ -324,22 +324,10 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
         return whole_value(self._gather(self._log_row(tensor)), tensor, self._site_memory)
 
-    def _log_row(self, tensor: Tensor) -> tuple[Any, list[float], Any, float]:
-        """What this rank tells the others of a logged value (:func:`~lightning_sparse_dp.ddp.logged_means.whole_value`
-        reads it): its summary where it is a combination of captured losses, its values, the element count of a
-        mean the step computed, and ``n_r``."""
-        x = tensor.detach()
-        one = x.numel() == 1  # a logged float is a tensor on the rank's device by now (Lightning's self.log)
-        summary = None
-        if self._capture is not None:
-            target = tensor if id(tensor) in self._capture.forms else self._capture.tensor_of(float(x)) if one else None
-            if target is not None:
-                summary = self._summary(target)
-        count = count_of(tensor)
-        if count is None and one:
-            count = count_of(float(x))
-        n = 1.0 if self._collectives else float(self._count or 0.0)
-        return (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
+    def _log_row(self, tensor: Tensor) -> Row:
+        """What this rank tells the others of a logged value (:func:`~lightning_sparse_dp.ddp.logged_means.rank_row`),
+        with its ``n_r`` (1 in a step that reduces across ranks itself)."""
+        return rank_row(tensor, self._capture, self._summary, 1.0 if self._collectives else float(self._count or 0.0))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
