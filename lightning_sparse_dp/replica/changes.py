@@ -82,7 +82,7 @@ class ModuleChanges:
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         if not self.active:
             return
-        self.before = {k: v for k, v in module.__dict__.items() if snapshot.is_followed(k, v)}
+        self.before = snapshot.followed(module.__dict__)
         self.containers = [k for k, v in self.before.items() if snapshot.is_copied(v)]  # each replica gets its own copies
         # which the module's own containers must not see change: only code holding the module itself (a hook's
         # closure) reaches them during the step (said in merge)

@@ -37,13 +37,24 @@ def library_keys() -> frozenset[str]:
     return frozenset(pl.LightningModule().__dict__) | {"log", "print", "_hparams", "_hparams_initial", "_hparams_name"}
 
 
+#: values of a module's ``__dict__`` that are not followed: torch's (submodules and parameters are replicated, not copied)
+NOT_FOLLOWED = (nn.Module, nn.Parameter)
+
+
 def is_followed(key: str, value: Any) -> bool:
-    return key not in library_keys() and not isinstance(value, (nn.Module, nn.Parameter))
+    """Whether a module's ``__dict__`` entry is the user's: not a :func:`library_keys` key, not a :data:`NOT_FOLLOWED`."""
+    return key not in library_keys() and not isinstance(value, NOT_FOLLOWED)
 
 
-#: per type: whether a value of it is a plain object of the user's (:func:`is_plain_object`)
+def followed(entries: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a module's ``__dict__`` that :func:`is_followed` takes, in their order (one comprehension, no call
+    per entry: most of the entries are Lightning's and torch's own, read every step)."""
+    library = library_keys()
+    return {k: v for k, v in entries.items() if k not in library and not isinstance(v, NOT_FOLLOWED)}
 
 
+#: the modules whose classes are not the user's plain objects (:func:`is_plain_object`; its answer per type is kept in
+#: :data:`~lightning_sparse_dp.runtime.process.PLAIN_TYPES`)
 LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "MinkowskiEngine", "numpy")
 
 
