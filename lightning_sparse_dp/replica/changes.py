@@ -40,7 +40,7 @@ that changes an earlier entry in place changes the module's, once per replica.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -261,15 +261,34 @@ class ModuleChanges:
             self._merge_attribute(target, key, found.name(i, key), values, [before] * len(values), combine, warning_cache)
 
     def _combined(
-        self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache
+        self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,
+        appended: bool = False,
     ) -> Any:
-        """The replicas' values of one attribute or container entry as one value: theirs when they agree; a combination
-        of the step's losses (or its ``.item()``) by its whole-batch value; other tensors merged as step outputs are
-        (said once when that is not one device's value for certain); anything else (an object the step made, a count,
-        a name) the root replica's value, as Lightning's DDP keeps rank 0's (the one it checkpoints), said once."""
+        """The replicas' values of one attribute or container entry as one value: 0-dim integer tensors the replicas
+        ``appended`` to a list (``(pred == y).sum()``) their sum, a count over the batch, as ``self.log`` sums integers
+        (said once); theirs when they agree; appended dicts, lists and tuples merged leaf by leaf as step outputs are
+        (the merge saying what is not one device's); a combination of the step's losses (or its ``.item()``) by its whole-batch
+        value; other floating-point values, and tensors of the chunks' rows, merged as step outputs are (said once when
+        that is not one device's value for certain); anything else (an object the step made, a Python int, a 0-dim
+        integer tensor kept on ``self``, a tensor of fixed size) the root replica's value, as Lightning's DDP
+        keeps rank 0's (the one it checkpoints), said once."""
+        if appended and all(isinstance(v, Tensor) and snapshot.is_integer(v) for v in values):
+            warning_cache.warn(
+                f"sparse_dp: {name} is a 0-dim integer tensor from each replica's step (each ran on its chunk of the "
+                "batch): the module's list gets their sum, one device's value for a count over the batch (e.g. "
+                "(pred == y).sum()), as self.log sums integers. For any other integer (an index, a maximum), append it "
+                "from the whole batch in on_*_batch_end, which gets the gathered outputs."
+            )
+            moved = [self._to_root(v) for v in values]
+            return sum(moved[1:], moved[0])
         if snapshot.all_same(values):
             return values[0]
-        if all(isinstance(v, (Tensor, float)) for v in values):
+        if appended and all(isinstance(v, (Mapping, list, tuple)) for v in values):
+            try:  # entries of several values (a dict of the step's loss and predictions): merged leaf by leaf as step
+                return combine(values)[0]  # outputs are, the merge saying what is not one device's
+            except Exception:  # noqa: BLE001  (entries the output merge cannot read): the root replica's, said below
+                pass
+        if all(isinstance(v, float) or (isinstance(v, Tensor) and not snapshot.is_integer(v)) for v in values):
             try:
                 value, exact = combine(values)
             except Exception:  # noqa: BLE001  (values the output merge cannot read)
@@ -353,8 +372,8 @@ class ModuleChanges:
         self, name: str, before: list, values: list[Any], combine: Callable[[list[Any]], Any], warning_cache: WarningCache,
         depth: int,
     ) -> None:
-        """A list: the ``j``-th entry every replica appended merged into one appended entry; the lists and dicts in a
-        short list (:data:`SHORT`) merged likewise, in place."""
+        """A list: the ``j``-th entry every replica appended merged into one appended entry (:meth:`_combined`); the
+        lists and dicts in a short list (:data:`SHORT`) merged likewise, in place."""
         lists = [v for v in values if type(v) is type(before)]
         kept = len(lists) == len(values) and all(len(v) >= len(before) for v in lists)
         for j, mine in enumerate(before if kept else ()):
@@ -381,19 +400,9 @@ class ModuleChanges:
             for a in added:
                 before.extend(self._to_root(a))
             return
-        merged = []
-        for j in range(counts.pop()):
-            try:
-                merged.append(combine([a[j] for a in added])[0])
-            except Exception as err:  # noqa: BLE001  (entries the output merge cannot read: kept as they are)
-                warning_cache.warn(
-                    f"sparse_dp: the entries the replicas' steps appended to {name} cannot be merged as step outputs "
-                    f"are ({type(err).__name__}: {err}): the module's list gets each replica's entries in replica order."
-                )
-                for a in added:
-                    before.extend(self._to_root(a))
-                return
-        before.extend(merged)
+        entry = f"the entry appended to {name}"
+        before.extend([self._combined(entry, [a[j] for a in added], combine, warning_cache, appended=True)
+                       for j in range(counts.pop())])
 
 
 __all__ = ["ModuleChanges"]

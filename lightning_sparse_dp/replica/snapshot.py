@@ -85,6 +85,14 @@ def changed_keys(before: dict[str, tuple[Any, int]], after: dict[str, tuple[Any,
                   or before[k][0] is not after[k][0] or before[k][1] != after[k][1])
 
 
+def is_integer(value: Any) -> bool:
+    """A Python ``int`` (not a ``bool``) or a 0-dim integer tensor: a count, an index, a maximum; never a value whose
+    weighted mean over the replicas means anything."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def all_same(values: Sequence[Any]) -> bool:
     first = values[0]
     for v in values[1:]:

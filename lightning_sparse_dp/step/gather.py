@@ -25,6 +25,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_sparse_dp.loss.weights import weighted_sum
+from lightning_sparse_dp.replica.snapshot import is_integer
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
@@ -123,6 +124,13 @@ def _lengths(values: list[Any]) -> list[int] | None:
     return None
 
 
+def rows_of_chunks(values: list[Any], plan: SplitPlan) -> bool:
+    """Whether ``values`` (one per chunk: tensors ``[m_i, ...]``, arrays, lists) are rows of their chunks: ``m_i`` each
+    chunk's samples, or its points of one coordinate source; what a merge in batch order can put back as one device's."""
+    lengths = _lengths(values)
+    return lengths is not None and (lengths == list(plan.samples_per_chunk) or point_source(plan, lengths) is not None)
+
+
 def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> Any:
     """The replicas' ``ME.SparseTensor`` outputs (a predict step's ``return self(x)``) as one SparseTensor of the whole
     batch on ``device``, as one device returns it; ``None`` where their rows cannot be placed (tensor strides that
@@ -167,7 +175,16 @@ def _guess_role(
     """
     first = values[0]
     if isinstance(first, Tensor) and first.dim() == 0:
-        return "mean"
+        if not all(is_integer(v) for v in values):
+            return "mean"
+        warning_cache.warn(
+            f"sparse_dp: step output {name} is a 0-dim integer tensor from each replica: it is their sum, one device's "
+            "value for a count over the batch (e.g. (pred == y).sum()), as self.log sums integers. If it is another "
+            f"integer (an index, a maximum), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: "
+            f"'list'}}) gives the replicas' values (roles {', '.join(OUTPUT_ROLES)}); name it 'sum' to silence this "
+            "warning."
+        )
+        return "sum"
     lengths = _lengths(values)
     if lengths is None:
         return _first_or_list(name, key, values, warning_cache, say_lists)

@@ -13,8 +13,16 @@ does the work once, the others wait):
   its own thread with its weight, and once all are done their gradients are added in replica order into the
   module's ``.grad`` (:meth:`~lightning_sparse_dp.step.replicate.Replicas.reduce_gradients`), then
   ``on_after_backward`` runs once;
-- ``opt.step()``, ``opt.zero_grad()``, ``lr_schedulers().step()`` and ``self.clip_gradients(...)`` run once, on
-  the module (CUDA replicas on other devices then get the stepped parameters).
+- after it, each replica's parameters hold the reduced gradients in ``.grad``, as each DDP rank's hold the
+  all-reduced ones, so that the step reads them and clips them as one device's step does
+  (``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)``, a gradient norm logged): the root replica's are the
+  module's own gradient tensors (what it does to them is what the optimizer steps with), every other replica's a copy
+  of them (made before any replica goes on; what it does to its copy reaches nothing); they are cleared before each
+  replica's next backward and when the step ends;
+- ``opt.step()``, ``opt.zero_grad()``, ``lr_schedulers().step()``, ``self.clip_gradients(...)`` and
+  ``self.toggle_optimizer(opt)`` / ``self.untoggle_optimizer(opt)`` run once, on the module (CUDA replicas on other
+  devices then get the stepped parameters); a toggle's ``requires_grad`` is then given to the replicas' parameters, so
+  that their backward leaves the other optimizers' parameters without gradients, as one device's does.
 
 So a manual step on N replicas is the step on one device with the whole batch (``tests/step/test_manual.py``).
 """
@@ -63,6 +71,8 @@ class ManualStep:
                 "runs once, first order). Call it once per loss."
             )
         weight = self.group.all_gather_apply(rank, loss, ("manual_backward",), self._decide)[rank]
+        for param in self.replicas.parameters[rank]:  # the reduced gradients an earlier backward exposed: not its own
+            param.grad = None
         if loss.requires_grad:
             torch.autograd.backward(loss if weight != 0 else zeroed(loss), torch.full_like(loss, weight))
         self.group.all_gather_apply(rank, None, ("reduce",), lambda _: self._reduce())
@@ -96,9 +106,35 @@ class ManualStep:
                 continue
             grad = grad.to(parameter.device)
             parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+        self.expose()
         trainer = trainer_of(self.module)
         if trainer is not None:
             call_after_backward(trainer)
+
+    def expose(self) -> None:
+        """The module's gradients as the replicas' ``.grad``: the root replica's the module's own tensors (on the root
+        device), the others' copies; run once, while every replica waits (so no replica reads what another changes)."""
+        for rank, params in enumerate(self.replicas.parameters[: self.count]):
+            for param, source in zip(params, self.replicas.trainable):
+                grad = source.grad
+                if grad is not None and (rank > 0 or grad.device != param.device):
+                    grad = grad.to(param.device, copy=True)
+                param.grad = grad
+
+    def hide(self) -> None:
+        """The replicas' ``.grad`` cleared (when the step ends)."""
+        for params in self.replicas.parameters[: self.count]:
+            for param in params:
+                param.grad = None
+
+    def toggled(self, toggle: Callable[[], Any]) -> Any:
+        """``toggle()`` (the module's ``toggle_optimizer`` / ``untoggle_optimizer``), then each replica's parameters
+        given their module parameter's ``requires_grad``; run once."""
+        out = toggle()
+        for params in self.replicas.parameters[: self.count]:
+            for param, source in zip(params, self.replicas.trainable):
+                param.requires_grad_(source.requires_grad)
+        return out
 
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""
@@ -121,7 +157,12 @@ class _Once:
         return self._manual.once(self._rank, f"{self._name}.step", run)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        self._manual.once(self._rank, f"{self._name}.zero_grad", lambda: self._target.zero_grad(*args, **kwargs))
+        def run() -> None:
+            self._target.zero_grad(*args, **kwargs)
+            if self._name.startswith("optimizer"):
+                self._manual.expose()  # the replicas' .grad as the module's now are
+
+        self._manual.once(self._rank, f"{self._name}.zero_grad", run)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
@@ -130,20 +171,26 @@ class _Once:
 @contextmanager
 def installed(manual: ManualStep, replicas: Sequence[nn.Module]) -> Iterator[None]:
     """For the ``with`` body (the replicas' step), each replica's ``manual_backward``, ``optimizers()``,
-    ``lr_schedulers()`` and ``clip_gradients`` are :class:`ManualStep`'s stand-ins (instance attributes, removed
-    after)."""
+    ``lr_schedulers()``, ``clip_gradients``, ``toggle_optimizer`` and ``untoggle_optimizer`` are :class:`ManualStep`'s
+    stand-ins (instance attributes, removed after, with the gradients the replicas were shown)."""
     module = manual.module
     for rank, replica in enumerate(replicas):
         replica.manual_backward = _bound(manual.manual_backward, rank)
         replica.optimizers = _optimizers(manual, rank, module)
         replica.lr_schedulers = _schedulers(manual, rank, module)
         replica.clip_gradients = _clip(manual, rank, module)
+        replica.toggle_optimizer = _toggle(manual, rank, module, "toggle_optimizer")
+        replica.untoggle_optimizer = _toggle(manual, rank, module, "untoggle_optimizer")
     try:
         yield
     finally:
+        manual.hide()
         for replica in replicas:
-            for name in ("manual_backward", "optimizers", "lr_schedulers", "clip_gradients"):
+            for name in _STAND_INS:
                 replica.__dict__.pop(name, None)
+
+
+_STAND_INS = ("manual_backward", "optimizers", "lr_schedulers", "clip_gradients", "toggle_optimizer", "untoggle_optimizer")
 
 
 def _bound(fn: Callable[..., Any], rank: int) -> Callable[..., Any]:
@@ -181,6 +228,14 @@ def _clip(manual: ManualStep, rank: int, module: Any) -> Callable[..., None]:
         manual.once(rank, "clip_gradients", lambda: type(module).clip_gradients(module, target, *args, **kwargs))
 
     return clip_gradients
+
+
+def _toggle(manual: ManualStep, rank: int, module: Any, name: str) -> Callable[[Any], None]:
+    def toggle(optimizer: Any) -> None:
+        target = optimizer._target if isinstance(optimizer, _Once) else optimizer
+        manual.once(rank, name, lambda: manual.toggled(lambda: getattr(type(module), name)(module, target)))
+
+    return toggle
 
 
 @contextmanager

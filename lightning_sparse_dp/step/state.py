@@ -26,7 +26,7 @@ from lightning_sparse_dp.replica.install import ReplicaState, enter_checked, lea
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.step.context import StepContext
-from lightning_sparse_dp.step.gather import gather_outputs
+from lightning_sparse_dp.step.gather import gather_outputs, rows_of_chunks
 from lightning_sparse_dp.step.manual import manual_step
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
@@ -39,12 +39,21 @@ def combine_values(
 ) -> tuple[Any, bool]:
     """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
     a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
-    step outputs are (``False``; :func:`~lightning_sparse_dp.step.gather.gather_outputs`)."""
+    step outputs are (``False``; :func:`~lightning_sparse_dp.step.gather.gather_outputs`).
+
+    Raises:
+        ValueError: tensors that are not rows of their chunks (:func:`~lightning_sparse_dp.step.gather.rows_of_chunks`:
+            a confusion matrix, a histogram the step sets on ``self``), which the output merge would concatenate into a
+            value of another size than any step's; the caller keeps the root replica's then.
+    """
     if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
         value = terms.log_value(list(range(len(values))), values)
         if value is not None:
             return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
-    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=False), False
+    if all(isinstance(v, Tensor) and v.dim() > 0 for v in values) and not rows_of_chunks(values, plan):
+        raise ValueError("tensors of a fixed size, not rows of the chunks: no merge of them is one device's value")
+    structures = isinstance(values[0], (Mapping, list, tuple))  # their leaves' merge is said here, a leaf's by the caller
+    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=structures), False
 
 
 @dataclass(eq=False)

@@ -5,6 +5,7 @@ one device with the whole batch."""
 from __future__ import annotations
 
 import collections
+import warnings
 
 import lightning as L
 import MinkowskiEngine as ME
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.exact import same_start
-from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer, unchecked
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
 
@@ -60,6 +61,51 @@ def test_state_a_step_leaves_on_the_module_is_one_devices():
     assert len(ours.epoch_means) == len(reference.epoch_means) == 1
     assert float(ours.epoch_means[0]) == pytest.approx(float(reference.epoch_means[0]), rel=1e-10)
     assert float(ours.last) == pytest.approx(float(reference.last), rel=1e-10)
+
+
+def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zeros():
+    """The usual hand-made accuracy (``self.correct.append((pred == y).sum())``, also returned from the step) is one
+    device's: the replicas' 0-dim integer counts are summed (they were merged as a weighted mean, a fraction, without a
+    word). A Python int appended (a chunk's sample count) and a fixed-size tensor set on ``self`` each step (a confusion
+    matrix, concatenated to 3x its rows before, which broke the next step) keep the root replica's, as Lightning's DDP
+    keeps rank 0's, and are said."""
+
+    class Counts(SparseNet):
+        def __init__(self):
+            super().__init__(lr=0.1)
+            self.correct, self.returned, self.seen = [], [], []
+            self.confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long)
+
+        def training_step(self, batch, batch_idx):
+            labels = batch["labels"]
+            pairs = torch.bincount(labels * NUM_CLASSES + labels, minlength=NUM_CLASSES**2)
+            self.confusion = self.confusion + pairs.view(NUM_CLASSES, NUM_CLASSES)
+            self.seen.append(int(labels.shape[0]))
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+            correct = (self(x).argmax(1) == batch["labels"]).sum()
+            self.correct.append(correct)
+            return {"correct": correct}
+
+        def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+            self.returned.append(outputs["correct"])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, reference = _epoch_pair(Counts, (63, 64))
+    said = " ".join(str(w.message) for w in caught)
+    assert [int(c) for c in ours.correct] == [int(c) for c in reference.correct]
+    assert [int(c) for c in ours.returned] == [int(c) for c in reference.returned] == [int(c) for c in reference.correct]
+    assert all(not c.is_floating_point() for c in ours.correct + ours.returned)
+    assert "the entry appended to self.correct is a 0-dim integer tensor" in said
+    assert "step output output['correct'] is a 0-dim integer tensor" in said
+    assert reference.seen == [7, 7] and len(ours.seen) == 2 and all(0 < n < 7 for n in ours.seen)
+    assert "the entry appended to self.seen was set to different values" in said
+    assert ours.confusion.shape == reference.confusion.shape
+    assert 0 < int(ours.confusion.sum()) < int(reference.confusion.sum()) == 14
+    assert "self.confusion was set to different values by the replicas' steps" in said
 
 
 def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():
@@ -127,7 +173,7 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
         r.stats["sum"] += 10.0 * (i + 1)  # every replica: merged as an attribute (combine: numbers, tensors)
         r.stats[f"sample{i}"] = i  # each its own sample's key
         del r.stats["gone"]
-        r.stats["per_stage"]["val"].append(i)
+        r.stats["per_stage"]["val"].append(float(i))  # a value the step computed: merged (combine)
         r.big[100 + i] = i  # shared: in place, once per replica (each its own key)
     replicas[2].stats["flag"] = True  # some replicas only
     cache = WarningCache()
@@ -137,7 +183,7 @@ def test_dict_entries_the_replicas_change_merge_as_attributes_and_per_sample_key
     assert {k: v for k, v in stats.items() if k != "per_stage"} == {
         "sum": 60.0, "flag": True, "sample0": 0, "sample1": 1, "sample2": 2
     }
-    assert stats["per_stage"] == {"val": [3]} and merged == [[10.0, 20.0, 30.0], [0, 1, 2]]
+    assert stats["per_stage"] == {"val": [3.0]} and merged == [[10.0, 20.0, 30.0], [0.0, 1.0, 2.0]]
     assert module.big is big and len(big) == 20
     assert any("self.stats['flag'] was set or removed by some replicas' steps only" in m for m in cache)
     assert not any("sample" in m or "'sum'" in m for m in cache)

@@ -51,7 +51,38 @@ class TwoOptimizers(ManualSeg):
         return torch.optim.SGD(net, lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.2)
 
 
-@pytest.mark.parametrize("model", [ManualSeg, TwoOptimizers])
+class ClipsItself(ManualSeg):
+    """Reads and clips the gradients itself after manual_backward (torch's clip_grad_norm_ over self.parameters()) and
+    logs their norm: each replica's parameters hold the reduced gradients (they had none: nothing was clipped)."""
+
+    logged = "grad_norm"
+
+    def before_step(self, opt):
+        self.log("grad_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.05))
+
+
+class Toggled(TwoOptimizers):
+    """Lightning's GAN pattern: each optimizer's part trained between toggle_optimizer and untoggle_optimizer, its
+    gradients cleared after its step, so the other part's gradients of a loss must never be made (they were, on the
+    replicas, whose parameters kept requires_grad, and reached the other optimizer's step)."""
+
+    def training_step(self, batch, batch_idx):
+        opt_net, opt_head = self.optimizers()
+        self.toggle_optimizer(opt_head)
+        loss_b = torch.nn.functional.cross_entropy(self.logits(batch), batch["labels"], ignore_index=255)
+        self.manual_backward(loss_b)
+        opt_head.step()
+        opt_head.zero_grad()
+        self.untoggle_optimizer(opt_head)
+        self.toggle_optimizer(opt_net)
+        self.manual_backward(self.criterion(self.logits(batch), batch["labels"]))
+        opt_net.step()
+        opt_net.zero_grad()
+        self.untoggle_optimizer(opt_net)
+        self.log("loss_b", loss_b)
+
+
+@pytest.mark.parametrize("model", [ManualSeg, TwoOptimizers, ClipsItself, Toggled])
 def test_manual_optimization_on_replicas_is_the_one_device_step(model):
     batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.6)) for s in (111, 112)]
     torch.manual_seed(0)
@@ -60,7 +91,7 @@ def test_manual_optimization_on_replicas_is_the_one_device_step(model):
     t = trainer(
         strategy="sparse_dp",
         devices=3,
-        max_steps=2 * len(ours.configure_optimizers()[0] if model is ManualSeg else [0, 1]),
+        max_steps=2 * (2 if issubclass(model, TwoOptimizers) else 1),  # an optimizer step each
         sync_batchnorm=True,
     )
     t.fit(ours, fresh_loader(batches))
@@ -68,7 +99,7 @@ def test_manual_optimization_on_replicas_is_the_one_device_step(model):
     r.fit(reference, fresh_loader(batches))
     worst = max(state_differences(ours, reference).values())
     assert worst <= 1e-10, state_differences(ours, reference)
-    name = "train_loss" if model is ManualSeg else "loss_b"
+    name = getattr(model, "logged", "loss_b" if issubclass(model, TwoOptimizers) else "train_loss")
     assert relative_difference(t.logged_metrics[name], r.logged_metrics[name]) <= 1e-10
     assert t.global_step == r.global_step
 
