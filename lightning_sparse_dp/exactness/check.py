@@ -196,7 +196,7 @@ class ExactnessCheck:
         except Exception as err:  # the check is an observer: training goes on without it
             _log.debug("exactness check failed", exc_info=True)
             outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err})")
-        self._say(outcome, count, samples(), warnings)
+        self._say(outcome, count, samples(), warnings, held_out(module, batch_norm_eval))
         return outcome
 
     def _compare(self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, batch_norm_eval: bool) -> Outcome:
@@ -228,9 +228,10 @@ class ExactnessCheck:
         found = sorted(differences(records[1], records[0]), key=lambda d: -d[1])
         return Outcome(found, compared=len(found), reading=reading)
 
-    def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache) -> None:
+    def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache, held: list[str]) -> None:
         strategy, step = self.strategy, self._last
         who = "replicas" if strategy == "sparse_dp" else "ranks"
+        left_out = f", with {' and '.join(held)} in both runs".replace("{who}", who[:-1]) if held else ""
         if outcome.skipped is not None:
             warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: not compared, "
                           f"because {outcome.skipped}. Training goes on unchecked; check_exactness=False turns the "
@@ -249,7 +250,7 @@ class ExactnessCheck:
         if outcome.exact:
             warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: equals one "
                           f"device's on the same {samples} samples (float64, {outcome.compared} tensors compared, max "
-                          f"relative difference {worst:.1e}).")
+                          f"relative difference {worst:.1e}){left_out}.")
             return
         shown = [f"{what} {_figure(d)}" for what, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
         more = sum(d > TOLERANCE for _, d in outcome.worst) - len(shown)
@@ -266,6 +267,19 @@ class ExactnessCheck:
         if self.mode == "error":
             raise ExactnessError(message)
         warnings.warn(message)
+
+
+def held_out(module: nn.Module, batch_norm_eval: bool) -> list[str]:
+    """What both of the check's runs leave out of the step (:func:`~lightning_sparse_dp.exactness.probe.float64_copy`),
+    in words for its line (``{who}``: replica or rank): training's batch norm when it is not synchronized, and dropout;
+    so that "equals one device's" never claims them."""
+    held = []
+    if batch_norm_eval:
+        held.append("batch norm in eval mode (not synchronized, training normalizes each {who}'s chunk by itself, "
+                    "not the whole batch as one device does; sync_batchnorm=True makes it one device's)")
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules()):
+        held.append("dropout off (in training each {who} draws its own masks, as DDP ranks do)")
+    return held
 
 
 def _figure(d: float) -> str:

@@ -11,10 +11,11 @@ import logging
 import warnings
 
 import pytest
+import torch
 
 from lightning_sparse_dp.exactness.check import ExactnessError
 from tests.support.exact import REL, same_start, state_differences, trainer64
-from tests.support.helpers import collate_dict, loader, random_samples
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples
 from tests.support.step_forms import FORMS, ManualOptimization, PooledNet
 
 EQUAL = "equals one device's"
@@ -95,3 +96,28 @@ class Manual(ManualOptimization, PooledNet):
 def test_a_manual_step_is_said_unchecked(caplog):
     infos, said, _ = fit_saying(Manual(), 2, caplog)
     assert not said and len(infos) == 1 and "not run, because the module optimizes manually" in infos[0]
+
+
+class _Dropped(PooledNet):
+    """PooledNet with dropout before its head."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.3)
+
+    def features(self, batch):
+        return self.drop(super().features(batch))
+
+
+@pytest.mark.parametrize("model", ["plain", "batch_norm", "dropout"])
+def test_equals_names_what_both_runs_left_out(model, caplog):
+    """The check runs per-replica batch norm (sync_batchnorm=False) in eval mode and dropout off in both runs, where
+    training does neither as one device does: its "equals" line names them, so that it never claims them (it said
+    "equals" while training ended 0.24 relative from one device's)."""
+    module = {"plain": PooledNet, "batch_norm": lambda: SparseNet(batch_norm=True), "dropout": _Dropped}[model]()
+    infos, said, _ = fit_saying(module, 3, caplog)
+    assert len(infos) == 1 and EQUAL in infos[0] and not said, (infos, said)
+    assert ("batch norm in eval mode (not synchronized, training normalizes each replica's chunk" in infos[0]) is (
+        model == "batch_norm")
+    assert ("dropout off (in training each replica draws its own masks" in infos[0]) is (model == "dropout")
+    assert ("in both runs" in infos[0]) is (model != "plain")
