@@ -82,14 +82,16 @@ class StepObserver(TorchFunctionMode):
     def __init__(self, collectives: list[str] | None = None) -> None:
         super().__init__()
         self.collectives = collectives
+        #: ``id(mean) -> (mean, element count)`` of the one-value means the last :meth:`run` computed (its outputs')
+        self.means: dict[int, tuple[Tensor, int]] = {}
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
-        its means (:func:`~lightning_sparse_dp.loss.means.counting`)."""
+        its means (:func:`~lightning_sparse_dp.loss.means.counting`, kept as :attr:`means`)."""
         previous = getattr(_local, "active", None)
         _local.active = self
         try:
-            with counting(), self:
+            with counting() as self.means, self:
                 return fn()
         finally:
             _local.active = previous

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Decision, SiteMemory, Summary, decide, summarize
+from lightning_sparse_dp.loss.means import scalar_values
 from lightning_sparse_dp.loss.reweight import PartWeight, shifted
 from lightning_sparse_dp.loss.values import is_loss_value, loss_of
 from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
@@ -212,6 +213,23 @@ class StepTerms:
             return list(outputs)
         exact = shifted(losses, weights, self.decision.value)  # type: ignore[arg-type]
         return [loss if isinstance(o, Tensor) else {**o, "loss": loss} for o, loss in zip(outputs, exact)]
+
+    def output_value(self, values: Sequence[Any]) -> Tensor | None:
+        """The whole batch's value of a 0-dim output every replica's step returned (replica order): a combination of
+        terms (:meth:`log_value`), else a mean each replica computed with ``torch.mean`` / ``.mean()`` (an accuracy),
+        weighted by its element count, as a logged mean is (:mod:`~lightning_sparse_dp.loss.means`); else ``None``."""
+        value = self.log_value(range(len(values)), values)
+        if value is not None:
+            return value
+        found = [capture.means.get(id(v)) for capture, v in zip(self.captures, values)]
+        if len(found) != len(self.captures) or any(f is None or f[0] is not v for f, v in zip(found, values)):
+            return None
+        counts = [f[1] for f in found]  # type: ignore[index]
+        total = sum(counts)
+        if total == 0:
+            return None
+        means = scalar_values([f[0] for f in found])  # type: ignore[index]
+        return torch.tensor(sum(n * m for n, m in zip(counts, means)) / total, dtype=values[0].dtype)
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""

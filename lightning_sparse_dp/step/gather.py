@@ -13,7 +13,7 @@ the batch (:func:`merge_sparse`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -324,6 +324,7 @@ def gather_outputs(
     output_layout: Mapping[Any, str] | None = None,
     warning_cache: WarningCache | None = None,
     say_lists: bool = True,
+    value_of: Callable[[list[Tensor]], Tensor | None] | None = None,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -354,6 +355,13 @@ def gather_outputs(
     warning says which rule was taken and how to name the role.
     ``None`` from every replica gives ``None``. Warnings go through ``warning_cache`` (each once).
 
+    ``value_of`` (the step's :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`, under
+    ``loss_weighting="terms"``): the whole batch's value of a 0-dim floating-point leaf other than the loss whose
+    replicas' values differ, where it is a combination of the step's captured losses or a mean each replica computed
+    (an accuracy written with ``.mean()``), else ``None``. Such a leaf is that value (its gradient the weighted
+    mean's); one it cannot tell is the weighted mean, said once (as ``self.log`` says a value it cannot reduce as one
+    device's).
+
     Raises:
         ValueError: some replicas returned ``None`` and others an output (the message says what
             skipping a step means with replicas); outputs of different structure; an unknown role,
@@ -365,7 +373,8 @@ def gather_outputs(
     _check_none(outputs)
     cache = _warning_cache if warning_cache is None else warning_cache
     combine = partial(
-        _combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache, say_lists=say_lists
+        _combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache, say_lists=say_lists,
+        value_of=value_of,
     )
     if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
         return combine((), list(outputs), False)
@@ -389,18 +398,35 @@ def gather_outputs(
 def _combine(
     path: Sequence[Any], values: list[Any], sequence: bool, *, plan: SplitPlan, weights: Sequence[float],
     device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache, say_lists: bool = True,
+    value_of: Callable[[list[Tensor]], Tensor | None] | None = None,
 ) -> Any:
     """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
-    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`."""
+    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`; a 0-dim value other than the loss as
+    :func:`gather_outputs` says for ``value_of``."""
     name = _output_name(path)
     role = "sequence" if sequence else _output_role(path, output_layout)
     if role is None and all(type(v) is ME.SparseTensor for v in values):
         merged = merge_sparse(values, plan, device)
         if merged is not None:
             return merged
-    if role in (None, "fixed"):
+    guessed = role in (None, "fixed")
+    if guessed:
         role = _guess_role(name, _output_key(path), values, plan, cache, say_lists)
-    return _gather_leaf(name, values, role, plan, weights, device)
+    merged = _gather_leaf(name, values, role, plan, weights, device)
+    if guessed and role == "mean" and value_of is not None and path and key_of(path) != "loss" and merged.is_floating_point():
+        if not _comparable(values):
+            value = value_of(values)
+            if value is not None:  # the whole batch's value, the weighted mean's gradient
+                return merged + (value.to(merged) - merged).detach()
+            cache.warn(
+                f"sparse_dp: step output {name} differs between the replicas and is not a combination of the means the "
+                "step computed with torch.mean / .mean() or torch's losses (e.g. a maximum, a hand-made ratio): it is "
+                "the replicas' values weighted as the loss, which is one device's only for a mean over what the loss "
+                f"averages. Log it with self.log, return what it is made of, or name its role: "
+                f"SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'mean'}}) takes the weighted mean "
+                "and silences this warning."
+            )
+    return merged
 
 
 __all__ = ["OUTPUT_ROLES", "gather_outputs", "merge_sparse", "per_sample_nodes"]

@@ -177,8 +177,9 @@ class ReplicaStages:
                 "context after scatter and weigh filled them in."
             )
         with self._timer.stage("gather"):
+            value_of = None if step.terms is None else step.terms.output_value
             return gather_outputs(outputs, step.plan, step.weights, self.root_device, self.output_layout,
-                                  self._warning_cache)
+                                  self._warning_cache, value_of=value_of)
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False

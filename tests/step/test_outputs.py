@@ -3,6 +3,9 @@ warning for ambiguous ones, the roles directly, and ``None`` from some replicas.
 
 from __future__ import annotations
 
+import warnings
+
+import MinkowskiEngine as ME
 import pytest
 import torch
 from torch import Tensor
@@ -10,7 +13,7 @@ from torch import Tensor
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.step.gather import gather_outputs
-from tests.support.exact import fit_float64
+from tests.support.exact import fit_float64, same_start
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
@@ -222,3 +225,45 @@ def test_only_tensors_shaped_as_the_batchs_coordinates_are_taken_for_coordinates
         assert (back is not values) == taken
         if taken:
             assert [b[:, 0].tolist() for b in back] == [s.tolist() for s in plan.chunk_samples]
+
+
+# --- 0-dim outputs other than the loss ---------------------------------------------------------------
+
+
+class Scores(SparseNet):
+    """Outputs beside the loss of a batch weighted by its samples: a mean over the chunk's points (the share of active
+    features), a count and a maximum, each gathered for ``on_train_batch_end`` as one device's where it can tell."""
+
+    def __init__(self):
+        super().__init__(lr=0.1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        active = (self.net[0](x).F[:, 0] > 0).double().mean()  # a mean over the chunk's points, not its samples
+        hit = logits.argmax(1) == batch["labels"]
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
+        return {"loss": loss, "active": active, "correct": hit.sum(), "top": logits.detach().max()}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append({k: v.detach().clone() for k, v in outputs.items()})
+
+
+def test_zero_dim_outputs_are_one_devices_where_the_step_tells_and_said_where_not():
+    """A mean the step computed (``.mean()``, here over points) is its whole-batch mean by element counts, a 0-dim
+    integer count is the replicas' sum (both one device's; they were means weighted by the chunks' samples, a fraction
+    for the count), and a value neither tells (a maximum) is the weighted mean, said once naming it."""
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in collate_dict(random_samples(7, seed=71)).items()}
+    ours, reference = same_start(Scores)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_float64(ours, batch, strategy="sparse_dp", devices=3)
+    fit_float64(reference, batch)
+    said = " ".join(str(w.message) for w in caught)
+    ours_out, ref_out = ours.seen[0], reference.seen[0]
+    assert float(ours_out["active"]) == pytest.approx(float(ref_out["active"]), rel=1e-12)
+    assert ours_out["correct"].dtype == ref_out["correct"].dtype and int(ours_out["correct"]) == int(ref_out["correct"])
+    assert "step output output['correct'] is a 0-dim integer tensor" in said
+    assert "step output output['active']" not in said
+    assert "step output output['top'] differs between the replicas and is not a combination" in said
