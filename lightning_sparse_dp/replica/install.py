@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_sparse_dp.replica.changes import ModuleChanges
 from lightning_sparse_dp.replica.effects import give_view
@@ -128,7 +128,7 @@ def say_written_frozen(names: Sequence[str], count: int, warning_cache: WarningC
 def replica_state(
     module: nn.Module, replicas: list[nn.Module], devices: Sequence[torch.device], metrics: ReplicaMetrics,
     persistent: Replicas | None, group: ThreadGroup | None, deferred: bool = False, plan: SplitPlan | None = None,
-    warning_cache: WarningCache | None = None,
+    warning_cache: WarningCache | None = None, value_of: Callable[[list[Any]], Tensor | None] | None = None,
 ) -> Iterator[ReplicaState]:
     """The replicas' per-step state, installed for the apply stage and undone after it.
 
@@ -148,11 +148,13 @@ def replica_state(
         group: the step's batch-norm group (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`, entered by the
             caller before the replicas start; ``None`` without synchronized layers).
         warning_cache: where the step's warnings go (the strategy's; :func:`say_diverged_buffers`).
+        value_of: the whole batch's value of a number the replicas' steps each gave (the step's
+            :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`), for the metrics' merge.
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
         step_metrics = stack.enter_context(
-            metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan)
+            metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan, value_of)
         )
         stack.callback(remove_recorders, replicas)
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None

@@ -12,6 +12,13 @@ accumulated one (``_reduce_states``: global + batch).
 The entries that the replicas' copies appended to a concatenated list state (``dist_reduce_fx="cat"``: ``CatMetric``,
 AUROC's predictions) are first put in the order one device appends them (:func:`in_batch_order`: per-sample or per-point
 rows of the chunks in the batch's order; other entries stay in replica order, said once).
+
+An aggregation metric (torchmetrics' ``MeanMetric``, ``SumMetric``, ``MaxMetric``, ``MinMetric``, ``CatMetric``) that
+every replica updated with one value of its chunk per call (``self.val_loss(loss)``, an accuracy), where one device
+updates it once with the whole batch's value, gets those updates instead (:func:`whole_batch_updates`: the value of
+the step's losses or of a mean it computed, the sum of integer counts), not the replicas' merged (a mean of the chunks'
+losses, unweighted, as Lightning's DDP ranks' synchronized states give); where the whole batch's value cannot be told,
+the merge stays and is said once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.aggregation import BaseAggregator
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from lightning_sparse_dp.runtime.compat import (
@@ -38,6 +46,68 @@ from lightning_sparse_dp.runtime.compat import (
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _cache
 from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.merge import row_order
+
+
+class UpdateCalls:
+    """A replica copy's ``update`` (an aggregation metric's), noting each call's arguments since the copy was handed out
+    for a step (:func:`whole_batch_updates` reads them; the copy's owner clears them)."""
+
+    def __init__(self, update: Callable[..., Any]) -> None:
+        self.update = update
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((args, kwargs))
+        return self.update(*args, **kwargs)
+
+
+def _scalar(value: Any) -> bool:
+    """One number: a Python int or float (not a bool), or a one-element tensor that is not a bool."""
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    return not value.is_floating_point() if isinstance(value, Tensor) else isinstance(value, int)
+
+
+def whole_batch_updates(
+    entry: MetricReplicas, updated: list[Metric], value_of: Callable[[list[Any]], Tensor | None],
+) -> list[Any] | None:
+    """The whole batch's value of each ``update`` the replicas made of an aggregation metric (``entry.root`` a torchmetrics
+    ``BaseAggregator``), when every replica called it alike with one number of its chunk each time (no other
+    argument): values the same in every replica that value; integers (counts) their sum; others ``value_of``'s (the
+    step's :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its losses, or of a mean it
+    computed). ``None`` where the replicas' merged updates are kept: other updates (per-row values, a ``weight=``),
+    or a value ``value_of`` cannot tell (said once: the merge is what DDP's ranks give, not one device's)."""
+    calls = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
+    if any(c is None for c in calls) or len({len(c) for c in calls}) != 1:  # type: ignore[arg-type]
+        return None
+    wholes = []
+    for entries in zip(*calls):  # type: ignore[call-overload]
+        if any(kwargs or len(args) != 1 or not _scalar(args[0]) for args, kwargs in entries):
+            return None
+        values = [args[0] for args, _ in entries]
+        numbers = [float(v) for v in values]
+        if all(n == numbers[0] for n in numbers):
+            wholes.append(values[0])
+        elif all(_is_integer(v) for v in values):
+            wholes.append(sum(values[1:], values[0]))
+        else:
+            whole = value_of(values)
+            if whole is None:
+                _cache.warn(
+                    f"sparse_dp: the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated with "
+                    "one value per replica (each its chunk's, e.g. a hand-made ratio or a maximum), where one device "
+                    "updates it once with the whole batch's: its state is the replicas' updates merged, as Lightning's "
+                    "DDP ranks' are synchronized, not one device's. Update it with values of the chunk's rows (a loss "
+                    "with reduction='none', per-sample hits), or with a mean computed by torch.mean / .mean() or a "
+                    "loss of torch's, which the strategy reduces as one device's."
+                )
+                return None
+            wholes.append(whole)
+    return wholes
 
 
 @dataclass
@@ -275,14 +345,18 @@ def metric_levels(metric: Metric) -> list[tuple[str, Metric]]:
     return [(path, m) for path, m in metric.named_modules() if isinstance(m, Metric)]
 
 
-def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None) -> None:
+def merge_into_root(
+    metrics: list[MetricReplicas], plan: SplitPlan | None = None, value_of: Callable[[list[Any]], Tensor | None] | None = None,
+) -> None:
     """Merge each replica metric's state into its root metric (see the module docstring), and likewise each metric
     inside it into the root's (a wrapper's: ``ClasswiseWrapper``, ``MinMaxMetric``, ``MetricTracker``), innermost
     first, so that a root wrapper's ``compute`` reads its inner metrics merged.
 
     With the step's ``plan``, the entries the replicas' copies appended to a list state that is concatenated
     (``dist_reduce_fx="cat"``: ``CatMetric``, AUROC's predictions) are first put in the order one device appends them
-    (:func:`in_batch_order`).
+    (:func:`in_batch_order`). With ``value_of`` (the step's
+    :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`), an aggregation metric updated with one number of
+    each chunk gets the whole batch's updates (:func:`whole_batch_updates`).
 
     Raises:
         RuntimeError: a metric updated in replicas whose state cannot be merged (``full_state_update=True`` or
@@ -305,7 +379,8 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
             name = f"{entry.name}.{path}" if path else entry.name
             try:
                 _merge_level(
-                    MetricReplicas(name, root, subs), plan, None if batch is None else batch.get_submodule(path)
+                    MetricReplicas(name, root, subs, None if path else entry.scratch), plan,
+                    None if batch is None else batch.get_submodule(path), value_of,
                 )
             except RuntimeError as err:
                 raise RuntimeError(
@@ -316,12 +391,30 @@ def merge_into_root(metrics: list[MetricReplicas], plan: SplitPlan | None = None
                 ) from err
 
 
-def _merge_level(entry: MetricReplicas, plan: SplitPlan | None, batch: Metric | None) -> None:
+def _merge_level(
+    entry: MetricReplicas, plan: SplitPlan | None, batch: Metric | None,
+    value_of: Callable[[list[Any]], Tensor | None] | None = None,
+) -> None:
     """One metric's replicas merged into its root (``entry.replicas``: the updated and the others), through ``batch``
     (an empty metric like the root) when a replica called ``forward``: the root's ``_forward_cache`` becomes the
-    whole batch's value."""
+    whole batch's value. An aggregation metric updated with one number per chunk gets the whole batch's updates
+    instead (:func:`whole_batch_updates`), made on ``batch`` or an empty metric from ``entry.scratch``."""
     updated = [m for m in entry.replicas if m is not None and update_count(m) > 0]
     if not updated:
+        return
+    wholes = None
+    if value_of is not None and plan is not None and len(updated) == plan.num_chunks > 1 and isinstance(
+        entry.root, BaseAggregator
+    ):
+        wholes = whole_batch_updates(entry, updated, value_of)
+    if wholes is not None:  # one device's updates, made on an empty metric that the root then merges
+        target = batch if batch is not None else (entry.scratch() if entry.scratch is not None else _empty(entry.root))
+        for whole in wholes:
+            target.update(whole.to(target.device) if isinstance(whole, Tensor) else whole)
+        if batch is not None and any(forward_cache(m) is not None for m in updated):
+            set_step_results(entry.root, forward=target.compute())
+        merge_states(entry.root, [target])
+        set_step_results(entry.root, count=update_count(entry.root) + len(wholes), result=None)
         return
     if plan is not None and len(updated) == plan.num_chunks > 1:
         in_batch_order(entry, plan)
@@ -337,4 +430,14 @@ def _merge_level(entry: MetricReplicas, plan: SplitPlan | None, batch: Metric | 
     set_step_results(entry.root, count=update_count(entry.root) + total, result=None)
 
 
-__all__ = ["MetricReplicas", "in_batch_order", "merge_into_root", "merge_states", "metric_levels"]
+def _empty(root: Metric) -> Metric:
+    """An empty metric like ``root`` (a clone, reset)."""
+    empty = root.clone()
+    empty.reset()
+    return empty
+
+
+__all__ = [
+    "MetricReplicas", "UpdateCalls", "in_batch_order", "merge_into_root", "merge_states", "metric_levels",
+    "whole_batch_updates",
+]

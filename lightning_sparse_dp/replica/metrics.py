@@ -18,16 +18,18 @@ torchmetrics' ``reset`` done in place).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torchmetrics import Metric
+from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.capture import outside_capture
-from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
+from lightning_sparse_dp.replica.metric_merge import MetricReplicas, UpdateCalls, merge_into_root, metric_levels
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
@@ -111,18 +113,23 @@ class ReplicaMetrics:
             if index >= 0:  # a replica's: update and forward run outside the step's loss capture (terms.outside_capture)
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
+                if isinstance(copy, BaseAggregator):  # its updates' values, for the whole batch's (metric_merge)
+                    copy.update = UpdateCalls(copy.update)
             self._copies[key] = copy
         elif any(update_count(m) or computed(m) is not None or forward_cache(m) is not None for _, m in metric_levels(copy)):
             # else no update, forward or compute ran on it (or a metric inside it: MinMaxMetric counts only its
             # inner metric's updates) since its reset: it is still empty
             for _, level in reversed(metric_levels(copy)):
                 reset_metric(level)
+            calls = copy.__dict__.get("update")
+            if isinstance(calls, UpdateCalls):
+                calls.calls.clear()
         return copy
 
     @contextmanager
     def step_copies(
         self, root: nn.Module, replicas: list[nn.Module], devices: list[torch.device], structure: object = None,
-        plan: SplitPlan | None = None,
+        plan: SplitPlan | None = None, value_of: Callable[[list[Any]], Tensor | None] | None = None,
     ) -> Iterator[StepMetrics]:
         """One step's metric copies, each replica's installed by :meth:`StepMetrics.install` (in its own thread).
 
@@ -132,7 +139,10 @@ class ReplicaMetrics:
         replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
         it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
         ``named_modules`` walk or ``get_submodule`` per step). ``plan``: the step's split, which puts the entries the
-        replicas' metrics concatenate back in the batch's order (:func:`merge_into_root`).
+        replicas' metrics concatenate back in the batch's order (:func:`merge_into_root`); ``value_of``: the whole
+        batch's value of the replicas' values of a number (the step's
+        :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`), for aggregation metrics updated with one number
+        per chunk (:func:`~lightning_sparse_dp.replica.metric_merge.whole_batch_updates`).
 
         Raises:
             RuntimeError: from :func:`merge_into_root`.
@@ -152,7 +162,7 @@ class ReplicaMetrics:
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
             yield step
-            merge_into_root(step.merged, plan)
+            merge_into_root(step.merged, plan, value_of)
         finally:
             step.uninstall()
 

@@ -100,13 +100,13 @@ def install_step(
     with ExitStack() as stack:
         with step.call.timer.stage("state"):
             out.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
-            install = partial(stack.enter_context, replica_state(
-                step.call.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
-                step.plan, step.call.warnings,
-            ))
             out.terms = StepTerms.for_step(loss_weighting, step.call.name, n, step.call.warnings, site_memory)
             if out.terms is not None:
                 out.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+            install = partial(stack.enter_context, replica_state(
+                step.call.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
+                step.plan, step.call.warnings, None if out.terms is None else out.terms.output_value,
+            ))
             if step.check is not None:  # installed by the check, on the calling thread, once it passed
                 step.check.prepare = install
                 out.before = [partial(enter_checked, step.check, i) for i in range(n)]

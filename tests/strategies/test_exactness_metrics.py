@@ -6,6 +6,8 @@ module trained there by plain Lightning on the whole batch.
 
 from __future__ import annotations
 
+import warnings
+
 import MinkowskiEngine as ME
 import pytest
 import torch
@@ -330,3 +332,63 @@ def test_epoch_level_metric_compute_equals_single_device():
     assert t.callback_metrics["val_acc"].item() == pytest.approx(r.callback_metrics["val_acc"].item(), rel=REL)
     # torchmetrics keeps metric states float32 under "64-true" (Metric._apply leaves dtypes alone): float32 sums
     assert ours.val_mean.compute().item() == pytest.approx(reference.val_mean.compute().item(), rel=1e-6)
+
+
+class _Aggregators(SparseNet):
+    """lightning-hydra-template's pattern: aggregation metrics updated with one number of the step each (its loss, a
+    mean accuracy, a count), in training and validation, logged per epoch; and one with a value no rule tells (a
+    maximum of the logits), which keeps the replicas' merged updates and is said."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_loss, self.val_loss = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+        self.val_worst, self.val_losses = torchmetrics.MaxMetric(), torchmetrics.CatMetric()
+        self.val_acc, self.val_hits = torchmetrics.MeanMetric(), torchmetrics.SumMetric()
+        self.val_top = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.train_loss(loss)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
+        hits = logits.argmax(1) == batch["labels"]
+        self.val_loss(loss)
+        self.val_worst.update(loss)
+        self.val_losses.update(loss)
+        self.val_acc.update(hits.double().mean())
+        self.val_hits.update(hits.sum())
+        self.val_top.update(logits.max())
+        for name in ("val_loss", "val_worst", "val_acc", "val_hits", "val_top"):
+            self.log(f"val/{name}", getattr(self, name), on_step=False, on_epoch=True)
+
+    def on_validation_epoch_end(self):
+        self.cat_losses = self.val_losses.compute().clone()
+
+
+def test_aggregation_metrics_updated_with_a_number_per_step_are_one_devices():
+    """One device updates them once per step with the whole batch's number; the replicas each with their chunk's (the
+    merge gave the unweighted mean of the chunks' losses, a max over chunk losses, three list entries a step, silently,
+    as DDP's ranks give). Each update is now the whole batch's: the loss by the step's loss weights, a mean by its
+    element counts, a count summed; a number no rule tells keeps the merge, said once."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE  # said once per process: again for this test
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "'val_top'" in m})
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (81, 82)]
+    ours, reference = same_start(_Aggregators)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer(strategy="sparse_dp", devices=3, max_epochs=1, max_steps=-1, limit_val_batches=None)
+        t.fit(ours, loader(*batches), loader(*batches))
+    r = trainer(devices=1, max_epochs=1, max_steps=-1, limit_val_batches=None)
+    r.fit(reference, loader(*batches), loader(*batches))
+    said = " ".join(str(w.message) for w in caught)
+    for name in ("train/loss_epoch", "val/val_loss", "val/val_worst", "val/val_acc", "val/val_hits"):
+        assert float(t.callback_metrics[name]) == pytest.approx(float(r.callback_metrics[name]), rel=REL), name
+    assert torch.allclose(ours.cat_losses, reference.cat_losses, rtol=REL, atol=0)
+    assert "'val_top' (MeanMetric) was updated with one value per replica" in said
+    assert not any(f"'{n}'" in said for n in ("train_loss", "val_loss", "val_worst", "val_losses", "val_acc", "val_hits"))
