@@ -191,8 +191,13 @@ class ExactnessCheck:
         Raises:
             ExactnessError: under ``mode="error"``, when the steps differ.
         """
+        hooked = hooked_modules(module)
         try:
-            outcome = self._compare(module, trainer, one_device, replicas, batch_norm_eval)
+            if hooked:  # the copies would carry the hooks, whose calls reach what they hold (a callback's state)
+                outcome = Outcome([], skipped=f"the module has hooks ({', '.join(hooked)}), which its copies would call "
+                                              "on the checked batch, where the fit without the check does not")
+            else:
+                outcome = self._compare(module, trainer, one_device, replicas, batch_norm_eval)
         except Exception as err:  # the check is an observer: training goes on without it
             _log.debug("exactness check failed", exc_info=True)
             outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err})")
@@ -267,6 +272,23 @@ class ExactnessCheck:
         if self.mode == "error":
             raise ExactnessError(message)
         warnings.warn(message)
+
+
+def hooked_modules(module: nn.Module, shown: int = 3) -> list[str]:
+    """The modules of ``module`` with forward or backward hooks of their own (``register_forward_hook``, ...; torch's
+    global module hooks as ``"global"``), the first ``shown`` of them named and the rest counted: the check's deep
+    copies would call those hooks, whose calls reach what they hold (a callback's list), where the fit without the
+    check does not call them (the check leaves no trace)."""
+    found = [name or "the module itself" for name, m in module.named_modules() if any(
+        getattr(m, hooks, None) for hooks in _HOOKS)]
+    if any(getattr(torch.nn.modules.module, hooks, None) for hooks in _GLOBAL_HOOKS):
+        found.insert(0, "global")
+    return found[:shown] + ([f"{len(found) - shown} more"] if len(found) > shown else [])
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
 
 
 def held_out(module: nn.Module, batch_norm_eval: bool) -> list[str]:

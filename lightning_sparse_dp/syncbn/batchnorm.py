@@ -73,11 +73,25 @@ Swap = tuple[nn.Module, str, nn.Module]
 
 def _hand_over(source: nn.Module, target: nn.Module) -> None:
     """``target``'s own parameters and buffers become ``source``'s: the same tensors, as
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` hands them to the layer it builds."""
-    for name, parameter in source.named_parameters(recurse=False):
-        setattr(target, name, parameter)
-    for name, buffer in source.named_buffers(recurse=False):
-        setattr(target, name, buffer)
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` hands them to the layer it builds, in the same dicts; and its
+    hooks ``source``'s (:data:`SHARED`), so that what a callback registered on the layer in its ``setup``, which
+    Lightning calls before the strategy's (a hook, ``ModelPruning``'s mask), reaches the layer that trains, as on one
+    device, and a hook's handle removes it there (torch's conversion drops hooks)."""
+    for name in SHARED:
+        if name in source.__dict__:
+            target.__dict__[name] = source.__dict__[name]
+
+
+#: what a swap hands over of the layer, the same objects: its parameters and buffers (their dicts, so that what changes
+#: them on either layer, ``torch.nn.utils.prune`` registering ``weight_orig`` and ``weight_mask`` on the layer a
+#: ``ModelPruning`` callback found in its ``setup``, reaches both) and its hook dicts (``register_forward_hook``, ...,
+#: the state-dict hooks)
+SHARED = (
+    "_parameters", "_buffers", "_non_persistent_buffers_set", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks", "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
 
 
 def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:

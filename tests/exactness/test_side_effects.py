@@ -105,6 +105,34 @@ def test_a_step_that_draws_random_numbers_is_said_unchecked(caplog):
     assert "not compared, because the step draws random numbers (torch's generator)" in caplog.text
 
 
+class _Hooked(Callback):
+    """A forward hook, registered in the callback's setup, that counts the head's calls."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.calls = 0
+
+        def count(layer, args, out):
+            self.calls += 1
+
+        pl_module.head.register_forward_hook(count)
+
+
+def test_a_module_with_hooks_is_said_unchecked_and_its_hooks_see_only_the_fit(caplog):
+    """The check's deep copies would carry a hook and call it on the checked batch (a callback's count, list or file
+    seeing the first batch twice more): it is not run on a module with hooks, and says so."""
+    calls = []
+    for check in (True, False):
+        ours, _ = same_start(PooledNet, seed=0)
+        hooked = _Hooked()
+        strategy = SparseDataParallelStrategy(check_exactness=check)
+        with caplog.at_level(logging.INFO):
+            trainer(strategy=strategy, devices=3, max_steps=2, callbacks=[hooked]).fit(
+                ours, loader(*[collate_dict(random_samples(6, seed=s)) for s in (1, 2)]))
+        calls.append(hooked.calls)
+    assert calls[0] == calls[1] == 2 * 3  # each replica's step, both steps
+    assert "not compared, because the module has hooks (head), which its copies would call" in caplog.text
+
+
 def test_the_check_runs_every_n_steps_when_asked(caplog):
     ours, _ = same_start(PooledNet, seed=0)
     strategy = SparseDataParallelStrategy(check_exactness_every_n_steps=2)
