@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent
+from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent, path_name
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     BatchLayoutError,
@@ -290,6 +290,16 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
         if len(set(samples.values())) > 1:
             first = sources[0]
             odd = [s for s in sources if samples[s.name] != samples[first.name]]
+            # sources inside sub-batches (a path below the top level), each set of them under its own top-level entry
+            tops = {s.name: path_name(leaves[s.leaf].path[:1]) if len(leaves[s.leaf].path) > 1 else None for s in sources}
+            if None not in tops.values() and all(tops[s.name] != tops[first.name] for s in odd):
+                raise BatchLayoutError(
+                    f"the batch holds batches of different numbers of samples under {tops[first.name]} and "
+                    f"{tops[odd[0].name]} ({samples}): several loaders' batches in one (a CombinedLoader of loaders "
+                    "with different batch_size?). The split cuts one set of samples into chunks of whole samples; give "
+                    "the loaders one batch_size (sample j of each then goes to the same replica), or train on them "
+                    "one after another."
+                )
             raise BatchLayoutError(
                 f"coordinate sources disagree on the number of samples: {samples}. Every coordinate tensor of a batch "
                 f"must number the same samples 0..B-1 in column 0 (collate each point set of the batch's samples with "

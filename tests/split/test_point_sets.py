@@ -134,6 +134,10 @@ def test_errors_name_the_fix():
         split_batch({"coordinates": a, "coords1": other}, 2)
     with pytest.raises(BatchLayoutError, match="role 'indices'"):
         split_batch({"coordinates": a, "ids": torch.tensor([[3, 1], [0, 2], [7, 7], [1, 0]])}, 2)
+    # two loaders' batches of different sizes in one (a CombinedLoader's): named as such, not a layout to give
+    with pytest.raises(BatchLayoutError, match=r"batches of different numbers of samples under batch\['a'\] and "
+                       r"batch\['b'\].*CombinedLoader.*one batch_size"):
+        split_batch({"a": {"coordinates": a, "labels": torch.arange(3)}, "b": {"coordinates": other}}, 2)
     # a per-point tensor of the same length as two point sets: layout names the set
     b = ME.utils.batched_coordinates([_points(g, n) for n in (5, 5, 5)])
     with pytest.raises(BatchLayoutError, match=r"'normals': 'points:coordinates'"):
