@@ -26,7 +26,7 @@ from lightning_sparse_dp.runtime.compat import set_trainer
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.split import SparseSpec
 from lightning_sparse_dp.split.cut import sparse_kwargs
-from lightning_sparse_dp.step.scatter import build_sparse
+from lightning_sparse_dp.step.scatter import SharedManagers
 from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
 
 
@@ -70,18 +70,19 @@ def _double(x: Tensor) -> Tensor:
     return x.to(torch.float64, copy=True) if x.is_floating_point() else x.clone()
 
 
-def _double_me(x: Any) -> Any:
-    """An ``ME.SparseTensor`` / ``ME.TensorField`` with float64 features, on a coordinate manager of its own, built on
-    its device as the scatter builds a chunk's (:func:`~lightning_sparse_dp.step.scatter.build_sparse`)."""
-    return build_sparse(SparseSpec(type(x), _double(x.F), x.C.clone(), sparse_kwargs(x)), x.device)
+def _double_me(x: Any) -> SparseSpec:
+    """An ``ME.SparseTensor`` / ``ME.TensorField`` as a spec with float64 features, to build on its device as the
+    scatter builds a chunk's (:class:`~lightning_sparse_dp.step.scatter.SharedManagers`)."""
+    return SparseSpec(type(x), _double(x.F), x.C.clone(), sparse_kwargs(x), manager=id(x.coordinate_manager))
 
 
 def float64_batch(batch: Any) -> Any:
     """A copy of ``batch`` (every tensor copied: a step may change its batch in place) with its floating tensors in
     float64, as Lightning's ``precision="64-true"`` converts it, ME tensors (whose features Lightning does not reach;
-    rebuilt on a coordinate manager of their own) and the chunks of a split batch
+    rebuilt on coordinate managers of their own, those that shared one on one) and the chunks of a split batch
     (:class:`~lightning_sparse_dp.split.SparseSpec` features) included."""
-    batch = apply_to_collection(batch, (ME.SparseTensor, ME.TensorField), _double_me)
+    build = SharedManagers()  # a split batch's own specs stay specs: only the batch's ME tensors are built here
+    batch = apply_to_collection(batch, (ME.SparseTensor, ME.TensorField), lambda x: build(_double_me(x)))
     return apply_to_collection(batch, Tensor, _double)
 
 

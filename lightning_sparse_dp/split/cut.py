@@ -73,7 +73,8 @@ def _cut_coordinates(leaf: Leaf, p: Piece) -> Any:
     rows = src.rows[p.j]
     if is_me_tensor(x):
         coordinates = _renumber(x.C, rows, p.index_in_chunk, src.batch_index)
-        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, sparse_kwargs(x))
+        return SparseSpec(type(x), x.F.index_select(0, rows.to(x.F.device)), coordinates, sparse_kwargs(x),
+                          manager=id(x.coordinate_manager))
     return _renumber(x, rows, p.index_in_chunk, src.batch_index)
 
 
@@ -98,7 +99,7 @@ def cut(leaf: Leaf, sources: tuple[Source, ...], j: int, samples: Tensor, index_
     """
     x = leaf.value
     if whole and is_me_tensor(x):  # batch indices are already 0..B-1 in order
-        return SparseSpec(type(x), x.F, x.C, sparse_kwargs(x), source=x)
+        return SparseSpec(type(x), x.F, x.C, sparse_kwargs(x), source=x, manager=id(x.coordinate_manager))
     if whole:
         return x
     return CUTS[leaf.role](leaf, Piece(sources, j, samples, index_in_chunk))

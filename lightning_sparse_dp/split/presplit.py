@@ -142,9 +142,9 @@ def presplit_loader(
 def as_specs(batch: Any) -> Any:
     """``batch`` with each ``ME.SparseTensor`` / ``ME.TensorField`` as a whole-batch
     :class:`~lightning_sparse_dp.split.SparseSpec` (features, coordinates, constructor keywords), which can cross
-    processes; :func:`~lightning_sparse_dp.step.scatter.build_sparse` builds it again."""
-    return apply_to_collection(batch, (ME.SparseTensor, ME.TensorField),
-                               lambda x: SparseSpec(type(x), x.F, x.C, sparse_kwargs(x)))
+    processes; :func:`~lightning_sparse_dp.step.scatter.build_specs` builds it again."""
+    return apply_to_collection(batch, (ME.SparseTensor, ME.TensorField), lambda x: SparseSpec(
+        type(x), x.F, x.C, sparse_kwargs(x), manager=id(x.coordinate_manager)))
 
 
 def _specs(chunk: Any) -> list[SparseSpec]:

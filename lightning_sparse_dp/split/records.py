@@ -84,6 +84,9 @@ class SparseSpec:
             ``quantization_mode``, ``minkowski_algorithm``).
         source: the whole source tensor when the chunk is the whole batch; placing it on the device
             it already lives on reuses it instead of building it again.
+        manager: the source tensor's coordinate manager's ``id``: the specs of a batch's tensors that shared one
+            manager (a completion network's input and target) are built on one manager again
+            (:func:`~lightning_sparse_dp.step.scatter.build_specs`); ``None``: a manager of its own.
     """
 
     cls: type
@@ -91,6 +94,7 @@ class SparseSpec:
     coordinates: Tensor
     kwargs: dict[str, Any] = field(default_factory=dict)
     source: Any = None
+    manager: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,20 +45,45 @@ from lightning_sparse_dp.split.leaves import path_name
 from lightning_sparse_dp.split.presplit import PreSplitBatch
 
 
-def build_sparse(spec: SparseSpec, device: torch.device) -> Any:
+def build_sparse(spec: SparseSpec, device: torch.device, manager: Any = None) -> Any:
     """Build the ``ME.SparseTensor`` / ``ME.TensorField`` described by ``spec`` on ``device``.
 
     Args:
         spec: features ``[n, C]`` and coordinates ``[n, D+1]`` (column 0 = batch index) of one chunk,
             with the source tensor's ``tensor_stride`` / ``quantization_mode`` / ``minkowski_algorithm``.
         device: where the tensor and its coordinate manager live.
+        manager: an ``ME.CoordinateManager`` on ``device`` to build it on (``None``: a new one).
     """
     if spec.source is not None and spec.source.device == device:
         return spec.source  # the whole batch, already where it is needed: no second coordinate manager
     with device_context(device):
         features = spec.features.to(device, non_blocking=True)
         coordinates = spec.coordinates.to(device, non_blocking=True)
-        return spec.cls(features=features, coordinates=coordinates, device=device, **spec.kwargs)
+        return spec.cls(features=features, coordinates=coordinates, device=device, coordinate_manager=manager,
+                        **spec.kwargs)
+
+
+class SharedManagers:
+    """Builds :class:`~lightning_sparse_dp.split.SparseSpec` specs on ``device`` (:func:`build_sparse`; ``None``: where each
+    one's features are), those whose tensors shared a coordinate manager (``spec.manager``: a completion network's
+    input and target, which ME's union and kernel maps need on one manager) on one manager again, as they were."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.built: dict[int, Any] = {}
+
+    def __call__(self, spec: SparseSpec) -> Any:
+        first = self.built.get(spec.manager) if spec.manager is not None else None
+        x = build_sparse(spec, self.device or spec.features.device, None if first is None else first.coordinate_manager)
+        if spec.manager is not None:
+            self.built.setdefault(spec.manager, x)
+        return x
+
+
+def build_specs(batch: Any, device: torch.device | None = None) -> Any:
+    """Every :class:`~lightning_sparse_dp.split.SparseSpec` of ``batch`` built on ``device``, those of one coordinate
+    manager on one (:class:`SharedManagers`)."""
+    return apply_to_collection(batch, SparseSpec, SharedManagers(device))
 
 
 def me_tensors_elsewhere(batch: Any, device: torch.device) -> list[Any]:
@@ -108,7 +133,7 @@ def place_chunk(chunk: Any, device: torch.device, transfer: Transfer | None = No
     """
     if device.type == "cuda":
         check_me_devices(chunk, device)
-    chunk = apply_to_collection(chunk, SparseSpec, build_sparse, device=device)
+    chunk = build_specs(chunk, device)
     with device_context(device):
         return move_data_to_device(chunk, device) if transfer is None else transfer(chunk, device)
 

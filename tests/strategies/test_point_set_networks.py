@@ -168,3 +168,46 @@ def test_training_step_per_sample_outputs_reach_callbacks_as_one_devices():
         assert x.shape == y.shape == (len(c), 8)
         # rows of one sample in ME's decomposition order: compare as multisets of rows
         assert relative_difference(x[x[:, 0].argsort()], y[y[:, 0].argsort()]) <= 1e-10
+
+
+def _shared_manager_batch(num: int, seed: int) -> dict:
+    """An input and a target SparseTensor on one coordinate manager (a completion collate's), per-sample labels."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(10, 50, (num,), generator=g).tolist()
+    coords = ME.utils.batched_coordinates(
+        [torch.randint(0, 8, (n, 3), generator=g, dtype=torch.int32).unique(dim=0) for n in sizes]
+    )
+    x = ME.SparseTensor(torch.randn(len(coords), 3, generator=g, dtype=torch.float64), coords)
+    shifted = coords.clone()
+    shifted[:, 1] += 1
+    target = ME.SparseTensor(torch.ones(len(shifted), 1, dtype=torch.float64), shifted,
+                             coordinate_manager=x.coordinate_manager)
+    return {"x": x, "target": target, "labels": torch.randint(0, 4, (num,), generator=g)}
+
+
+class _UnionNet(L.LightningModule):
+    """Input and target, built on one coordinate manager in the batch, joined by ME's union (which needs one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = ME.MinkowskiConvolution(3, 4, kernel_size=3, dimension=3)
+        self.b = ME.MinkowskiConvolution(1, 4, kernel_size=1, dimension=3)
+        self.pool = ME.MinkowskiGlobalAvgPooling()
+
+    def training_step(self, batch, batch_idx):
+        joined = ME.MinkowskiUnion()(self.a(batch["x"]), self.b(batch["target"]))
+        return F.cross_entropy(self.pool(joined).F, batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_sparse_tensors_of_the_batch_on_one_coordinate_manager_stay_on_one_in_each_chunk():
+    """Each chunk's tensors that shared a coordinate manager in the batch are built on one manager again (each got its
+    own: ME's union refused them, "All inputs must have the same coordinate manager", in the step and in the
+    exactness check's copies); trained as one device."""
+    batches = [_shared_manager_batch(7, 0), _shared_manager_batch(8, 1)]
+    ours, reference = same_start(_UnionNet)
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {})):
+        trainer(precision="64-true", max_steps=2, **kwargs).fit(model, DataLoader(batches, batch_size=None))
+    assert_same_states(ours, reference)
