@@ -139,8 +139,9 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
     Its coordinates carry the batch's sample ids in column 0; its rows are in the batch's point order where each
     chunk's are its points (a stride-1 tensor of the input's coordinates: one device's rows), in sample order where
     one per sample (after global pooling), else in chunk order (a strided or generated tensor: the same rows as one
-    device's, in another order, ME's being its coordinate map's). Built by :func:`~lightning_sparse_dp.step.scatter.build_sparse` (a coordinate manager of its own on
-    ``device``, with the replicas' ``tensor_stride``); features keep their autograd graph.
+    device's, in another order, ME's being its coordinate map's). Built by
+    :func:`~lightning_sparse_dp.step.scatter.build_sparse` (a coordinate manager of its own on ``device``, with the
+    replicas' ``tensor_stride``); features keep their autograd graph.
     """
     strides = {tuple(v.tensor_stride) for v in values}
     if len(strides) != 1:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -172,7 +173,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
                 "GPUs only; on CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over "
                 "the process group (gloo), on CPU too."
             )
-        if self._layer_sync is None and module is not None:  # said once: batch norm per rank
+        if self._layer_sync is None and module is not None and trainer.state.fn == TrainerFn.FITTING:  # said once
             warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
         super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
         self._exactness.reset()  # the first training step of each fit is checked

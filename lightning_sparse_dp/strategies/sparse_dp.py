@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from typing_extensions import override
@@ -173,7 +174,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         refuse_old_gather(self.gather)
         refuse_compiled_submodules(module, len(self.parallel_devices))
         self._resolve_layer_sync()
-        if self._layer_sync is None:  # said once: batch norm per replica
+        if self._layer_sync is None and trainer.state.fn == TrainerFn.FITTING:  # said once: batch norm per replica
             warn_unsynchronized_batchnorm(module, len(self.parallel_devices))
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
         super().setup(trainer)
