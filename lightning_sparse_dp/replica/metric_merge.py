@@ -77,10 +77,11 @@ def whole_batch_updates(
 ) -> list[Any] | None:
     """The whole batch's value of each ``update`` the replicas made of an aggregation metric (``entry.root`` a torchmetrics
     ``BaseAggregator``), when every replica called it alike with one number of its chunk each time (no other
-    argument): values the same in every replica that value; integers (counts) their sum; others ``value_of``'s (the
-    step's :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its losses, or of a mean it
-    computed). ``None`` where the replicas' merged updates are kept: other updates (per-row values, a ``weight=``),
-    or a value ``value_of`` cannot tell (said once: the merge is what DDP's ranks give, not one device's)."""
+    argument): integer tensors (counts) their sum, as Python ints unless one value in every replica (a constant);
+    others ``value_of``'s (the step's :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its
+    losses, or of a mean it computed), else, one value in every replica, that value. ``None`` where the replicas'
+    merged updates are kept: other updates (per-row values, a ``weight=``), or a value ``value_of`` cannot tell (said
+    once: the merge is what DDP's ranks give, not one device's)."""
     calls = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
     if any(c is None for c in calls) or len({len(c) for c in calls}) != 1:  # type: ignore[arg-type]
         return None
@@ -89,13 +90,14 @@ def whole_batch_updates(
         if any(kwargs or len(args) != 1 or not _scalar(args[0]) for args, kwargs in entries):
             return None
         values = [args[0] for args, _ in entries]
-        numbers = [float(v) for v in values]
-        if all(n == numbers[0] for n in numbers):
-            wholes.append(values[0])
-        elif all(_is_integer(v) for v in values):
-            wholes.append(sum(values[1:], values[0]))
+        same = len({float(v) for v in values}) == 1
+        if all(_is_integer(v) for v in values):  # counts: summed, but one Python int in every replica is a constant
+            python = not any(isinstance(v, Tensor) for v in values)
+            wholes.append(values[0] if python and same else sum(values[1:], values[0]))
         else:
             whole = value_of(values)
+            if whole is None and same:  # one value in every replica that no rule reads: that value
+                whole = values[0]
             if whole is None:
                 _cache.warn(
                     f"sparse_dp: the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated with "
