@@ -376,7 +376,12 @@ def merge_into_root(
             else:
                 batch = entry.root.clone()
                 batch.reset()
+        merged: set[int] = set()  # the states merged so far (their _defaults), innermost first
         for path, root in reversed(levels):  # innermost first: a wrapper's compute reads its inner metrics merged
+            if id(state_defaults(root)) in merged:  # a wrapper whose states are its inner metric's (ClasswiseWrapper):
+                set_step_results(root, result=None)  # merged once, there; its compute() reads them again
+                continue
+            merged.add(id(state_defaults(root)))
             subs = [m.get_submodule(path) if path else m for m in copies]
             name = f"{entry.name}.{path}" if path else entry.name
             try:

@@ -260,6 +260,13 @@ def _reduce_values(
             return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
         per_chunk = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples) is None
         if all(isinstance(s, numbers.Number) for s in sizes) and per_chunk:
+            warning_cache.info(
+                f"sparse_dp: self.log({name!r}, ..., batch_size=<each chunk's count>) differs between replicas and is "
+                "not a mean the step computed with torch.mean / .mean(): it is reduced as a mean weighted by the "
+                "replicas' batch_size, the whole batch's value only for a mean over those (a hand-made correct / "
+                "len(labels) is; an F1 score, an IoU or a maximum is not). For the whole batch's value of such a "
+                "score log a torchmetrics metric (its state is merged as one device's)."
+            )
             return _reduce(values, [float(s) for s in sizes], reduce_fx)  # the chunks' own batch_size= counts
         if not all(_is_integer(c.value) for _, c in present):
             warning_cache.info(

@@ -53,7 +53,9 @@ def combine_values(
     if all(isinstance(v, Tensor) and v.dim() > 0 for v in values) and not rows_of_chunks(values, plan):
         raise ValueError("tensors of a fixed size, not rows of the chunks: no merge of them is one device's value")
     structures = isinstance(values[0], (Mapping, list, tuple))  # their leaves' merge is said here, a leaf's by the caller
-    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=structures), False
+    value_of = terms.output_value if structures and terms is not None else None  # a 0-dim leaf's whole value, or said
+    return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=structures,
+                          value_of=value_of), False
 
 
 @dataclass(eq=False)

@@ -23,6 +23,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -86,17 +87,31 @@ def refuse_compiled_submodules(module: nn.Module, replicas: int) -> None:
     ``Module._replicate_for_data_parallel`` (torch's, as ``nn.DataParallel`` uses it) sets the copy's attributes
     through the wrapper's ``__setattr__``, which forwards them to the wrapped module: the user's module is changed.
 
+    A TorchScript submodule (``torch.jit.script`` / ``trace``) cannot be replicated either: its parameters and
+    submodules live in TorchScript's objects (``_parameters`` is a wrapper, not a dict).
+
     Raises:
         MisconfigurationException: naming the submodules and the fixes (keep the submodule uncompiled, compile a
             function the step calls, or ``sparse_ddp``; Lightning itself refuses a compiled LightningModule for any
-            strategy but its single-device, DDP and FSDP ones).
+            strategy but its single-device, DDP and FSDP ones; keep a scripted one a plain module while training).
     """
+    if replicas < 2:
+        return
+    scripted = [name for name, m in module.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    scripted = [name for name in scripted if not any(name.startswith(f"{outer}.") for outer in scripted)]  # outermost
+    if scripted:  # TorchScript keeps parameters and submodules in C++ (its _parameters a wrapper, not a dict)
+        raise MisconfigurationException(
+            f"sparse_dp: {', '.join(scripted)} is a TorchScript module (torch.jit.script / trace), which cannot be "
+            "replicated into replica threads: its parameters and submodules live in TorchScript's own objects. Keep "
+            "it a plain nn.Module while training (script it for deployment after), or use strategy='sparse_ddp', whose "
+            "ranks each hold the whole module."
+        )
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # a torch without torch.compile
         return
     compiled = [name for name, m in module.named_modules() if name and isinstance(m, OptimizedModule)]
-    if replicas > 1 and compiled:
+    if compiled:
         raise MisconfigurationException(
             f"sparse_dp: {', '.join(compiled)} is a torch.compile-d submodule, which cannot be replicated: its compiled "
             "forward runs the module it wraps, not the replica's. Keep the submodule uncompiled (self.head = "

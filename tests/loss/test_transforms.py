@@ -84,6 +84,22 @@ def test_a_compiled_submodule_is_refused_at_setup_and_the_module_left_as_it_was(
     assert all(relative_difference(module.state_dict()[k], v) == 0 for k, v in before.items())
 
 
+class ScriptedHead(PooledNet):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+
+
+def test_a_scripted_submodule_is_refused_at_setup_naming_it_and_the_fixes():
+    """A TorchScript submodule crashed the first step (its _parameters is TorchScript's wrapper, not a dict) after the
+    exactness check had failed on it: refused at setup, naming the outermost scripted submodule."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"sparse_dp: head is a TorchScript module .*sparse_ddp"):
+        trainer64(strategy="sparse_dp", devices=2, max_steps=1).fit(ScriptedHead(), loader(collate_dict(random_samples(8))))
+    trainer64(max_steps=1).fit(ScriptedHead(), loader(collate_dict(random_samples(8))))  # one device trains it
+
+
 class CompiledBody(PooledNet):
     """A compiled function in the network's path (made lazily on the module), a class-weighted cross-entropy after it."""
 

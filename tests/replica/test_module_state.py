@@ -73,7 +73,7 @@ def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zer
     class Counts(SparseNet):
         def __init__(self):
             super().__init__(lr=0.1)
-            self.correct, self.returned, self.seen = [], [], []
+            self.correct, self.returned, self.seen, self.ratios = [], [], [], []
             self.confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long)
 
         def training_step(self, batch, batch_idx):
@@ -87,6 +87,7 @@ def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zer
             x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
             correct = (self(x).argmax(1) == batch["labels"]).sum()
             self.correct.append(correct)
+            self.ratios.append({"ratio": correct / batch["labels"].shape[0]})  # a hand-made ratio: said, not one device's
             return {"correct": correct}
 
         def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
@@ -106,6 +107,7 @@ def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zer
     assert ours.confusion.shape == reference.confusion.shape
     assert 0 < int(ours.confusion.sum()) < int(reference.confusion.sum()) == 14
     assert "self.confusion was set to different values by the replicas' steps" in said
+    assert len(ours.ratios) == 2 and "output['ratio'] differs between the replicas and is not a combination" in said
 
 
 def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():

@@ -392,3 +392,30 @@ def test_aggregation_metrics_updated_with_a_number_per_step_are_one_devices():
     assert torch.allclose(ours.cat_losses, reference.cat_losses, rtol=REL, atol=0)
     assert "'val_top' (MeanMetric) was updated with one value per replica" in said
     assert not any(f"'{n}'" in said for n in ("train_loss", "val_loss", "val_worst", "val_losses", "val_acc", "val_hits"))
+
+
+class _PerClass(SparseNet):
+    """Per-class counts (a ClasswiseWrapper, whose states are its inner metric's) updated in validation."""
+
+    def __init__(self):
+        super().__init__()
+        self.support = torchmetrics.wrappers.ClasswiseWrapper(
+            torchmetrics.classification.MulticlassStatScores(NUM_CLASSES, average=None)
+        )
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        self.support.update(self(x), batch["labels"])
+
+
+def test_a_wrapper_whose_states_are_its_inner_metrics_is_merged_once():
+    """ClasswiseWrapper proxies its inner metric's states: merged at the inner level and again at the wrapper's, its
+    counts were twice one device's (per-class support 2x, silently in validation; a ratio hid it)."""
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (83, 84)]
+    ours, reference = same_start(_PerClass)
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {})):
+        t = trainer(max_epochs=1, max_steps=-1, limit_val_batches=None, **kwargs)
+        t.validate(model, loader(*batches))
+    for state in ("tp", "fp", "tn", "fn"):
+        assert torch.equal(getattr(ours.support.metric, state), getattr(reference.support.metric, state)), state
+    assert int(reference.support.metric.tp.sum() + reference.support.metric.fn.sum()) == 18  # every sample once
