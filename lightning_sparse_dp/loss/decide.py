@@ -335,12 +335,13 @@ def _matched_part(
             f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
             "with a sample that has no loss)"
         )
-    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and site.name.startswith("torch."):
-        raise _NotExact(
-            f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked mean "
-            "such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
-        )
-    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites):
+    divided = _divided_sums(sites, memory, who, out.notes)
+    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and not divided:
+        if site.name.startswith("torch."):
+            raise _NotExact(
+                f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked "
+                "mean such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
+            )
         raise _NotExact(
             f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
             "count of the chunk)"
@@ -349,6 +350,13 @@ def _matched_part(
         memory.setdefault(site.key, ("matched", None))
     per_replica: list[list[float | None]] = [[] for _ in sites]
     part = 0.0
+    if divided:  # sum-reduced calls, each divided by its own input's rows: the whole batch's sum over all rows
+        total = [sum(s.rows[j] for s in sites) for j in range(len(site.coeffs))]
+        for j, k in enumerate(_divisors(sites)):
+            part += k * sum(s.values[j] for s in sites) / total[j]
+            for s, scale in zip(sites, per_replica):
+                scale.append(s.rows[j] / total[j])  # (k / total) over the replica's own k / rows
+        return part, per_replica
     for j, c in enumerate(site.coeffs):
         if c == 0.0:  # not in the value: a gradient reaches it only through other terms, already weighted there
             for scale in per_replica:
@@ -385,6 +393,49 @@ def _matched_part(
         for s, scale in zip(sites, per_replica):
             scale.append(s.denominators[j] / total if total > 0 else 0.0)
     return part, per_replica
+
+
+def _divisors(sites: Sequence[SiteTerms]) -> list[float]:
+    """Per call ``j`` of a site: ``c_ij * rows_ij`` of the first replica (the ``k`` of ``k * sum / rows``)."""
+    return [c * r for c, r in zip(sites[0].coeffs, sites[0].rows)]
+
+
+def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, notes: list[str]) -> bool:
+    """Whether a site's calls are ``reduction="sum"`` losses each divided by its own input's rows in every replica
+    (``F.cross_entropy(out, y, reduction="sum") / len(y)``): ``c_ij * rows_ij`` one number ``k_j`` over the replicas,
+    so that one device's step, whose input holds every replica's rows, divides the whole sum by all of them.
+
+    Where every replica's coefficients are one number too (chunks of equal rows), the division is the reading when
+    ``k_j`` is 1 (``sum / len(y)``; else a constant coefficient, ``0.5 * sum``), said once, unless the site was read
+    without doubt at an earlier step (``memory``)."""
+    site = sites[0]
+    if len(sites) < 2 or not all(site.sums) or any(s.sums != site.sums for s in sites):
+        return False
+    if any(r <= 0 for s in sites for r in s.rows):
+        return False
+    ks = _divisors(sites)
+    divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
+                  for s in sites for c, r, k in zip(s.coeffs, s.rows, ks))
+    constant = all(s.coeffs == site.coeffs for s in sites)
+    learned = memory.get(site.key, (None, None))
+    if divides and not constant:
+        memory[site.key] = ("matched", "divided")
+        return True
+    if not (divides and constant):
+        if constant:
+            memory[site.key] = ("matched", "constant")
+        return False
+    if learned[1] in ("divided", "constant"):
+        return learned[1] == "divided"
+    if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} (reduction='sum') has the coefficient {site.coeffs[0]:g} in every "
+            f"{who}, whose inputs hold {site.rows[0]} rows each: read as its sum divided by its rows (sum / len(y)), "
+            f"so the whole batch's sum divided by all its rows, not {site.coeffs[0]:g} times the sum. If it is a "
+            "constant, batches whose chunks differ in size make the difference plain."
+        )
+        return True
+    return False
 
 
 def _one_value(values: Sequence[float]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import MinkowskiEngine as ME
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.support.clients import fresh_loader
 from tests.support.exact import REL, relative_difference, state_differences
 from tests.support.exact import trainer64 as trainer
-from tests.support.helpers import unchecked
+from tests.support.helpers import NUM_CLASSES, unchecked
 from tests.support.term_models import (
     MODE_DEPTHS,
     BatchClassWeights,
@@ -338,3 +339,43 @@ def test_a_reading_seen_without_doubt_is_kept_for_steps_of_equal_chunks(caplog):
         worst, _, _ = _compare(PerSampleLoop, batches, 3, form="sum", strategy=SparseDataParallelStrategy(split="contiguous"))
     assert "read as" not in caplog.text and not _fallback_lines(caplog)
     assert worst <= REL
+
+
+class SumOverRows(ScanNetSeg):
+    """A mean written by hand: the cross entropy's sum divided by its input's rows (``len(labels)``), per point."""
+
+    def loss(self, batch):
+        logits, labels = self.logits(batch), batch["labels"]
+        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=255, reduction="sum") / len(labels)
+
+
+class SumOverSamples(SumOverRows):
+    """The same over the samples: one row per sample after global pooling (per-sample labels)."""
+
+    def logits(self, batch):
+        field = ME.TensorField(batch["features"], batch["coordinates"].double())
+        return self.head(ME.MinkowskiGlobalAvgPooling()(self.net(field.sparse())).F)
+
+    def loss(self, batch):
+        logits, labels = self.logits(batch), batch["scene_labels"]
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / len(labels)
+
+
+@pytest.mark.parametrize("cls", [SumOverRows, SumOverSamples])
+@pytest.mark.parametrize("even", [True, False])
+def test_a_sum_divided_by_its_rows_is_exact(cls, even, caplog):
+    """F.cross_entropy(..., reduction="sum") / len(labels): each replica's sum over its rows divided by them. Chunks of
+    equal rows (equal samples, for one row per sample) gave every replica one coefficient, read as a constant: the
+    gradient was world-size times one device's, silently (0.30 relative); chunks of unequal rows fell back to "auto".
+    Now the whole batch's sum over all its rows, the equal case said once."""
+    make = (lambda s: _even(6, s, fractions=(0.1, 0.3, 0.2))) if even else (lambda s: seg_batch(7, seed=s))
+    batches = [make(s) for s in (23, 24)]
+    for b in batches:
+        b["scene_labels"] = torch.arange(int(b["coordinates"][:, 0].max()) + 1) % NUM_CLASSES
+    strategy = SparseDataParallelStrategy(split="contiguous" if even else "balanced")
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _compare(cls, batches, 3, strategy=strategy)
+    assert worst <= REL and not _fallback_lines(caplog)
+    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
+    said = "(reduction='sum') has the coefficient" in caplog.text
+    assert said is (even and cls is SumOverSamples)  # equal rows: each chunk's samples (points never are equal here)
