@@ -61,6 +61,34 @@ class UpdateCalls:
         return self.update(*args, **kwargs)
 
 
+#: the attribute of a replica's copy (each level) holding :func:`plain_tensors` as the copy was handed out for a step
+HANDED = "_lsdp_handed_out"
+
+
+def plain_tensors(metric: Metric) -> dict[str, int]:
+    """``name -> id`` of the public tensor attributes of ``metric`` that are not states (``MinMaxMetric``'s
+    ``min_val`` / ``max_val``, which its ``compute`` sets): what a merge of states does not carry."""
+    states = state_defaults(metric)
+    return {k: id(v) for k, v in vars(metric).items() if isinstance(v, Tensor) and k[:1] != "_" and k not in states}
+
+
+def say_plain_changes(entry: MetricReplicas, copies: list[Metric]) -> None:
+    """Say once where a replica's copy set public tensor attributes that are not states in the step (its ``compute``
+    or ``forward`` ran there: ``MinMaxMetric``'s ``min_val``): they stay on the copy, so the root metric's are not one
+    device's."""
+    changed = sorted({k for m in copies for k, i in plain_tensors(m).items() if m.__dict__.get(HANDED, {}).get(k) != i})
+    said = f"sparse_dp metric attributes: {entry.name}"  # once per metric, whichever attributes a step set
+    if changed and said not in _cache:
+        _cache.add(said)
+        _cache.warn(
+            f"sparse_dp: the replicas' copies of the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) "
+            f"set {', '.join(changed)} in the step (its compute() or forward ran there), which are not metric states: "
+            "they stay on the copies, and the module's metric keeps its own, not one device's. Call compute() on the "
+            "module's metric outside the step (on_train_epoch_end, on_validation_epoch_end), or update it in the step "
+            "and log the metric object."
+        )
+
+
 def _scalar(value: Any) -> bool:
     """One number: a Python int or float (not a bool), or a one-element tensor that is not a bool."""
     if isinstance(value, Tensor):
@@ -406,6 +434,7 @@ def _merge_level(
     (an empty metric like the root) when a replica called ``forward``: the root's ``_forward_cache`` becomes the
     whole batch's value. An aggregation metric updated with one number per chunk gets the whole batch's updates
     instead (:func:`whole_batch_updates`), made on ``batch`` or an empty metric from ``entry.scratch``."""
+    say_plain_changes(entry, [m for m in entry.replicas if m is not None])  # a wrapper may count no update of its own
     updated = [m for m in entry.replicas if m is not None and update_count(m) > 0]
     if not updated:
         return
@@ -445,6 +474,6 @@ def _empty(root: Metric) -> Metric:
 
 
 __all__ = [
-    "MetricReplicas", "UpdateCalls", "in_batch_order", "merge_into_root", "merge_states", "metric_levels",
-    "whole_batch_updates",
+    "HANDED", "MetricReplicas", "UpdateCalls", "in_batch_order", "merge_into_root", "merge_states", "metric_levels",
+    "plain_tensors", "say_plain_changes", "whole_batch_updates",
 ]

@@ -29,7 +29,14 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.capture import outside_capture
-from lightning_sparse_dp.replica.metric_merge import MetricReplicas, UpdateCalls, merge_into_root, metric_levels
+from lightning_sparse_dp.replica.metric_merge import (
+    HANDED,
+    MetricReplicas,
+    UpdateCalls,
+    merge_into_root,
+    metric_levels,
+    plain_tensors,
+)
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
@@ -124,6 +131,9 @@ class ReplicaMetrics:
             calls = copy.__dict__.get("update")
             if isinstance(calls, UpdateCalls):
                 calls.calls.clear()
+        if index >= 0:  # what its compute() may set outside its states (MinMaxMetric's min_val), to find after the step
+            for _, level in metric_levels(copy):
+                level.__dict__[HANDED] = plain_tensors(level)
         return copy
 
     @contextmanager

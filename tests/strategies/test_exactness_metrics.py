@@ -419,3 +419,30 @@ def test_a_wrapper_whose_states_are_its_inner_metrics_is_merged_once():
     for state in ("tp", "fp", "tn", "fn"):
         assert torch.equal(getattr(ours.support.metric, state), getattr(reference.support.metric, state)), state
     assert int(reference.support.metric.tp.sum() + reference.support.metric.fn.sum()) == 18  # every sample once
+
+
+class _MinMaxInStep(SparseNet):
+    """MinMaxMetric's compute() in the step: its min_val / max_val are attributes, not states, set on the copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.bounds = torchmetrics.wrappers.MinMaxMetric(torchmetrics.classification.MulticlassAccuracy(NUM_CLASSES))
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        self.bounds.update(self(x), batch["labels"])
+        self.log("val_max", self.bounds.compute()["max"])
+
+
+def test_what_a_metric_sets_outside_its_states_in_the_step_is_said():
+    """min_val / max_val set by compute() on the replicas' copies never reached the module's metric, silently."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE  # said once per process: again for this test
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "bounds" in m})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, limit_val_batches=None).validate(
+            _MinMaxInStep(), loader(*[collate_dict(random_samples(9, seed=s)) for s in (85, 86)])
+        )
+    said = [str(w.message) for w in caught if "'bounds' (MinMaxMetric) set max_val, min_val in the step" in str(w.message)]
+    assert len(said) == 1
