@@ -77,6 +77,22 @@ class ChunkShape:
         ordered = sorted(rows)
         return any(sorted(points) == ordered for points in self.sample_points)
 
+    def some_samples(self, rows: Sequence[int]) -> bool:
+        """Whether a site's calls, with inputs of ``rows`` rows, are one per sample for some of a chunk's samples (a
+        loop over the samples that skips those with nothing to average: ``if (y[s == k] != ignore).any()``): each
+        call's rows are a different sample's points (of one coordinate source), more than one row each."""
+        if not rows or len(rows) > self.samples or any(r < 2 for r in rows):
+            return False
+        for points in self.sample_points:
+            left = list(points)
+            for r in rows:
+                if r not in left:
+                    break
+                left.remove(r)
+            else:
+                return True
+        return False
+
 
 @dataclass
 class SiteTerms:
@@ -94,6 +110,7 @@ class SiteTerms:
     per_sample: bool  # the rows are one per sample of the chunk (ChunkShape.per_sample)
     statistic: list[bool]  # each call's input is a reduction over rows (terms.reduces_rows)
     shared: list[int] = field(default_factory=list)  # each call's arguments for all its rows alike, fingerprinted
+    some_samples: bool = False  # the rows are some of the chunk's samples' points, one call each (ChunkShape.some_samples)
 
 
 @dataclass
@@ -153,6 +170,7 @@ def summarize(
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = shape.per_sample(site.rows)
+        site.some_samples = site.in_loop and shape.some_samples(site.rows)
     return out
 
 
@@ -252,8 +270,8 @@ def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Dec
 def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
     """Whether a site's calls are one per sample (each its own criterion), else matched by position."""
     calls = [len(site.coeffs) for site in sites]
-    if any(n != s.samples for n, s in zip(calls, summaries)):
-        return False
+    if any(n != s.samples for n, s in zip(calls, summaries)):  # a loop over the samples that skips some: per sample
+        return len(sites) > 1 and all(site.some_samples for site in sites)
     learned = memory.get(sites[0].key, (None, None))[0]
     if len(set(calls)) > 1 or any(site.per_sample for site in sites) or learned == "samples":
         return True
@@ -285,9 +303,9 @@ def _samples_part(
     for s in sites:
         if any(not math.isclose(c, s.coeffs[0], rel_tol=_SAME, abs_tol=0.0) for c in s.coeffs):
             raise _NotExact(f"the per-sample losses {site.name} at {site.where} are combined with different coefficients")
-    total = sum(s.samples for s in summaries)
+    total = sum(len(s.coeffs) for s in sites)  # the calls: the samples, or those a loop did not skip
     cs = [s.coeffs[0] for s in sites]
-    means = [c * s.samples for c, s in zip(cs, summaries)]
+    means = [c * len(s.coeffs) for c, s in zip(cs, sites)]
     mean_ok = all(math.isclose(m, means[0], rel_tol=1e-9, abs_tol=0.0) for m in means)
     sum_ok = all(math.isclose(c, cs[0], rel_tol=1e-9, abs_tol=0.0) for c in cs)
     learned = memory.get(site.key, (None, None))[1]

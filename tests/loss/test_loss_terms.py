@@ -379,3 +379,32 @@ def test_a_sum_divided_by_its_rows_is_exact(cls, even, caplog):
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
     said = "(reduction='sum') has the coefficient" in caplog.text
     assert said is (even and cls is SumOverSamples)  # equal rows: each chunk's samples (points never are equal here)
+
+
+class SkipsUnlabeled(ScanNetSeg):
+    """A loss per sample that skips the samples with no labeled point (a mean over nothing), then their mean."""
+
+    def loss(self, batch):
+        logits, labels, index = self.logits(batch), batch["labels"], batch["coordinates"][:, 0]
+        losses = [self.criterion(logits[index == s], labels[index == s]) for s in index.unique()
+                  if (labels[index == s] != 255).any()]
+        return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("even", [True, False])
+def test_a_loss_per_sample_that_skips_unlabeled_samples_is_exact(even, caplog):
+    """Every replica skipped one sample (its calls fewer than its samples, as many in each): the j-th calls were paired
+    as one loss across replicas, silently (0.10 relative); they are one loss per sample, the mean over the batch's
+    labeled samples."""
+    def make(seed):
+        batch = _even(6, seed, fractions=(0.1, 0.3, 0.2)) if even else seg_batch(7, seed=seed, fractions=(0.1, 0.3, 0.2))
+        index = batch["coordinates"][:, 0]
+        for s in (0, 3, 5):  # one sample of each chunk of the contiguous split (and of most balanced ones) unlabeled
+            batch["labels"][index == s] = 255
+        return batch
+
+    strategy = SparseDataParallelStrategy(split="contiguous" if even else "balanced")
+    with caplog.at_level(logging.INFO):
+        worst, t, r = _compare(SkipsUnlabeled, [make(s) for s in (25, 26)], 3, strategy=strategy)
+    assert worst <= REL and not _fallback_lines(caplog)
+    assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
