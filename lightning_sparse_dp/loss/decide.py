@@ -187,8 +187,17 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:
 
 class SiteMemory(dict):
     """Per call site (its key), how it was read where the step left no doubt: ``("samples", "mean" | "sum" |
-    None)`` or ``("matched", None)``; kept by the strategy for the run, so that a later step of equal chunks reads
-    the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same summaries."""
+    None)`` or ``("matched", None | "divided" | "constant")``; kept by the strategy for the run, so that a later step
+    of equal chunks reads the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same
+    summaries.
+
+    ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
+    replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loops: dict[int, int] = {}
 
 
 @dataclass
@@ -366,6 +375,7 @@ def _matched_part(
         )
     if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
         memory.setdefault(site.key, ("matched", None))
+    _check_loop(site, memory, who)
     per_replica: list[list[float | None]] = [[] for _ in sites]
     part = 0.0
     if divided:  # sum-reduced calls, each divided by its own input's rows: the whole batch's sum over all rows
@@ -411,6 +421,24 @@ def _matched_part(
         for s, scale in zip(sites, per_replica):
             scale.append(s.denominators[j] / total if total > 0 else 0.0)
     return part, per_replica
+
+
+def _check_loop(site: SiteTerms, memory: SiteMemory, who: str) -> None:
+    """A site called several times in a loop, its calls matched by position (the j-th of every replica one loss: decoder
+    levels, heads): refused once the number of calls changed from one step to another, for good, since the loop runs
+    over what the chunk holds (the classes present, its instances), whose j-th items differ between replicas."""
+    calls = len(site.coeffs)
+    if not site.in_loop or calls < 2 and site.key not in memory.loops:
+        return
+    seen = memory.loops.setdefault(site.key, calls)
+    if seen != calls:
+        memory.loops[site.key] = -1
+    if memory.loops[site.key] == -1:
+        raise _NotExact(
+            f"{site.name} at {site.where} is called in a loop a number of times that changes from step to step (a loop "
+            f"over what the chunk holds: the classes present, its instances), so the j-th calls of the {who}s are not "
+            "one loss; loop over a fixed list (every class, a fixed number of items) for an exact loss"
+        )
 
 
 def _divisors(sites: Sequence[SiteTerms]) -> list[float]:
