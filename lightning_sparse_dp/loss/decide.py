@@ -401,7 +401,8 @@ def _matched_part(
         if len(sites) > 1 and any(s.statistic[j] for s in sites):
             raise _NotExact(
                 f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
-                "chunk (e.g. out.F.mean(0)), which no split of the batch computes as one device does"
+                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
+                "computes as one device does"
             )
         if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _one_value([s.values[j] for s in sites]):
             part += c * site.values[j]  # one value in every replica: of the parameters (a penalty), not of the chunks

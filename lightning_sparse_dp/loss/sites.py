@@ -156,6 +156,8 @@ def input_rows(func: Any, a: Arguments) -> int:
 _REDUCTIONS = (
     "MeanBackward", "SumBackward", "NanmeanBackward", "NansumBackward", "MaxBackward", "MinBackward", "AmaxBackward",
     "AminBackward", "StdBackward", "VarBackward", "LogsumexpBackward", "ProdBackward", "MedianBackward",
+    # selections by value over the rows (OHEM's loss.topk(k), a sorted top fraction): which rows depends on the others
+    "TopkBackward", "SortBackward", "KthvalueBackward",
 )
 
 
@@ -163,7 +165,7 @@ _REDUCTIONS = (
 _THROUGH = (
     "View", "Unsqueeze", "Squeeze", "Expand", "Reshape", "Alias", "Permute", "Transpose", "TBackward", "ToCopy",
     "Clone", "Mul", "Div", "Add", "Sub", "Neg", "Pow", "Exp", "Log", "Sqrt", "Rsqrt", "Sigmoid", "Tanh", "Relu",
-    "Abs", "Clamp",
+    "Abs", "Clamp", "Slice",
 )
 
 
@@ -190,7 +192,8 @@ def _of_parameters(node: Any, limit: int = 16) -> bool:
 
 def reduces_rows(x: Any, limit: int = 16) -> bool:
     """Whether ``x`` comes from a reduction over the rows (dim 0, or every dim) of a tensor, through elementwise
-    ops only, as autograd recorded it: ``out.F.mean(0)``, ``feats.max(0).values``, ``x.mean()`` (a statistic of the
+    ops and slices only, as autograd recorded it: ``out.F.mean(0)``, ``feats.max(0).values``, ``x.mean()``, or a
+    selection of rows by their values (``loss.topk(k)``, ``loss.sort().values[:n]``: OHEM) (a statistic of the
     chunk: no split of the batch computes it as one device does). A per-row reduction (``x.sum(1)``), ME's
     global pooling (one row per sample), a stack of per-sample statistics and a statistic of the parameters alone
     (:func:`_of_parameters`: ``head.bias.pow(2).mean()``, one value in every replica) are not. Looks at most ``limit``

@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch.nn.functional as F
 
 from tests.support.exact import REL, same_start, state_differences, trainer64
 from tests.support.helpers import collate_dict, loader, random_samples
-from tests.support.step_forms import ChunkStatisticOfLogits, ParameterStatistic
+from tests.support.step_forms import ChunkStatisticOfLogits, ParameterStatistic, PooledNet
 
 
 def _fit_both(cls, devices, caplog):
@@ -34,3 +35,20 @@ def test_a_statistic_of_the_chunk_in_the_logits_path_is_still_said(devices, capl
     worst, said = _fit_both(ChunkStatisticOfLogits, devices, caplog)
     assert len(said) == 1 and "a statistic of the chunk" in next(iter(said)), said
     assert worst > 1e-8  # weighted per replica: not one device's (the exactness check says so too)
+
+
+class HardestPoints(PooledNet):
+    """OHEM: the mean of the k largest per-sample losses of the chunk (which are the largest depends on the others)."""
+
+    def training_step(self, batch, batch_idx):
+        losses = F.cross_entropy(self.head(self.features(batch)), batch["labels"], reduction="none")
+        return losses.topk(2).values.mean()
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_selection_of_rows_by_their_losses_is_said(devices, caplog):
+    """loss.topk(k).values.mean() was read as an ordinary mean term, so nothing but the exactness check said it
+    (silent with check_exactness=False): it is a statistic of the chunk, said by the loss reading."""
+    worst, said = _fit_both(HardestPoints, devices, caplog)
+    assert len(said) == 1 and "a top-k / sort of its rows' losses" in next(iter(said)), said
+    assert worst > 1e-8
