@@ -187,17 +187,19 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:
 
 class SiteMemory(dict):
     """Per call site (its key), how it was read where the step left no doubt: ``("samples", "mean" | "sum" |
-    None)`` or ``("matched", None | "divided" | "constant")``; kept by the strategy for the run, so that a later step
-    of equal chunks reads the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same
-    summaries.
+    None)`` or ``("matched", None)``; kept by the strategy for the run, so that a later step of equal chunks reads
+    the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same summaries.
 
     ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
     replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
+    ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows) or ``"constant"`` (one
+    coefficient), where a step of unequal chunks told which (:func:`_divided_sums`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loops: dict[int, int] = {}
+        self.sums: dict[int, str] = {}
 
 
 @dataclass
@@ -464,16 +466,15 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
     divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
                   for s in sites for c, r, k in zip(s.coeffs, s.rows, ks))
     constant = all(s.coeffs == site.coeffs for s in sites)
-    learned = memory.get(site.key, (None, None))
     if divides and not constant:
-        memory[site.key] = ("matched", "divided")
+        memory.sums[site.key] = "divided"
         return True
     if not (divides and constant):
         if constant:
-            memory[site.key] = ("matched", "constant")
+            memory.sums[site.key] = "constant"
         return False
-    if learned[1] in ("divided", "constant"):
-        return learned[1] == "divided"
+    if site.key in memory.sums:
+        return memory.sums[site.key] == "divided"
     if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
         notes.append(
             f"sparse_dp: {site.name} at {site.where} (reduction='sum') has the coefficient {site.coeffs[0]:g} in every "
