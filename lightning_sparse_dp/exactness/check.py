@@ -280,10 +280,17 @@ def hooked_modules(module: nn.Module, shown: int = 3) -> list[str]:
     copies would call those hooks, whose calls reach what they hold (a callback's list), where the fit without the
     check does not call them (the check leaves no trace)."""
     found = [name or "the module itself" for name, m in module.named_modules() if any(
-        getattr(m, hooks, None) for hooks in _HOOKS)]
-    if any(getattr(torch.nn.modules.module, hooks, None) for hooks in _GLOBAL_HOOKS):
+        _users(getattr(m, hooks, None)) for hooks in _HOOKS)]
+    if any(_users(getattr(torch.nn.modules.module, hooks, None)) for hooks in _GLOBAL_HOOKS):
         found.insert(0, "global")
     return found[:shown] + ([f"{len(found) - shown} more"] if len(found) > shown else [])
+
+
+def _users(hooks: Any) -> bool:
+    """Whether a hook dict holds a hook that is not torch's own (``spectral_norm``'s and legacy ``weight_norm``'s, which
+    compute a weight from the copy's own parameters, as ``torch.nn.utils.prune``'s do): one that may reach what it
+    holds."""
+    return bool(hooks) and any(not str(getattr(h, "__module__", "") or "").startswith("torch.") for h in hooks.values())
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -51,7 +51,15 @@ from lightning_sparse_dp.loss.denominators import (
     shared_arguments,
 )
 from lightning_sparse_dp.loss.forms import Form, follow
-from lightning_sparse_dp.loss.means import MEAN_FUNCTIONS, counting, last_holding, note_mean, scalar_values
+from lightning_sparse_dp.loss.means import (
+    MEAN_FUNCTIONS,
+    PASSING_FUNCTIONS,
+    counting,
+    last_holding,
+    note_mean,
+    pass_mean,
+    scalar_values,
+)
 from lightning_sparse_dp.loss.sites import CallSite, call_site, in_checkpoint, in_transform, input_rows, reduces_rows
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
@@ -59,14 +67,14 @@ T = TypeVar("T")
 
 
 _CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
-_SUM_KIND = "sum"
+_SUM_KIND, _PASS_KIND = "sum", "pass"
 #: torch's sums whose one-value results over rows of the chunk are terms too (``x.sum()``, ``torch.sum(x)``)
 SUM_FUNCTIONS = frozenset({torch.sum, torch.Tensor.sum})
 #: what ``__torch_function__`` does first with a function it is handed; anything else passes straight through
 _KINDS: dict[Any, str] = {
     **{f: _CAPTURED_KIND for f in CAPTURED}, **{f: _UNCAPTURED_KIND for f in UNCAPTURED},
     **{f: _MEAN_KIND for f in MEAN_FUNCTIONS}, **{f: _COLLECTIVE_KIND for f in COLLECTIVE_FUNCTIONS},
-    **{f: _SUM_KIND for f in SUM_FUNCTIONS},
+    **{f: _SUM_KIND for f in SUM_FUNCTIONS}, **{f: _PASS_KIND for f in PASSING_FUNCTIONS},
 }
 
 
@@ -99,6 +107,8 @@ class StepObserver(TorchFunctionMode):
     def _observe(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if kind is _MEAN_KIND:
             note_mean(args, kwargs, out)
+        elif kind is _PASS_KIND:
+            pass_mean(args, out)
         elif kind is _COLLECTIVE_KIND and self.collectives is not None:
             note_collective(func, self.collectives)
 
@@ -251,7 +261,7 @@ class TermCapture(StepObserver):
         if kind is None and (not self.forms or not self._touches_forms(args)):
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
-        if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND:
+        if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:
             self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):
             return out

@@ -80,9 +80,11 @@ class ChunkShape:
     def some_samples(self, rows: Sequence[int]) -> bool:
         """Whether a site's calls, with inputs of ``rows`` rows, are one per sample for some of a chunk's samples (a
         loop over the samples that skips those with nothing to average: ``if (y[s == k] != ignore).any()``): each
-        call's rows are a different sample's points (of one coordinate source), more than one row each."""
-        if not rows or len(rows) > self.samples or any(r < 2 for r in rows):
+        call's rows are a different sample's points (of one coordinate source), or one row each (pooled per sample)."""
+        if not rows or len(rows) > self.samples:
             return False
+        if all(r == 1 for r in rows):  # one row per sample (pooled): the rows cannot name the samples
+            return True
         for points in self.sample_points:
             left = list(points)
             for r in rows:
@@ -462,6 +464,8 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
         return False
     if any(r <= 0 for s in sites for r in s.rows):
         return False
+    if site.name.startswith("torch.") and all(_one_value([s.values[j] for s in sites]) for j in range(len(site.coeffs))):
+        return False  # one value in every replica: a penalty on the parameters (its own reading below)
     ks = _divisors(sites)
     divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
                   for s in sites for c, r, k in zip(s.coeffs, s.rows, ks))
@@ -477,10 +481,10 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
         return memory.sums[site.key] == "divided"
     if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
         notes.append(
-            f"sparse_dp: {site.name} at {site.where} (reduction='sum') has the coefficient {site.coeffs[0]:g} in every "
-            f"{who}, whose inputs hold {site.rows[0]} rows each: read as its sum divided by its rows (sum / len(y)), "
-            f"so the whole batch's sum divided by all its rows, not {site.coeffs[0]:g} times the sum. If it is a "
-            "constant, batches whose chunks differ in size make the difference plain."
+            f"sparse_dp: {site.name} at {site.where} (reduction='sum') has one coefficient in every {who}, one over its "
+            f"input's rows, which are as many in every {who}: read as its sum divided by its rows (sum / len(y)), so "
+            "the whole batch's sum divided by all its rows, not a constant times the sum. If it is a constant (0.5 * "
+            "sum), the first batch whose chunks differ in size settles it."
         )
         return True
     return False

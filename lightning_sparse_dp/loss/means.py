@@ -39,6 +39,22 @@ def note_mean(args: tuple, kwargs: dict, out: Any) -> None:
             counts[id(out)] = (out, x.numel())
 
 
+#: torch calls whose result is the same value as their input (``mean.detach()``, ``mean.clone()``): a counted mean's
+#: result keeps its count (:func:`pass_mean`)
+PASSING_FUNCTIONS = frozenset({torch.Tensor.detach, torch.Tensor.clone, torch.clone, torch.detach})
+
+
+def pass_mean(args: tuple, out: Any) -> None:
+    """Record ``out`` (a :data:`PASSING_FUNCTIONS` call's result) with the count of its input, when that is a mean the
+    calling thread counted (:func:`note_mean`): ``acc.mean().detach()`` is the same mean."""
+    counts = getattr(_local, "counts", None)
+    x = args[0] if args else None
+    if counts and isinstance(x, Tensor) and isinstance(out, Tensor):
+        entry = counts.get(id(x))
+        if entry is not None and entry[0] is x:
+            counts[id(out)] = (out, entry[1])
+
+
 @contextmanager
 def counting() -> Iterator[dict[int, tuple[Tensor, int]]]:
     """Record, in the calling thread only, the element count of every one-value mean its step's torch function mode

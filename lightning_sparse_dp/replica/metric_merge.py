@@ -31,7 +31,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.aggregation import BaseAggregator
+from torchmetrics.aggregation import BaseAggregator, MaxMetric, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from lightning_sparse_dp.runtime.compat import (
@@ -105,11 +105,12 @@ def whole_batch_updates(
 ) -> list[Any] | None:
     """The whole batch's value of each ``update`` the replicas made of an aggregation metric (``entry.root`` a torchmetrics
     ``BaseAggregator``), when every replica called it alike with one number of its chunk each time (no other
-    argument): integer tensors (counts) their sum, as Python ints unless one value in every replica (a constant);
-    others ``value_of``'s (the step's :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its
-    losses, or of a mean it computed), else, one value in every replica, that value. ``None`` where the replicas'
-    merged updates are kept: other updates (per-row values, a ``weight=``), or a value ``value_of`` cannot tell (said
-    once: the merge is what DDP's ranks give, not one device's)."""
+    argument): integers (counts) their sum, as ``self.log`` sums integers; others ``value_of``'s (the step's
+    :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its losses, or of a mean it computed),
+    else, one value in every replica, that value. ``None`` where the replicas' merged updates are kept: other updates
+    (per-row values, a ``weight=``); a ``MaxMetric`` / ``MinMetric`` of integers, or a ``MaxMetric`` / ``MinMetric`` /
+    ``SumMetric`` of a value ``value_of`` cannot tell (a max, min or sum over the chunk, which the merge takes as one
+    device's); for a ``MeanMetric`` or ``CatMetric`` such a value is said once (the merge is what DDP's ranks give)."""
     calls = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
     if any(c is None for c in calls) or len({len(c) for c in calls}) != 1:  # type: ignore[arg-type]
         return None
@@ -119,13 +120,17 @@ def whole_batch_updates(
             return None
         values = [args[0] for args, _ in entries]
         same = len({float(v) for v in values}) == 1
-        if all(_is_integer(v) for v in values):  # counts: summed, but one Python int in every replica is a constant
-            python = not any(isinstance(v, Tensor) for v in values)
-            wholes.append(values[0] if python and same else sum(values[1:], values[0]))
+        extreme = isinstance(entry.root, (MaxMetric, MinMetric))
+        if all(_is_integer(v) for v in values):  # counts, summed as self.log sums integers; a max / min of ints merged
+            if extreme:
+                return None
+            wholes.append(sum(values[1:], values[0]))
         else:
             whole = value_of(values)
             if whole is None and same:  # one value in every replica that no rule reads: that value
                 whole = values[0]
+            if whole is None and isinstance(entry.root, (MaxMetric, MinMetric, SumMetric)):
+                return None  # a max, min or sum of the chunk's (logits.max(), hits.sum()): the merge is one device's
             if whole is None:
                 _cache.warn(
                     f"sparse_dp: the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated with "

@@ -133,6 +133,23 @@ def test_a_module_with_hooks_is_said_unchecked_and_its_hooks_see_only_the_fit(ca
     assert "not compared, because the module has hooks (head), which its copies would call" in caplog.text
 
 
+class _SpectralHead(PooledNet):
+    """torch's spectral_norm on the head: a forward pre-hook of torch's own, which computes the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.utils.spectral_norm(self.head)
+
+
+def test_a_module_with_torchs_own_hooks_is_still_checked(caplog):
+    """spectral_norm's (and legacy weight_norm's) hooks compute a weight from the copy's own parameters: not a user's
+    hook that reaches what it holds, so the module is checked."""
+    ours, _ = same_start(_SpectralHead, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(ours, loader(collate_dict(random_samples(6, seed=1))))
+    assert "exactness check of training step 0 on 3 replicas: equals one device's" in caplog.text
+
+
 def test_the_check_runs_every_n_steps_when_asked(caplog):
     ours, _ = same_start(PooledNet, seed=0)
     strategy = SparseDataParallelStrategy(check_exactness_every_n_steps=2)

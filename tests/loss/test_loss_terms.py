@@ -377,7 +377,7 @@ def test_a_sum_divided_by_its_rows_is_exact(cls, even, caplog):
         worst, t, r = _compare(cls, batches, 3, strategy=strategy)
     assert worst <= REL and not _fallback_lines(caplog)
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
-    said = "(reduction='sum') has the coefficient" in caplog.text
+    said = "(reduction='sum') has one coefficient in every replica" in caplog.text
     assert said is (even and cls is SumOverSamples)  # equal rows: each chunk's samples (points never are equal here)
 
 

@@ -244,7 +244,8 @@ class Scores(SparseNet):
         active = (self.net[0](x).F[:, 0] > 0).double().mean()  # a mean over the chunk's points, not its samples
         hit = logits.argmax(1) == batch["labels"]
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
-        return {"loss": loss, "active": active, "correct": hit.sum(), "top": logits.detach().max()}
+        return {"loss": loss, "active": active, "correct": hit.sum(), "top": logits.detach().max(),
+                "active_detached": active.detach()}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.seen.append({k: v.detach().clone() for k, v in outputs.items()})
@@ -263,6 +264,8 @@ def test_zero_dim_outputs_are_one_devices_where_the_step_tells_and_said_where_no
     said = " ".join(str(w.message) for w in caught)
     ours_out, ref_out = ours.seen[0], reference.seen[0]
     assert float(ours_out["active"]) == pytest.approx(float(ref_out["active"]), rel=1e-12)
+    assert float(ours_out["active_detached"]) == pytest.approx(float(ref_out["active"]), rel=1e-12)  # the same mean
+    assert "output['active_detached']" not in said
     assert ours_out["correct"].dtype == ref_out["correct"].dtype and int(ours_out["correct"]) == int(ref_out["correct"])
     assert "step output output['correct'] is a 0-dim integer tensor" in said
     assert "step output output['active']" not in said

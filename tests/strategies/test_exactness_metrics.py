@@ -14,6 +14,7 @@ import torch
 import torchmetrics
 from torch import nn
 
+import lightning_sparse_dp
 from tests.support.exact import REL, same_start
 from tests.support.exact import trainer64 as trainer
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples
@@ -446,3 +447,39 @@ def test_what_a_metric_sets_outside_its_states_in_the_step_is_said():
         )
     said = [str(w.message) for w in caught if "'bounds' (MinMaxMetric) set max_val, min_val in the step" in str(w.message)]
     assert len(said) == 1
+
+
+class _Extremes(SparseNet):
+    """Aggregation metrics fed a count (a Python int), a maximum over the chunk (an integer and a float) and a sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.top_label = torchmetrics.SumMetric(), torchmetrics.MaxMetric()
+        self.top_logit, self.hits = torchmetrics.MaxMetric(), torchmetrics.SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits, labels = self(x), batch["labels"]
+        self.seen.update(len(labels))
+        self.top_label.update(labels.max())
+        self.top_logit.update(logits.max())
+        self.hits.update((logits.argmax(1) == labels).double().sum())
+
+
+def test_counts_maxima_and_sums_fed_to_aggregation_metrics_stay_one_devices_and_unsaid():
+    """A Python int count equal in every chunk (chunks of 3 samples) is still summed, an integer or float maximum over
+    the chunk and a sum over it merged as before: one device's, nothing said."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "updated with one value per replica" in m})
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (87, 88)]
+    ours, reference = same_start(_Extremes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy=lightning_sparse_dp.SparseDataParallelStrategy(split="contiguous"), devices=3,
+                limit_val_batches=None).validate(ours, loader(*batches))
+    trainer(limit_val_batches=None).validate(reference, loader(*batches))
+    for name in ("seen", "top_label", "top_logit", "hits"):
+        assert float(getattr(ours, name).compute()) == pytest.approx(float(getattr(reference, name).compute()), rel=REL)
+    assert not any("updated with one value per replica" in str(w.message) for w in caught)
+    assert float(reference.seen.compute()) == 18
