@@ -125,6 +125,8 @@ def whole_batch_updates(
             if extreme:
                 return None
             wholes.append(sum(values[1:], values[0]))
+        elif same and isinstance(entry.root, SumMetric):  # equal sums of the chunks' (hits.sum()): their sum, as merged
+            return None
         else:
             whole = value_of(values)
             if whole is None and same:  # one value in every replica that no rule reads: that value

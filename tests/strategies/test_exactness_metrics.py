@@ -456,6 +456,7 @@ class _Extremes(SparseNet):
         super().__init__()
         self.seen, self.top_label = torchmetrics.SumMetric(), torchmetrics.MaxMetric()
         self.top_logit, self.hits = torchmetrics.MaxMetric(), torchmetrics.SumMetric()
+        self.rows = torchmetrics.SumMetric()  # a float sum of the chunk that is one value in every chunk (3 samples)
 
     def validation_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
@@ -464,6 +465,7 @@ class _Extremes(SparseNet):
         self.top_label.update(labels.max())
         self.top_logit.update(logits.max())
         self.hits.update((logits.argmax(1) == labels).double().sum())
+        self.rows.update((labels >= 0).double().sum())
 
 
 def test_counts_maxima_and_sums_fed_to_aggregation_metrics_stay_one_devices_and_unsaid():
@@ -479,7 +481,7 @@ def test_counts_maxima_and_sums_fed_to_aggregation_metrics_stay_one_devices_and_
         trainer(strategy=lightning_sparse_dp.SparseDataParallelStrategy(split="contiguous"), devices=3,
                 limit_val_batches=None).validate(ours, loader(*batches))
     trainer(limit_val_batches=None).validate(reference, loader(*batches))
-    for name in ("seen", "top_label", "top_logit", "hits"):
+    for name in ("seen", "top_label", "top_logit", "hits", "rows"):
         assert float(getattr(ours, name).compute()) == pytest.approx(float(getattr(reference, name).compute()), rel=REL)
     assert not any("updated with one value per replica" in str(w.message) for w in caught)
-    assert float(reference.seen.compute()) == 18
+    assert float(reference.seen.compute()) == float(reference.rows.compute()) == 18
