@@ -290,7 +290,7 @@ def _users(hooks: Any) -> bool:
     """Whether a hook dict holds a hook that is not torch's own (``spectral_norm``'s and legacy ``weight_norm``'s, which
     compute a weight from the copy's own parameters, as ``torch.nn.utils.prune``'s do): one that may reach what it
     holds."""
-    return bool(hooks) and any(not str(getattr(h, "__module__", "") or "").startswith("torch.") for h in hooks.values())
+    return bool(hooks) and any(not (getattr(h, "__module__", None) or "").startswith("torch.") for h in hooks.values())
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

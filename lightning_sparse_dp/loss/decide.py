@@ -433,7 +433,7 @@ def _check_loop(site: SiteTerms, memory: SiteMemory, who: str) -> None:
     levels, heads): refused once the number of calls changed from one step to another, for good, since the loop runs
     over what the chunk holds (the classes present, its instances), whose j-th items differ between replicas."""
     calls = len(site.coeffs)
-    if not site.in_loop or calls < 2 and site.key not in memory.loops:
+    if not site.in_loop or (calls < 2 and site.key not in memory.loops):
         return
     seen = memory.loops.setdefault(site.key, calls)
     if seen != calls:

@@ -7,7 +7,8 @@ Installed around the apply stage and undone after it, in each replica's own thre
   back as one device's step leaves them; :mod:`.snapshot`: which attributes are followed, and how values are
   copied and compared; :mod:`.attributes`: the same for the module's submodules;
 - :mod:`.metrics`: torchmetrics metrics copied per replica, reset each step; :mod:`.metric_merge`: their states
-  merged into the root's metrics in batch order;
+  merged into the root's metrics in batch order; :mod:`.metric_updates`: what their updates and ``compute`` did
+  beyond the states (one number per chunk made the whole batch's update; attributes set on the copies, said);
 - :mod:`.recorder`: each replica's ``self.log`` recorded, checked as Lightning checks it;
 - :mod:`.effects`: the loggers' calls of a replica's step, run once (the root replica's), as DDP's rank 0 does.
 """

@@ -15,10 +15,9 @@ rows of the chunks in the batch's order; other entries stay in replica order, sa
 
 An aggregation metric (torchmetrics' ``MeanMetric``, ``SumMetric``, ``MaxMetric``, ``MinMetric``, ``CatMetric``) that
 every replica updated with one value of its chunk per call (``self.val_loss(loss)``, an accuracy), where one device
-updates it once with the whole batch's value, gets those updates instead (:func:`whole_batch_updates`: the value of
-the step's losses or of a mean it computed, the sum of integer counts), not the replicas' merged (a mean of the chunks'
-losses, unweighted, as Lightning's DDP ranks' synchronized states give); where the whole batch's value cannot be told,
-the merge stays and is said once.
+updates it once with the whole batch's value, gets those updates instead
+(:func:`~lightning_sparse_dp.replica.metric_updates.whole_batch_updates`), not the replicas' merged; what the copies
+set outside their states is said (:func:`~lightning_sparse_dp.replica.metric_updates.say_plain_changes`).
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.aggregation import BaseAggregator, MaxMetric, MinMetric, SumMetric
+from torchmetrics.aggregation import BaseAggregator
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
+from lightning_sparse_dp.replica.metric_updates import say_plain_changes, whole_batch_updates
 from lightning_sparse_dp.runtime.compat import (
     forward_cache,
     own_reduce_states,
@@ -46,105 +46,6 @@ from lightning_sparse_dp.runtime.compat import (
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _cache
 from lightning_sparse_dp.split import SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.merge import row_order
-
-
-class UpdateCalls:
-    """A replica copy's ``update`` (an aggregation metric's), noting each call's arguments since the copy was handed out
-    for a step (:func:`whole_batch_updates` reads them; the copy's owner clears them)."""
-
-    def __init__(self, update: Callable[..., Any]) -> None:
-        self.update = update
-        self.calls: list[tuple[tuple, dict]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append((args, kwargs))
-        return self.update(*args, **kwargs)
-
-
-#: the attribute of a replica's copy (each level) holding :func:`plain_tensors` as the copy was handed out for a step
-HANDED = "_lsdp_handed_out"
-
-
-def plain_tensors(metric: Metric) -> dict[str, int]:
-    """``name -> id`` of the public tensor attributes of ``metric`` that are not states (``MinMaxMetric``'s
-    ``min_val`` / ``max_val``, which its ``compute`` sets): what a merge of states does not carry."""
-    states = state_defaults(metric)
-    return {k: id(v) for k, v in vars(metric).items() if isinstance(v, Tensor) and k[:1] != "_" and k not in states}
-
-
-def say_plain_changes(entry: MetricReplicas, copies: list[Metric]) -> None:
-    """Say once where a replica's copy set public tensor attributes that are not states in the step (its ``compute``
-    or ``forward`` ran there: ``MinMaxMetric``'s ``min_val``): they stay on the copy, so the root metric's are not one
-    device's."""
-    changed = sorted({k for m in copies for k, i in plain_tensors(m).items() if m.__dict__.get(HANDED, {}).get(k) != i})
-    said = f"sparse_dp metric attributes: {entry.name}"  # once per metric, whichever attributes a step set
-    if changed and said not in _cache:
-        _cache.add(said)
-        _cache.warn(
-            f"sparse_dp: the replicas' copies of the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) "
-            f"set {', '.join(changed)} in the step (its compute() or forward ran there), which are not metric states: "
-            "they stay on the copies, and the module's metric keeps its own, not one device's. Call compute() on the "
-            "module's metric outside the step (on_train_epoch_end, on_validation_epoch_end), or update it in the step "
-            "and log the metric object."
-        )
-
-
-def _scalar(value: Any) -> bool:
-    """One number: a Python int or float (not a bool), or a one-element tensor that is not a bool."""
-    if isinstance(value, Tensor):
-        return value.numel() == 1 and value.dtype != torch.bool
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_integer(value: Any) -> bool:
-    return not value.is_floating_point() if isinstance(value, Tensor) else isinstance(value, int)
-
-
-def whole_batch_updates(
-    entry: MetricReplicas, updated: list[Metric], value_of: Callable[[list[Any]], Tensor | None],
-) -> list[Any] | None:
-    """The whole batch's value of each ``update`` the replicas made of an aggregation metric (``entry.root`` a torchmetrics
-    ``BaseAggregator``), when every replica called it alike with one number of its chunk each time (no other
-    argument): integers (counts) their sum, as ``self.log`` sums integers; others ``value_of``'s (the step's
-    :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`: the value of its losses, or of a mean it computed),
-    else, one value in every replica, that value. ``None`` where the replicas' merged updates are kept: other updates
-    (per-row values, a ``weight=``); a ``MaxMetric`` / ``MinMetric`` of integers, or a ``MaxMetric`` / ``MinMetric`` /
-    ``SumMetric`` of a value ``value_of`` cannot tell (a max, min or sum over the chunk, which the merge takes as one
-    device's); for a ``MeanMetric`` or ``CatMetric`` such a value is said once (the merge is what DDP's ranks give)."""
-    calls = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
-    if any(c is None for c in calls) or len({len(c) for c in calls}) != 1:  # type: ignore[arg-type]
-        return None
-    wholes = []
-    for entries in zip(*calls):  # type: ignore[call-overload]
-        if any(kwargs or len(args) != 1 or not _scalar(args[0]) for args, kwargs in entries):
-            return None
-        values = [args[0] for args, _ in entries]
-        same = len({float(v) for v in values}) == 1
-        extreme = isinstance(entry.root, (MaxMetric, MinMetric))
-        if all(_is_integer(v) for v in values):  # counts, summed as self.log sums integers; a max / min of ints merged
-            if extreme:
-                return None
-            wholes.append(sum(values[1:], values[0]))
-        elif same and isinstance(entry.root, SumMetric):  # equal sums of the chunks' (hits.sum()): their sum, as merged
-            return None
-        else:
-            whole = value_of(values)
-            if whole is None and same:  # one value in every replica that no rule reads: that value
-                whole = values[0]
-            if whole is None and isinstance(entry.root, (MaxMetric, MinMetric, SumMetric)):
-                return None  # a max, min or sum of the chunk's (logits.max(), hits.sum()): the merge is one device's
-            if whole is None:
-                _cache.warn(
-                    f"sparse_dp: the torchmetrics metric {entry.name!r} ({type(entry.root).__name__}) was updated with "
-                    "one value per replica (each its chunk's, e.g. a hand-made ratio or a maximum), where one device "
-                    "updates it once with the whole batch's: its state is the replicas' updates merged, as Lightning's "
-                    "DDP ranks' are synchronized, not one device's. Update it with values of the chunk's rows (a loss "
-                    "with reduction='none', per-sample hits), or with a mean computed by torch.mean / .mean() or a "
-                    "loss of torch's, which the strategy reduces as one device's."
-                )
-                return None
-            wholes.append(whole)
-    return wholes
 
 
 @dataclass
@@ -393,7 +294,7 @@ def merge_into_root(
     (``dist_reduce_fx="cat"``: ``CatMetric``, AUROC's predictions) are first put in the order one device appends them
     (:func:`in_batch_order`). With ``value_of`` (the step's
     :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`), an aggregation metric updated with one number of
-    each chunk gets the whole batch's updates (:func:`whole_batch_updates`).
+    each chunk gets the whole batch's updates (:func:`~lightning_sparse_dp.replica.metric_updates.whole_batch_updates`).
 
     Raises:
         RuntimeError: a metric updated in replicas whose state cannot be merged (``full_state_update=True`` or
@@ -440,7 +341,8 @@ def _merge_level(
     """One metric's replicas merged into its root (``entry.replicas``: the updated and the others), through ``batch``
     (an empty metric like the root) when a replica called ``forward``: the root's ``_forward_cache`` becomes the
     whole batch's value. An aggregation metric updated with one number per chunk gets the whole batch's updates
-    instead (:func:`whole_batch_updates`), made on ``batch`` or an empty metric from ``entry.scratch``."""
+    instead (:func:`~lightning_sparse_dp.replica.metric_updates.whole_batch_updates`), made on ``batch`` or an empty
+    metric from ``entry.scratch``."""
     say_plain_changes(entry, [m for m in entry.replicas if m is not None])  # a wrapper may count no update of its own
     updated = [m for m in entry.replicas if m is not None and update_count(m) > 0]
     if not updated:
@@ -480,7 +382,4 @@ def _empty(root: Metric) -> Metric:
     return empty
 
 
-__all__ = [
-    "HANDED", "MetricReplicas", "UpdateCalls", "in_batch_order", "merge_into_root", "merge_states", "metric_levels",
-    "plain_tensors", "say_plain_changes", "whole_batch_updates",
-]
+__all__ = ["MetricReplicas", "in_batch_order", "merge_into_root", "merge_states", "metric_levels"]

@@ -29,14 +29,8 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.capture import outside_capture
-from lightning_sparse_dp.replica.metric_merge import (
-    HANDED,
-    MetricReplicas,
-    UpdateCalls,
-    merge_into_root,
-    metric_levels,
-    plain_tensors,
-)
+from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
+from lightning_sparse_dp.replica.metric_updates import HANDED, UpdateCalls, plain_tensors
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
@@ -152,7 +146,7 @@ class ReplicaMetrics:
         replicas' metrics concatenate back in the batch's order (:func:`merge_into_root`); ``value_of``: the whole
         batch's value of the replicas' values of a number (the step's
         :meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`), for aggregation metrics updated with one number
-        per chunk (:func:`~lightning_sparse_dp.replica.metric_merge.whole_batch_updates`).
+        per chunk (:func:`~lightning_sparse_dp.replica.metric_updates.whole_batch_updates`).
 
         Raises:
             RuntimeError: from :func:`merge_into_root`.
