@@ -8,7 +8,11 @@ teacher / EMA copies included), the states of its ``torchmetrics`` metrics and t
 The measure is the max-norm relative difference of a tensor, ``max|a - b| / max|b|`` (``b`` the one-device run's;
 0 when both are all zeros; NaN where both are NaN counts as equal), the per-tensor measure the project's exactness tests
 use: unlike an element-wise ratio it does not blow up on an element that is 0 in one run and rounding noise in the
-other (a batch-norm bias gradient's cancellation).
+other (a batch-norm bias gradient's cancellation). A gradient is measured against at least :data:`GRADIENT_FLOOR` times
+the step's largest gradient (the one-device run's largest ``max|grad|`` over the parameters): a gradient that is zero
+in exact math (the bias of a layer right before batch norm, which the normalization's mean removes) is rounding noise
+in both runs, two noises whose ratio means nothing; a real difference in it shows still (a difference of ``d`` in a
+gradient smaller than the floor reads ``d / floor``, above the check's tolerance for any ``d`` above rounding).
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
+
+#: a gradient's relative difference is taken over at least this fraction of the step's largest gradient. Rounding
+#: noise of a gradient that is zero in exact math is float64's epsilon times what it is summed from, which batch norm's
+#: ``1 / sigma`` can make thousands of times the largest gradient (4.5e-13 of it, a Linear bias before
+#: ``BatchNorm1d``): that reads 5e-10 here, under the check's tolerance (1e-8), while a difference of 1e-3 relative
+#: in a gradient a millionth of the largest still reads 1e-6
+GRADIENT_FLOOR = 1e-3
 
 
 @dataclass
@@ -81,9 +92,10 @@ def _state_tensor(value: Any) -> Tensor | None:
     return None
 
 
-def relative_difference(actual: Tensor | None, expected: Tensor | None) -> float:
-    """``max|actual - expected| / max|expected|`` over the elements (``inf`` for different shapes, or a tensor against
-    none unless the tensor is all zeros: a parameter without a gradient and one with a zero gradient train alike).
+def relative_difference(actual: Tensor | None, expected: Tensor | None, floor: float = 0.0) -> float:
+    """``max|actual - expected| / max(max|expected|, floor)`` over the elements (``inf`` for different shapes, or a
+    tensor against none unless the tensor is all zeros: a parameter without a gradient and one with a zero gradient
+    train alike).
 
     NaN in both at the same place counts as equal; NaN in one only is ``inf``. Integer and bool tensors compare as
     float64.
@@ -103,23 +115,27 @@ def relative_difference(actual: Tensor | None, expected: Tensor | None) -> float
     diff = float((a - b).abs().max())
     if diff == 0.0:
         return 0.0
-    scale = float(b.abs().max())
+    scale = max(float(b.abs().max()), floor)
     return math.inf if scale == 0.0 or math.isinf(diff) else diff / scale
 
 
 def differences(actual: StepRecord, expected: StepRecord) -> Iterator[tuple[str, float]]:
     """``(what, relative difference)`` for every tensor of the two records, named for a user: ``"loss"``,
     ``"grad of 'head.weight'"``, ``"state 'bn.running_mean'"``, ``"metric state 'acc.tp'"``, ``"logged 'train_loss'"``.
-    A name in one record only has difference ``inf``."""
+    A name in one record only has difference ``inf``. Gradients are measured over at least :data:`GRADIENT_FLOOR`
+    times ``expected``'s largest gradient."""
     yield "loss", relative_difference(actual.loss, expected.loss)
-    parts = (("grad of", actual.grads, expected.grads), ("state", actual.state, expected.state),
-             ("metric state", actual.metrics, expected.metrics), ("logged", actual.logged, expected.logged))
-    for label, mine, theirs in parts:
+    sizes = [float(g.abs().max()) for g in expected.grads.values() if g is not None and g.numel()]
+    largest = max((s for s in sizes if math.isfinite(s)), default=0.0)
+    parts = (("grad of", actual.grads, expected.grads, GRADIENT_FLOOR * largest),
+             ("state", actual.state, expected.state, 0.0), ("metric state", actual.metrics, expected.metrics, 0.0),
+             ("logged", actual.logged, expected.logged, 0.0))
+    for label, mine, theirs, floor in parts:
         for name in list(theirs) + [n for n in mine if n not in theirs]:
             if name not in mine or name not in theirs:
                 yield f"{label} {name!r}", math.inf
             else:
-                yield f"{label} {name!r}", relative_difference(mine[name], theirs[name])
+                yield f"{label} {name!r}", relative_difference(mine[name], theirs[name], floor)
 
 
-__all__ = ["StepRecord", "differences", "record_step", "relative_difference"]
+__all__ = ["GRADIENT_FLOOR", "StepRecord", "differences", "record_step", "relative_difference"]

@@ -12,10 +12,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lightning_sparse_dp.exactness.check import ExactnessError
+from lightning_sparse_dp.exactness.check import TOLERANCE, ExactnessError
+from lightning_sparse_dp.exactness.compare import StepRecord, differences, relative_difference
 from tests.support.exact import REL, same_start, state_differences, trainer64
-from tests.support.helpers import SparseNet, collate_dict, loader, random_samples
+from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples
 from tests.support.step_forms import FORMS, ManualOptimization, PooledNet
 
 EQUAL = "equals one device's"
@@ -121,3 +123,36 @@ def test_equals_names_what_both_runs_left_out(model, caplog):
         model == "batch_norm")
     assert ("dropout off (in training each replica draws its own masks" in infos[0]) is (model == "dropout")
     assert ("in both runs" in infos[0]) is (model != "plain")
+
+
+class _BiasBeforeNorm(PooledNet):
+    """PooledNet whose head's logits are batch-normalized: the head's bias gradient is zero in exact math (the
+    normalization's mean removes the bias), rounding noise in any run."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(NUM_CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.norm(self.head(self.features(batch))), batch["labels"])
+
+
+def test_a_gradient_zero_in_exact_math_is_not_a_difference(caplog):
+    """The check said "differs: grad of 'head.bias' 1.6e+00" where every tensor matched one device's to 1e-15: two
+    rounding noises compared to each other. Gradients are measured over a floor of the step's largest gradient."""
+    ours, reference = same_start(_BiasBeforeNorm, seed=0)
+    one_device(reference)
+    infos, said, _ = fit_saying(ours, 3, caplog, sync_batchnorm=True)
+    assert max(state_differences(ours, reference).values()) <= REL
+    assert len(infos) == 1 and EQUAL in infos[0] and not said, (infos, said)
+
+
+def test_a_real_difference_in_a_small_gradient_still_shows():
+    """The floor does not hide a difference: a gradient a millionth of the largest, 1e-3 off, reads above the tolerance;
+    the same gradient's rounding noise reads below it."""
+    big, small = torch.ones(4, dtype=torch.float64), torch.full((4,), 1e-6, dtype=torch.float64)
+    expected = StepRecord(loss=None, grads={"big": big, "small": small})
+    off = dict(differences(StepRecord(loss=None, grads={"big": big, "small": small * (1 + 1e-3)}), expected))
+    noise = dict(differences(StepRecord(loss=None, grads={"big": big, "small": small + 1e-16}), expected))
+    assert off["grad of 'small'"] > TOLERANCE and noise["grad of 'small'"] < TOLERANCE
+    assert relative_difference(small * 2, small, floor=0.0) == pytest.approx(1.0)
