@@ -21,6 +21,8 @@ The steps of :func:`split_batch`, one file each, in data-path order:
 - :mod:`.roles`: every other leaf given a role: per point, per sample, or whole to every chunk;
 - :mod:`.indices`: row-index tensors (correspondences) tied to their samples, re-based per chunk;
 - :mod:`.cut`: each leaf's piece for each chunk, batch index renumbered;
+- :mod:`.held`: the decisions of the steps above that read only the batch's structure, held by the strategy and
+  reused for a batch of the same structure while they hold (:class:`~.held.HeldLayouts`);
 - :mod:`.merge`: the inverse, for outputs (:func:`merge_chunks`, :func:`merge_rows`) and whole batches
   (:func:`merge_batch`);
 - :mod:`.records`: the immutable records these pass on, :class:`SplitPlan` and :class:`SparseSpec`.
@@ -50,7 +52,8 @@ from lightning_sparse_dp.split.assign import (
     contiguous_assignment,
     resolve_assignment,
 )
-from lightning_sparse_dp.split.cut import cut
+from lightning_sparse_dp.split.cut import CUTS, Piece, cut
+from lightning_sparse_dp.split.held import HeldLayouts
 from lightning_sparse_dp.split.indices import index_rows
 from lightning_sparse_dp.split.leaves import flatten
 from lightning_sparse_dp.split.merge import merge_batch, merge_chunks, merge_rows
@@ -156,6 +159,7 @@ def plan_split(
     assignment: str | Assignment = "balanced",
     min_points: int = 1,
     batch_sizes: Collection[int] | None = None,
+    layouts: HeldLayouts | None = None,
 ) -> tuple[list[Callable[[], Any]], SplitPlan]:
     """:func:`split_batch`'s decisions, its cuts left for later: ``cutters[j]()`` returns chunk ``j``.
 
@@ -165,27 +169,42 @@ def plan_split(
     threads, each at once with the others (the strategy's per-replica scatter). Arguments, plan and errors as
     :func:`split_batch`'s: every error is raised here, none by a cutter.
 
+    ``layouts`` (a :class:`~.held.HeldLayouts`, the strategy's): the decisions that depend only on the batch's
+    structure (the flattening, the coordinate sources, every leaf's role, the targets) are taken from it while their
+    premises hold for ``batch`` (:mod:`.held`), and kept there when derived; only the values are read then (each
+    source's batch column checked and counted, samples assigned, rows cut). ``None``: everything derived, as
+    :func:`split_batch` does.
+
     Returns:
         ``(cutters, plan)``: one callable per chunk, ``plan.num_chunks`` of them, and the :class:`SplitPlan`, whose
         ``point_rows`` hold a :class:`~.records.ChunkRows` per source (a sequence of tensors, not a tuple: each chunk's
         rows are made by its cutter, or where first read; ``tuple(rows)`` makes the tuple ``split_batch`` returns).
     """
     check_num_chunks(num_chunks)
-    if _is_sample_list(batch) and layout is None:
+    held = None if layouts is None else layouts.read(batch, layout)
+    if held is not None:  # the structure's decisions held: only the values read (split/held.py)
+        leaves, spec, sources, num_samples = held.leaves, held.spec, held.sources, held.num_samples
+    elif _is_sample_list(batch) and layout is None:
         chunks, plan = _split_sample_list(batch, num_chunks, assignment)
         return [partial(getitem, chunks, j) for j in range(len(chunks))], plan
-    leaves, spec = flatten(batch, layout)
-    leaves, sources = find_sources(leaves, batch_sizes)
-    num_samples, sources = count_samples(leaves, sources)
+    else:
+        flat, spec = flatten(batch, layout)
+        leaves, sources = find_sources(flat, batch_sizes)
+        num_samples, sources = count_samples(leaves, sources)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
         chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)
         sources = tuple(replace(s, rows=(torch.arange(s.num_points),)) for s in sources)
     else:
         chunk_samples, index_in_chunk, sources = _assign_points(sources, num_samples, num_chunks, assignment, min_points)
     k = len(chunk_samples)
-    leaves = resolve_roles(leaves, sources, num_samples, k)
+    if held is not None:
+        point_targets, sample_tensors = held.point_targets, held.sample_tensors
+    else:
+        leaves = resolve_roles(leaves, sources, num_samples, k)
+        point_targets, sample_tensors = targets(leaves, sources)
+        if layouts is not None and k > 1:
+            layouts.hold(batch, layout, flat, leaves, spec, sources, num_samples, (point_targets, sample_tensors))
     cutters = [partial(_cut_chunk, leaves, spec, sources, j, chunk_samples[j], index_in_chunk, k == 1) for j in range(k)]
-    point_targets, sample_tensors = targets(leaves, sources)
     indexed = [i for i, leaf in enumerate(leaves) if leaf.role == Role.INDICES]
     plan = SplitPlan(
         num_samples=num_samples,
@@ -198,23 +217,24 @@ def plan_split(
         index_rows={i: tuple(index_rows(leaves[i], c) for c in chunk_samples) for i in indexed},
         index_columns={i: leaves[i].columns for i in indexed},
         sample_points=tuple(s.counts for s in sources),
-        coordinate_columns=tuple(_columns(leaves[s.leaf].value) for s in sources),
+        # the columns D+1 of each source: collated coordinates [N, D+1], or a SparseTensor's / TensorField's C
+        coordinate_columns=tuple(
+            int((x if isinstance(x, Tensor) else x.C).shape[-1]) for x in (leaves[s.leaf].value for s in sources)
+        ),
     )
     return cutters, plan
-
-
-def _columns(value: Any) -> int:
-    """The columns of a coordinate source: collated coordinates ``[N, D+1]``, or a SparseTensor's / TensorField's."""
-    coordinates = value if isinstance(value, Tensor) else value.C
-    return int(coordinates.shape[-1])
 
 
 def _cut_chunk(
     leaves: tuple, spec: pytree.TreeSpec, sources: tuple[Source, ...], j: int, samples: Tensor, index_in_chunk: Tensor,
     whole: bool,
 ) -> Any:
-    """Chunk ``j``: every leaf's piece (:func:`.cut.cut`) in the batch's structure."""
-    return pytree.tree_unflatten([cut(leaf, sources, j, samples, index_in_chunk, whole) for leaf in leaves], spec)
+    """Chunk ``j``: every leaf's piece (:func:`.cut.cut`: its role's handler, one :class:`~.cut.Piece` for the chunk)
+    in the batch's structure."""
+    if whole:
+        return pytree.tree_unflatten([cut(leaf, sources, j, samples, index_in_chunk, True) for leaf in leaves], spec)
+    piece = Piece(sources, j, samples, index_in_chunk)
+    return pytree.tree_unflatten([CUTS[leaf.role](leaf, piece) for leaf in leaves], spec)
 
 
 def _is_sample_list(batch: Any) -> bool:
@@ -257,14 +277,17 @@ def _assign_points(
         chunk_samples, sample_to_chunk, index_in_chunk = assign(sizes, len(chunk_samples) - 1, assignment)
     chunk_of_sample = sample_to_chunk.numpy()
     # each chunk's rows in ascending order, made where first needed (its cut, in its replica's thread: ChunkRows)
-    with_rows = (replace(s, rows=ChunkRows(chunk_of_sample[s.batch_index.numpy()], len(chunk_samples))) for s in sources)
-    return chunk_samples, index_in_chunk, tuple(with_rows)
+    k = len(chunk_samples)
+    return chunk_samples, index_in_chunk, tuple(
+        Source(s.name, s.leaf, s.batch_index, s.counts, ChunkRows(chunk_of_sample[s.batch_index.numpy()], k)) for s in sources
+    )
 
 
 __all__ = [
     "ASSIGNMENTS",
     "BatchLayoutError",
     "COORDINATE_KEYS",
+    "HeldLayouts",
     "ROLES",
     "Role",
     "SparseSpec",

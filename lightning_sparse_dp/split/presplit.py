@@ -113,7 +113,7 @@ class PreSplitCollate:
 
 def presplit_loader(
     dataloader: Any, num_chunks: int, layout: Mapping[Any, str] | None, assignment: str | Assignment, min_points: int,
-    module: Any = None,
+    module: Any = None, layouts: Any = None,
 ) -> Any:
     """A shallow copy of ``dataloader`` whose collate function is wrapped in :class:`PreSplitCollate`, when that
     helps and is safe; the user's DataLoader itself is never changed (after ``fit`` it yields what it yielded).
@@ -121,7 +121,8 @@ def presplit_loader(
     Only a ``torch.utils.data.DataLoader`` with ``num_workers > 0`` whose collate function is not one already,
     and only when neither ``module`` (the LightningModule) nor its Trainer's datamodule overrides
     ``on_before_batch_transfer``, which must see the whole batch. Anything else is returned unchanged.
-    Every batch keeps the collated batch (``keep_batch="always"``): the hooks receive it.
+    Every batch keeps the collated batch (``keep_batch="always"``): the hooks receive it. ``layouts``, the strategy's
+    held layouts among its split options, is not used: each worker process derives its batches' layouts.
     """
     datamodule = getattr(trainer_of(module), "datamodule", None) if module is not None else None
     if (

@@ -108,7 +108,7 @@ def prepare_batch(
     Raises:
         ValueError / BatchLayoutError: from ``split`` (a batch it cannot read; more chunks than devices).
     """
-    hooks_batch = collated(batch)
+    hooks_batch = collated(batch) if isinstance(batch, PreSplitBatch) else batch
     if one_device and not isinstance(batch, PreSplitBatch) and not me_tensors_elsewhere(batch, devices[0]):
         whole = lightning_transfer(module, dataloader_idx)(batch, devices[0])  # plain Lightning's batch_to_device
         return PreparedBatch(batch=whole, source=None, whole=whole)

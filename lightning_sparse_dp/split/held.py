@@ -1,0 +1,220 @@
+"""Held layouts: the split's decisions about a batch's structure, made once and reused while they hold.
+
+:func:`~lightning_sparse_dp.split.plan_split` reads a batch in two kinds of steps. Some depend only on its structure:
+the flattening (:mod:`.leaves`: the pytree spec, every leaf's path, name and ``layout`` entry), which leaves are
+coordinate sources (:mod:`.sources`' finding) and every other leaf's role and source (:mod:`.roles`), and which
+tensors are targets. The others read its values: each source's batch column checked and counted, the samples
+assigned, the rows cut. A training loop gives batches of one structure step after step, so the strategy keeps a
+:class:`HeldLayouts` (one per strategy, passed in its split options as ``layouts``) and the first kind is made once.
+
+Where it is held: in the strategy's object, keyed on the batch's structure (its container type and keys for a
+batch of one level, else its pytree spec) and its leaves' kinds (a tensor's type, dtype and dimensions, another
+leaf's type), and the ``layout``; not process-wide. A held layout is read for a batch only when every premise of
+its decisions holds again, checked per batch without the derivation:
+
+- the key is equal (structure, kinds, ``layout``);
+- each source's batch column passes :func:`~.sources.check_coordinates` / :func:`~.sources.check_batch_index`,
+  and the sources number the same samples ``B``;
+- every leaf whose role the derivation read off its length has the same match again: its length equal to ``B`` or
+  not, and equal to each source's points ``N`` or not, as when derived (so no new ``N == B`` ambiguity, and every
+  per-point or per-sample leaf still has its role's length).
+
+Only decisions that read nothing but the structure are held: a layout is held only when every coordinate source
+was found by its kind or name (an ME tensor, a ``COORDINATE_KEYS`` key, the role ``"coordinates"``), no other leaf
+could have been one by its values (an integer matrix, a tensor under a key that names coordinates, a numpy array
+of numbers), no leaf holds row indices (``"indices"``, per-sample index lists: their checks read values), no
+leaf's length matched several sources, and the batch was cut into several chunks (no role left ``"replicate"``
+for one chunk). Any failing premise, or a batch whose check raises, takes the full derivation for that batch,
+which raises the same errors as without a held layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_sparse_dp.runtime.me import is_me_tensor
+from lightning_sparse_dp.split.leaves import _tensor_lists, key_of
+from lightning_sparse_dp.split.records import (
+    COORDINATE_KEYS,
+    BatchLayoutError,
+    Leaf,
+    Role,
+    Source,
+    names_coordinates,
+    names_indices,
+)
+from lightning_sparse_dp.split.sources import check_batch_index, check_coordinates
+
+#: the most layouts a :class:`HeldLayouts` keeps (a fit's training and validation loaders, the exactness check's copy)
+HELD = 8
+
+
+@dataclass(frozen=True)
+class Held:
+    """One batch structure's decisions.
+
+    Attributes:
+        leaves: per leaf, ``(path, name, role, source, refs)`` as the roles left it.
+        sources: per coordinate source, ``(name, leaf)``; ``me``: whether that leaf is an ME tensor.
+        matches: per leaf, ``None`` (a role that reads no length) or its length's match, ``(== B, (== N_s, ...))``.
+        point_targets, sample_tensors: the plan's target names (:func:`~.roles.targets`).
+    """
+
+    leaves: tuple[tuple[Any, str, str, int, tuple[str, ...]], ...]
+    sources: tuple[tuple[str, int], ...]
+    me: tuple[bool, ...]
+    matches: tuple[tuple[bool, tuple[bool, ...]] | None, ...]
+    spec: Any
+    point_targets: tuple[str, ...]
+    sample_tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Read:
+    """A held layout read for one batch: what :func:`~lightning_sparse_dp.split.plan_split`'s derivation would give.
+
+    Attributes:
+        leaves: the batch's :class:`~.records.Leaf` records with their roles; ``spec``: its pytree spec.
+        sources: its coordinate sources with their batch indices and points per sample (``counts``).
+        num_samples: ``B``.
+    """
+
+    leaves: tuple[Leaf, ...]
+    spec: Any
+    sources: tuple[Source, ...]
+    num_samples: int
+    point_targets: tuple[str, ...]
+    sample_tensors: tuple[str, ...]
+
+
+class HeldLayouts:
+    """The batch layouts one strategy holds (at most :data:`HELD`), by batch structure and leaf kinds.
+
+    :meth:`read` gives a held layout's decisions for a batch whose premises hold (the module docstring), else
+    ``None``; :meth:`hold` keeps a derivation's decisions when they read nothing but the structure. ``derived`` counts
+    the derivations held (for tests and diagnostics).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[Any, Held] = {}
+        self._layout: dict[Any, str] | None = None
+        self.derived = 0
+
+    def _key(self, batch: Any, layout: Mapping[Any, str] | None) -> tuple[Any, list[Any]]:
+        """The batch's key (structure and leaf kinds) and its leaves' values."""
+        if (dict(layout) if layout else None) != self._layout:  # another layout: nothing held stands
+            self._held.clear()
+            self._layout = dict(layout) if layout else None
+        values = None
+        if type(batch) in (dict, list, tuple):  # one level of tensors (ME's collations): no pytree walk
+            values = list(batch.values()) if type(batch) is dict else list(batch)
+            structure: Any = (type(batch), tuple(batch) if type(batch) is dict else len(batch))
+        if values is None or not all(type(x) is Tensor or is_me_tensor(x) for x in values):
+            values, structure = pytree.tree_flatten(batch, is_leaf=_tensor_lists(layout))
+        kinds = tuple(
+            (type(x), x.dtype, x.dim()) if isinstance(x, Tensor) else (type(x), x.dtype, x.ndim)
+            if isinstance(x, np.ndarray) else type(x)
+            for x in values
+        )
+        return (structure, kinds), values
+
+    def read(self, batch: Any, layout: Mapping[Any, str] | None) -> Read | None:
+        """The held decisions for ``batch`` with its values, or ``None``: none held for its key, or a premise fails
+        (then the caller derives everything, raising what the derivation raises)."""
+        key, values = self._key(batch, layout)
+        held = self._held.get(key)
+        if held is None:
+            return None
+        sources = []
+        try:
+            for (name, i), me in zip(held.sources, held.me):
+                x = values[i]
+                batch_index = (x.C[:, 0].long() if me else check_coordinates(x, name)).cpu()
+                sources.append(Source(name, i, batch_index, check_batch_index(batch_index, name)))
+        except BatchLayoutError:
+            return None
+        num_samples = int(sources[0].counts.numel())
+        points = [int(s.batch_index.numel()) for s in sources]
+        for s in sources[1:]:
+            if int(s.counts.numel()) != num_samples:
+                return None
+        for x, match in zip(values, held.matches):
+            if match is not None:
+                length = len(x) if not isinstance(x, Tensor) else int(x.shape[0])
+                if match != (length == num_samples, tuple(length == n for n in points)):
+                    return None
+        leaves = tuple(Leaf(p, name, x, role, source, refs) for (p, name, role, source, refs), x in zip(held.leaves, values))
+        return Read(leaves, held.spec, tuple(sources), num_samples, held.point_targets, held.sample_tensors)
+
+    def hold(
+        self, batch: Any, layout: Mapping[Any, str] | None, flat: tuple[Leaf, ...], leaves: tuple[Leaf, ...], spec: Any,
+        sources: tuple[Source, ...], num_samples: int, targets: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> None:
+        """Keep a derivation's decisions for ``batch`` (cut into several chunks) when they read only its structure.
+
+        Args:
+            flat: the leaves as flattened (roles from ``layout`` only); ``leaves``: with every role resolved.
+            sources: the coordinate sources, with their batch indices; ``num_samples``: ``B``.
+            targets: ``(point_targets, sample_tensors)`` of the plan.
+        """
+        matches = _structural(flat, leaves, sources, num_samples)
+        if matches is None:
+            return
+        key, _ = self._key(batch, layout)
+        if len(self._held) >= HELD:
+            self._held.clear()
+        self._held[key] = Held(
+            leaves=tuple((leaf.path, leaf.name, leaf.role, leaf.source, leaf.refs) for leaf in leaves),
+            sources=tuple((s.name, s.leaf) for s in sources),
+            me=tuple(is_me_tensor(leaves[s.leaf].value) for s in sources),
+            matches=matches, spec=spec, point_targets=targets[0], sample_tensors=targets[1],
+        )
+        self.derived += 1
+
+
+def _structural(
+    flat: tuple[Leaf, ...], leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int,
+) -> tuple[tuple[bool, tuple[bool, ...]] | None, ...] | None:
+    """Per leaf, the length match its role was read off (``None``: none read), when every decision of the derivation
+    read only the batch's structure (the module docstring); else ``None``."""
+    if not sources:
+        return None
+    points = [s.num_points for s in sources]
+    matches: list[tuple[bool, tuple[bool, ...]] | None] = []
+    for before, after in zip(flat, leaves):
+        x, key = before.value, key_of(before.path)
+        named = before.role == Role.COORDINATES or (
+            before.role is None and isinstance(key, str) and key.lower() in COORDINATE_KEYS
+        )
+        if after.role == Role.COORDINATES:
+            if not (is_me_tensor(x) or (isinstance(x, Tensor) and named)):
+                return None  # found by its look: its values decided
+            matches.append(None)
+            continue
+        if after.role == Role.INDICES or (names_indices(key) and type(x) in (list, tuple)):
+            return None  # row indices: checked against their sources' values
+        if before.role is None and isinstance(x, Tensor) and (
+            names_coordinates(key) or (x.dim() == 2 and not x.dtype.is_floating_point and not x.is_complex())
+        ):
+            return None  # could be a coordinate source by its values (rules 2 and 3 of sources.py)
+        if before.role is None and isinstance(x, np.ndarray) and x.ndim == 2 and x.dtype.kind in "iuf":
+            return None  # could look like coordinates (refused by its values)
+        has_length = (isinstance(x, (Tensor, np.ndarray)) and x.ndim > 0) or type(x) in (list, tuple)
+        if before.role in (Role.SAMPLES, Role.REPLICATE) or not has_length:
+            matches.append(None)
+            continue
+        length = int(x.shape[0]) if isinstance(x, (Tensor, np.ndarray)) else len(x)
+        match = tuple(length == n for n in points)
+        if sum(match) > 1:
+            return None  # several sources of its length: their batch indices decided
+        matches.append((length == num_samples, match))
+    return tuple(matches)
+
+
+__all__ = ["HELD", "Held", "HeldLayouts", "Read"]

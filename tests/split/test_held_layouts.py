@@ -1,0 +1,201 @@
+"""split/held.py: a batch structure's decisions held and reused, never giving what the full derivation would not.
+
+Sequences of batches whose structure, lengths or dtypes change step after step are split with one HeldLayouts and
+without any (split_batch's full derivation), and must give the same chunks and plan, or the same error; a steady
+sequence must not derive again (the derivation's functions counted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import MinkowskiEngine as ME
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lightning_sparse_dp.split as split
+from lightning_sparse_dp.split import BatchLayoutError, HeldLayouts, SparseSpec, plan_split, split_batch
+from tests.support.helpers import collate_dict, random_samples
+
+
+def _held_split(batch, k, layouts, **kwargs):
+    cutters, plan = plan_split(batch, k, layouts=layouts, **kwargs)
+    return [cut() for cut in cutters], dataclasses.replace(plan, point_rows=tuple(tuple(r) for r in plan.point_rows))
+
+
+def _same(a, b):
+    """Equal values, dtypes and structure: tensors, SparseSpecs, containers and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, SparseSpec):
+        assert isinstance(b, SparseSpec) and a.cls is b.cls and a.kwargs == b.kwargs
+        _same(a.features, b.features)
+        _same(a.coordinates, b.coordinates)
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for key in a:
+            _same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except BatchLayoutError as err:
+        return ("error", str(err))
+
+
+def _check_sequence(batches, k, **kwargs):
+    """Each batch split with one HeldLayouts equals split_batch's full derivation (chunks and plan, or the error)."""
+    layouts = HeldLayouts()
+    for batch in batches:
+        expected = _outcome(lambda: split_batch(batch, k, **kwargs))
+        got = _outcome(lambda: _held_split(batch, k, layouts, **kwargs))
+        if expected[0] == "error" or got[0] == "error":
+            assert got == expected
+        else:
+            _same(got, expected)
+    return layouts
+
+
+def _batch(b, seed, form, n_points=None):
+    """One of several forms of a batch of ``b`` samples (``form`` names it)."""
+    batch = collate_dict(random_samples(b, seed=seed, min_points=1, max_points=6))
+    n = batch["coordinates"].shape[0]
+    if form == "point_labels":
+        batch["labels"] = torch.arange(n) % 3
+    elif form == "names":
+        batch["names"] = [f"s{i}" for i in range(b)]
+    elif form == "float64":
+        batch["features"] = batch["features"].double()
+    elif form == "sparse":
+        return {"x": ME.SparseTensor(batch["features"], batch["coordinates"]), "labels": batch["labels"]}
+    elif form == "nested":
+        return {"inputs": {"coordinates": batch["coordinates"], "features": batch["features"]}, "labels": batch["labels"]}
+    elif form == "short_labels":
+        batch["labels"] = batch["labels"][:-1]
+    elif form == "extra_key":
+        batch["weights"] = torch.ones(b)
+    elif form in ("values_float", "values_int"):  # the one per-point tensor: features if float, else a target
+        values = torch.arange(n) % 3
+        return {"coordinates": batch["coordinates"], "values": values.float() if form == "values_float" else values,
+                "labels": batch["labels"]}
+    return batch
+
+
+forms = st.sampled_from(
+    ["plain", "point_labels", "names", "float64", "sparse", "nested", "short_labels", "extra_key", "values_float",
+     "values_int"]
+)
+steps = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 1000), forms), min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps, st.integers(1, 4))
+def test_held_layouts_give_what_the_full_derivation_gives(sequence, k):
+    _check_sequence([_batch(b, seed, form) for b, seed, form in sequence], k)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 1000)), min_size=2, max_size=6), st.integers(2, 4))
+def test_held_layouts_with_a_layout_and_min_points(sequence, k):
+    layout = {"labels": "samples"}
+    _check_sequence([_batch(b, seed, "plain") for b, seed in sequence], k, layout=layout, min_points=2)
+
+
+def test_a_new_n_equals_b_ambiguity_falls_back_to_the_error():
+    """Per-point labels held; then a batch of one point per sample makes N == B: the full derivation's error."""
+    steady = _batch(4, 0, "point_labels")
+    ambiguous = collate_dict(random_samples(3, seed=1, min_points=1, max_points=1))
+    ambiguous["labels"] = torch.arange(3)
+    layouts = _check_sequence([steady, steady, ambiguous, steady], 2)
+    with pytest.raises(BatchLayoutError, match="cannot be told whether it is per-point"):
+        _held_split(ambiguous, 2, layouts)
+
+
+def test_a_length_that_no_longer_matches_falls_back_to_the_error():
+    layouts = _check_sequence([_batch(4, 0, "plain"), _batch(5, 1, "short_labels")], 2)
+    with pytest.raises(BatchLayoutError, match="matches neither the number of samples"):
+        _held_split(_batch(5, 1, "short_labels"), 2, layouts)
+
+
+def test_bad_batch_indices_fall_back_to_the_error():
+    good, bad = _batch(4, 0, "plain"), _batch(4, 0, "plain")
+    bad["coordinates"] = bad["coordinates"].clone()
+    bad["coordinates"][bad["coordinates"][:, 0] == 1, 0] = 7  # a gap: samples 1..6 have no points
+    _check_sequence([good, bad, good], 2)
+
+
+def _counting(monkeypatch, name):
+    calls = []
+    original = getattr(split, name)
+    monkeypatch.setattr(split, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("form", ["plain", "names", "sparse", "nested"])
+def test_a_steady_structure_is_derived_once(monkeypatch, form):
+    """Batches of one structure (other values, other sample counts): flatten, find_sources and resolve_roles run
+    for the first only."""
+    counts = {name: _counting(monkeypatch, name) for name in ("flatten", "find_sources", "resolve_roles")}
+    layouts = HeldLayouts()
+    for seed in range(5):
+        _held_split(_batch(3 + seed % 3, seed, form), 3, layouts)
+    assert {name: len(c) for name, c in counts.items()} == {"flatten": 1, "find_sources": 1, "resolve_roles": 1}
+    assert layouts.derived == 1
+
+
+def test_a_changed_structure_is_derived_again_and_held_beside():
+    layouts = HeldLayouts()
+    for form in ("plain", "float64", "plain", "float64", "extra_key"):
+        _held_split(_batch(4, 1, form), 2, layouts)
+    assert layouts.derived == 3  # plain, float64 (another dtype), extra_key (another key): each once
+
+
+def test_a_layout_change_drops_what_was_held():
+    layouts = HeldLayouts()
+    batch = _batch(4, 1, "plain")
+    _held_split(batch, 2, layouts)
+    _held_split(batch, 2, layouts, layout={"labels": "samples"})
+    _held_split(batch, 2, layouts)
+    assert layouts.derived == 3
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        pytest.param(lambda: tuple(_batch(4, 0, "plain").values()), id="found-by-look"),
+        pytest.param(lambda: {**_batch(4, 0, "plain"), "correspondences": torch.zeros(2, 2, dtype=torch.long)}, id="indices"),
+        pytest.param(lambda: {**_batch(4, 0, "plain"), "target_coords": _batch(4, 0, "plain")["coordinates"]}, id="rule-2"),
+    ],
+)
+def test_decisions_read_off_values_are_not_held(batch):
+    layouts = HeldLayouts()
+    for _ in range(2):
+        _outcome(lambda: _held_split(batch(), 2, layouts))
+    assert layouts.derived == 0
+
+
+def test_one_chunk_derivations_are_not_held():
+    layouts = HeldLayouts()
+    _held_split(_batch(4, 0, "plain"), 1, layouts)
+    assert layouts.derived == 0
+    _check_sequence([_batch(4, 0, "plain"), _batch(1, 2, "plain"), _batch(3, 3, "plain")], 2)
+
+
+def test_the_held_spec_is_the_batchs():
+    layouts = HeldLayouts()
+    for b in (3, 4):
+        chunks, _ = _held_split(_batch(b, b, "nested"), 2, layouts)
+        assert pytree.tree_structure(chunks[0]) == pytree.tree_structure(_batch(b, b, "nested"))
