@@ -267,7 +267,8 @@ def _maps(members: list[list[int]], num_samples: int) -> tuple[list[Tensor], Ten
         for p, i in enumerate(chunk):
             chunk_of[i] = j
             position[i] = p
-    return [_ids(m) for m in members], _ids(chunk_of), _ids(position)
+    ids = [torch.from_numpy(np.array(m, dtype=np.int64)) for m in (*members, chunk_of, position)]  # as _ids makes them
+    return ids[:-2], ids[-2], ids[-1]
 
 
 def _check_assigned(ids: np.ndarray, num_samples: int) -> None:
