@@ -181,7 +181,7 @@ def plan_split(
         rows are made by its cutter, or where first read; ``tuple(rows)`` makes the tuple ``split_batch`` returns).
     """
     check_num_chunks(num_chunks)
-    held = None if layouts is None else layouts.read(batch, layout)
+    held = None if layouts is None else layouts.read(batch, layout, batch_sizes)
     if held is not None:  # the structure's decisions held: only the values read (split/held.py)
         leaves, spec, sources, num_samples = held.leaves, held.spec, held.sources, held.num_samples
     elif _is_sample_list(batch) and layout is None:

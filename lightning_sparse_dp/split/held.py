@@ -19,10 +19,13 @@ its decisions holds again, checked per batch without the derivation:
   not, and equal to each source's points ``N`` or not, as when derived (so no new ``N == B`` ambiguity, and every
   per-point or per-sample leaf still has its role's length).
 
-Only decisions that read nothing but the structure are held: a layout is held only when every coordinate source
-was found by its kind or name (an ME tensor, a ``COORDINATE_KEYS`` key, the role ``"coordinates"``), no other leaf
-could have been one by its values (an integer matrix, a tensor under a key that names coordinates, a numpy array
-of numbers), no leaf holds row indices (``"indices"``, per-sample index lists: their checks read values), no
+Only decisions that read nothing but the structure are held, or whose reading of values is done again per batch: a
+layout is held only when every coordinate source was found by its kind or name (an ME tensor, a ``COORDINATE_KEYS``
+key, the role ``"coordinates"``) and no other leaf could have been one by its values (an integer matrix, a tensor
+under a key that names coordinates, a numpy array of numbers), or every source was an integer tensor found by its
+look (``sparse_collate``'s tuple; then every tensor whose look the derivation read is read again, the same tensors
+must look like coordinates, and a source that may be one row per sample is refused as the derivation refuses it);
+no leaf holds row indices (``"indices"``, per-sample index lists: their checks read values), no
 leaf's length matched several sources, and the batch was cut into several chunks (no role left ``"replicate"``
 for one chunk). Any failing premise, or a batch whose check raises, takes the full derivation for that batch,
 which raises the same errors as without a held layout.
@@ -30,11 +33,12 @@ which raises the same errors as without a held layout.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -49,7 +53,12 @@ from lightning_sparse_dp.split.records import (
     names_coordinates,
     names_indices,
 )
-from lightning_sparse_dp.split.sources import check_batch_index, check_coordinates
+from lightning_sparse_dp.split.sources import (
+    _refuse_ambiguous,
+    check_batch_index,
+    check_coordinates,
+    looks_like_collated_coordinates,
+)
 
 #: the most layouts a :class:`HeldLayouts` keeps (a fit's training and validation loaders, the exactness check's copy)
 HELD = 8
@@ -63,6 +72,8 @@ class Held:
         leaves: per leaf, ``(path, name, role, source, refs)`` as the roles left it.
         sources: per coordinate source, ``(name, leaf)``; ``me``: whether that leaf is an ME tensor.
         matches: per leaf, ``None`` (a role that reads no length) or its length's match, ``(== B, (== N_s, ...))``.
+        looks: the leaves whose look (:func:`~.sources.looks_like_collated_coordinates`) is read per batch, when the
+            sources were found by it; ``look_sources``: those of them that looked alike (the sources' leaves).
         point_targets, sample_tensors: the plan's target names (:func:`~.roles.targets`).
     """
 
@@ -73,6 +84,8 @@ class Held:
     spec: Any
     point_targets: tuple[str, ...]
     sample_tensors: tuple[str, ...]
+    looks: tuple[int, ...] = ()
+    look_sources: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -124,18 +137,25 @@ class HeldLayouts:
         )
         return (structure, kinds), values
 
-    def read(self, batch: Any, layout: Mapping[Any, str] | None) -> Read | None:
+    def read(self, batch: Any, layout: Mapping[Any, str] | None, batch_sizes: Collection[int] | None = None) -> Read | None:
         """The held decisions for ``batch`` with its values, or ``None``: none held for its key, or a premise fails
-        (then the caller derives everything, raising what the derivation raises)."""
+        (then the caller derives everything, raising what the derivation raises). ``batch_sizes`` as
+        :func:`~.sources.find_sources` takes them (for sources found by their look)."""
         key, values = self._key(batch, layout)
         held = self._held.get(key)
         if held is None:
             return None
+        if held.looks and [i for i in held.looks if looks_like_collated_coordinates(values[i])] != held.look_sources:
+            return None  # another tensor looks like coordinates, or a source no longer does
         sources = []
         try:
             for (name, i), me in zip(held.sources, held.me):
                 x = values[i]
-                batch_index = (x.C[:, 0].long() if me else check_coordinates(x, name)).cpu()
+                if held.looks:  # found by its look: its batch column as find_sources takes it, and the same refusal
+                    _refuse_ambiguous(Leaf(held.leaves[i][0], name, x), batch_sizes)
+                    batch_index = x[:, 0].long().cpu()
+                else:
+                    batch_index = (x.C[:, 0].long() if me else check_coordinates(x, name)).cpu()
                 sources.append(Source(name, i, batch_index, check_batch_index(batch_index, name)))
         except BatchLayoutError:
             return None
@@ -163,9 +183,10 @@ class HeldLayouts:
             sources: the coordinate sources, with their batch indices; ``num_samples``: ``B``.
             targets: ``(point_targets, sample_tensors)`` of the plan.
         """
-        matches = _structural(flat, leaves, sources, num_samples)
-        if matches is None:
+        found = _structural(flat, leaves, sources, num_samples)
+        if found is None:
             return
+        matches, looks = found
         key, _ = self._key(batch, layout)
         if len(self._held) >= HELD:
             self._held.clear()
@@ -173,34 +194,49 @@ class HeldLayouts:
             leaves=tuple((leaf.path, leaf.name, leaf.role, leaf.source, leaf.refs) for leaf in leaves),
             sources=tuple((s.name, s.leaf) for s in sources),
             me=tuple(is_me_tensor(leaves[s.leaf].value) for s in sources),
-            matches=matches, spec=spec, point_targets=targets[0], sample_tensors=targets[1],
+            matches=matches, spec=spec, point_targets=targets[0], sample_tensors=targets[1], looks=looks,
+            look_sources=[s.leaf for s in sources] if looks else [],
         )
         self.derived += 1
 
 
 def _structural(
     flat: tuple[Leaf, ...], leaves: tuple[Leaf, ...], sources: tuple[Source, ...], num_samples: int,
-) -> tuple[tuple[bool, tuple[bool, ...]] | None, ...] | None:
-    """Per leaf, the length match its role was read off (``None``: none read), when every decision of the derivation
-    read only the batch's structure (the module docstring); else ``None``."""
+) -> tuple[tuple[tuple[bool, tuple[bool, ...]] | None, ...], tuple[int, ...]] | None:
+    """Per leaf, the length match its role was read off (``None``: none read), and the leaves whose look is read
+    again per batch (empty unless the sources were found by their look), when the derivation's decisions are held by
+    the module docstring's rules; else ``None``."""
     if not sources:
         return None
+    named = [
+        before.role == Role.COORDINATES or is_me_tensor(before.value)
+        or (before.role is None and isinstance(key_of(before.path), str) and key_of(before.path).lower() in COORDINATE_KEYS)
+        for before in flat
+    ]
+    by_look = not named[sources[0].leaf]
+    if any(named[s.leaf] == by_look for s in sources):
+        return None  # sources found by their names and by their look: which look-alikes joined read their values
+    looks = tuple(  # every tensor find_sources asks whether it looks like coordinates (sources.py, rule 3)
+        i for i, leaf in enumerate(flat)
+        if by_look and leaf.role is None and isinstance(leaf.value, Tensor) and leaf.value.dim() == 2
+        and leaf.value.dtype != torch.bool and not leaf.value.is_complex()
+    )
+    if by_look and (
+        any(flat[s.leaf].value.dtype.is_floating_point for s in sources)
+        or [i for i in looks if looks_like_collated_coordinates(flat[i].value)] != [s.leaf for s in sources]
+    ):
+        return None  # floating-point look-alikes (decided by their rows), or look-alikes left aside
     points = [s.num_points for s in sources]
     matches: list[tuple[bool, tuple[bool, ...]] | None] = []
     for before, after in zip(flat, leaves):
         x, key = before.value, key_of(before.path)
-        named = before.role == Role.COORDINATES or (
-            before.role is None and isinstance(key, str) and key.lower() in COORDINATE_KEYS
-        )
         if after.role == Role.COORDINATES:
-            if not (is_me_tensor(x) or (isinstance(x, Tensor) and named)):
-                return None  # found by its look: its values decided
             matches.append(None)
             continue
         if after.role == Role.INDICES or (names_indices(key) and type(x) in (list, tuple)):
             return None  # row indices: checked against their sources' values
         if before.role is None and isinstance(x, Tensor) and (
-            names_coordinates(key) or (x.dim() == 2 and not x.dtype.is_floating_point and not x.is_complex())
+            names_coordinates(key) or (not by_look and x.dim() == 2 and not x.dtype.is_floating_point and not x.is_complex())
         ):
             return None  # could be a coordinate source by its values (rules 2 and 3 of sources.py)
         if before.role is None and isinstance(x, np.ndarray) and x.ndim == 2 and x.dtype.kind in "iuf":
@@ -214,7 +250,7 @@ def _structural(
         if sum(match) > 1:
             return None  # several sources of its length: their batch indices decided
         matches.append((length == num_samples, match))
-    return tuple(matches)
+    return tuple(matches), looks
 
 
 __all__ = ["HELD", "Held", "HeldLayouts", "Read"]

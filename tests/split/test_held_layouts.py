@@ -87,6 +87,13 @@ def _batch(b, seed, form, n_points=None):
         batch["labels"] = batch["labels"][:-1]
     elif form == "extra_key":
         batch["weights"] = torch.ones(b)
+    elif form.startswith("tuple"):  # sparse_collate's tuple: coordinates found by their look
+        features, labels = batch["features"], batch["labels"]
+        if form == "tuple_lookalike_features":  # a float tensor that looks like coordinates too: refused
+            features = torch.cat([torch.zeros(n, 1), features], 1)
+        elif form == "tuple_matrix_labels":  # an integer [B, 2] that may look like coordinates
+            labels = torch.stack([torch.arange(b) % 2 * seed % 3, labels], 1)
+        return (batch["coordinates"], features, labels)
     elif form in ("values_float", "values_int"):  # the one per-point tensor: features if float, else a target
         values = torch.arange(n) % 3
         return {"coordinates": batch["coordinates"], "values": values.float() if form == "values_float" else values,
@@ -96,7 +103,7 @@ def _batch(b, seed, form, n_points=None):
 
 forms = st.sampled_from(
     ["plain", "point_labels", "names", "float64", "sparse", "nested", "short_labels", "extra_key", "values_float",
-     "values_int"]
+     "values_int", "tuple", "tuple_lookalike_features", "tuple_matrix_labels"]
 )
 steps = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 1000), forms), min_size=1, max_size=8)
 
@@ -144,7 +151,7 @@ def _counting(monkeypatch, name):
     return calls
 
 
-@pytest.mark.parametrize("form", ["plain", "names", "sparse", "nested"])
+@pytest.mark.parametrize("form", ["plain", "names", "sparse", "nested", "tuple"])
 def test_a_steady_structure_is_derived_once(monkeypatch, form):
     """Batches of one structure (other values, other sample counts): flatten, find_sources and resolve_roles run
     for the first only."""
@@ -175,7 +182,7 @@ def test_a_layout_change_drops_what_was_held():
 @pytest.mark.parametrize(
     "batch",
     [
-        pytest.param(lambda: tuple(_batch(4, 0, "plain").values()), id="found-by-look"),
+        pytest.param(lambda: _batch(4, 0, "tuple_lookalike_features"), id="float-look-alike"),
         pytest.param(lambda: {**_batch(4, 0, "plain"), "correspondences": torch.zeros(2, 2, dtype=torch.long)}, id="indices"),
         pytest.param(lambda: {**_batch(4, 0, "plain"), "target_coords": _batch(4, 0, "plain")["coordinates"]}, id="rule-2"),
     ],
@@ -199,3 +206,17 @@ def test_the_held_spec_is_the_batchs():
     for b in (3, 4):
         chunks, _ = _held_split(_batch(b, b, "nested"), 2, layouts)
         assert pytree.tree_structure(chunks[0]) == pytree.tree_structure(_batch(b, b, "nested"))
+
+
+def test_sources_found_by_their_look_are_read_again():
+    """sparse_collate's tuple held; a batch of as many rows as a loader's batch_size is refused as the derivation
+    refuses it (it could be one row per sample), and a features tensor that looks like coordinates too as well."""
+    batch = _batch(4, 0, "tuple")
+    rows = batch[0].shape[0]
+    layouts = _check_sequence([batch, _batch(5, 1, "tuple_lookalike_features"), batch], 2, batch_sizes={rows})
+    assert layouts.derived == 0  # refused at its first batch: nothing held
+    layouts = _check_sequence([_batch(5, 1, "tuple"), batch, _batch(5, 2, "tuple_lookalike_features")], 2,
+                              batch_sizes={rows})
+    assert layouts.derived == 1
+    with pytest.raises(BatchLayoutError, match="could be collated points"):
+        _held_split(batch, 2, layouts, batch_sizes={rows})
