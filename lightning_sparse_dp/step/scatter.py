@@ -133,7 +133,9 @@ def place_chunk(chunk: Any, device: torch.device, transfer: Transfer | None = No
     """
     if device.type == "cuda":
         check_me_devices(chunk, device)
-    chunk = build_specs(chunk, device)
+    values = chunk.values() if type(chunk) is dict else chunk if type(chunk) in (list, tuple) else None
+    if values is None or not all(type(x) is torch.Tensor for x in values):  # one level of plain tensors: no spec
+        chunk = build_specs(chunk, device)
     with device_context(device):
         return move_data_to_device(chunk, device) if transfer is None else transfer(chunk, device)
 
