@@ -44,6 +44,9 @@ class StepCall:
             places its chunk (``scatter``) and refreshes itself (``replicate``).
         timer: the strategy's clock of the stages (:class:`~lightning_sparse_dp.runtime.timing.StepTimer`).
         warnings: the strategy's one-time warnings and infos (Lightning's ``WarningCache``).
+        parallel_devices: the strategy's devices, one per replica, root device first, read once when the step starts
+            (the hub's stages read them here, not from the strategy's property); empty for a context made outside the
+            hub (``parallel_apply`` without a step).
     """
 
     name: str
@@ -56,6 +59,7 @@ class StepCall:
     in_threads: bool
     timer: StepTimer
     warnings: WarningCache
+    parallel_devices: tuple[torch.device, ...] = ()
 
 
 @dataclass(eq=False)

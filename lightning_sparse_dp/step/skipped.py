@@ -114,10 +114,13 @@ def check_skipped(
 
 
 def skipped_outputs(step: StepContext) -> list[Any]:
-    """``step.outputs``, or where some chunks' steps returned ``None``, :func:`check_skipped`'s verdict on them (from the
-    names each replica logged, ``step.replica_state.recorders``)."""
-    if all(o is not None for o in step.outputs):
-        return step.outputs
+    """The step's outputs where some chunks' steps returned ``None`` (the hub enters this stage only then; otherwise
+    ``step.outputs`` are the outputs as they are): :func:`check_skipped`'s verdict on them, from the names each replica
+    logged (``step.replica_state.recorders``).
+
+    Raises:
+        ValueError: as :func:`check_skipped`, where one device's result is not known.
+    """
     assert step.replica_state is not None and step.plan is not None
     recorded = [r.calls if r is not None else {} for r in step.replica_state.recorders]
     return check_skipped(step.outputs, step.call.name, step.call.module, step.plan.chunk_samples, recorded)

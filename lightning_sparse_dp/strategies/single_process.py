@@ -122,8 +122,14 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[0]
+        """The first of :attr:`parallel_devices` (read from what the setter stored: one read, no second property call).
+
+        Raises:
+            AssertionError: no devices yet (the strategy was given no Trainer).
+        """
+        devices = self._parallel_devices
+        assert devices is not None
+        return devices[0]
 
     @property
     @override

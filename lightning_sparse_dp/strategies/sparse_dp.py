@@ -7,7 +7,7 @@ class, :class:`~lightning_sparse_dp.strategies.single_process.SingleProcessParal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -244,12 +244,13 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         step.inputs, step.plan = self.scatter(step.call.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting)
-        merge_into_module(step, self.root_device, self.output_layout)  # what the replicas set on it, as one device's
+        root = step.call.parallel_devices[0]  # the root device, as the step started (_context)
+        merge_into_module(step, root, self.output_layout)  # what the replicas set on it, as one device's
         if step.call.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())
         output = self.gather(exact_outputs(step), step)
-        return output, log_step(step, self.root_device)  # the replicas' self.log calls, reduced
+        return output, log_step(step, root)  # the replicas' self.log calls, reduced
 
     def _context(self, name: str, args: tuple, kwargs: dict, module: Any) -> tuple[StepContext | None, Any]:
         """The step's context for ``module``, or ``None`` and the whole batch on the one device (one device, nothing
@@ -257,18 +258,21 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         by hand, the exactness check's copy) prepared here the same way."""
         if module is None or not args:
             raise TypeError(f"sparse_dp expects a module set up and the batch as the first argument of {name}.")
+        devices = tuple(self.parallel_devices or ())  # read once: the step's stages take them from its StepCall
         prepared = self._prepared
         if prepared is not None and prepared.batch is args[0] and module is self.lightning_module:
             self._prepared = None
         else:
-            prepared = self._prepare(args[0], module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+            prepared = self._prepare(args[0], module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0),
+                                     devices)
         if prepared.whole is not None:
             return None, prepared.whole
         self._timer.new_step()
         manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
         in_threads = self._in_threads() and not manual
         call = StepCall(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:], kwargs=kwargs,
-                        manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache)
+                        manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache,
+                        parallel_devices=devices)
         return StepContext(call), None
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
@@ -276,7 +280,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         (``None`` from some chunks: :func:`~lightning_sparse_dp.step.skipped.skipped_outputs`). When the replicas'
         deferred check finds the module changed (:class:`~lightning_sparse_dp.step.check.StaleReplicas`: no replica
         touched it, no step ran), the replicas are rebuilt and the step runs again on the chunks already made."""
-        step.devices = (self.parallel_devices or [])[: len(step.inputs)]
+        step.devices = list(step.call.parallel_devices[: len(step.inputs)])
         for attempt in (1, 2):
             step.replicas = self.replicate(step.call.module, step.devices, step)
             (step.check, step.refresh_in_threads), self._refresh = self._refresh, (None, False)  # the strategy keeps none
@@ -292,7 +296,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
                 if attempt == 2:
                     raise
                 self._replicas, step.check, step.refresh_in_threads = None, None, False
-        return skipped_outputs(step)  # None from some chunks: one device's result where it is known, else refused
+        if any(output is None for output in step.outputs):  # None from some chunks: the skipped stage decides
+            return skipped_outputs(step)  # one device's result where it is known, else refused
+        return step.outputs
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -301,15 +307,16 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         its datamodule has its own batch-transfer hooks, the batch is split here and they run on each chunk with its
         device, before the ``on_*_batch_start`` hooks, as Lightning runs them."""
         batch = super().batch_to_device(batch, device, dataloader_idx)  # on_before_batch_transfer, on older Lightning
-        module = self.lightning_module
-        if module is None or not self.parallel_devices:
+        module, devices = self.lightning_module, self.parallel_devices
+        if module is None or not devices:
             return batch
-        self._prepared = self._prepare(batch, module, dataloader_idx)
+        self._prepared = self._prepare(batch, module, dataloader_idx, devices)
         return self._prepared.batch
 
-    def _prepare(self, batch: Any, module: Any, dataloader_idx: int) -> PreparedBatch:
-        """``batch`` prepared for the hooks and the step (:func:`~lightning_sparse_dp.step.prepare.prepare_batch`)."""
-        devices = self.parallel_devices or []
+    def _prepare(self, batch: Any, module: Any, dataloader_idx: int, devices: Sequence[torch.device]) -> PreparedBatch:
+        """``batch`` prepared for the hooks and the step (:func:`~lightning_sparse_dp.step.prepare.prepare_batch`) on
+        ``devices`` (the strategy's, as the caller read them)."""
+        devices = list(devices)
         return prepare_batch(batch, module, devices, dataloader_idx,
                              lambda b: step_cutters(b, len(devices), self.split_fn, **self._split_options()),
                              one_device=len(devices) == 1 and self.split_fn is None)
