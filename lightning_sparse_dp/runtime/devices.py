@@ -6,13 +6,15 @@ The GPU-only code, kept thin: on CPU devices these functions only check the devi
 threads run on a replica's GPU, and MinkowskiEngine's kernels, go to its default stream. :func:`device_context` makes a
 replica's CUDA device (and a stream) current in the calling thread, around its chunk's placement and its step;
 :func:`current_stream` reads the calling thread's stream, which the replica threads take over as
-``torch.nn.parallel.parallel_apply`` hands each device's current stream on (a new thread starts on the default stream).
+``torch.nn.parallel.parallel_apply`` hands each device's current stream on (a new thread starts on the default stream);
+:func:`replica_contexts` decides both once for a call of the replicas (nothing to enter on CPU).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,4 +96,14 @@ def current_stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-__all__ = ["check_default_streams", "check_devices", "current_stream", "device_context"]
+def replica_contexts(devices: Sequence[torch.device]) -> list[Callable[[], AbstractContextManager[Any]]]:
+    """What each replica's thread enters around its work, ``contexts[i]()`` for ``devices[i]``, decided once for a call
+    of the replicas in the calling thread: on a CUDA device, :func:`device_context` with the calling thread's current
+    stream of that device (read here, in the calling thread, as ``torch.nn.parallel.parallel_apply`` hands each
+    device's current stream on: :func:`current_stream`); on a CPU device, ``contextlib.nullcontext`` (nothing to
+    enter). A context is made when called, so in the replica's own thread (CUDA's current device and stream are per
+    thread)."""
+    return [partial(device_context, d, torch.cuda.current_stream(d)) if d.type == "cuda" else nullcontext for d in devices]
+
+
+__all__ = ["check_default_streams", "check_devices", "current_stream", "device_context", "replica_contexts"]

@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, suppress
+from contextlib import AbstractContextManager, ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.runtime.defaults import float64_defaults, float64_defaults_on
-from lightning_sparse_dp.runtime.devices import current_stream, device_context
+from lightning_sparse_dp.runtime.devices import device_context, replica_contexts
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _this_thread
 from lightning_sparse_dp.runtime.randomness import SharedDraws
 from lightning_sparse_dp.runtime.stall import StallWatch, stall_seconds
@@ -170,12 +170,12 @@ class ReplicaExecutor:
             return [_call(fns[0], devices[0], 0, state)]
         if self.threads_per_replica is not None:
             state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
-        streams = [current_stream(d) for d in devices]  # the caller's, as torch's parallel_apply hands them on
+        contexts = replica_contexts(devices)  # the caller's CUDA streams, as torch's parallel_apply hands them on
         affinity = self.affinity
         generators = self._draws.before(devices)
         with self._lock:  # one step at a time: replicas of two steps never interleave
             try:
-                mine, errors, futures = self._submit(fns, devices, state, streams, affinity, meanwhile)
+                mine, errors, futures = self._submit(fns, devices, state, contexts, affinity, meanwhile)
             finally:
                 if self.transient:  # no thread outlives the call
                     self.shutdown()
@@ -185,19 +185,21 @@ class ReplicaExecutor:
         failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, ReplicaAborted)), failed[0])
-        self._draws.after(generators)
+        if generators is not None:  # a call SharedDraws looks at (before said which)
+            self._draws.after(generators)
         return [f.result() for f in futures]
 
     def _submit(
-        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], state: ThreadState, streams: list[Any],
-        affinity: Sequence[frozenset[int]] | None, meanwhile: Callable[[], None] | None,
+        self, fns: Sequence[Callable[[], T]], devices: Sequence[torch.device], state: ThreadState,
+        contexts: list[Callable[[], AbstractContextManager[Any]]], affinity: Sequence[frozenset[int]] | None,
+        meanwhile: Callable[[], None] | None,
     ) -> tuple[BaseException | None, list[BaseException | None], list[Future]]:
         """Every callable submitted to its replica's thread, ``meanwhile()`` run here, every replica waited for:
         ``meanwhile``'s error, each replica's (``None`` where none) and the futures."""
         try:
             futures: list[Future] = [
-                self._threads[i].submit(_call, fn, device, i, state, stream, affinity[i] if affinity else None, len(fns))
-                for i, (fn, device, stream) in enumerate(zip(fns, devices, streams))
+                self._threads[i].submit(_call, fn, device, i, state, context, affinity[i] if affinity else None, len(fns))
+                for i, (fn, device, context) in enumerate(zip(fns, devices, contexts))
             ]
         except BaseException:  # a thread refused the call (shut down): those started may wait for meanwhile
             if meanwhile is not None:
@@ -228,9 +230,17 @@ def replicas_running() -> int:
 
 
 def _call(
-    fn: Callable[[], T], device: torch.device, index: int, state: ThreadState, stream: Any = None,
-    cores: frozenset[int] | None = None, replicas: int = 1,
+    fn: Callable[[], T], device: torch.device, index: int, state: ThreadState,
+    context: Callable[[], AbstractContextManager[Any]] | None = None, cores: frozenset[int] | None = None,
+    replicas: int = 1,
 ) -> T:
+    """``fn()`` in this thread as replica ``index``'s call on ``device``: the caller's ``state`` entered, autograd's
+    device threads off, and ``context()`` (from :func:`~lightning_sparse_dp.runtime.devices.replica_contexts`; ``None``:
+    ``device``'s own :func:`~lightning_sparse_dp.runtime.devices.device_context`) entered; pinned to ``cores`` first.
+
+    Raises:
+        BaseException: what ``fn`` raised, with a note naming the replica and its device.
+    """
     _this_thread.replicas = replicas
     try:
         if cores is not None and getattr(_this_thread, "cores", None) != cores:
@@ -244,7 +254,7 @@ def _call(
             state.enter(stack)
             if torch._C._is_multithreading_enabled():  # one threading model: backward passes run in this thread
                 stack.enter_context(torch.autograd.set_multithreading_enabled(False))
-            stack.enter_context(device_context(device, stream))
+            stack.enter_context(device_context(device) if context is None else context())
             return fn()
     except BaseException as err:
         note = f"raised in replica {index} on device {device} (lightning_sparse_dp)"

@@ -83,9 +83,10 @@ class SharedDraws:
         getters = [(f"torch's generator of {d}", partial(_state, d)) for d in shared_generators(devices)]
         return [(name, get, get()) for name, get in [*getters, *HOST_GENERATORS]]
 
-    def after(self, before: list[tuple[str, Callable[[], Any], Any]] | None) -> None:
-        """Warn once if a generator's state moved since :meth:`before`."""
-        if before is None or self.said:
+    def after(self, before: list[tuple[str, Callable[[], Any], Any]]) -> None:
+        """Warn once if a generator's state moved since :meth:`before`, whose states ``before`` are (called only for a
+        call :meth:`before` looked at: it returned states, not ``None``)."""
+        if self.said:
             return
         drew = [name for name, get, state in before if not _equal(state, get())]
         if drew:

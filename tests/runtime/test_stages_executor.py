@@ -103,3 +103,47 @@ def test_executor_reraises_with_replica_index_after_all_finish():
         run_on_replicas([ok(0), bad, ok(2)], CPU3)
     assert sorted(finished) == [0, 2]
     assert "raised in replica 1 on device cpu" in "".join(info.value.__notes__)
+
+
+def test_each_replicas_device_context_is_decided_once_per_call(monkeypatch):
+    """On CPU nothing is entered: ``replica_contexts`` gives ``nullcontext`` once per call, and ``device_context`` is
+    not called in the replicas' threads (on CUDA: tests/runtime/test_cuda_paths_devices.py); a single replica on the
+    calling thread takes its device's own context."""
+    import contextlib
+
+    from lightning_sparse_dp.runtime import executor as executor_module
+    from lightning_sparse_dp.runtime.devices import replica_contexts
+
+    assert replica_contexts(CPU3) == [contextlib.nullcontext] * 3
+    entered, decided = [], []
+    context, contexts = executor_module.device_context, executor_module.replica_contexts
+    monkeypatch.setattr(executor_module, "device_context", lambda *a: entered.append(a) or context(*a))
+    monkeypatch.setattr(executor_module, "replica_contexts", lambda d: decided.append(len(d)) or contexts(d))
+    executor = ReplicaExecutor(3)
+    try:
+        assert executor.run([lambda i=i: i for i in range(3)], CPU3) == [0, 1, 2]
+        assert decided == [3] and entered == []
+        assert executor.run([lambda: 7], CPU3[:1]) == [7]
+        assert decided == [3] and entered == [(CPU3[0],)]
+    finally:
+        executor.shutdown()
+
+
+def test_shared_draws_are_compared_after_a_call_only_where_they_were_noted_before(monkeypatch):
+    """``SharedDraws.after`` runs only for a call ``before`` looked at (deterministic algorithms on, grad mode on)."""
+    from lightning_sparse_dp.runtime.randomness import SharedDraws
+
+    compared = []
+    after = SharedDraws.after
+    monkeypatch.setattr(SharedDraws, "after", lambda self, states: compared.append(len(states)) or after(self, states))
+    executor = ReplicaExecutor(2)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        executor.run([lambda: 0, lambda: 1], CPU3[:2])
+        assert compared == []  # not deterministic: nothing noted, nothing compared
+        torch.use_deterministic_algorithms(True)
+        executor.run([lambda: 0, lambda: 1], CPU3[:2])
+        assert len(compared) == 1 and compared[0] >= 1
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        executor.shutdown()
