@@ -69,6 +69,7 @@ class BufferMirror:
 
     Attributes:
         copies: ``copies[r][k]``: replica ``r + 1``'s copy of ``sources[k]`` (its shape and dtype), on ``devices[r]``.
+        empty: nothing to mirror (no buffers, or no replica after the root one): a refresh copies nothing.
     """
 
     def __init__(self, sources: Sequence[Tensor], devices: Sequence[torch.device]) -> None:
@@ -76,6 +77,7 @@ class BufferMirror:
         self._groups: list[tuple[list[Tensor], Tensor | None, list[Tensor]]] = []  # (flat sources, staging, flats)
         self._loose: list[tuple[Tensor, list[Tensor]]] = []  # (source, its copy per replica)
         self.per_replica = True
+        self.empty = not devices or not sources
         if not devices:
             return
         slots: list[list[Tensor | None]] = [[None] * len(sources) for _ in devices]

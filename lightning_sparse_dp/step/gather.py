@@ -167,12 +167,14 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
 
 
 def _guess_role(
-    name: str, key: Any, values: list[Any], plan: SplitPlan, warning_cache: WarningCache, say_lists: bool = True
+    name: str, path: Sequence[Any], values: list[Any], plan: SplitPlan, warning_cache: WarningCache,
+    say_lists: bool = True,
 ) -> str:
     """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure, and
     (``say_lists``) when differing values that are not tensors become the list of the replicas' values.
 
-    ``name`` is the leaf's printed path (``output['hist']``), ``key`` the key to suggest for ``output_layout``.
+    ``name`` is the leaf's printed path (``output['hist']``), ``path`` its path, whose key a warning suggests for
+    ``output_layout`` (:func:`_output_key`, looked up only when something is said).
     """
     first = values[0]
     if isinstance(first, Tensor) and first.dim() == 0:
@@ -181,14 +183,14 @@ def _guess_role(
         warning_cache.warn(
             f"sparse_dp: step output {name} is a 0-dim integer tensor from each replica: it is their sum, one device's "
             "value for a count over the batch (e.g. (pred == y).sum()), as self.log sums integers. If it is another "
-            f"integer (an index, a maximum), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: "
-            f"'list'}}) gives the replicas' values (roles {', '.join(OUTPUT_ROLES)}); name it 'sum' to silence this "
-            "warning."
+            "integer (an index, a maximum), say how to combine it: SparseDataParallelStrategy(output_layout="
+            f"{{{_output_key(path)!r}: 'list'}}) gives the replicas' values (roles {', '.join(OUTPUT_ROLES)}); name it "
+            "'sum' to silence this warning."
         )
         return "sum"
     lengths = _lengths(values)
     if lengths is None:
-        return _first_or_list(name, key, values, warning_cache, say_lists)
+        return _first_or_list(name, path, values, warning_cache, say_lists)
     samples = lengths == plan.samples_per_chunk
     points = point_source(plan, lengths) is not None
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
@@ -199,23 +201,23 @@ def _guess_role(
                 f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
                 f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
                 f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
-                f"output_layout={{{key!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
+                f"output_layout={{{_output_key(path)!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
                 f"'{role}' to silence this warning."
             )
         return role
     if not isinstance(first, Tensor):
-        return _first_or_list(name, key, values, warning_cache, say_lists)
+        return _first_or_list(name, path, values, warning_cache, say_lists)
     if same:
         warning_cache.warn(
             f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
             "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
-            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) "
+            f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
     return "cat"
 
 
-def _first_or_list(name: str, key: Any, values: list[Any], warning_cache: WarningCache, say: bool) -> str:
+def _first_or_list(name: str, path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool) -> str:
     """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
     value there, not one per chunk."""
     if _comparable(values):
@@ -225,8 +227,8 @@ def _first_or_list(name: str, key: Any, values: list[Any], warning_cache: Warnin
             f"sparse_dp: step output {name} ({type(values[0]).__name__}) differs between the replicas' chunks: it is "
             "given as the list of the replicas' values, in chunk order, where one device's step returns one value. "
             "Return it as a tensor (a 0-dim tensor is the batch's weighted mean, per-sample rows come back in sample "
-            f"order), or say how to combine it: SparseDataParallelStrategy(output_layout={{{key!r}: 'sum'}}) (roles "
-            f"{', '.join(OUTPUT_ROLES)}); name it 'list' to silence this warning."
+            "order), or say how to combine it: SparseDataParallelStrategy(output_layout="
+            f"{{{_output_key(path)!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it 'list' to silence this warning."
         )
     return "list"
 
@@ -412,7 +414,7 @@ def _combine(
             return merged
     guessed = role in (None, "fixed")
     if guessed:
-        role = _guess_role(name, _output_key(path), values, plan, cache, say_lists)
+        role = _guess_role(name, path, values, plan, cache, say_lists)
     merged = _gather_leaf(name, values, role, plan, weights, device)
     if guessed and role == "mean" and value_of is not None and path and key_of(path) != "loss" and merged.is_floating_point():
         if not _comparable(values):

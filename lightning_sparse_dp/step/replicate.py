@@ -169,6 +169,13 @@ class Replicas:
             for copies in self._copies
             for m, c in zip(self._sources, copies)
         ]
+        # the first replica whose parameters a refresh copies (frozen ones it owns, or all on another GPU), else the
+        # replica count: a refresh of the replicas before it has no parameter to copy (refresh_tensors)
+        self._copied_from = next(
+            (r for r in range(1, len(self.devices)) if self._owned_copies[r] or (
+                self.devices[r] != root_device and self.devices[r].type == "cuda" and (self.trainable or self.frozen))),
+            len(self.devices),
+        )
         self._copy_parameters()
 
     def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int]]:
@@ -249,7 +256,8 @@ class Replicas:
         the replicas' threads (:meth:`buffer_hand_off`)."""
         if buffers:
             self._buffer_mirror.refresh(count - 1)
-        self._copy_parameters(count)
+        if count > self._copied_from:  # decided when built: CPU replicas owning no frozen parameter copy none
+            self._copy_parameters(count)
 
     @property
     def buffers_in_threads(self) -> bool:
@@ -260,8 +268,10 @@ class Replicas:
 
     def buffer_hand_off(self, count: int) -> BufferHandOff | None:
         """The first ``count`` replicas' buffer refresh in their own threads (:class:`BufferHandOff`), or ``None``
-        where :attr:`buffers_in_threads` is false."""
-        return BufferHandOff(self._buffer_mirror, count) if self.buffers_in_threads else None
+        where :attr:`buffers_in_threads` is false or the module has no buffer to copy (nothing for the replicas' threads
+        to do or wait for; decided when the replicas were built)."""
+        mirror = self._buffer_mirror
+        return BufferHandOff(mirror, count) if mirror.per_replica and not mirror.empty else None
 
     def refresh_replica(self, r: int) -> None:
         """Replica ``r``'s modules given their module's ``__dict__`` entries but their own parameters / buffers /
