@@ -83,7 +83,7 @@ def per_sample_nodes(
             entries = [x for v in values for x in v]
             if role == "samples" and lengths != plan.samples_per_chunk:
                 raise ValueError(
-                    f"output_layout gives step output {_output_name(path)} the role 'samples' but its lengths {lengths} "
+                    f"output_layout gives step output {_printed(path)} the role 'samples' but its lengths {lengths} "
                     f"are not the chunks' numbers of samples {plan.samples_per_chunk}."
                 )
             per_sample = role == "samples" or (
@@ -94,7 +94,7 @@ def per_sample_nodes(
             if per_sample:
                 if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:
                     warning_cache.warn(
-                        f"sparse_dp: step output {_output_name(path)} is a {type(first).__name__} of {lengths[0]} alike "
+                        f"sparse_dp: step output {_printed(path)} is a {type(first).__name__} of {lengths[0]} alike "
                         "entries in every chunk, which is also each chunk's number of samples: it is taken as one entry "
                         "per sample and the chunks' entries are concatenated in sample order. If it is a fixed "
                         f"structure (e.g. the outputs of two levels), say so: SparseDataParallelStrategy(output_layout="
@@ -167,21 +167,20 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
 
 
 def _guess_role(
-    name: str, path: Sequence[Any], values: list[Any], plan: SplitPlan, warning_cache: WarningCache,
-    say_lists: bool = True,
+    path: Sequence[Any], values: list[Any], plan: SplitPlan, warning_cache: WarningCache, say_lists: bool = True
 ) -> str:
     """The role of an output leaf that ``output_layout`` does not name, from its lengths; warns when unsure, and
     (``say_lists``) when differing values that are not tensors become the list of the replicas' values.
 
-    ``name`` is the leaf's printed path (``output['hist']``), ``path`` its path, whose key a warning suggests for
-    ``output_layout`` (:func:`_output_key`, looked up only when something is said).
+    ``path`` is the leaf's path: a warning prints it (``output['hist']``, :func:`_printed`) and suggests its key for
+    ``output_layout`` (:func:`_output_key`), both made only when something is said.
     """
     first = values[0]
     if isinstance(first, Tensor) and first.dim() == 0:
         if not all(is_integer(v) for v in values):
             return "mean"
         warning_cache.warn(
-            f"sparse_dp: step output {name} is a 0-dim integer tensor from each replica: it is their sum, one device's "
+            f"sparse_dp: step output {_printed(path)} is a 0-dim integer tensor from each replica: it is their sum, one device's "
             "value for a count over the batch (e.g. (pred == y).sum()), as self.log sums integers. If it is another "
             "integer (an index, a maximum), say how to combine it: SparseDataParallelStrategy(output_layout="
             f"{{{_output_key(path)!r}: 'list'}}) gives the replicas' values (roles {', '.join(OUTPUT_ROLES)}); name it "
@@ -190,7 +189,7 @@ def _guess_role(
         return "sum"
     lengths = _lengths(values)
     if lengths is None:
-        return _first_or_list(name, path, values, warning_cache, say_lists)
+        return _first_or_list(path, values, warning_cache, say_lists)
     samples = lengths == plan.samples_per_chunk
     points = point_source(plan, lengths) is not None
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
@@ -198,7 +197,7 @@ def _guess_role(
         role = "samples" if samples else "points"
         if same:
             warning_cache.warn(
-                f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, which is also each "
+                f"sparse_dp: step output {_printed(path)} has the same length ({lengths[0]}) in every chunk, which is also each "
                 f"chunk's number of {role}: it is taken as per-{role[:-1]} rows and merged in the original order. If it "
                 f"is a value of fixed size (e.g. a histogram), say how to combine it: SparseDataParallelStrategy("
                 f"output_layout={{{_output_key(path)!r}: 'sum'}}) (roles {', '.join(OUTPUT_ROLES)}); name it "
@@ -206,10 +205,10 @@ def _guess_role(
             )
         return role
     if not isinstance(first, Tensor):
-        return _first_or_list(name, path, values, warning_cache, say_lists)
+        return _first_or_list(path, values, warning_cache, say_lists)
     if same:
         warning_cache.warn(
-            f"sparse_dp: step output {name} has the same length ({lengths[0]}) in every chunk, matching neither the "
+            f"sparse_dp: step output {_printed(path)} has the same length ({lengths[0]}) in every chunk, matching neither the "
             "chunks' samples nor their points: it is concatenated in chunk order. If it is a value of fixed size (e.g. "
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
@@ -217,14 +216,14 @@ def _guess_role(
     return "cat"
 
 
-def _first_or_list(name: str, path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool) -> str:
+def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool) -> str:
     """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
     value there, not one per chunk."""
     if _comparable(values):
         return "first"
     if say:  # the message names the output only, so that it is said once, whatever the values
         warning_cache.warn(
-            f"sparse_dp: step output {name} ({type(values[0]).__name__}) differs between the replicas' chunks: it is "
+            f"sparse_dp: step output {_printed(path)} ({type(values[0]).__name__}) differs between the replicas' chunks: it is "
             "given as the list of the replicas' values, in chunk order, where one device's step returns one value. "
             "Return it as a tensor (a 0-dim tensor is the batch's weighted mean, per-sample rows come back in sample "
             "order), or say how to combine it: SparseDataParallelStrategy(output_layout="
@@ -233,14 +232,16 @@ def _first_or_list(name: str, path: Sequence[Any], values: list[Any], warning_ca
     return "list"
 
 
-def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weights: Sequence[float], device: torch.device) -> Any:
+def _gather_leaf(
+    path: Sequence[Any], values: list[Any], role: str, plan: SplitPlan, weights: Sequence[float], device: torch.device
+) -> Any:
     if role == "sequence":  # one entry per sample: the chunks' entries in sample order, on the root device
         moved = [apply_to_collection(v, Tensor, lambda t: t.to(device)) for v in values]
         return merge_rows(moved, plan.chunk_samples)
     tensors = [isinstance(v, Tensor) for v in values]
     if any(tensors) and not all(tensors):
         raise TypeError(
-            f"step output {name}: replica(s) {[i for i, t in enumerate(tensors) if t]} returned a tensor and "
+            f"step output {_printed(path)}: replica(s) {[i for i, t in enumerate(tensors) if t]} returned a tensor and "
             f"replica(s) {[i for i, t in enumerate(tensors) if not t]} returned "
             f"{', '.join(sorted({type(v).__name__ for v in values if not isinstance(v, Tensor)}))}; every replica's "
             "step must return the same kind of value."
@@ -270,14 +271,14 @@ def _gather_leaf(name: str, values: list[Any], role: str, plan: SplitPlan, weigh
     if role == "samples":
         if lengths != plan.samples_per_chunk:
             raise ValueError(
-                f"output_layout gives step output {name} the role 'samples' but its lengths {lengths} are not the "
+                f"output_layout gives step output {_printed(path)} the role 'samples' but its lengths {lengths} are not the "
                 f"chunks' numbers of samples {plan.samples_per_chunk}."
             )
         return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
     source = point_source(plan, lengths) if lengths is not None else None
     if source is None:
         raise ValueError(
-            f"output_layout gives step output {name} the role 'points' but its lengths {lengths} are not the chunks' "
+            f"output_layout gives step output {_printed(path)} the role 'points' but its lengths {lengths} are not the chunks' "
             f"numbers of points {plan.points_per_chunk}."
         )
     rows = plan.point_rows[source]
@@ -291,14 +292,15 @@ def _comparable(values: list[Any]) -> bool:
         return False
 
 
-def _output_name(path: Sequence[Any]) -> str:
+def _printed(path: Sequence[Any]) -> str:
+    """An output leaf's path as messages print it (``output['hist']``), made only when something is said."""
     return path_name(path, root="output")
 
 
 def _output_key(path: Sequence[Any]) -> Any:
     """What to suggest for ``output_layout``: the innermost dict key / index of an output leaf, else its name."""
     key = key_of(path)
-    return _output_name(path) if key is None else key
+    return _printed(path) if key is None else key
 
 
 def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
@@ -406,7 +408,6 @@ def _combine(
     """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
     ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`; a 0-dim value other than the loss as
     :func:`gather_outputs` says for ``value_of``."""
-    name = _output_name(path)
     role = "sequence" if sequence else _output_role(path, output_layout)
     if role is None and all(type(v) is ME.SparseTensor for v in values):
         merged = merge_sparse(values, plan, device)
@@ -414,15 +415,15 @@ def _combine(
             return merged
     guessed = role in (None, "fixed")
     if guessed:
-        role = _guess_role(name, path, values, plan, cache, say_lists)
-    merged = _gather_leaf(name, values, role, plan, weights, device)
+        role = _guess_role(path, values, plan, cache, say_lists)
+    merged = _gather_leaf(path, values, role, plan, weights, device)
     if guessed and role == "mean" and value_of is not None and path and key_of(path) != "loss" and merged.is_floating_point():
         if not _comparable(values):
             value = value_of(values)
             if value is not None:  # the whole batch's value, the weighted mean's gradient
                 return merged + (value.to(merged) - merged).detach()
             cache.warn(
-                f"sparse_dp: step output {name} differs between the replicas and is not a combination of the means the "
+                f"sparse_dp: step output {_printed(path)} differs between the replicas and is not a combination of the means the "
                 "step computed with torch.mean / .mean() or torch's losses (e.g. a maximum, a hand-made ratio): it is "
                 "the replicas' values weighted as the loss, which is one device's only for a mean over what the loss "
                 f"averages. Log it with self.log, return what it is made of, or name its role: "

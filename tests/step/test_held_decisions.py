@@ -109,15 +109,16 @@ def _plan():
     return split_batch(collate_dict(random_samples(6)), 3)[1]
 
 
-def test_a_gather_looks_up_the_key_to_suggest_only_when_it_says_something(monkeypatch):
+def test_a_gather_prints_a_leaf_and_its_key_only_when_it_says_something(monkeypatch):
     calls: list = []
-    key = gather_module._output_key
+    key, printed = gather_module._output_key, gather_module._printed
     monkeypatch.setattr(gather_module, "_output_key", lambda path: calls.append(path) or key(path))
+    monkeypatch.setattr(gather_module, "_printed", lambda path: calls.append(path) or printed(path))
     plan = _plan()
     losses = [torch.tensor(float(i)) for i in range(3)]
     gather_outputs(losses, plan, [1 / 3] * 3, CPU)
     gather_outputs([{"loss": v} for v in losses], plan, [1 / 3] * 3, CPU)
-    assert calls == []  # a mean: nothing said, no key looked up
+    assert calls == []  # a mean: nothing said, no name printed, no key looked up
     with pytest.warns(UserWarning, match=r"output\['hits'\] is a 0-dim integer.*output_layout=\{'hits': 'list'\}"):
         out = gather_outputs([{"hits": torch.tensor(i)} for i in range(3)], plan, [1 / 3] * 3, CPU)
-    assert int(out["hits"]) == 3 and len(calls) == 1
+    assert int(out["hits"]) == 3 and calls  # said: printed, with its key
