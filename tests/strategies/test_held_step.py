@@ -27,7 +27,7 @@ class _Counting(SparseDataParallelStrategy):
 
     @property
     def parallel_devices(self):
-        if self._hub:
+        if getattr(self, "_hub", False):  # not while the base class sets up
             self.hub_reads["parallel_devices"] += 1
         return SingleProcessParallelStrategy.parallel_devices.fget(self)
 
@@ -37,7 +37,7 @@ class _Counting(SparseDataParallelStrategy):
 
     @property
     def root_device(self):
-        if self._hub:
+        if getattr(self, "_hub", False):
             self.hub_reads["root_device"] += 1
         return SingleProcessParallelStrategy.root_device.fget(self)
 
