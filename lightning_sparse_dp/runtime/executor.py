@@ -133,10 +133,11 @@ class ReplicaExecutor:
         self._lock = threading.Lock()
         self._draws = SharedDraws()  # says once when replicas sharing a generator draw under deterministic=True
 
-    def _start(self) -> tuple[list[ThreadPoolExecutor], StallWatch]:
-        """One single-thread pool per replica (its thread starts with its first call) and the stall watch."""
+    def _start(self) -> tuple[list[ThreadPoolExecutor], StallWatch | None]:
+        """One single-thread pool per replica (its thread starts with its first call) and the stall watch (``None``:
+        turned off, ``LSDP_STALL_WARNING_S=0``, decided here for every call)."""
         pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparse_dp-replica{i}") for i in range(self.num_replicas)]
-        return pools, StallWatch(self._seconds)
+        return pools, StallWatch(self._seconds) if self._seconds > 0 else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaExecutor:
         """The threads are the process's: a deep copy (of a Trainer, e.g. by a callback) shares this executor."""
@@ -206,7 +207,9 @@ class ReplicaExecutor:
                 with suppress(Exception):
                     meanwhile()
             raise
-        self._watch.begin(futures, devices)  # a warning if stuck
+        watch = self._watch
+        if watch is not None:  # a warning if stuck
+            watch.begin(futures, devices)
         mine: BaseException | None = None
         if meanwhile is not None:
             try:
@@ -214,14 +217,16 @@ class ReplicaExecutor:
             except BaseException as err:  # noqa: BLE001 -- raised below, after every replica has finished
                 mine = err
         errors = [f.exception() for f in futures]  # waits for every replica
-        self._watch.end()
+        if watch is not None:
+            watch.end()
         return mine, errors, futures
 
     def shutdown(self) -> None:
         """Stop the threads (waits for running callables)."""
         for thread in self._threads:
             thread.shutdown(wait=True)
-        self._watch.close()
+        if self._watch is not None:
+            self._watch.close()
 
 
 def replicas_running() -> int:

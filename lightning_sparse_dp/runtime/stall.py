@@ -45,10 +45,16 @@ class StallWatch:
     seconds.
 
     Args:
-        seconds: the wait before the warning (``<= 0``: no watch, no thread).
+        seconds: the wait before the warning (a watch is made only where there is one: the executor makes none for
+            ``LSDP_STALL_WARNING_S=0``).
+
+    Raises:
+        ValueError: ``seconds <= 0`` (no watch to keep).
     """
 
     def __init__(self, seconds: float) -> None:
+        if seconds <= 0:
+            raise ValueError(f"seconds={seconds!r}; give a positive wait (make no StallWatch to turn the warning off).")
         self.seconds = seconds
         self._call: tuple[float, Sequence[Future], Sequence[torch.device], list[bool]] | None = None
         self._stop = threading.Event()
@@ -57,8 +63,6 @@ class StallWatch:
     def begin(self, futures: Sequence[Future], devices: Sequence[torch.device]) -> None:
         """A call began: ``futures[i]`` is replica ``i``'s callable on ``devices[i]``, run in the thread named
         ``sparse_dp-replica<i>_...``."""
-        if self.seconds <= 0:
-            return
         self._call = (time.monotonic(), futures, devices, [False])
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="sparse_dp-stall-watch", daemon=True)

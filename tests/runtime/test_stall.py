@@ -53,3 +53,27 @@ def test_a_wait_that_is_not_a_number_is_refused_at_once(monkeypatch):
     monkeypatch.setenv("LSDP_STALL_WARNING_S", "five minutes")
     with pytest.raises(ValueError, match=r"LSDP_STALL_WARNING_S='five minutes': give seconds"):
         ReplicaExecutor(2)
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", ""])
+def test_whether_calls_are_watched_is_decided_once_for_the_executor(monkeypatch, seconds):
+    """``LSDP_STALL_WARNING_S=0`` (or less): no watch is made and no call marks one; otherwise every call marks its start
+    and end on the executor's watch."""
+    from lightning_sparse_dp.runtime.stall import StallWatch
+
+    marks = []
+    begin, end = StallWatch.begin, StallWatch.end
+    monkeypatch.setattr(StallWatch, "begin", lambda self, *a: marks.append("begin") or begin(self, *a))
+    monkeypatch.setattr(StallWatch, "end", lambda self: marks.append("end") or end(self))
+    monkeypatch.setenv("LSDP_STALL_WARNING_S", seconds)
+    executor = ReplicaExecutor(2)
+    try:
+        for _ in range(2):
+            assert executor.run([lambda: 1, lambda: 2], CPU2) == [1, 2]
+    finally:
+        executor.shutdown()
+    off = seconds in ("0", "-1")
+    assert (executor._watch is None) == off
+    assert marks == ([] if off else ["begin", "end"] * 2)
+    with pytest.raises(ValueError, match=r"seconds=0; give a positive wait"):
+        StallWatch(0)
