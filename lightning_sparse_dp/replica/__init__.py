@@ -5,7 +5,8 @@ Installed around the apply stage and undone after it, in each replica's own thre
 - :mod:`.install`: each replica's per-step state put in place before its step and taken back after it;
 - :mod:`.changes`: the module's attributes around a step: each replica's own copies of its lists and dicts, merged
   back as one device's step leaves them; :mod:`.snapshot`: which attributes are followed, and how values are
-  copied and compared; :mod:`.attributes`: the same for the module's submodules;
+  copied and compared; :mod:`.attributes`: the same for the module's submodules; :mod:`.watch`: what of that (and
+  of the replicas' trainer views and recorders) the persistent replicas hold from step to step while it holds;
 - :mod:`.metrics`: torchmetrics metrics copied per replica, reset each step; :mod:`.metric_merge`: their states
   merged into the root's metrics in batch order; :mod:`.metric_updates`: what their updates and ``compute`` did
   beyond the states (one number per chunk made the whole batch's update; attributes set on the copies, said);

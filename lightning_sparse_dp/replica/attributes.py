@@ -25,6 +25,8 @@ from operator import is_
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_sparse_dp.replica.watch import ReplicaWatch
+
 _MISSING = object()
 _MINE, _THEIRS = object(), object()  # what a lookup of a missing key gives on a copy and on its module: never the same
 
@@ -63,6 +65,9 @@ class SubmoduleChanges:
         self._clean: list[tuple[list[dict], list[dict], list[str], int] | None] = [None] * len(self.copies)
         # the followed entries of the module's submodules: (their dicts, keys, (module index, key) each, entries in all)
         self._entries: tuple[list[dict], list[str], list[tuple[int, str]], int] | None = None
+        #: what else the replicas hold from step to step for their state (the module's entries listed, their trainer
+        #: views and recorders), made anew with them
+        self.watch = ReplicaWatch(len(self.copies))
 
     def changed(self, r: int) -> list[tuple[int, str]]:
         """``(module index, key)`` of every followed attribute replica ``r``'s copies hold other than their module's:

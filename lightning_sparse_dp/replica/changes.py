@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.replica import snapshot
 from lightning_sparse_dp.replica.attributes import SubmoduleChanges
-
-_MISSING = object()
+from lightning_sparse_dp.replica.watch import MISSING as _MISSING
+from lightning_sparse_dp.replica.watch import container_marks, list_entries, untouched_copies
 
 
 class ModuleChanges:
@@ -76,40 +76,44 @@ class ModuleChanges:
         self.active = module not in self.replicas and len(self.replicas) > 1
         self.attributes = attributes if self.active else None
         self.before: dict[str, Any] = {}
+        self.containers: list[str] = []
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         self.found: list[list[tuple[int, str]] | None] = [None] * len(self.replicas)  # in each one's submodules (leave)
         self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         if not self.active:
             return
-        self.before = snapshot.followed(module.__dict__)
-        self.containers = [k for k, v in self.before.items() if snapshot.is_copied(v)]  # each replica gets its own copies
-        # which the module's own containers must not see change: only code holding the module itself (a hook's
-        # closure) reaches them during the step (said in merge)
-        self.sizes = {f"self.{k}": list(snapshot.nested_sizes(self.before[k])) for k in self.containers}
+        # what the step follows of the module's entries: held by the persistent replicas while the module's __dict__
+        # holds the same keys and objects (watch.py), else listed anew
+        entries = module.__dict__
+        listing = self.attributes.watch.listed(entries) if self.attributes is not None else list_entries(entries)
+        self.before, self.containers, self._objects = listing.before, listing.containers, listing.objects
+        # each replica gets its own copies of the containers, which the module's own containers must not see change:
+        # only code holding the module itself (a hook's closure) reaches them during the step (said in merge); the
+        # replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
+        self.sizes, self.versions, self._flat = container_marks(listing) if listing.marked else ({}, [], set())
         if self.attributes is not None:  # the submodules' lists and dicts, copied and merged likewise
             found = self.attributes
             self.sub_containers = [(j, k) for j, k in found.containers() if snapshot.is_copied(found.sources[j].__dict__[k])]
             self.sizes.update(
                 {found.name(j, k): list(snapshot.nested_sizes(found.sources[j].__dict__[k])) for j, k in self.sub_containers}
             )
-        # the replicas share the module's tensors: one changed in place was changed by each replica (said in merge)
-        self.versions = [(n, t, t._version) for k, v in self.before.items() for n, t in snapshot.nested_tensors(v,
-        f"self.{k}")]
         # and its plain objects (an AverageMeter): one the step changed was changed by each replica (said in merge)
-        self.objects = [(k, v, snapshot.public_state(v)) for k, v in self.before.items() if snapshot.is_plain_object(v)]
+        self.objects = [(k, self.before[k], snapshot.public_state(self.before[k])) for k in self._objects]
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
 
     def enter(self, i: int) -> None:
-        """Replica ``i`` given its own copies of the module's lists and dicts (:func:`~.snapshot.copy_nested`), its
-        attributes noted, before its step (``deferred``: in replica ``i``'s thread after its refresh; else at construction)."""
+        """Replica ``i`` given its own copies of the module's lists and dicts (:func:`~.snapshot.copy_nested`; a flat
+        list or dict: its ``copy()``), its attributes noted, before its step (``deferred``: in replica ``i``'s thread
+        after its refresh; else at construction)."""
         if not self.active:
             return
-        replica = self.replicas[i]
-        for key in self.containers:
-            replica.__dict__[key] = snapshot.copy_nested(self.before[key])  # each replica appends to (or changes) its own
+        replica, flat = self.replicas[i], self._flat
+        for key in self.containers:  # each replica appends to (or changes) its own
+            value = self.before[key]
+            replica.__dict__[key] = value.copy() if key in flat else snapshot.copy_nested(value)
         self.entered[i] = dict(replica.__dict__)
         if self.sub_containers:
             found, given = self.attributes, self.sub_given[i]
@@ -119,7 +123,7 @@ class ModuleChanges:
 
     def leave(self, i: int) -> None:
         """After replica ``i``'s step, in its thread: what it set on its copies of the module's submodules, noted for
-        :meth:`merge` (which finds it on the calling thread for a replica that did not leave)."""
+        :meth:`merge` (which finds it on the calling thread for a replica that did not leave: the strategy's steps)."""
         if self.attributes is not None:
             self.found[i] = self.attributes.changed(i)
 
@@ -131,48 +135,18 @@ class ModuleChanges:
         """
         if not self.active:
             return
-        for name, tensor, version in self.versions:
-            if tensor._version != version:
-                warning_cache.warn(
-                    f"sparse_dp: {name} (a tensor of the module) was changed in place in the step: the replicas share "
-                    "it, so each applied its own chunk's change to it, one after another or at once (a sum adds up to "
-                    "the whole batch's, but a decay, an average or a copy is applied once per replica, and in-place "
-                    "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
-                    "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
-                )
-        for key, value, state in self.objects:
-            changed = snapshot.changed_keys(state, snapshot.public_state(value))
-            if changed:
-                warning_cache.warn(
-                    f"sparse_dp: self.{key} (a {type(value).__name__}) was changed in the step ({', '.join(changed)}): the "
-                    "replicas share the module's objects, so each replica's step changed it with its own chunk, one "
-                    "after another in thread order (and updates from several threads may interleave): a running sum or "
-                    "count adds up to the whole batch's, but a last value is the last replica's chunk's, and a history "
-                    "gets one entry per replica, where one device's step changes it once with the whole batch. Keep "
-                    "such state in a torchmetrics metric (merged across the replicas as one device's: MeanMetric, "
-                    "SumMetric), or change it from the whole batch in on_train_batch_end(outputs, batch, batch_idx) "
-                    "(outputs['loss'] is the batch's loss)."
-                )
-        reached = {name for name, sizes in self.sizes.items() if any(len(c) != n for c, n in sizes)}
-        for name in reached:
-            kind = "list" if isinstance(self.sizes[name][0][0], list) else "dict"
-            warning_cache.warn(
-                f"sparse_dp: {name} (a {kind} of the module) changed in the step through the module itself, not "
-                "the replica's copy: code that holds the module (a forward hook or closure made with `self`, e.g. "
-                "`layer.register_forward_hook(lambda m, i, o: self.features.append(o))`) runs in every replica's step, "
-                "so it holds what each replica's chunk gave, in the order their threads ran, where one device's holds "
-                "one entry per step. Return such values from the step (outputs are gathered in the batch's order) or "
-                "log them, or append through the replica the step runs on."
-            )
+        reached = snapshot.say_shared_changes(self.versions, self.objects, self.sizes, warning_cache)
         skip = {k for k in self.containers if f"self.{k}" in reached}  # not merged: the module's object holds the step's
         keys = [k for k in self.containers if k not in skip]  # what the step set (or may have changed: its copies)
+        kept = untouched_copies(self.before, keys, self.replicas, self.entered) if keys else set()  # nothing to merge
+        keys = [k for k in keys if k not in kept]
         for replica, entered in zip(self.replicas, self.entered):
             keys.extend(  # the identity test first: most attributes are the objects the step found
                 k for k, v in replica.__dict__.items()
                 if entered.get(k, _MISSING) is not v and k not in keys and k not in skip and snapshot.is_followed(k, v)
             )
             keys.extend(k for k in self.before if k not in replica.__dict__ and k not in keys)  # removed by the step
-            for key in skip:
+            for key in (*skip, *kept):  # the replicas hold the module's objects again
                 replica.__dict__[key] = self.before[key]
         dicts = [r.__dict__ for r in self.replicas]
         for key in keys:
@@ -182,7 +156,10 @@ class ModuleChanges:
             else:
                 values = [d.get(key, _MISSING) for d in dicts]
                 self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
-        self._merge_submodules(combine, warning_cache, reached)
+        found = self.attributes  # what the replicas' steps set on their copies of the submodules (in C while none)
+        changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)] if found is not None else []
+        if self.sub_containers or any(changes):
+            self._merge_submodules(changes, combine, warning_cache, reached)
 
     def _merge_copied(
         self, target: nn.Module, key: str, name: str, before: Any, dicts: list[dict[str, Any]], given: list[Any],
@@ -232,16 +209,16 @@ class ModuleChanges:
         setattr(target, key, self._combined(name, values, combine, warning_cache))
 
     def _merge_submodules(
-        self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache, reached: set[str]
+        self, changes: list[list[tuple[int, str]]], combine: Callable[[list[Any]], tuple[Any, bool]],
+        warning_cache: WarningCache, reached: set[str],
     ) -> None:
-        """What the replicas' steps set on their copies of the module's submodules (:meth:`leave`), and what they
-        changed in their copies of the submodules' lists and dicts, merged into the module's submodules as the module's
-        own attributes and containers are (``reached``: the names of containers the step changed through the module)."""
+        """What the replicas' steps set on their copies of the module's submodules (``changes``, replica by replica:
+        :meth:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges.changed`), and what they changed in their copies
+        of the submodules' lists and dicts, merged into the module's submodules as the module's own attributes and
+        containers are (``reached``: the names of containers the step changed through the module)."""
         found = self.attributes
-        if found is None:
-            return
+        assert found is not None
         count = len(self.replicas)
-        changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)]
         for j, key in self.sub_containers:
             target, name = found.sources[j], found.name(j, key)
             dicts = [found.copies[r][j].__dict__ for r in range(count)]

@@ -194,10 +194,21 @@ def trainer_view(trainer: Any) -> Any:
     return shown
 
 
-def give_view(replica: Any) -> None:
+def give_view(replica: Any, views: list[tuple[Any, type, Any] | None] | None = None, index: int = 0) -> None:
     """The replica's ``_trainer`` (Lightning's ``self.trainer``) a :func:`trainer_view`, for its step; the replica's
-    next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it)."""
-    set_trainer(replica, trainer_view(trainer_of(replica)))
+    next refresh from the module gives it the trainer back. Touches that replica only (its own thread may run it).
+
+    ``views``: per replica, ``(trainer, its class, its view)`` last given (the persistent replicas'
+    :class:`~lightning_sparse_dp.replica.watch.ReplicaWatch`): replica ``index`` gets that view again while its trainer
+    is the same object of the same class, else a new one, kept there."""
+    trainer = trainer_of(replica)
+    if views is None:
+        set_trainer(replica, trainer_view(trainer))
+        return
+    held = views[index]
+    if held is None or held[0] is not trainer or held[1] is not type(trainer):
+        held = views[index] = (trainer, type(trainer), trainer_view(trainer))
+    set_trainer(replica, held[2])
 
 
 __all__ = ["StepEffects", "give_view", "trainer_view", "view"]

@@ -7,7 +7,7 @@ its ``self.log`` recorder and ``self.print``, its view of the loggers (whose cal
 :mod:`lightning_sparse_dp.replica.effects`), and the :class:`~lightning_sparse_dp.replica.changes.ModuleChanges` that notes
 what its step sets on the module. With the strategy's deferred check of the replicas
 (:class:`~lightning_sparse_dp.step.check.DeferredCheck`) the calling thread installs it once the check passed, and each
-replica waits for it before its step (:func:`enter_checked`, :func:`leave_checked`). At exit the recorders are removed
+replica waits for it before its step (:func:`enter_checked`). At exit the recorders are removed
 and the metric copies merged into the root's metrics; buffers the replicas' steps updated to different values are said
 (:func:`say_diverged_buffers`). The step's types are imported for annotations only: this folder does not import the
 step's stages (they import it).
@@ -27,6 +27,7 @@ from lightning_sparse_dp.replica.changes import ModuleChanges
 from lightning_sparse_dp.replica.effects import give_view
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics, StepMetrics
 from lightning_sparse_dp.replica.recorder import install_recorder, remove_recorders
+from lightning_sparse_dp.replica.watch import ReplicaWatch
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
@@ -39,41 +40,51 @@ if TYPE_CHECKING:  # the step's types only: nothing here imports the step's stag
 class ReplicaState:
     """The replicas' per-step state (:func:`replica_state`): the log ``recorders`` (one per replica, ``None`` until
     its :meth:`enter`), the batch-norm ``group`` (``None`` without synchronized layers) and ``left``, the
-    :class:`ModuleChanges` of what the step sets on the module."""
+    :class:`ModuleChanges` of what the step sets on the module; ``watch``: what the persistent replicas hold from step
+    to step (:class:`~lightning_sparse_dp.replica.watch.ReplicaWatch`: their trainer views and recorders), ``None``
+    for the module itself."""
 
     def __init__(
         self, replicas: list[nn.Module], metrics: StepMetrics, own: bool, refresh: Callable[[int], None] | None,
         group: ThreadGroup | None, left: ModuleChanges, buffers: BufferHandOff | None = None,
+        watch: ReplicaWatch | None = None,
     ) -> None:
         self.replicas, self.metrics, self.own, self.refresh, self.group = replicas, metrics, own, refresh, group
-        self.left, self.buffers = left, buffers
+        self.left, self.buffers, self.watch = left, buffers, watch
         self.recorders: list[Any] = [None] * len(replicas)
 
     def enter(self, i: int) -> Callable[[], None] | None:
         """Replica ``i``'s part, touching that replica only (so each replica's thread runs its own, before its
         step): its buffer copies (``buffers``: a :class:`~lightning_sparse_dp.step.copies.BufferHandOff`, replicas after
         the root one), its refresh from the module (``refresh(i)``:
-        :meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`), its empty metric copies
-        (:meth:`~lightning_sparse_dp.replica.metrics.StepMetrics.install`; first, so that logged metrics resolve to the
-        replica's copy), its ``self.log`` recorder and ``self.print``
-        (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`), then :meth:`ModuleChanges.enter` (which notes
-        the replica's attributes as its step finds them). Returns what must run last before the step: for replica 0, whose step
-        writes the module's buffers, the wait for the others' buffer copies (``None`` for the others)."""
+        :meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`), its empty metric copies where the module
+        has metrics (:meth:`~lightning_sparse_dp.replica.metrics.StepMetrics.install`; first, so that logged metrics
+        resolve to the replica's copy), its ``self.log`` recorder and ``self.print``
+        (:func:`~lightning_sparse_dp.replica.recorder.install_recorder`; the one ``watch`` holds, emptied, where the
+        module has no metric), its trainer view (:func:`~lightning_sparse_dp.replica.effects.give_view`), then
+        :meth:`ModuleChanges.enter` (which notes the replica's attributes as its step finds them). Returns what must run
+        last before the step: for replica 0, whose step writes the module's buffers, the wait for the others' buffer
+        copies (``None`` for the others)."""
         if self.buffers is not None and i > 0:
             self.buffers.copy(i)
         if self.refresh is not None:
             self.refresh(i)
-        self.metrics.install(i)
-        # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
-        self.recorders[i] = install_recorder(self.replicas[i], i, self.metrics.copies(i) if self.own else None)
+        metrics, watch = self.metrics, self.watch
+        if watch is None or metrics.merged:
+            metrics.install(i)
+            # the persistent replicas' metrics are the copies just installed; the module itself (one chunk) is searched
+            self.recorders[i] = install_recorder(self.replicas[i], i, metrics.copies(i) if self.own else None)
+        else:  # no metric: the replica's recorder of the last step, emptied
+            self.recorders[i] = watch.recorders[i] = install_recorder(self.replicas[i], i, {}, watch.recorders[i])
         if self.own and len(self.replicas) > 1:  # its loggers' calls run in replica 0's step only (effects.py)
-            give_view(self.replicas[i])
+            give_view(self.replicas[i], None if watch is None else watch.views, i)
         self.left.enter(i)
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 
+
     def leave(self, i: int) -> None:
-        """Replica ``i``'s part after its step, in its thread: what it set on its copies of the module's submodules
-        (:meth:`ModuleChanges.leave`)."""
+        """Replica ``i``'s part after its step, in its thread, where the caller runs one (:meth:`ModuleChanges.leave`);
+        else :meth:`ModuleChanges.merge` finds what the step set on the replica's copies of the submodules."""
         self.left.leave(i)
 
 
@@ -86,12 +97,6 @@ def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
         StaleReplicas: the check failed (from :meth:`~lightning_sparse_dp.step.check.DeferredCheck.wait`).
     """
     return check.wait().enter(i)
-
-
-def leave_checked(check: DeferredCheck, i: int) -> None:
-    """Replica ``i``'s part after its step (:meth:`ReplicaState.leave`) of the state its check installed
-    (:func:`enter_checked`)."""
-    check.wait().leave(i)
 
 
 def say_diverged_buffers(names: Sequence[str], warning_cache: WarningCache | None = None) -> None:
@@ -161,7 +166,8 @@ def replica_state(
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
         attributes = persistent.attributes if own and persistent is not None else None
         left = ModuleChanges(module, replicas, deferred=True, attributes=attributes)
-        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers)
+        watch = None if attributes is None else attributes.watch
+        state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers, watch)
         watch = own and persistent is not None and len(replicas) > 1
         marks = persistent.buffer_marks() if watch else []  # type: ignore[union-attr]
         frozen = persistent.frozen_marks() if watch else []  # type: ignore[union-attr]
@@ -176,6 +182,6 @@ def replica_state(
 
 
 __all__ = [
-    "enter_checked", "leave_checked", "replica_state", "say_diverged_buffers", "say_written_frozen",
+    "enter_checked", "replica_state", "say_diverged_buffers", "say_written_frozen",
     "ReplicaState",
 ]

@@ -95,6 +95,7 @@ class ReplicaMetrics:
         self._copies: dict[tuple[int, int, torch.device], Metric] = {}
         # (structure, the root's metrics, each replica's (parent module, attribute) per metric by id(replica))
         self._found: tuple[object, list[tuple[str, Metric]], dict[int, list[tuple[nn.Module, str]]]] | None = None
+        self._none = StepMetrics(self, [], {}, [], [])  # the copies of a step without metrics: none
 
     def _template(self, metric: Metric) -> Metric:
         template = self._templates.get(id(metric))
@@ -139,7 +140,8 @@ class ReplicaMetrics:
 
         When the body ends without an exception the copies' states are merged into the root's
         metrics (:func:`merge_into_root`); either way the replicas get back the metric modules they
-        had. Nothing is installed when ``replicas`` is ``[root]``. ``structure``: an object that is
+        had. Nothing is installed when ``replicas`` is ``[root]`` or ``root`` has no metric (one empty
+        :class:`StepMetrics`, kept for the run, stands for them). ``structure``: an object that is
         replaced whenever ``root``'s module tree changes (the strategy's persistent replicas); while
         it is the same, the root's metrics and their parent modules in each replica are not looked up again (no
         ``named_modules`` walk or ``get_submodule`` per step). ``plan``: the step's split, which puts the entries the
@@ -152,7 +154,7 @@ class ReplicaMetrics:
             RuntimeError: from :func:`merge_into_root`.
         """
         if len(replicas) == 1 and replicas[0] is root:
-            yield StepMetrics(self, [], {}, replicas, devices)
+            yield self._none
             return
         if structure is not None and self._found is not None and self._found[0] is structure:
             _, found, slots_of = self._found
@@ -163,6 +165,9 @@ class ReplicaMetrics:
             found = [(n, m) for n, m in found if not any(n.startswith(f"{outer}.") for outer, _ in found if outer != n)]
             slots_of = {}
             self._found = None if structure is None else (structure, found, slots_of)
+        if not found:  # no metric: nothing to install, merge or give back
+            yield self._none
+            return
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:
             yield step

@@ -123,7 +123,8 @@ class LogRecorder:
             raise MisconfigurationException(
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
-        self.calls[name] = LogCall(name, value, kwargs, count_of(value), self._metric_value(value))
+        metric_value = self._metric_value(value) if self.metrics else None  # (a value a metric gave)
+        self.calls[name] = LogCall(name, value, kwargs, count_of(value), metric_value)
 
     def _metric_path(self, name: str, metric: Metric, attribute: str | None) -> str:
         """The module path of a logged metric (``metric_attribute`` when given), or Lightning's refusal."""
@@ -164,7 +165,9 @@ def no_print(*args: Any, **kwargs: Any) -> None:
     """``print`` of a replica after the first (and of the exactness check's copies): prints nothing."""
 
 
-def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None = None) -> LogRecorder:
+def install_recorder(
+    replica: Any, index: int, metrics: dict[str, Metric] | None = None, recorder: LogRecorder | None = None,
+) -> LogRecorder:
     """A new :class:`LogRecorder` as replica ``index``'s ``log``, for the step, and after the first replica a no-op
     ``print``: ``LightningModule.print`` prints on global rank 0, which every replica of one process is, and one device
     prints once per step. Touches that replica only, so it may run in the replica's own thread. Both attributes must be
@@ -173,11 +176,16 @@ def install_recorder(replica: Any, index: int, metrics: dict[str, Metric] | None
     one chunk runs on the root device.
 
     ``metrics``: ``module path -> metric`` of the replica's metrics when the caller knows them (the metric copies it
-    installed); else the replica's modules are searched.
+    installed); else the replica's modules are searched. ``recorder``: this replica's recorder of an earlier step,
+    made with these ``metrics``, given again with no calls instead of a new one.
     """
-    if metrics is None:
-        metrics = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
-    recorder = replica.log = LogRecorder(metrics, replica)
+    if recorder is not None and recorder.module is replica:
+        recorder.calls = {}
+    else:
+        if metrics is None:
+            metrics = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
+        recorder = LogRecorder(metrics, replica)
+    replica.log = recorder
     if index > 0:
         replica.print = no_print
     return recorder

@@ -5,7 +5,8 @@ The helpers of :class:`~lightning_sparse_dp.replica.changes.ModuleChanges`: whic
 objects whose public attributes are compared before and after a step (:func:`is_plain_object`, :func:`public_state`,
 :func:`changed_keys`), when values are one value (:func:`all_same`), and the lists and dicts each replica gets its own
 copy of (:func:`is_copied`: lists, and dicts of at most :data:`SHORT` entries, to :data:`DEPTH` levels:
-:func:`copy_nested`), with their sizes (:func:`nested_sizes`) and the tensors in them (:func:`nested_tensors`).
+:func:`copy_nested`), with their sizes (:func:`nested_sizes`) and the tensors in them (:func:`nested_tensors`); what a
+step changed in what the replicas share with the module, said (:func:`say_shared_changes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
 from lightning_sparse_dp.runtime.process import PLAIN_TYPES as PLAIN
@@ -173,3 +175,48 @@ def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str,
         yield name, value
     for key, entry in nested_entries(value, depth):
         yield from nested_tensors(entry, f"{name}[{key!r}]", depth + 1)
+
+
+def say_shared_changes(
+    versions: list[tuple[str, Tensor, int]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
+    sizes: dict[str, list[tuple[Any, int]]], warning_cache: WarningCache,
+) -> set[str]:
+    """After a step, what its replicas changed in what they share with the module, which no merge can undo, said once
+    each: a tensor changed in place (``versions``: ``(name, tensor, its version before)``), a plain object's public
+    attributes (``objects``: ``(key, object, its public_state before)``), a list or dict the replicas got copies of
+    that changed through the module itself (``sizes``: ``self.<path> -> nested_sizes before``). Returns the names of
+    those containers (not merged: the module's object holds what the step did)."""
+    for name, tensor, version in versions:
+        if tensor._version != version:
+            warning_cache.warn(
+                f"sparse_dp: {name} (a tensor of the module) was changed in place in the step: the replicas share "
+                "it, so each applied its own chunk's change to it, one after another or at once (a sum adds up to "
+                "the whole batch's, but a decay, an average or a copy is applied once per replica, and in-place "
+                "changes from several threads may race). Keep such a state in a torchmetrics metric (merged across "
+                "the replicas), or change it from the whole batch (the gathered step outputs in on_train_batch_end)."
+            )
+    for key, value, state in objects:
+        changed = changed_keys(state, public_state(value))
+        if changed:
+            warning_cache.warn(
+                f"sparse_dp: self.{key} (a {type(value).__name__}) was changed in the step ({', '.join(changed)}): the "
+                "replicas share the module's objects, so each replica's step changed it with its own chunk, one "
+                "after another in thread order (and updates from several threads may interleave): a running sum or "
+                "count adds up to the whole batch's, but a last value is the last replica's chunk's, and a history "
+                "gets one entry per replica, where one device's step changes it once with the whole batch. Keep "
+                "such state in a torchmetrics metric (merged across the replicas as one device's: MeanMetric, "
+                "SumMetric), or change it from the whole batch in on_train_batch_end(outputs, batch, batch_idx) "
+                "(outputs['loss'] is the batch's loss)."
+            )
+    reached = {name for name, marks in sizes.items() if any(len(c) != n for c, n in marks)}
+    for name in reached:
+        kind = "list" if isinstance(sizes[name][0][0], list) else "dict"
+        warning_cache.warn(
+            f"sparse_dp: {name} (a {kind} of the module) changed in the step through the module itself, not "
+            "the replica's copy: code that holds the module (a forward hook or closure made with `self`, e.g. "
+            "`layer.register_forward_hook(lambda m, i, o: self.features.append(o))`) runs in every replica's step, "
+            "so it holds what each replica's chunk gave, in the order their threads ran, where one device's holds "
+            "one entry per step. Return such values from the step (outputs are gathered in the batch's order) or "
+            "log them, or append through the replica the step runs on."
+        )
+    return reached

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import step_weights
-from lightning_sparse_dp.replica.install import ReplicaState, enter_checked, leave_checked, replica_state
+from lightning_sparse_dp.replica.install import ReplicaState, enter_checked, replica_state
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.step.context import StepContext
@@ -65,7 +65,9 @@ class InstalledStep:
     Attributes:
         group: the step's batch-norm group (``None`` without synchronized layers, outside manual steps).
         terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
-        before, after: each replica's preparation and wrap-up in its own thread (``None``: on the calling thread).
+        before: each replica's preparation in its own thread (``None``: on the calling thread).
+        after: each replica's wrap-up in its own thread: ``None`` (what a step set on the replicas' copies of the
+            submodules is found by :func:`merge_into_module`, on the calling thread).
         replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`); where the
             deferred check installs it, set once the body ended.
         weights: the replicas' weights, known before a manual step (``None`` otherwise).
@@ -112,11 +114,9 @@ def install_step(
             if step.check is not None:  # installed by the check, on the calling thread, once it passed
                 step.check.prepare = install
                 out.before = [partial(enter_checked, step.check, i) for i in range(n)]
-                out.after = [partial(leave_checked, step.check, i) for i in range(n)]
             else:
                 out.replica_state = install()
                 out.before = [partial(out.replica_state.enter, i) for i in range(n)] if step.refresh_in_threads else None
-                out.after = [partial(out.replica_state.leave, i) for i in range(n)] if step.refresh_in_threads else None
         if step.call.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
             assert persistent is not None and step.plan is not None
             out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.call.warnings)
