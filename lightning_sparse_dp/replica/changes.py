@@ -135,7 +135,10 @@ class ModuleChanges:
         """
         if not self.active:
             return
-        reached = snapshot.say_shared_changes(self.versions, self.objects, self.sizes, warning_cache)
+        reached = (  # what no merge can undo, said
+            snapshot.say_shared_changes(self.versions, self.objects, self.sizes, warning_cache)
+            if self.versions or self.objects or self.sizes else set()
+        )
         skip = {k for k in self.containers if f"self.{k}" in reached}  # not merged: the module's object holds the step's
         keys = [k for k in self.containers if k not in skip]  # what the step set (or may have changed: its copies)
         kept = untouched_copies(self.before, keys, self.replicas, self.entered) if keys else set()  # nothing to merge

@@ -208,9 +208,11 @@ class _Grows(SparseNet):
             self.old_history, self.history = self.history, [-1]  # replaced: the replicas' copies are of the new list
 
 
+@pytest.mark.usefixtures("both_preparations")
 def test_attributes_containers_and_metrics_a_hook_adds_mid_fit_are_followed(monkeypatch):
     made = _counting(monkeypatch, recorder.LogRecorder, "__init__")
     views = _counting(monkeypatch, effects, "trainer_view")
+    listed = _counting(monkeypatch, watch, "list_entries")
     batches = [collate_dict(random_samples(6, seed=s)) for s in range(6)]
     model = _Grows()
     trainer(strategy=unchecked(), devices=3, max_steps=6).fit(model, loader(*batches))
@@ -222,3 +224,6 @@ def test_attributes_containers_and_metrics_a_hook_adds_mid_fit_are_followed(monk
     # for the metric)
     assert made[0] == 3 + 3 * 3
     assert views[0] == 3 * 2
+    # the module's entries listed at the first step, when the hook added a list, for the rebuilt replicas and when the
+    # hook replaced the list: not at the other steps
+    assert listed[0] == 4
