@@ -16,7 +16,12 @@ one), and a step reuses them while their premise holds:
 - a replica's trainer view (:func:`~lightning_sparse_dp.replica.effects.trainer_view`), while its trainer is the same
   object of the same class (a new trainer gets a new view);
 - a replica's :class:`~lightning_sparse_dp.replica.recorder.LogRecorder`, emptied each step, where the module has no
-  torchmetrics metric (else each step's recorder is made with the step's metric copies).
+  torchmetrics metric (else each step's recorder is made with the step's metric copies; whether it has metrics is
+  :class:`~lightning_sparse_dp.replica.metrics.ReplicaMetrics`'s, kept while the replicas are, and a step without them
+  makes, installs and merges no copies).
+
+After the step, the copies of the module's lists and dicts that no replica's step touched are given back without a
+merge (:func:`untouched_copies`: the full merge would find nothing either).
 
 Without a watch (the module itself as the one replica, replicas made by hand) each step derives them anew, by the same
 functions.
