@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_sparse_dp.loss.collectives import COLLECTIVE_FUNCTIONS, note_collective
 from lightning_sparse_dp.loss.denominators import (
     CAPTURED,
+    CAPTURED_NAMES,
     UNCAPTURED,
     bind,
     full_reduction,
@@ -60,7 +61,7 @@ from lightning_sparse_dp.loss.means import (
     pass_mean,
     scalar_values,
 )
-from lightning_sparse_dp.loss.sites import CallSite, call_site, in_checkpoint, in_transform, input_rows, reduces_rows
+from lightning_sparse_dp.loss.sites import CallSite, input_rows, locate, peek_transform, reduces_rows
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
@@ -96,6 +97,7 @@ class StepObserver(TorchFunctionMode):
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
         its means (:func:`~lightning_sparse_dp.loss.means.counting`, kept as :attr:`means`)."""
+        self.recording = torch.is_grad_enabled()  # whether the step records gradients (TermCapture's terms read it)
         previous = getattr(_local, "active", None)
         _local.active = self
         try:
@@ -218,22 +220,18 @@ class TermCapture(StepObserver):
         self.recording = True  # whether the step records gradients (set by run)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
 
-    def run(self, fn: Callable[[], T]) -> T:
-        """:meth:`StepObserver.run`, noting whether the step records gradients (a term called where nothing is
-        recorded then is :attr:`Term.unrecorded`)."""
-        self.recording = torch.is_grad_enabled()
-        return super().run(fn)
-
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
         (:func:`~lightning_sparse_dp.loss.means.scalar_values`) instead of two waits on the GPU per term and reader."""
         todo = [t for t in self.terms if t._numbers is None and t.value is not None]
+        if not todo:
+            return
         tensors = [t.value for t in todo] + [t.denominator for t in todo if isinstance(t.denominator, Tensor)]
         read = iter(scalar_values(tensors))  # type: ignore[arg-type]
         values = [next(read) for _ in todo]
         for term, v in zip(todo, values):
             d = term.denominator
-            term._numbers = (next(read) if isinstance(d, Tensor) else _number(d), v)
+            term._numbers = (next(read) if isinstance(d, Tensor) else 1.0 if d is None else float(d), v)
 
     def tensor_of(self, value: Any) -> Tensor | None:
         """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
@@ -250,7 +248,7 @@ class TermCapture(StepObserver):
             kind = _KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
             kind = None
-        if (kind is _CAPTURED_KIND or kind is _SUM_KIND or kind is _MEAN_KIND) and in_transform():
+        if (kind is _CAPTURED_KIND or kind is _SUM_KIND or kind is _MEAN_KIND) and peek_transform() is not None:
             return func(*args, **kwargs)  # inside torch.func's vmap / grad: its own function of the inputs, not a term
         if kind is _CAPTURED_KIND:
             return self._capture(func, args, kwargs)
@@ -289,18 +287,19 @@ class TermCapture(StepObserver):
         if reduced is None:
             return out  # "none": what the step does with it is its own arithmetic
         d, keep = reduced
+        site, checkpointed = locate(2)
         term = Term(
-            loss_name(func),
+            CAPTURED_NAMES[func],
             d,
             torch.ones((), dtype=out.dtype, device=out.device),
-            call_site(2),
+            site,
             input_rows(func, bound),
             reduces_rows(bound.get("input")),
             shared_arguments(func, bound),
         )
-        return self._add(term, out, keep)
+        return self._add(term, out, keep, checkpointed)
 
-    def _add(self, term: Term, out: Tensor, keep: Tensor | bool) -> Tensor:
+    def _add(self, term: Term, out: Tensor, keep: Tensor | bool, checkpointed: bool) -> Tensor:
         """``out`` as the step's next term: scaled by the term's factor, its value kept, its form a term of its own.
 
         Inside ``torch.utils.checkpoint`` (:func:`~lightning_sparse_dp.loss.sites.in_checkpoint`) ``out`` is handed back
@@ -308,9 +307,9 @@ class TermCapture(StepObserver):
         recomputation), so a factor there would be missing (``use_reentrant=True``: the gradient unscaled) or would
         save tensors the recomputation does not (``use_reentrant=False``: torch's ``CheckpointError``). Such a term is
         read but cannot be weighted (:func:`~lightning_sparse_dp.loss.decide.summarize` says why)."""
-        term.checkpointed = in_checkpoint()
-        term.unrecorded = self.recording and not torch.is_grad_enabled() and not term.checkpointed
-        value = out if term.checkpointed else _scaled(out, keep, term._factor)
+        term.checkpointed = checkpointed
+        term.unrecorded = self.recording and not torch.is_grad_enabled() and not checkpointed
+        value = out if checkpointed else out * term._factor if keep is True else _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
         self.terms.append(term)
@@ -326,11 +325,12 @@ class TermCapture(StepObserver):
         mean = func in MEAN_FUNCTIONS
         if mean:
             note_mean(args, kwargs, out)
+        site, checkpointed = locate(2)
         term = Term(
             f"torch.{func.__name__}", float(x.numel()) if mean else None,
-            torch.ones((), dtype=out.dtype, device=out.device), call_site(2), int(x.shape[0]), reduces_rows(x),
+            torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]), reduces_rows(x),
         )
-        return self._add(term, out, x.numel() > 0 or not mean)
+        return self._add(term, out, x.numel() > 0 or not mean, checkpointed)
 
     def combination(self, value: Any) -> tuple[list[float], float, float] | str:
         """How ``value`` is ``sum_k c_k L_k + r`` in this replica: ``(coeffs, r, scale)``, or why it is not.
@@ -362,7 +362,7 @@ class TermCapture(StepObserver):
             return f"it has shape {tuple(value.shape)}"
         coeffs = [form.coeffs.get(k, 0.0) for k in range(len(self.terms))]
         self.read_numbers()
-        parts = [c * t.numbers()[1] for c, t in zip(coeffs, self.terms) if c != 0.0]
+        parts = [c * t._numbers[1] for c, t in zip(coeffs, self.terms) if c != 0.0]  # type: ignore[index]
         v = float(value.detach())
         r, scale = v - sum(parts), abs(v) + sum(abs(p) for p in parts)
         if abs(r) <= 64 * torch.finfo(value.dtype).eps * scale:

@@ -116,9 +116,12 @@ def _reduction_of(a: Arguments) -> str:
     return a.get("reduction", "mean")
 
 
+_MEANS = ("mean", "batchmean", "elementwise_mean")
+
+
 def is_mean(a: Arguments) -> bool:
     """Whether the call reduces by a mean (``"mean"``, or ``kl_div``'s ``"batchmean"``)."""
-    return _reduction_of(a) in ("mean", "batchmean", "elementwise_mean")
+    return _reduction_of(a) in _MEANS
 
 
 def is_sum(a: Arguments) -> bool:
@@ -161,14 +164,19 @@ def loss_name(func: Callable[..., Any]) -> str:
     return f"F.{getattr(func, '__name__', func)}"
 
 
+#: :func:`loss_name` of every :data:`CAPTURED` loss, made once
+CAPTURED_NAMES: dict[Callable[..., Tensor], str] = {func: loss_name(func) for func in CAPTURED}
+
+
 def reduction_of(func: Any, bound: Any) -> tuple[float | Tensor | None, Tensor | bool] | None:
     """A captured loss call's denominator (``None`` for ``reduction="sum"``) and where its value is kept (``False`` /
     a tensor: 0 where the mean is over nothing); ``None`` for ``reduction="none"``."""
-    if is_sum(bound):
+    reduction = _reduction_of(bound)  # read once: is_sum / is_mean each read it again
+    if reduction == "sum":
         return None, True
-    if not is_mean(bound):
+    if reduction not in _MEANS:
         return None
-    d = denominator(func, bound)
+    d = CAPTURED[func](bound)  # denominator(func, bound)
     if isinstance(d, Tensor) and d.device.type == "cpu":
         d = float(d)  # no device to wait for
     return d, (d > 0 if isinstance(d, Tensor) else bool(d > 0))
@@ -185,6 +193,6 @@ def full_reduction(args: tuple, kwargs: dict) -> bool:
 
 
 __all__ = [
-    "CAPTURED", "UNCAPTURED", "Arguments", "bind", "denominator", "full_reduction", "is_mean", "is_sum", "loss_name",
-    "reduction_of", "shared_arguments",
+    "CAPTURED", "CAPTURED_NAMES", "UNCAPTURED", "Arguments", "bind", "denominator", "full_reduction", "is_mean", "is_sum",
+    "loss_name", "reduction_of", "shared_arguments",
 ]

@@ -83,23 +83,39 @@ def call_site(depth: int = 1) -> CallSite:
     The site is the innermost frame outside torch, Lightning and this package (its code and
     instruction, so two loss calls on one line are two sites); ``in_loop`` is whether any of the user's
     frames up to the step (the first library frame above) is inside a loop: a loss called once per
-    sample from a helper function is in a loop too. Costs a walk of the stack.
+    sample from a helper function is in a loop too. Costs a walk of the stack (:func:`locate`).
     """
-    library = library_dirs()
-    frame = sys._getframe(depth + 1)
-    while frame is not None and frame.f_code.co_filename.startswith(library):
-        frame = frame.f_back
-    if frame is None:
-        return CallSite(0, "?", False)
-    site = _frame_site(frame.f_code, frame.f_lasti, frame.f_lineno)
-    outer, in_loop = frame.f_back, site.in_loop
-    while not in_loop and outer is not None and not outer.f_code.co_filename.startswith(library):
-        in_loop = _frame_site(outer.f_code, outer.f_lasti, outer.f_lineno).in_loop
-        outer = outer.f_back
-    return site if in_loop == site.in_loop else site._replace(in_loop=in_loop)
+    return locate(depth + 1)[0]
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def locate(depth: int = 1) -> tuple[CallSite, bool]:
+    """:func:`call_site` and :func:`in_checkpoint` of the loss call being captured, in one walk of the stack
+    (``depth``: frames between the caller and this call). Each frame's reading (:func:`_frame_site`) is made once
+    per code object and instruction and looked up after; what depends on the frames above the site (whether a loop
+    of the user's encloses it, whether ``torch.utils.checkpoint`` runs it) is walked at every call, since one site
+    may be reached from several places."""
+    library = library_dirs()
+    frame = sys._getframe(depth + 1)
+    checkpointed = False
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        checkpointed = checkpointed or frame.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+        frame = frame.f_back
+    if frame is None:
+        return CallSite(0, "?", False), checkpointed
+    code = frame.f_code
+    site = _SITES.get((code, frame.f_lasti)) or _frame_site(code, frame.f_lasti, frame.f_lineno)
+    outer, in_loop = frame.f_back, site.in_loop
+    while not in_loop and outer is not None and not outer.f_code.co_filename.startswith(library):
+        code = outer.f_code
+        in_loop = (_SITES.get((code, outer.f_lasti)) or _frame_site(code, outer.f_lasti, outer.f_lineno)).in_loop
+        outer = outer.f_back
+    while not checkpointed and outer is not None:
+        checkpointed = outer.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+        outer = outer.f_back
+    return (site if in_loop == site.in_loop else site._replace(in_loop=in_loop)), checkpointed
 
 
 def in_checkpoint() -> bool:
@@ -113,14 +129,18 @@ def in_checkpoint() -> bool:
     return False
 
 
+#: the top of torch.func's interpreter stack, ``None`` outside any transform (:func:`in_transform`)
+peek_transform: Any = getattr(torch._C._functorch, "peek_interpreter_stack", None) or (lambda: None)
+
+
 def in_transform() -> bool:
     """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running: a loss called inside one is
     the transform's function (per-sample gradients, a Hessian-vector product), evaluated on batched or wrapped tensors
     whose values cannot be read (``.item()`` raises under ``vmap``); the capture leaves it alone, and reads what the
     step does with the transform's results outside it (a mean of per-sample norms is a term). No public torch test:
-    ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing)."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
+    ``torch._C._functorch.peek_interpreter_stack`` (torch >= 2.0; ``False`` where it is missing), which the capture
+    calls itself (:data:`peek_transform`)."""
+    return peek_transform() is not None
 
 
 def unweighable(terms: Sequence[Term]) -> str | None:
@@ -219,5 +239,5 @@ def reduces_rows(x: Any, limit: int = 16) -> bool:
     return False
 
 
-__all__ = ["CallSite", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "reduces_rows",
-           "unweighable"]
+__all__ = ["CallSite", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "locate", "peek_transform",
+           "reduces_rows", "unweighable"]

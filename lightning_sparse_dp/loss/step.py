@@ -129,6 +129,7 @@ class StepTerms:
         self._shapes: list[ChunkShape | None] = []  # chunk i's, made where first needed (replica i's thread)
         self._losses: list[Any] = []
         self._summaries: list[tuple[Any, Summary] | None] = [None] * count  # (loss, its summary), made in the replica
+        self._outputs: list[tuple[Any, Any] | None] = [None] * count  # (output, its loss_of), read in the replica
 
     @classmethod
     def for_step(
@@ -149,9 +150,16 @@ class StepTerms:
         capture = self.captures[i]
         out = capture.run(step)
         loss = loss_of(out)
+        self._outputs[i] = (out, loss)
         if self.plan is not None and isinstance(loss, Tensor):
             self._summaries[i] = (loss, summarize(capture, loss, self.shape(i)))
         return out
+
+    def losses(self, outputs: Sequence[Any]) -> list[Tensor | None]:
+        """Each replica's loss (:func:`~lightning_sparse_dp.loss.values.loss_of`) of ``outputs`` (replica order): read
+        in the replica's thread after its step where ``outputs[i]`` is what that step returned, else read here."""
+        made = self._outputs
+        return [m[1] if m is not None and m[0] is o else loss_of(o) for m, o in zip(made, outputs)]
 
     def set_plan(self, plan: SplitPlan) -> None:
         """The step's split: the chunks' shapes, before the step (manual optimization decides inside it)."""
@@ -175,11 +183,15 @@ class StepTerms:
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
         """The decision on one value per replica (of ``replicas``, default all), against the chunks' shapes."""
         replicas = range(len(self.captures)) if replicas is None else replicas
-        return decide([self._summary(i, v) for i, v in zip(replicas, values)], self.memory)
+        made = self._summaries  # each replica's loss, summarized in its thread after its step
+        summaries = [
+            made[i][1] if made[i] is not None and made[i][0] is v else self._summary(i, v)  # type: ignore[index]
+            for i, v in zip(replicas, values)
+        ]
+        return decide(summaries, self.memory)
 
     def _summary(self, i: int, value: Any) -> Summary:
-        made = self._summaries[i]  # the replica's loss, summarized in its thread after its step
-        return made[1] if made is not None and made[0] is value else summarize(self.captures[i], value, self.shape(i))
+        return summarize(self.captures[i], value, self.shape(i))
 
     def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
         """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.

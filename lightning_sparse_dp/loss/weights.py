@@ -161,7 +161,8 @@ def step_weights(
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
     warning_cache = _warning_cache if warning_cache is None else warning_cache
     weights = chunk_weights(plan, loss_weighting, chunks)
-    say_auto_choice(plan, loss_weighting, warning_cache)
+    if loss_weighting == "auto":
+        say_auto_choice(plan, loss_weighting, warning_cache)
     if not any(weights):
         warning_cache.warn(
             "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "

@@ -24,7 +24,7 @@ def weigh(step: StepContext, loss_weighting: Any) -> tuple[list[Any], list[float
     scales set) or ``"auto"`` said once. Stage ``weigh``."""
     assert step.plan is not None
     with step.call.timer.stage("weigh"):
-        losses = [loss_of(o) for o in step.outputs]
+        losses = [loss_of(o) for o in step.outputs] if step.terms is None else step.terms.losses(step.outputs)
         weights = step.weights if step.weights is not None else step_weights(
             step.plan, step.inputs, loss_weighting, step.call.warnings
         )
