@@ -27,6 +27,15 @@ per replica as
 said once too, and the reading of a site seen once without ambiguity is kept for later steps
 (:class:`SiteMemory`).
 
+How each site enters the value (:class:`~lightning_sparse_dp.loss.readings.Reading`, read in full by
+:func:`~lightning_sparse_dp.loss.readings.read_site`) and the notes said on the way depend on the step's structure, not
+on the calls' values: which sites each replica called how often, with which coefficients and reductions, the rows of its
+sums, what the chunks hold and what :class:`SiteMemory` held for those sites (:func:`structure`, a key). A decision that
+read every site without its values (not a full ``torch.sum`` of one value in every replica) and left the memory of its
+sites as it found it is kept under its key; a later decision of the same key takes those readings and notes and
+computes only what the values give (:func:`site_part`). Any other is derived in full, with the same readings, notes,
+memory and refusals: a site whose calls, rows, coefficients or chunks' samples changed has another key.
+
 ``sparse_dp`` decides on its replicas' :class:`Summary` objects in its process; ``sparse_ddp`` gathers the
 ranks' summaries (``all_gather_object``) and every rank decides alike.
 """
@@ -42,10 +51,9 @@ from typing import Any
 import torch
 
 from lightning_sparse_dp.loss.capture import TermCapture
+from lightning_sparse_dp.loss.readings import NotExact, Reading, read_site
 from lightning_sparse_dp.loss.sites import unweighable
 from lightning_sparse_dp.split import SplitPlan
-
-_SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,6 @@ def summarize(
     why = unweighable([t for t, c in zip(capture.terms, coeffs) if c != 0.0]) if value.requires_grad else None
     if why is not None:
         return Summary(why, shape.samples, n, collectives=list(collectives))
-    capture.read_numbers()
     out = Summary(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
     )
@@ -160,15 +167,15 @@ def summarize(
         if p == len(out.sites):
             out.sites.append(SiteTerms(term.site, term.where, term.name, term.in_loop, [], [], [], [], [], False, []))
         site = out.sites[p]
-        d, v = term.numbers()
+        d, v = term._numbers or term.numbers()  # read by capture.combination above (TermCapture.read_numbers)
         out.order.append((p, len(site.coeffs)))
-        site.sums.append(term.is_sum)
+        site.sums.append(term.denominator is None)  # term.is_sum
         site.coeffs.append(c)
         site.denominators.append(d)
         site.values.append(v)
         site.rows.append(term.rows)
         site.statistic.append(term.statistic)
-        site.shared.append(_fingerprint(term.shared))
+        site.shared.append(_fingerprint(term.shared) if term.shared else 0)
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = shape.per_sample(site.rows)
@@ -187,6 +194,10 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:
     return out
 
 
+#: decisions kept per memory (the step's loss, its logged values and outputs; a few batch structures), oldest dropped
+RECALLED = 16
+
+
 class SiteMemory(dict):
     """Per call site (its key), how it was read where the step left no doubt: ``("samples", "mean" | "sum" |
     None)`` or ``("matched", None)``; kept by the strategy for the run, so that a later step of equal chunks reads
@@ -195,13 +206,22 @@ class SiteMemory(dict):
     ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
     replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
     ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows) or ``"constant"`` (one
-    coefficient), where a step of unequal chunks told which (:func:`_divided_sums`).
+    coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
+    ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
+    :data:`RECALLED`, the oldest dropped first).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loops: dict[int, int] = {}
         self.sums: dict[int, str] = {}
+        self.recalled: dict[tuple, tuple[list[Reading], list[str]]] = {}
+
+    def recall(self, key: tuple, readings: list[Reading], notes: list[str]) -> None:
+        """Keep the ``readings`` and ``notes`` of a decision of structure ``key`` (read without the values)."""
+        if len(self.recalled) >= RECALLED:
+            del self.recalled[next(iter(self.recalled))]
+        self.recalled[key] = (readings, list(notes))
 
 
 @dataclass
@@ -225,10 +245,6 @@ class Decision:
     n: float = 0.0  # sum of the n_i (the "auto" counts)
 
 
-class _NotExact(Exception):
-    """A reason the value is not a combination of the whole batch's terms (the message is the reason)."""
-
-
 def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: str = "replica") -> Decision:
     """The whole batch's value of one value per replica (rank), from their :class:`Summary` objects.
 
@@ -246,253 +262,119 @@ def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: 
     if reason is not None:
         out.reason = reason
         return out
+    key = structure(summaries, memory, who) if summaries else None
+    recalled = memory.recalled.get(key) if key is not None else None
     try:
-        _decide(summaries, memory, who, out)
-    except _NotExact as err:
+        if recalled is not None:  # a step of the same structure was read before: its readings, its notes
+            _decide(summaries, memory, who, out, recalled[0])
+            out.notes = list(recalled[1])  # after: a remainder refused reads no site, says nothing
+        else:
+            readings = _decide(summaries, memory, who, out)
+            if key is not None and all(r.steady for r in readings) and structure(summaries, memory, who) == key:
+                memory.recall(key, readings, out.notes)  # read without the values, the memory left as it was
+    except NotExact as err:
         out.reason, out.value, out.scales, out.empty = str(err), None, [], []
     return out
 
 
-def _decide(summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision) -> None:
-    if len({tuple(site.key for site in s.sites) for s in summaries}) > 1:
-        raise _NotExact(
+def _decide(
+    summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision, readings: list[Reading] | None = None
+) -> list[Reading]:
+    """The value and scales into ``out``; each site read in full (:func:`~lightning_sparse_dp.loss.readings.read_site`),
+    or as ``readings`` recalled for the step's structure (:func:`structure`). Returns the readings."""
+    if readings is None and len({tuple(site.key for site in s.sites) for s in summaries}) > 1:
+        raise NotExact(
             f"the {who}s' steps called different sequences of mean-reduced losses (e.g. a loss computed only when the "
             "chunk has something for it)"
         )
     rs = [s.remainder for s in summaries]
     if max(rs) - min(rs) > max(s.tolerance for s in summaries) or not all(map(math.isfinite, rs)):
-        raise _NotExact(
+        raise NotExact(
             f"a part of it differs from {who} to {who} and is not one of torch's mean-reduced losses (e.g. a "
             "hand-written masked mean such as (loss * mask).sum() / mask.sum())"
         )
     value = rs[0]
+    read = [] if readings is None else readings
     site_scales: list[list[list[float | None]]] = [[[] for _ in s.sites] for s in summaries]
     for p in range(len(summaries[0].sites)):
         sites = [s.sites[p] for s in summaries]
-        if _per_sample(sites, summaries, memory, who, out.notes):
-            part, per_replica = _samples_part(sites, summaries, memory, who, out)
-        else:
-            part, per_replica = _matched_part(sites, summaries, memory, who, out)
+        if readings is None:
+            read.append(read_site(sites, summaries, memory, who, out))
+        part, per_replica = site_part(read[p], sites, out)
         value += part
         for i, site_scale in enumerate(per_replica):
             site_scales[i][p] = site_scale
     out.value = value
     out.scales = [[site_scales[i][p][j] for p, j in s.order] for i, s in enumerate(summaries)]
+    return read
 
 
-def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
-    """Whether a site's calls are one per sample (each its own criterion), else matched by position."""
-    calls = [len(site.coeffs) for site in sites]
-    if any(n != s.samples for n, s in zip(calls, summaries)):  # a loop over the samples that skips some: per sample
-        return len(sites) > 1 and all(site.some_samples for site in sites)
-    learned = memory.get(sites[0].key, (None, None))[0]
-    if len(set(calls)) > 1 or any(site.per_sample for site in sites) or learned == "samples":
-        return True
-    if learned is not None or len(sites) < 2:
-        return False
+def structure(summaries: Sequence[Summary], memory: SiteMemory, who: str) -> tuple:
+    """What a decision on ``summaries`` reads apart from the calls' values and denominators, as a key: per replica its
+    chunk's samples and, per site, its place, name, calls (coefficients, reductions, rows of its sums, whether its
+    inputs are statistics, its shared arguments' fingerprints) and how its rows match the chunk's samples; and what
+    ``memory`` holds for the first replica's sites."""
+    keys = tuple(site.key for site in summaries[0].sites)
+    return (
+        who,
+        tuple(
+            (s.samples, tuple(
+                (site.key, site.where, site.name, site.in_loop, tuple(site.sums), tuple(site.coeffs),
+                 tuple(site.rows) if any(site.sums) else None, site.per_sample, site.some_samples,
+                 tuple(site.statistic), tuple(site.shared))
+                for site in s.sites
+            ))
+            for s in summaries
+        ),
+        tuple((memory.get(k), memory.loops.get(k), memory.sums.get(k)) for k in keys),
+    )
+
+
+def site_part(reading: Reading, sites: Sequence[SiteTerms], out: Any) -> tuple[float, list[list[float | None]]]:
+    """One site's whole-batch part of the value and each call's gradient scale, replica by replica, as ``reading``
+    reads its calls (``sites``: the site's :class:`~lightning_sparse_dp.loss.decide.SiteTerms` of every replica). A
+    mean over nothing in the whole batch makes the part NaN and adds the site's name to ``out.empty`` (a
+    :class:`~lightning_sparse_dp.loss.decide.Decision`)."""
     site = sites[0]
-    if calls[0] == 1 and all(s.in_loop for s in sites):
-        notes.append(
-            f"sparse_dp: {site.name} at {site.where} is called in a loop, once in each {who}'s step, and each {who}'s "
-            "chunk holds one sample: taken as one loss per sample (each its own mean). If it is one loss over the chunk, "
-            "batches of more samples than devices make the difference plain."
-        )
-        return True
-    if calls[0] > 1:
-        notes.append(
-            f"sparse_dp: {site.name} at {site.where} is called {calls[0]} times in each {who}'s step, as many as its "
-            "samples, on inputs that are not one per sample (their rows are not the samples' points): taken as "
-            f"{calls[0]} distinct losses, the j-th of every {who} one loss (decoder levels, heads). If they are one "
-            "loss per sample, pass loss_weighting='samples' (exact for sum(losses) / len(losses))."
-        )
-    return False
-
-
-def _samples_part(
-    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
-) -> tuple[float, list[list[float]]]:
-    """A per-sample site: its whole-batch part of the value and each call's gradient scale."""
-    site = sites[0]
-    for s in sites:
-        if any(not math.isclose(c, s.coeffs[0], rel_tol=_SAME, abs_tol=0.0) for c in s.coeffs):
-            raise _NotExact(f"the per-sample losses {site.name} at {site.where} are combined with different coefficients")
-    total = sum(len(s.coeffs) for s in sites)  # the calls: the samples, or those a loop did not skip
-    cs = [s.coeffs[0] for s in sites]
-    means = [c * len(s.coeffs) for c, s in zip(cs, sites)]
-    mean_ok = all(math.isclose(m, means[0], rel_tol=1e-9, abs_tol=0.0) for m in means)
-    sum_ok = all(math.isclose(c, cs[0], rel_tol=1e-9, abs_tol=0.0) for c in cs)
-    learned = memory.get(site.key, (None, None))[1]
-    if mean_ok and sum_ok:
-        if learned is not None:
-            reading = learned
-        elif math.isclose(means[0], 1.0, rel_tol=1e-9) or not math.isclose(cs[0] * total, 1.0, rel_tol=1e-9):
-            reading = "mean"
-            if not math.isclose(means[0], 1.0, rel_tol=1e-9) and len(sites) > 1:
-                out.notes.append(
-                    f"sparse_dp: the per-sample losses {site.name} at {site.where} have the coefficient {cs[0]:g} in every "
-                    f"{who}, whose chunks hold {summaries[0].samples} samples each: read as {means[0]:g} times their mean "
-                    f"over the batch's samples, not {cs[0]:g} times their sum."
-                )
-        else:
-            reading = "sum"  # divided by the whole batch's number of samples
-    elif mean_ok or sum_ok:
-        reading = "mean" if mean_ok else "sum"
-        memory[site.key] = ("samples", reading)
-    else:
-        raise _NotExact(
-            f"the per-sample losses {site.name} at {site.where} have coefficients that are neither one number in every "
-            f"{who} (a sum) nor one number over the chunk's samples (a mean)"
-        )
-    if any(s.per_sample for s in sites) or len({len(s.coeffs) for s in sites}) > 1:
-        memory.setdefault(site.key, ("samples", None))
-    c = means[0] / total if reading == "mean" else cs[0]
-    part, per_replica = 0.0, []
-    for s, ci in zip(sites, cs):
-        for d, v, is_sum in zip(s.denominators, s.values, s.sums):
-            if d == 0 and not is_sum and c != 0.0:
-                part, out.empty = math.nan, out.empty + [site.name]
-            part += c * v
-        per_replica.append([c / ci if ci != 0.0 else None] * len(s.coeffs))  # None: not in the value (see below)
-    return part, per_replica
-
-
-def _matched_part(
-    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
-) -> tuple[float, list[list[float]]]:
-    """A site whose j-th call is one loss in every replica: its whole-batch part and each call's gradient scale."""
-    site = sites[0]
-    if len({len(s.coeffs) for s in sites}) > 1:
-        raise _NotExact(
-            f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
-            "with a sample that has no loss)"
-        )
-    divided = _divided_sums(sites, memory, who, out.notes)
-    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and not divided:
-        if site.name.startswith("torch."):
-            raise _NotExact(
-                f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked "
-                "mean such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
-            )
-        raise _NotExact(
-            f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
-            "count of the chunk)"
-        )
-    if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
-        memory.setdefault(site.key, ("matched", None))
-    _check_loop(site, memory, who)
-    per_replica: list[list[float | None]] = [[] for _ in sites]
     part = 0.0
-    if divided:  # sum-reduced calls, each divided by its own input's rows: the whole batch's sum over all rows
-        total = [sum(s.rows[j] for s in sites) for j in range(len(site.coeffs))]
-        for j, k in enumerate(_divisors(sites)):
-            part += k * sum(s.values[j] for s in sites) / total[j]
+    if reading.kind == "samples":
+        c, scales = reading.c, []
+        for s in sites:
+            ci = s.coeffs[0]
+            for d, v, is_sum in zip(s.denominators, s.values, s.sums):
+                if d == 0 and not is_sum and c != 0.0:
+                    part, out.empty = math.nan, out.empty + [site.name]
+                part += c * v
+            scales.append([c / ci if ci != 0.0 else None] * len(s.coeffs))  # None: not in the value
+        return part, scales
+    per_replica: list[list[float | None]] = [[] for _ in sites]
+    for j, (use, c) in enumerate(reading.calls):
+        if reading.kind == "divided":  # the whole batch's sum over all rows, divided by them
+            rows = sum(s.rows[j] for s in sites)
+            part += c * sum(s.values[j] for s in sites) / rows
             for s, scale in zip(sites, per_replica):
-                scale.append(s.rows[j] / total[j])  # (k / total) over the replica's own k / rows
-        return part, per_replica
-    for j, c in enumerate(site.coeffs):
-        if c == 0.0:  # not in the value: a gradient reaches it only through other terms, already weighted there
+                scale.append(s.rows[j] / rows)  # (k / rows) over the replica's own k / its rows
+        elif use == "skip" or use == "one":  # a gradient reaches it only through other terms, or as the remainder's
+            if use == "one":
+                part += c * site.values[j]  # one value in every replica: of the parameters, not of the chunks
             for scale in per_replica:
                 scale.append(None)
-            continue
-        if len(sites) > 1 and any(s.shared[j] != site.shared[j] for s in sites):
-            raise _NotExact(
-                f"the weight given to {site.name} at {site.where} (a class weight, pos_weight) differs from {who} to "
-                f"{who}: computed from the chunk (e.g. from its labels' class frequencies), where one device weights "
-                "every row by the whole batch's, which no combination of the chunks' losses gives. Compute it from the "
-                "dataset, or from the whole batch in on_before_batch_transfer and keep it on the module "
-                "(self.class_weights), so that every replica is given the same"
-            )
-        if len(sites) > 1 and any(s.statistic[j] for s in sites):
-            raise _NotExact(
-                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
-                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
-                "computes as one device does"
-            )
-        if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _one_value([s.values[j] for s in sites]):
-            part += c * site.values[j]  # one value in every replica: of the parameters (a penalty), not of the chunks
-            for scale in per_replica:
-                scale.append(None)  # its gradient as the remainder's: the replica's weight
-            continue
-        if site.sums[j]:
+        elif use == "sum":
             part += c * sum(s.values[j] for s in sites)
             for scale in per_replica:
                 scale.append(1.0)
-            continue
-        total = sum(s.denominators[j] for s in sites)
-        if total > 0:
-            part += c * sum(s.denominators[j] * s.values[j] for s in sites) / total
-        elif c != 0.0:
-            part, out.empty = math.nan, out.empty + [site.name]
-        for s, scale in zip(sites, per_replica):
-            scale.append(s.denominators[j] / total if total > 0 else 0.0)
+        else:
+            total = sum(s.denominators[j] for s in sites)
+            if total > 0:
+                part += c * sum(s.denominators[j] * s.values[j] for s in sites) / total
+            else:
+                part, out.empty = math.nan, out.empty + [site.name]
+            for s, scale in zip(sites, per_replica):
+                scale.append(s.denominators[j] / total if total > 0 else 0.0)
     return part, per_replica
 
 
-def _check_loop(site: SiteTerms, memory: SiteMemory, who: str) -> None:
-    """A site called several times in a loop, its calls matched by position (the j-th of every replica one loss: decoder
-    levels, heads): refused once the number of calls changed from one step to another, for good, since the loop runs
-    over what the chunk holds (the classes present, its instances), whose j-th items differ between replicas."""
-    calls = len(site.coeffs)
-    if not site.in_loop or (calls < 2 and site.key not in memory.loops):
-        return
-    seen = memory.loops.setdefault(site.key, calls)
-    if seen != calls:
-        memory.loops[site.key] = -1
-    if memory.loops[site.key] == -1:
-        raise _NotExact(
-            f"{site.name} at {site.where} is called in a loop a number of times that changes from step to step (a loop "
-            f"over what the chunk holds: the classes present, its instances), so the j-th calls of the {who}s are not "
-            "one loss; loop over a fixed list (every class, a fixed number of items) for an exact loss"
-        )
-
-
-def _divisors(sites: Sequence[SiteTerms]) -> list[float]:
-    """Per call ``j`` of a site: ``c_ij * rows_ij`` of the first replica (the ``k`` of ``k * sum / rows``)."""
-    return [c * r for c, r in zip(sites[0].coeffs, sites[0].rows)]
-
-
-def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, notes: list[str]) -> bool:
-    """Whether a site's calls are ``reduction="sum"`` losses each divided by its own input's rows in every replica
-    (``F.cross_entropy(out, y, reduction="sum") / len(y)``): ``c_ij * rows_ij`` one number ``k_j`` over the replicas,
-    so that one device's step, whose input holds every replica's rows, divides the whole sum by all of them.
-
-    Where every replica's coefficients are one number too (chunks of equal rows), the division is the reading when
-    ``k_j`` is 1 (``sum / len(y)``; else a constant coefficient, ``0.5 * sum``), said once, unless the site was read
-    without doubt at an earlier step (``memory``)."""
-    site = sites[0]
-    if len(sites) < 2 or not all(site.sums) or any(s.sums != site.sums for s in sites):
-        return False
-    if any(r <= 0 for s in sites for r in s.rows):
-        return False
-    if site.name.startswith("torch.") and all(_one_value([s.values[j] for s in sites]) for j in range(len(site.coeffs))):
-        return False  # one value in every replica: a penalty on the parameters (its own reading below)
-    ks = _divisors(sites)
-    divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
-                  for s in sites for c, r, k in zip(s.coeffs, s.rows, ks))
-    constant = all(s.coeffs == site.coeffs for s in sites)
-    if divides and not constant:
-        memory.sums[site.key] = "divided"
-        return True
-    if not (divides and constant):
-        if constant:
-            memory.sums[site.key] = "constant"
-        return False
-    if site.key in memory.sums:
-        return memory.sums[site.key] == "divided"
-    if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
-        notes.append(
-            f"sparse_dp: {site.name} at {site.where} (reduction='sum') has one coefficient in every {who}, one over its "
-            f"input's rows, which are as many in every {who}: read as its sum divided by its rows (sum / len(y)), so "
-            "the whole batch's sum divided by all its rows, not a constant times the sum. If it is a constant (0.5 * "
-            "sum), the first batch whose chunks differ in size settles it."
-        )
-        return True
-    return False
-
-
-def _one_value(values: Sequence[float]) -> bool:
-    """Whether every replica's value is one number, to rounding (``_SAME``): a quantity of the parameters."""
-    return all(math.isclose(v, values[0], rel_tol=_SAME, abs_tol=0.0) for v in values)
-
-
-__all__ = ["ChunkShape", "Decision", "SiteMemory", "SiteTerms", "Summary", "decide", "summarize"]
+__all__ = [
+    "RECALLED", "ChunkShape", "Decision", "SiteMemory", "SiteTerms", "Summary", "decide", "site_part", "structure",
+    "summarize",
+]

@@ -1,0 +1,244 @@
+"""Readings: how a step's call site enters the whole batch's value, read in full from every replica's calls of it.
+
+:func:`read_site` reads one site of a decision (:func:`~lightning_sparse_dp.loss.decide.decide`): one loss per sample
+of the chunk (each its own criterion, the coefficient of each call), else the ``j``-th call of every replica one
+criterion (a mean, a sum, sums each divided by their rows, one value in every replica), or :class:`NotExact` with the
+reason no combination of the replicas' calls is the whole batch's. On the way it says what an ambiguous step was read
+as (the decision's notes) and keeps in :class:`~lightning_sparse_dp.loss.decide.SiteMemory` what a step told without
+doubt. A decision of a structure read before takes its :class:`Reading` objects as they were
+(:func:`~lightning_sparse_dp.loss.decide.structure`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_sparse_dp.loss.decide import Decision, SiteMemory, SiteTerms, Summary
+
+_SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
+
+
+class NotExact(Exception):
+    """A reason the value is not a combination of the whole batch's terms (the message is the reason)."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How one site's calls enter the whole batch's value, apart from their values.
+
+    Attributes:
+        kind: ``"samples"`` (each call its own criterion, of coefficient ``c``), ``"divided"`` (``reduction="sum"``
+            calls each divided by their input's rows: ``calls[j] = ("k", k_j)``) or ``"matched"`` (the ``j``-th call
+            of every replica one criterion: ``calls[j]`` is its use, ``"skip"`` (coefficient 0), ``"one"`` (one value
+            in every replica), ``"sum"`` or ``"mean"``, and its coefficient).
+        steady: read without the calls' values, so that a step of the same structure reads it alike.
+    """
+
+    kind: str
+    calls: tuple[tuple[str, float], ...] = ()
+    c: float = 0.0
+    steady: bool = True
+
+
+def read_site(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision) -> Reading:
+    """How a site's calls enter the value: one per sample, else matched by position (notes and memory updated)."""
+    if _per_sample(sites, summaries, memory, who, out.notes):
+        return _samples_reading(sites, summaries, memory, who, out)
+    return _matched_reading(sites, summaries, memory, who, out)
+
+
+def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
+    """Whether a site's calls are one per sample (each its own criterion), else matched by position."""
+    calls = [len(site.coeffs) for site in sites]
+    if any(n != s.samples for n, s in zip(calls, summaries)):  # a loop over the samples that skips some: per sample
+        return len(sites) > 1 and all(site.some_samples for site in sites)
+    learned = memory.get(sites[0].key, (None, None))[0]
+    if len(set(calls)) > 1 or any(site.per_sample for site in sites) or learned == "samples":
+        return True
+    if learned is not None or len(sites) < 2:
+        return False
+    site = sites[0]
+    if calls[0] == 1 and all(s.in_loop for s in sites):
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} is called in a loop, once in each {who}'s step, and each {who}'s "
+            "chunk holds one sample: taken as one loss per sample (each its own mean). If it is one loss over the chunk, "
+            "batches of more samples than devices make the difference plain."
+        )
+        return True
+    if calls[0] > 1:
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} is called {calls[0]} times in each {who}'s step, as many as its "
+            "samples, on inputs that are not one per sample (their rows are not the samples' points): taken as "
+            f"{calls[0]} distinct losses, the j-th of every {who} one loss (decoder levels, heads). If they are one "
+            "loss per sample, pass loss_weighting='samples' (exact for sum(losses) / len(losses))."
+        )
+    return False
+
+
+def _samples_reading(
+    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
+) -> Reading:
+    """A per-sample site: the coefficient of each of its calls in the whole batch's value."""
+    site = sites[0]
+    for s in sites:
+        if any(not math.isclose(c, s.coeffs[0], rel_tol=_SAME, abs_tol=0.0) for c in s.coeffs):
+            raise NotExact(f"the per-sample losses {site.name} at {site.where} are combined with different coefficients")
+    total = sum(len(s.coeffs) for s in sites)  # the calls: the samples, or those a loop did not skip
+    cs = [s.coeffs[0] for s in sites]
+    means = [c * len(s.coeffs) for c, s in zip(cs, sites)]
+    mean_ok = all(math.isclose(m, means[0], rel_tol=1e-9, abs_tol=0.0) for m in means)
+    sum_ok = all(math.isclose(c, cs[0], rel_tol=1e-9, abs_tol=0.0) for c in cs)
+    learned = memory.get(site.key, (None, None))[1]
+    if mean_ok and sum_ok:
+        if learned is not None:
+            reading = learned
+        elif math.isclose(means[0], 1.0, rel_tol=1e-9) or not math.isclose(cs[0] * total, 1.0, rel_tol=1e-9):
+            reading = "mean"
+            if not math.isclose(means[0], 1.0, rel_tol=1e-9) and len(sites) > 1:
+                out.notes.append(
+                    f"sparse_dp: the per-sample losses {site.name} at {site.where} have the coefficient {cs[0]:g} in every "
+                    f"{who}, whose chunks hold {summaries[0].samples} samples each: read as {means[0]:g} times their mean "
+                    f"over the batch's samples, not {cs[0]:g} times their sum."
+                )
+        else:
+            reading = "sum"  # divided by the whole batch's number of samples
+    elif mean_ok or sum_ok:
+        reading = "mean" if mean_ok else "sum"
+        memory[site.key] = ("samples", reading)
+    else:
+        raise NotExact(
+            f"the per-sample losses {site.name} at {site.where} have coefficients that are neither one number in every "
+            f"{who} (a sum) nor one number over the chunk's samples (a mean)"
+        )
+    if any(s.per_sample for s in sites) or len({len(s.coeffs) for s in sites}) > 1:
+        memory.setdefault(site.key, ("samples", None))
+    return Reading("samples", c=means[0] / total if reading == "mean" else cs[0])
+
+
+def _matched_reading(
+    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
+) -> Reading:
+    """A site whose j-th call is one loss in every replica: how each call enters the value (refused where the
+    replicas' calls are no one loss). A full ``torch.sum`` of ``reduction="sum"`` calls is read from its values (one
+    value in every replica: a penalty on the parameters), not :attr:`~lightning_sparse_dp.loss.recall.Reading.steady`."""
+    site = sites[0]
+    if len({len(s.coeffs) for s in sites}) > 1:
+        raise NotExact(
+            f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
+            "with a sample that has no loss)"
+        )
+    divided = _divided_sums(sites, memory, who, out.notes)
+    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and not divided:
+        if site.name.startswith("torch."):
+            raise NotExact(
+                f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked "
+                "mean such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
+            )
+        raise NotExact(
+            f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
+            "count of the chunk)"
+        )
+    if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
+        memory.setdefault(site.key, ("matched", None))
+    _check_loop(site, memory, who)
+    steady = not (site.name.startswith("torch.") and len(sites) > 1 and any(site.sums))  # _one_value reads the values
+    if divided:  # sum-reduced calls, each divided by its own input's rows: the whole batch's sum over all rows
+        return Reading("divided", tuple(("k", k) for k in _divisors(sites)), steady=steady)
+    calls: list[tuple[str, float]] = []
+    for j, c in enumerate(site.coeffs):
+        if c == 0.0:  # not in the value: a gradient reaches it only through other terms, already weighted there
+            calls.append(("skip", c))
+            continue
+        if len(sites) > 1 and any(s.shared[j] != site.shared[j] for s in sites):
+            raise NotExact(
+                f"the weight given to {site.name} at {site.where} (a class weight, pos_weight) differs from {who} to "
+                f"{who}: computed from the chunk (e.g. from its labels' class frequencies), where one device weights "
+                "every row by the whole batch's, which no combination of the chunks' losses gives. Compute it from the "
+                "dataset, or from the whole batch in on_before_batch_transfer and keep it on the module "
+                "(self.class_weights), so that every replica is given the same"
+            )
+        if len(sites) > 1 and any(s.statistic[j] for s in sites):
+            raise NotExact(
+                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
+                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
+                "computes as one device does"
+            )
+        if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _one_value([s.values[j] for s in sites]):
+            calls.append(("one", c))  # one value in every replica: of the parameters (a penalty), not of the chunks
+        else:
+            calls.append(("sum" if site.sums[j] else "mean", c))
+    return Reading("matched", tuple(calls), steady=steady)
+
+
+def _check_loop(site: SiteTerms, memory: SiteMemory, who: str) -> None:
+    """A site called several times in a loop, its calls matched by position (the j-th of every replica one loss: decoder
+    levels, heads): refused once the number of calls changed from one step to another, for good, since the loop runs
+    over what the chunk holds (the classes present, its instances), whose j-th items differ between replicas."""
+    calls = len(site.coeffs)
+    if not site.in_loop or (calls < 2 and site.key not in memory.loops):
+        return
+    seen = memory.loops.setdefault(site.key, calls)
+    if seen != calls:
+        memory.loops[site.key] = -1
+    if memory.loops[site.key] == -1:
+        raise NotExact(
+            f"{site.name} at {site.where} is called in a loop a number of times that changes from step to step (a loop "
+            f"over what the chunk holds: the classes present, its instances), so the j-th calls of the {who}s are not "
+            "one loss; loop over a fixed list (every class, a fixed number of items) for an exact loss"
+        )
+
+
+def _divisors(sites: Sequence[SiteTerms]) -> list[float]:
+    """Per call ``j`` of a site: ``c_ij * rows_ij`` of the first replica (the ``k`` of ``k * sum / rows``)."""
+    return [c * r for c, r in zip(sites[0].coeffs, sites[0].rows)]
+
+
+def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, notes: list[str]) -> bool:
+    """Whether a site's calls are ``reduction="sum"`` losses each divided by its own input's rows in every replica
+    (``F.cross_entropy(out, y, reduction="sum") / len(y)``): ``c_ij * rows_ij`` one number ``k_j`` over the replicas,
+    so that one device's step, whose input holds every replica's rows, divides the whole sum by all of them.
+
+    Where every replica's coefficients are one number too (chunks of equal rows), the division is the reading when
+    ``k_j`` is 1 (``sum / len(y)``; else a constant coefficient, ``0.5 * sum``), said once, unless the site was read
+    without doubt at an earlier step (``memory``)."""
+    site = sites[0]
+    if len(sites) < 2 or not all(site.sums) or any(s.sums != site.sums for s in sites):
+        return False
+    if any(r <= 0 for s in sites for r in s.rows):
+        return False
+    if site.name.startswith("torch.") and all(_one_value([s.values[j] for s in sites]) for j in range(len(site.coeffs))):
+        return False  # one value in every replica: a penalty on the parameters (its own reading below)
+    ks = _divisors(sites)
+    divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
+                  for s in sites for c, r, k in zip(s.coeffs, s.rows, ks))
+    constant = all(s.coeffs == site.coeffs for s in sites)
+    if divides and not constant:
+        memory.sums[site.key] = "divided"
+        return True
+    if not (divides and constant):
+        if constant:
+            memory.sums[site.key] = "constant"
+        return False
+    if site.key in memory.sums:
+        return memory.sums[site.key] == "divided"
+    if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
+        notes.append(
+            f"sparse_dp: {site.name} at {site.where} (reduction='sum') has one coefficient in every {who}, one over its "
+            f"input's rows, which are as many in every {who}: read as its sum divided by its rows (sum / len(y)), so "
+            "the whole batch's sum divided by all its rows, not a constant times the sum. If it is a constant (0.5 * "
+            "sum), the first batch whose chunks differ in size settles it."
+        )
+        return True
+    return False
+
+
+def _one_value(values: Sequence[float]) -> bool:
+    """Whether every replica's value is one number, to rounding (``_SAME``): a quantity of the parameters."""
+    return all(math.isclose(v, values[0], rel_tol=_SAME, abs_tol=0.0) for v in values)
+
+
+__all__ = ["NotExact", "Reading", "read_site"]
