@@ -187,13 +187,9 @@ class Term:
         """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (the value is a copy made at
         the call; :meth:`TermCapture.read_numbers` reads every term's at once)."""
         if self._numbers is None:
-            self._numbers = (_number(self.denominator), float(self.value))  # type: ignore[arg-type]
+            d = self.denominator
+            self._numbers = (1.0 if d is None else float(d), float(self.value))  # type: ignore[arg-type]
         return self._numbers
-
-
-def _number(denominator: float | Tensor | None) -> float:
-    """A term's ``D`` as a Python float: 1 for a ``"sum"`` call (``None``)."""
-    return 1.0 if denominator is None else float(denominator)
 
 
 def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:

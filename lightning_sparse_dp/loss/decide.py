@@ -178,7 +178,7 @@ def summarize(
         site.shared.append(_fingerprint(term.shared) if term.shared else 0)
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
-        site.per_sample = shape.per_sample(site.rows)
+        site.per_sample = len(site.rows) == shape.samples and shape.per_sample(site.rows)  # one call per sample first
         site.some_samples = site.in_loop and shape.some_samples(site.rows)
     return out
 

@@ -45,7 +45,19 @@ class Reading:
 
 
 def read_site(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision) -> Reading:
-    """How a site's calls enter the value: one per sample, else matched by position (notes and memory updated)."""
+    """How one call site's calls enter the whole batch's value: one per sample, else matched by position.
+
+    Args:
+        sites: the site's :class:`~lightning_sparse_dp.loss.decide.SiteTerms` of every replica (rank), in order.
+        summaries: the replicas' summaries (their chunks' samples).
+        memory: what earlier steps told of the site (read, and updated where this step tells without doubt).
+        who: ``"replica"`` or ``"rank"``, for the reasons and notes.
+        out: the decision whose ``notes`` get what an ambiguous step was read as.
+
+    Raises:
+        NotExact: no combination of the replicas' calls is the whole batch's (the message says why: different call
+            counts or coefficients, a class weight or input computed from the chunk, a loop over what the chunk holds).
+    """
     if _per_sample(sites, summaries, memory, who, out.notes):
         return _samples_reading(sites, summaries, memory, who, out)
     return _matched_reading(sites, summaries, memory, who, out)

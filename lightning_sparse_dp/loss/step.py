@@ -199,7 +199,8 @@ class StepTerms:
         ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
         point, so none is 0).
         """
-        self.set_plan(plan)
+        if plan is not self.plan:  # set before the step, where the state stage made the capture
+            self.set_plan(plan)
         if any(loss is None for loss in losses):
             return
         self.decision = self.scale_terms(losses, weights)
