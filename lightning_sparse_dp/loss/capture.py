@@ -65,8 +65,6 @@ from lightning_sparse_dp.loss.sites import CallSite, input_rows, locate, peek_tr
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
-
-
 _CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
 _SUM_KIND, _PASS_KIND = "sum", "pass"
 #: torch's sums whose one-value results over rows of the chunk are terms too (``x.sum()``, ``torch.sum(x)``)
@@ -184,8 +182,7 @@ class Term:
         self._factor.data.fill_(scale)  # .data: no version bump, or backward would refuse the saved factor
 
     def numbers(self) -> tuple[float, float]:
-        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (the value is a copy made at
-        the call; :meth:`TermCapture.read_numbers` reads every term's at once)."""
+        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (:meth:`TermCapture.read_numbers`)."""
         if self._numbers is None:
             d = self.denominator
             self._numbers = (1.0 if d is None else float(d), float(self.value))  # type: ignore[arg-type]
@@ -207,6 +204,7 @@ class TermCapture(StepObserver):
     Attributes:
         terms: the captured calls, in call order.
         forms: ``id(tensor) -> Form`` of every tensor computed from terms (the tensors are kept alive).
+        weighable: no term so far is checkpointed or unrecorded (:func:`~lightning_sparse_dp.loss.sites.unweighable`).
     """
 
     def __init__(self, collectives: list[str] | None = None) -> None:
@@ -214,6 +212,7 @@ class TermCapture(StepObserver):
         self.terms: list[Term] = []
         self.forms: dict[int, Form] = {}
         self.recording = True  # whether the step records gradients (set by run)
+        self.weighable = True  # every term so far reached by its gradient through its factor (not checkpointed...)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
 
     def read_numbers(self) -> None:
@@ -305,6 +304,7 @@ class TermCapture(StepObserver):
         read but cannot be weighted (:func:`~lightning_sparse_dp.loss.decide.summarize` says why)."""
         term.checkpointed = checkpointed
         term.unrecorded = self.recording and not torch.is_grad_enabled() and not checkpointed
+        self.weighable = self.weighable and not (checkpointed or term.unrecorded)  # else summarize says which, why
         value = out if checkpointed else out * term._factor if keep is True else _scaled(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})

@@ -155,7 +155,8 @@ def summarize(
     coeffs, r, scale = comb
     assert capture is not None
     # terms whose gradient the strategy cannot weight: only a value that carries a gradient (the loss) is refused
-    why = unweighable([t for t, c in zip(capture.terms, coeffs) if c != 0.0]) if value.requires_grad else None
+    hindered = value.requires_grad and not capture.weighable  # a term checkpointed or unrecorded: is it in the value?
+    why = unweighable([t for t, c in zip(capture.terms, coeffs) if c != 0.0]) if hindered else None
     if why is not None:
         return Summary(why, shape.samples, n, collectives=list(collectives))
     out = Summary(

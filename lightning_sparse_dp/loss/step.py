@@ -152,7 +152,8 @@ class StepTerms:
         loss = loss_of(out)
         self._outputs[i] = (out, loss)
         if self.plan is not None and isinstance(loss, Tensor):
-            self._summaries[i] = (loss, summarize(capture, loss, self.shape(i)))
+            shape = self._shapes[i] = self._shapes[i] or ChunkShape.of(self.plan, i)  # made in replica i's thread
+            self._summaries[i] = (loss, summarize(capture, loss, shape))
         return out
 
     def losses(self, outputs: Sequence[Any]) -> list[Tensor | None]:
