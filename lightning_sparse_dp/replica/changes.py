@@ -78,7 +78,6 @@ class ModuleChanges:
         self.before: dict[str, Any] = {}
         self.containers: list[str] = []
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
-        self.found: list[list[tuple[int, str]] | None] = [None] * len(self.replicas)  # in each one's submodules (leave)
         self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         if not self.active:
@@ -121,12 +120,6 @@ class ModuleChanges:
                 copied = snapshot.copy_nested(found.sources[j].__dict__[key])
                 given[(j, key)] = found.copies[i][j].__dict__[key] = copied  # type: ignore[union-attr]
 
-    def leave(self, i: int) -> None:
-        """After replica ``i``'s step, in its thread: what it set on its copies of the module's submodules, noted for
-        :meth:`merge` (which finds it on the calling thread for a replica that did not leave: the strategy's steps)."""
-        if self.attributes is not None:
-            self.found[i] = self.attributes.changed(i)
-
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
         """After the step: set on the module what the replicas left (see the module docstring).
 
@@ -160,7 +153,7 @@ class ModuleChanges:
                 values = [d.get(key, _MISSING) for d in dicts]
                 self._merge_attribute(self.module, key, f"self.{key}", values, copies, combine, warning_cache)
         found = self.attributes  # what the replicas' steps set on their copies of the submodules (in C while none)
-        changes = [c if c is not None else found.changed(r) for r, c in enumerate(self.found)] if found is not None else []
+        changes = [found.changed(r) for r in range(len(self.replicas))] if found is not None else []
         if self.sub_containers or any(changes):
             self._merge_submodules(changes, combine, warning_cache, reached)
 

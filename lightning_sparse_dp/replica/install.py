@@ -82,12 +82,6 @@ class ReplicaState:
         return self.buffers.wait if self.buffers is not None and i == 0 else None
 
 
-    def leave(self, i: int) -> None:
-        """Replica ``i``'s part after its step, in its thread, where the caller runs one (:meth:`ModuleChanges.leave`);
-        else :meth:`ModuleChanges.merge` finds what the step set on the replica's copies of the submodules."""
-        self.left.leave(i)
-
-
 def enter_checked(check: DeferredCheck, i: int) -> Callable[[], None] | None:
     """Replica ``i``'s part (:meth:`ReplicaState.enter`) of the state the calling thread installs once its check of the
     replicas passed (:class:`~lightning_sparse_dp.step.check.DeferredCheck`, whose ``prepare`` enters

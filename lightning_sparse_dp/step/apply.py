@@ -31,12 +31,9 @@ def _step_on(step: Callable[..., T], inputs: Sequence[Any], i: int, args: tuple,
     return step(inputs[i], *args, **kwargs)
 
 
-def _prepared(
-    before: Callable[[], Any] | None, after: Callable[[], Any] | None, inputs: Any, i: int, step: Callable[[], T]
-) -> T:
+def _prepared(before: Callable[[], Any] | None, inputs: Any, i: int, step: Callable[[], T]) -> T:
     """A pending ``inputs[i]`` made (and stored), then ``before()``, then what ``before()`` returned when it is a
-    callable (the last thing before the step: replica 0 waits there for the others' buffer copies), then ``step()``,
-    then ``after()`` once the step returned.
+    callable (the last thing before the step: replica 0 waits there for the others' buffer copies), then ``step()``.
     The chunk comes first: it reads the batch only, while ``before()`` may wait for the caller's check of the replicas
     (:class:`~lightning_sparse_dp.step.check.DeferredCheck`) before it touches the module. When making the chunk raises,
     ``before()`` still runs (its own errors dropped) before the error is raised: other replicas may wait for what it
@@ -52,17 +49,13 @@ def _prepared(
     last = before() if before is not None else None
     if last is not None:
         last()
-    out = step()
-    if after is not None:
-        after()
-    return out
+    return step()
 
 
 def replica_steps(
     replicas: Sequence[Any], inputs: Sequence[Any], step_name: str, args: tuple = (),
     kwargs: Mapping[str, Any] | None = None, terms: Any = None, group: Any = None, timer: Any = None,
-    before: Sequence[Callable[[], Any]] | None = None, after: Sequence[Callable[[], Any]] | None = None,
-    effects: Any = None,
+    before: Sequence[Callable[[], Any]] | None = None, effects: Any = None,
 ) -> list[Callable[[], Any]]:
     """One call per replica, ``replicas[i].<step_name>(inputs[i], *args, **kwargs)``, wrapped in what the step runs
     under, innermost first: what it does outside the module noted (``effects``: a
@@ -75,8 +68,7 @@ def replica_steps(
     The preparation runs in replica ``i``'s thread before the step: where ``inputs[i]`` is a
     :class:`~lightning_sparse_dp.step.scatter.PendingChunk`, the chunk made and left in ``inputs[i]`` (a list) for the
     caller, then ``before[i]()`` (the replica's part of the step's state,
-    :meth:`~lightning_sparse_dp.replica.install.ReplicaState.enter`), then the callable ``before[i]()`` returned, if any;
-    ``after[i]()`` runs there once the step returned (:meth:`~lightning_sparse_dp.replica.install.ReplicaState.leave`).
+    :meth:`~lightning_sparse_dp.replica.install.ReplicaState.enter`), then the callable ``before[i]()`` returned, if any.
     Inside the group's rank, so an error there aborts the batch-norm group as the step's would."""
     steps = [partial(_step_on, getattr(r, step_name), inputs, i, args, kwargs or {}) for i, r in enumerate(replicas)]
     if effects is not None:
@@ -86,8 +78,7 @@ def replica_steps(
     else:
         steps = [partial(StepObserver().run, step) for step in steps]
     steps = [
-        partial(_prepared, before[i] if before else None, after[i] if after else None, inputs, i, step)
-        for i, step in enumerate(steps)
+        partial(_prepared, before[i] if before else None, inputs, i, step) for i, step in enumerate(steps)
     ]
     if group is not None:
         steps = [partial(group.run, rank, step) for rank, step in enumerate(steps)]

@@ -80,8 +80,7 @@ class StepContext:
         replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`: recorders,
             what the step set on the module), from :func:`~lightning_sparse_dp.step.state.install_step`.
         terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
-        before: each replica's preparation in its own thread, and ``after`` its wrap-up (``None``: done on the calling
-            thread).
+        before: each replica's preparation in its own thread (``None``: done on the calling thread).
         outputs: the replicas' outputs from ``parallel_apply``, replica order.
         losses: each replica's loss, and ``weights`` its weight in the whole batch's
             (:func:`~lightning_sparse_dp.step.weigh.weigh`).
@@ -98,7 +97,6 @@ class StepContext:
     replica_state: ReplicaState | None = None
     terms: StepTerms | None = None
     before: list[Callable[[], Any]] | None = None
-    after: list[Callable[[], Any]] | None = None
     outputs: list[Any] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
     weights: list[float] | None = None

@@ -66,8 +66,6 @@ class InstalledStep:
         group: the step's batch-norm group (``None`` without synchronized layers, outside manual steps).
         terms: the capture of the replicas' mean-reduced losses (``loss_weighting="terms"``), else ``None``.
         before: each replica's preparation in its own thread (``None``: on the calling thread).
-        after: each replica's wrap-up in its own thread: ``None`` (what a step set on the replicas' copies of the
-            submodules is found by :func:`merge_into_module`, on the calling thread).
         replica_state: the replicas' per-step state (:class:`~lightning_sparse_dp.replica.install.ReplicaState`); where the
             deferred check installs it, set once the body ended.
         weights: the replicas' weights, known before a manual step (``None`` otherwise).
@@ -76,7 +74,6 @@ class InstalledStep:
     group: ThreadGroup | None = None
     terms: StepTerms | None = None
     before: list[Callable[[], Any]] | None = None
-    after: list[Callable[[], Any]] | None = None
     replica_state: ReplicaState | None = None
     weights: list[float] | None = None
 

@@ -288,7 +288,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
                 with install_step(step, self._replicas, self._replica_sync_layers, self._replica_metrics,
                                   self.loss_weighting, self._site_memory) as installed:
                     step.group, step.terms = installed.group, installed.terms
-                    step.before, step.after, step.weights = installed.before, installed.after, installed.weights
+                    step.before, step.weights = installed.before, installed.weights
                     step.outputs = self.parallel_apply(step.replicas, step.inputs, step)
                 step.replica_state = installed.replica_state  # where the check installed it: known once the body ended
                 break

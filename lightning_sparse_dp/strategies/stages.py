@@ -117,7 +117,7 @@ class ReplicaStages:
             inputs: from :meth:`scatter`, one chunk per replica (a
                 :class:`~lightning_sparse_dp.step.scatter.PendingChunk` is made in its replica's thread first).
             step: the hub's :class:`~lightning_sparse_dp.step.context.StepContext`: its hook and arguments, what each
-                replica's step runs under (``group``, ``terms``, each replica's ``before`` / ``after`` in its thread;
+                replica's step runs under (``group``, ``terms``, each replica's ``before`` in its thread;
                 :func:`~lightning_sparse_dp.step.apply.replica_steps`) and ``step.check``, run on this thread once the
                 replicas started (a subclass's own ``parallel_apply`` that does not call this one runs it so). ``None``
                 for a call outside a step: the replicas' ``hook`` with nothing installed.
@@ -151,7 +151,7 @@ class ReplicaStages:
         call = step.call
         effects = StepEffects(call.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
         steps = replica_steps(replicas, inputs, call.name, call.args, call.kwargs, step.terms, step.group, self._timer,
-                              step.before, step.after, effects)
+                              step.before, effects)
         meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check
         with self._timer.stage("apply"):
             try:
