@@ -145,10 +145,6 @@ class ExactnessCheck:
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.strategy = strategy
-        #: whether no training step of this fit will be checked any more: off, or checked once with ``every_n_steps=0``
-        #: (the strategies then skip the check's step machinery); decided here, in :meth:`reset` and in :meth:`due`, the
-        #: only places that change what it depends on (``mode`` and ``every_n_steps`` are the options, set once)
-        self.done = mode is None
         #: compare the loss's value, the logged values and the metrics' states too (``sparse_dp``: the gathered loss,
         #: the reduced calls, the states merged into the root's); ``sparse_ddp``'s ranks keep their own until Lightning
         #: reduces them, so there the gradients and the module's state after the step are compared
@@ -159,9 +155,14 @@ class ExactnessCheck:
         self.frozen_written: set[str] = set()
 
     def reset(self) -> None:
-        """A new fit: its first training step is checked (unless the check is off: :attr:`done`)."""
+        """A new fit: its first training step is checked."""
         self._last = None
-        self.done = self.mode is None
+
+    @property
+    def done(self) -> bool:
+        """Whether no training step of this fit will be checked any more: off, or checked once with
+        ``every_n_steps=0`` (the strategies then skip the check's step machinery)."""
+        return self.mode is None or (self._last is not None and self.every_n_steps == 0)
 
     def due(self, global_step: int) -> bool:
         """Whether the training step at ``global_step`` is checked (noted as checked when it is)."""
@@ -171,7 +172,6 @@ class ExactnessCheck:
         if last is not None and (self.every_n_steps == 0 or global_step - last < self.every_n_steps):
             return False
         self._last = global_step
-        self.done = self.every_n_steps == 0  # checked once: no later step of this fit is
         return True
 
     def run(

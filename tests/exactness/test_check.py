@@ -156,25 +156,3 @@ def test_a_real_difference_in_a_small_gradient_still_shows():
     noise = dict(differences(StepRecord(loss=None, grads={"big": big, "small": small + 1e-16}), expected))
     assert off["grad of 'small'"] > TOLERANCE and noise["grad of 'small'"] < TOLERANCE
     assert relative_difference(small * 2, small, floor=0.0) == pytest.approx(1.0)
-
-
-def _derived_done(check) -> bool:
-    """What ``done`` was derived from at every step before it was held: off, or checked once with every_n_steps=0."""
-    return check.mode is None or (check._last is not None and check.every_n_steps == 0)
-
-
-@pytest.mark.parametrize(("mode", "every"), [(None, 0), ("warn", 0), ("error", 0), ("warn", 3)])
-def test_done_is_decided_when_what_it_depends_on_changes(mode, every):
-    """``done`` (read at every training step) is held, and set where the check is noted (``due``) or a fit starts
-    (``reset``): it is what the derivation gives after each of them."""
-    from lightning_sparse_dp.exactness.check import ExactnessCheck
-
-    check = ExactnessCheck(mode, every, "sparse_dp")
-    assert "done" in vars(check)  # held: no derivation at each read
-    assert check.done == _derived_done(check) == (mode is None)
-    for step in (0, 1, 2, 3, 4, 7):
-        check.due(step)
-        assert check.done == _derived_done(check)
-    assert check.done == (mode is None or every == 0)
-    check.reset()  # a new fit: its first step is checked again
-    assert check.done == _derived_done(check) == (mode is None)
