@@ -288,17 +288,15 @@ def step_cutters(
     return plan_split(batch, num_devices, **split_kwargs)
 
 
-def say_idle(plan: SplitPlan, devices: int, warning_cache: WarningCache) -> bool:
-    """Say (info) that a batch split into fewer chunks than replicas (fewer samples than devices, or chunks kept to two
-    points for batch norm) leaves replicas idle in its step; ``True`` when said (the strategy says it once)."""
-    if plan.num_chunks >= devices:
-        return False
+def say_idle(plan: SplitPlan, devices: int, warning_cache: WarningCache) -> None:
+    """Say (info) that a batch split into ``plan.num_chunks`` chunks, fewer than the ``devices`` replicas (fewer samples
+    than devices, or chunks kept to two points for batch norm), leaves replicas idle in its step (the strategy calls
+    it for such a batch, once)."""
     warning_cache.info(
         f"sparse_dp: a batch of {plan.num_samples} sample(s) ran on {plan.num_chunks} of the {devices} replicas "
         f"(a chunk holds whole samples): {devices - plan.num_chunks} replica(s) idle in such steps (said once). "
         f"A batch_size of at least {devices} (and drop_last=True for a short last batch) keeps every replica busy."
     )
-    return True
 
 
 __all__ = [

@@ -72,7 +72,8 @@ class ReplicaStages:
                 with self._timer.stage("place"):
                     inputs = place_chunks([cut_chunk() for cut_chunk in cutters], devices)
         if not self._said_idle and plan.num_chunks < len(devices):  # replicas idle in this step: said once
-            self._said_idle = say_idle(plan, len(devices), self._warning_cache)
+            say_idle(plan, len(devices), self._warning_cache)
+            self._said_idle = True
         return inputs, plan
 
     def replicate(self, module: nn.Module, devices: Sequence[torch.device], step: StepContext | None = None) -> list[nn.Module]:
