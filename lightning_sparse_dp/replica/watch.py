@@ -75,19 +75,19 @@ class Listing:
 def list_entries(entries: dict[str, Any]) -> Listing:
     """The :class:`Listing` of a module's ``__dict__`` ``entries``: the derivation every step made before the watch,
     made where no :class:`ReplicaWatch` holds one or its premise failed (an attribute the step sets every step lists
-    them every step). No Python call per entry: :func:`~.snapshot.is_copied` is read inline, and
-    :func:`~.snapshot.is_plain_object` from its answer per type (called for a type it has not answered yet)."""
-    library, short, plain = snapshot.library_keys(), snapshot.SHORT, snapshot.PLAIN
+    them every step), by :mod:`~.snapshot`'s rules (:func:`~.snapshot.is_copied`, :func:`~.snapshot.is_plain_object`)
+    for the followed entries."""
+    library, short = snapshot.library_keys(), snapshot.SHORT
     user = [k for k in entries if k not in library]
     before = snapshot.followed(entries)
-    copied = {k for k, v in before.items() if isinstance(v, list) or (isinstance(v, dict) and len(v) <= short)}
+    copied = {k for k, v in before.items() if snapshot.is_copied(v)}
     dicts = [v for v in before.values() if isinstance(v, dict)]
     return Listing(
         keys=tuple(entries), user=user, values=[entries[k] for k in user], dicts=dicts,
         short=[len(d) <= short for d in dicts], before=before,
         containers=[k for k in before if k in copied],
         marked=[k for k, v in before.items() if isinstance(v, Tensor) or k in copied],
-        objects=[k for k, v in before.items() if (p if (p := plain.get(type(v))) is not None else snapshot.is_plain_object(v))],
+        objects=[k for k, v in before.items() if snapshot.is_plain_object(v)],
     )
 
 
