@@ -34,6 +34,11 @@ from lightning_sparse_dp.split import SparseSpec, SplitPlan
 
 #: ``loss_weighting`` names; ``"terms"`` is the default (:mod:`lightning_sparse_dp.loss.decide`).
 LOSS_WEIGHTINGS: tuple[str, ...] = ("terms", "auto", "samples", "points", "equal")
+#: the warning of a batch with nothing to count (every weight 0), said once
+NOTHING_TO_COUNT = (
+    "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. every label "
+    "is ignore_index): the step's loss is 0 and its gradients are 0, where one device would give NaN."
+)
 
 
 def check_loss_weighting(loss_weighting: Any) -> None:
@@ -119,11 +124,15 @@ def chunk_counts(plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | C
         if len(chunks) != plan.num_chunks:
             raise ValueError(f"{len(chunks)} chunks for a plan of {plan.num_chunks}.")
         return [_callable_count(loss_weighting, c, j) for j, c in enumerate(chunks)]
-    if loss_weighting in ("auto", "terms"):
-        loss_weighting = resolve_auto(plan)[0]
-    if loss_weighting == "samples":
+    return _named_counts(plan, resolve_auto(plan)[0] if loss_weighting in ("auto", "terms") else loss_weighting)
+
+
+def _named_counts(plan: SplitPlan, kind: str) -> list[float]:
+    """The counts of a named weighting once ``"auto"`` / ``"terms"`` is resolved: ``"samples"``, ``"points"`` or
+    ``"equal"``."""
+    if kind == "samples":
         return [float(n) for n in plan.samples_per_chunk]
-    if loss_weighting == "points":
+    if kind == "points":
         return [float(n) for n in plan.points_per_chunk]
     return [1.0] * plan.num_chunks
 
@@ -164,12 +173,42 @@ def step_weights(
     if loss_weighting == "auto":
         say_auto_choice(plan, loss_weighting, warning_cache)
     if not any(weights):
-        warning_cache.warn(
-            "sparse_dp: no chunk of a batch has anything to count for the loss weighting (every count is 0, e.g. "
-            "every label is ignore_index): the step's loss is 0 and its gradients are 0, where one device would "
-            "give NaN."
-        )
+        warning_cache.warn(NOTHING_TO_COUNT)
     return weights
+
+
+class HeldWeighting:
+    """A strategy's named ``loss_weighting`` (``"terms"``, ``"samples"``, ``"points"``, ``"equal"``) checked
+    (:func:`check_loss_weighting`) and resolved (:func:`resolve_auto` for ``"terms"``) once, and reused while it holds:
+    the same ``loss_weighting`` object and a batch with the same per-sample tensors and per-point targets (what the
+    resolution reads). Else, and for ``"auto"`` (which says its choice) and a callable (which counts each chunk),
+    :func:`step_weights` derives the weights in full.
+    """
+
+    def __init__(self) -> None:
+        self._held: tuple[Any, tuple[str, ...], tuple[str, ...], str] | None = None  # (weighting, names..., kind)
+
+    def step_weights(
+        self, plan: SplitPlan, chunks: Sequence[Any], loss_weighting: str | Callable[[Any], Any],
+        warning_cache: WarningCache,
+    ) -> list[float]:
+        """As :func:`step_weights` (the same weights, warning and errors), ``[plan.num_chunks]`` floats.
+
+        Raises:
+            ValueError, TypeError: as :func:`chunk_counts` (an unknown ``loss_weighting``, a callable's bad count).
+        """
+        held = self._held
+        if held is None or held[0] is not loss_weighting or held[1] != plan.sample_tensors or held[2] != plan.point_targets:
+            if callable(loss_weighting) or loss_weighting == "auto" or loss_weighting not in LOSS_WEIGHTINGS:
+                return step_weights(plan, chunks, loss_weighting, warning_cache)  # raises for an unknown one
+            kind = resolve_auto(plan)[0] if loss_weighting == "terms" else loss_weighting
+            held = self._held = (loss_weighting, plan.sample_tensors, plan.point_targets, kind)
+        counts = _named_counts(plan, held[3])
+        total = sum(counts)
+        weights = [c / total if total > 0 else 0.0 for c in counts]
+        if not any(weights):
+            warning_cache.warn(NOTHING_TO_COUNT)
+        return weights
 
 
 def say_auto_choice(
@@ -210,7 +249,9 @@ def weighted_sum(values: Sequence[Tensor], weights: Sequence[float], device: tor
 
 
 __all__ = [
+    "HeldWeighting",
     "LOSS_WEIGHTINGS",
+    "NOTHING_TO_COUNT",
     "check_loss_weighting",
     "chunk_counts",
     "chunk_weights",

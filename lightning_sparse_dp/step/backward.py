@@ -139,18 +139,22 @@ class _ParallelBackward(torch.autograd.Function):
         return (None, None, *([None] * ctx.count), *ctx.stage.run(grads))
 
 
-def parallel_backward(outputs: Sequence[Any], replicas: Replicas, **stage_args: Any) -> list[Any]:
+def parallel_backward(
+    outputs: Sequence[Any], replicas: Replicas, losses: Sequence[Any] | None = None, **stage_args: Any
+) -> list[Any]:
     """The replicas' ``training_step`` outputs, their losses replaced by ones whose backward runs per replica.
 
     Args:
         outputs: the replicas' own outputs (loss tensors, or mappings with ``"loss"``), replica order.
         replicas: the replicas (:class:`~lightning_sparse_dp.step.replicate.Replicas`).
+        losses: ``loss_of(outputs[i])`` for each ``i`` where the caller read them already (the weigh stage's
+            ``step.losses``); ``None``: read here.
         **stage_args: the other arguments of :class:`ReplicaBackward` (``executor``, ``group``, ``times``).
 
     Returns:
         ``outputs`` unchanged when a replica has no loss or none needs a gradient (nothing to split).
     """
-    losses = [loss_of(o) for o in outputs]
+    losses = [loss_of(o) for o in outputs] if losses is None else list(losses)
     if any(loss is None for loss in losses) or not any(loss.requires_grad for loss in losses):
         return list(outputs)  # gather refuses outputs of different structure; nothing to run backward on
     stage = ReplicaBackward(losses, replicas, **stage_args)
@@ -200,12 +204,12 @@ def clear_replica_gradients(step: StepContext, replicas: Replicas | None) -> Non
 
 def backward_in_replicas(step: StepContext, replicas: Replicas | None, executor: ReplicaExecutor) -> list[Any]:
     """A training step's outputs with each replica's loss tied to its own backward, run in the replica's thread (on
-    ``executor``) when Lightning calls backward on the gathered loss (:func:`parallel_backward`); as they are for one
-    replica or without gradients."""
+    ``executor``) when Lightning calls backward on the gathered loss (:func:`parallel_backward`, with the losses the
+    weigh stage read from the same outputs, ``step.losses``); as they are for one replica or without gradients."""
     if len(step.replicas) < 2 or not torch.is_grad_enabled():
         return step.outputs
     assert replicas is not None
-    return parallel_backward(step.outputs, replicas, executor=executor, group=step.group, times=step.call.timer)
+    return parallel_backward(step.outputs, replicas, step.losses, executor=executor, group=step.group, times=step.call.timer)
 
 
 __all__ = ["backward_in_replicas", "clear_replica_gradients", "ReplicaBackward", "parallel_backward", "zero_grad_due"]

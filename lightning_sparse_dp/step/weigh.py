@@ -1,8 +1,8 @@
 """Weigh: each replica's loss and its weight in the whole batch's, so that the gather's weighted sum is one device's loss.
 
 After the apply stage: each replica's loss as its step returned it (:func:`~lightning_sparse_dp.loss.values.loss_of`),
-its chunk's weight (:func:`~lightning_sparse_dp.loss.weights.step_weights`, for the strategy's ``loss_weighting``) and,
-with ``loss_weighting="terms"``, every captured mean-reduced loss term weighted by its own share
+its chunk's weight (:meth:`~lightning_sparse_dp.loss.weights.HeldWeighting.step_weights`, for the strategy's
+``loss_weighting``) and, with ``loss_weighting="terms"``, every captured mean-reduced loss term weighted by its own share
 (:meth:`~lightning_sparse_dp.loss.step.StepTerms.weigh`); after the backward stage, the losses shifted so that the weighted
 sum is the whole batch's loss (:func:`exact_outputs`).
 """
@@ -12,20 +12,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_sparse_dp.loss.values import loss_of
-from lightning_sparse_dp.loss.weights import step_weights
+from lightning_sparse_dp.loss.weights import HeldWeighting
 
 if TYPE_CHECKING:
     from lightning_sparse_dp.step.context import StepContext
 
 
-def weigh(step: StepContext, loss_weighting: Any) -> tuple[list[Any], list[float]]:
+def weigh(step: StepContext, loss_weighting: Any, held: HeldWeighting) -> tuple[list[Any], list[float]]:
     """``(losses, weights)``: each replica's own loss (a logged loss is reduced as the loss) and its weight (``step.weights``
-    where a manual step needed them before it); with ``step.terms``, each term weighted by its own share (gradient
-    scales set) or ``"auto"`` said once. Stage ``weigh``."""
+    where a manual step needed them before it; else from ``loss_weighting``, checked and resolved once by the strategy's
+    ``held`` while it holds: :class:`~lightning_sparse_dp.loss.weights.HeldWeighting`); with ``step.terms``, each term
+    weighted by its own share (gradient scales set) or ``"auto"`` said once. Stage ``weigh``."""
     assert step.plan is not None
     with step.call.timer.stage("weigh"):
         losses = [loss_of(o) for o in step.outputs] if step.terms is None else step.terms.losses(step.outputs)
-        weights = step.weights if step.weights is not None else step_weights(
+        weights = step.weights if step.weights is not None else held.step_weights(
             step.plan, step.inputs, loss_weighting, step.call.warnings
         )
         if step.terms is not None:

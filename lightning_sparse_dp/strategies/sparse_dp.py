@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sparse_dp.loss.weights import HeldWeighting
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
 from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
@@ -164,6 +165,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
         self._refresh: tuple[DeferredCheck | None, bool] = (None, False)  # how replicate left the replicas' refresh
+        self._weighting = HeldWeighting()  # loss_weighting checked and resolved once per batch structure (step.weigh)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -243,7 +245,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         gathered output, and the replicas' ``self.log`` calls reduced (not yet logged)."""
         step.inputs, step.plan = self.scatter(step.call.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
-        step.losses, step.weights = weigh(step, self.loss_weighting)
+        step.losses, step.weights = weigh(step, self.loss_weighting, self._weighting)
         root = step.call.parallel_devices[0]  # the root device, as the step started (_context)
         merge_into_module(step, root, self.output_layout)  # what the replicas set on it, as one device's
         if step.call.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
