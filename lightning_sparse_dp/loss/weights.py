@@ -155,9 +155,20 @@ def chunk_weights(
     """
     if callable(loss_weighting) and chunks is None:
         raise ValueError("a callable loss_weighting needs the chunks: chunk_weights(plan, fn, chunks).")
-    counts = chunk_counts(plan, chunks if chunks is not None else [None] * plan.num_chunks, loss_weighting)
+    return _shares(chunk_counts(plan, chunks if chunks is not None else [None] * plan.num_chunks, loss_weighting))
+
+
+def _shares(counts: Sequence[float]) -> list[float]:
+    """``n_i / sum_j n_j`` of each count; every share 0 when the counts sum to 0."""
     total = sum(counts)
     return [c / total if total > 0 else 0.0 for c in counts]
+
+
+def _said_empty(weights: list[float], warning_cache: WarningCache) -> list[float]:
+    """``weights``, said once (:data:`NOTHING_TO_COUNT`) when every one is 0."""
+    if not any(weights):
+        warning_cache.warn(NOTHING_TO_COUNT)
+    return weights
 
 
 def step_weights(
@@ -170,11 +181,8 @@ def step_weights(
     and once (warning) when the batch has nothing to count (every weight 0: the loss is 0)."""
     warning_cache = _warning_cache if warning_cache is None else warning_cache
     weights = chunk_weights(plan, loss_weighting, chunks)
-    if loss_weighting == "auto":
-        say_auto_choice(plan, loss_weighting, warning_cache)
-    if not any(weights):
-        warning_cache.warn(NOTHING_TO_COUNT)
-    return weights
+    say_auto_choice(plan, loss_weighting, warning_cache)
+    return _said_empty(weights, warning_cache)
 
 
 class HeldWeighting:
@@ -203,12 +211,7 @@ class HeldWeighting:
                 return step_weights(plan, chunks, loss_weighting, warning_cache)  # raises for an unknown one
             kind = resolve_auto(plan)[0] if loss_weighting == "terms" else loss_weighting
             held = self._held = (loss_weighting, plan.sample_tensors, plan.point_targets, kind)
-        counts = _named_counts(plan, held[3])
-        total = sum(counts)
-        weights = [c / total if total > 0 else 0.0 for c in counts]
-        if not any(weights):
-            warning_cache.warn(NOTHING_TO_COUNT)
-        return weights
+        return _said_empty(_shares(_named_counts(plan, held[3])), warning_cache)
 
 
 def say_auto_choice(
