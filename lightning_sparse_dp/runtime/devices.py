@@ -103,7 +103,7 @@ def replica_contexts(devices: Sequence[torch.device]) -> list[Callable[[], Abstr
     device's current stream on: :func:`current_stream`); on a CPU device, ``contextlib.nullcontext`` (nothing to
     enter). A context is made when called, so in the replica's own thread (CUDA's current device and stream are per
     thread)."""
-    return [partial(device_context, d, torch.cuda.current_stream(d)) if d.type == "cuda" else nullcontext for d in devices]
+    return [partial(device_context, d, current_stream(d)) if d.type == "cuda" else nullcontext for d in devices]
 
 
 __all__ = ["check_default_streams", "check_devices", "current_stream", "device_context", "replica_contexts"]
