@@ -152,9 +152,8 @@ def _own_hook(owner: Any, hook: str) -> bool:
 def transfer_hooks_overridden(module: Any) -> bool:
     """Whether ``module`` or its Trainer's datamodule has its own ``transfer_batch_to_device`` or
     ``on_after_batch_transfer`` (:func:`batch_transfer`'s rule)."""
-    datamodule = getattr(trainer_of(module), "datamodule", None)  # _own_hook's rule, for each owner and hook
-    owners = [owner for owner in (module, datamodule) if owner is not None]
-    return any(is_overridden(hook, owner) or hook in vars(owner) for owner in owners for hook in _TRANSFER_HOOKS)
+    datamodule = getattr(trainer_of(module), "datamodule", None)
+    return any(_own_hook(owner, hook) for owner in (module, datamodule) for hook in _TRANSFER_HOOKS)
 
 
 def batch_transfer(module: Any, dataloader_idx: int = 0) -> Transfer:

@@ -23,7 +23,7 @@ from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
 from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
 from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
-from lightning_sparse_dp.split import SplitPlan
+from lightning_sparse_dp.split import HeldLayouts, SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
@@ -166,6 +166,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
         self._refresh: tuple[DeferredCheck | None, bool] = (None, False)  # how replicate left the replicas' refresh
         self._weighting = HeldWeighting()  # loss_weighting checked and resolved once per batch structure (step.weigh)
+        self._held_layouts = HeldLayouts()  # the split's decisions about a batch's structure (split/held.py)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -4,7 +4,7 @@
 and :meth:`ReplicaStages.gather`, each timed as Lightning profiler action ``[sparse_dp]<stage>``; the hub
 (:class:`~lightning_sparse_dp.strategies.sparse_dp.SparseDataParallelStrategy`) calls them in the order
 ``docs/architecture.md`` draws. A mixin of the strategy: it reads the strategy's options and state (devices, timer,
-replicas, warnings) and keeps nothing of its own but the split's held layouts (:meth:`ReplicaStages._split_options`).
+replicas, warnings, the split's held layouts) and keeps nothing of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_sparse_dp.replica.effects import StepEffects
-from lightning_sparse_dp.split import HeldLayouts, SplitPlan, balanced_assignment
+from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.step.apply import replica_steps
 from lightning_sparse_dp.step.check import DeferredCheck
 from lightning_sparse_dp.step.context import StepCall, StepContext
@@ -189,18 +189,15 @@ class ReplicaStages:
     def _split_options(self) -> dict[str, Any]:
         """The split's ``layout``, ``assignment`` (``split``; per core first when pinned), ``min_points_per_chunk``, the
         loaders' ``batch_sizes`` and the strategy's held layouts (``layouts``: the decisions about a batch's structure,
-        made once and reused while they hold, :mod:`~lightning_sparse_dp.split.held`; kept from its first step on, a
-        held layout being checked against every batch)."""
-        layouts = self.__dict__.get("_held_layouts")
-        if layouts is None:
-            layouts = self._held_layouts = HeldLayouts()
+        made once and reused while they hold, :mod:`~lightning_sparse_dp.split.held`; a held layout is checked against
+        every batch)."""
         pinned = self._core_groups is not None and self.split == "balanced"
         assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
         module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
         batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
         return {"layout": self.layout, "assignment": assignment,
                 "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
-                "batch_sizes": self._loader_batch_sizes, "layouts": layouts}
+                "batch_sizes": self._loader_batch_sizes, "layouts": self._held_layouts}
 
 
 __all__ = ["ReplicaStages"]
