@@ -185,15 +185,21 @@ def clear_replica_gradients(step: StepContext, replicas: Replicas | None) -> Non
     cleared too, so that the step's backward reduces only its own, as one device's ``.grad`` holds only its own. Inside
     an accumulation window, where one device's ``.grad`` keeps them, the replicas' are their chunks' gradients, which no
     weight makes the whole batch's: said once (they stay, and are reduced with the step's). The replicas' parameters are
-    the persistent replicas' parameters (not the module's, which Lightning clears)."""
+    the persistent replicas' parameters (not the module's, which Lightning clears).
+
+    A steady step has none to clear: the previous backward took every replica's gradient and left ``None``
+    (:meth:`~lightning_sparse_dp.step.replicate.Replicas.reduce_gradients`), so Lightning's schedule
+    (:func:`zero_grad_due`) is read only where a backward inside this step left some."""
     if replicas is None or len(step.replicas) < 2 or step.call.manual or not torch.is_grad_enabled():
         return
     params = replicas.parameters[: len(step.replicas)]
+    if all(param.grad is None for per_replica in params for param in per_replica):
+        return
     if zero_grad_due(step.call.module, step.call.args[0] if step.call.args else step.call.kwargs.get("batch_idx")):
         for per_replica in params:
             for param in per_replica:
                 param.grad = None
-    elif any(param.grad is not None for per_replica in params for param in per_replica):
+    else:
         step.call.warnings.warn(
             "sparse_dp: a backward inside training_step (e.g. aux.backward(), measure_flops) left gradients in an "
             "accumulation window (accumulate_grad_batches > 1), where one device keeps them in .grad: each replica's "

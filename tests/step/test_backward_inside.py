@@ -35,3 +35,48 @@ def test_a_backward_inside_the_step_in_an_accumulation_window_is_said():
         trainer(strategy="sparse_dp", devices=2, max_steps=2, accumulate_grad_batches=2, **F64).fit(
             BackwardInside(), loader(*batches)
         )
+
+
+def _counting_zero_grad_due(monkeypatch):
+    """Counts the reads of Lightning's zero_grad schedule (:func:`~lightning_sparse_dp.step.backward.zero_grad_due`)."""
+    from lightning_sparse_dp.step import backward
+
+    calls = []
+    real = backward.zero_grad_due
+
+    def counted(module, batch_idx):
+        calls.append(batch_idx)
+        return real(module, batch_idx)
+
+    monkeypatch.setattr(backward, "zero_grad_due", counted)
+    return calls
+
+
+def test_a_steady_step_reads_no_zero_grad_schedule(monkeypatch):
+    """The previous backward took every replica's gradient (``Replicas.reduce_gradients`` leaves ``None``): a step with
+    no backward inside has nothing to clear, and reads Lightning's schedule at no step."""
+    from tests.support.helpers import SparseNet
+
+    calls = _counting_zero_grad_due(monkeypatch)
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (81, 82, 83)]
+    trainer(strategy="sparse_dp", devices=3, max_steps=3, **F64).fit(SparseNet(), loader(*batches))
+    assert calls == []
+
+
+def test_a_backward_inside_mid_fit_reads_the_schedule_and_clears_as_one_device(monkeypatch):
+    """A backward inside the step from the second step on (the structure changes mid-fit): the schedule is read at those
+    steps only, and the replicas' gradients end as one device's."""
+
+    class LateBackwardInside(BackwardInside):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                return super(BackwardInside, self).training_step(batch, batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    calls = _counting_zero_grad_due(monkeypatch)
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (81, 82, 83)]
+    ours, reference = same_start(LateBackwardInside, seed=0)
+    trainer(strategy="sparse_dp", devices=2, max_steps=3, **F64).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=3, **F64).fit(reference, loader(*batches))
+    assert calls == [1, 2]
+    assert_same_states(ours, reference)
