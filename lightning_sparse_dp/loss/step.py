@@ -118,67 +118,56 @@ class StepTerms:
         count: replicas in the step.
         warning_cache: where the fallback info line, the notes and the empty-term warning go (each said once).
         memory: the strategy's readings of call sites, kept across steps.
+        plan: the step's split (``plan.num_chunks >= count``), known before the step runs (the scatter stage made it):
+            the chunks' shapes are read against it, in each replica's thread after its step, or inside it where a
+            manual step decides at ``manual_backward``.
     """
 
-    def __init__(self, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None) -> None:
+    def __init__(self, count: int, warning_cache: WarningCache, memory: SiteMemory | None, plan: SplitPlan) -> None:
         self.captures = [TermCapture() for _ in range(count)]
         self.warning_cache = warning_cache
         self.memory = SiteMemory() if memory is None else memory
         self.decision: Decision | None = None
-        self.plan: SplitPlan | None = None
-        self._shapes: list[ChunkShape | None] = []  # chunk i's, made where first needed (replica i's thread)
+        self.plan = plan
+        self._shapes: list[ChunkShape | None] = [None] * count  # chunk i's, made where first needed (replica i's thread)
         self._losses: list[Any] = []
         self._summaries: list[tuple[Any, Summary] | None] = [None] * count  # (loss, its summary), made in the replica
-        self._outputs: list[tuple[Any, Any] | None] = [None] * count  # (output, its loss_of), read in the replica
 
     @classmethod
     def for_step(
-        cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache, memory: SiteMemory | None = None
+        cls, loss_weighting: Any, step_name: str, count: int, warning_cache: WarningCache, memory: SiteMemory | None,
+        plan: SplitPlan,
     ) -> StepTerms | None:
-        """The capture of a step's replicas: for ``loss_weighting="terms"``, several replicas, not predict."""
+        """The capture of a step's replicas on the chunks of ``plan``: for ``loss_weighting="terms"``, several
+        replicas, not predict."""
         if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
             return None
-        return cls(count, warning_cache, memory)
+        return cls(count, warning_cache, memory, plan)
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
-        """Each replica's step run under its own capture (entered in the replica's thread); once the plan is set
-        (:meth:`set_plan`), the summary of the step's loss is made there too, after the step, beside the other
-        replicas' steps instead of after all of them on the calling thread (:meth:`decide` takes it)."""
+        """Each replica's step run under its own capture (entered in the replica's thread); the summary of the step's
+        loss is made there too, after the step, beside the other replicas' steps instead of after all of them on the
+        calling thread (:meth:`decide` takes it)."""
         return [partial(self._run, i, step) for i, step in enumerate(steps)]
 
     def _run(self, i: int, step: Callable[[], Any]) -> Any:
         capture = self.captures[i]
         out = capture.run(step)
         loss = loss_of(out)
-        self._outputs[i] = (out, loss)
-        if self.plan is not None and isinstance(loss, Tensor):
+        if isinstance(loss, Tensor):
             shape = self._shapes[i] = self._shapes[i] or ChunkShape.of(self.plan, i)  # made in replica i's thread
             self._summaries[i] = (loss, summarize(capture, loss, shape))
         return out
 
-    def losses(self, outputs: Sequence[Any]) -> list[Tensor | None]:
-        """Each replica's loss (:func:`~lightning_sparse_dp.loss.values.loss_of`) of ``outputs`` (replica order): read
-        in the replica's thread after its step where ``outputs[i]`` is what that step returned, else read here."""
-        made = self._outputs
-        return [m[1] if m is not None and m[0] is o else loss_of(o) for m, o in zip(made, outputs)]
-
-    def set_plan(self, plan: SplitPlan) -> None:
-        """The step's split: the chunks' shapes, before the step (manual optimization decides inside it)."""
-        if plan is not self.plan:
-            self.plan = plan
-            self._shapes = [None] * len(self.captures)
-
     def shape(self, i: int) -> ChunkShape:
-        """Chunk ``i``'s :class:`ChunkShape` (after :meth:`set_plan`)."""
+        """Chunk ``i``'s :class:`ChunkShape` of the step's plan, made once."""
         shape = self._shapes[i]
         if shape is None:
-            assert self.plan is not None
             shape = self._shapes[i] = ChunkShape.of(self.plan, i)
         return shape
 
     def say_fallback(self, decision: Decision) -> None:
         """Say once why the loss is weighted per replica (as ``"auto"`` does for the step's batch) instead."""
-        assert self.plan is not None
         self.warning_cache.info(fallback_message("sparse_dp", decision.reason or "", self.plan))
 
     def decide(self, values: Sequence[Any], replicas: Sequence[int] | None = None) -> Decision:
@@ -194,14 +183,12 @@ class StepTerms:
     def _summary(self, i: int, value: Any) -> Summary:
         return summarize(self.captures[i], value, self.shape(i))
 
-    def weigh(self, losses: Sequence[Tensor | None], plan: SplitPlan, weights: Sequence[float]) -> None:
+    def weigh(self, losses: Sequence[Tensor | None], weights: Sequence[float]) -> None:
         """Decide on the replicas' losses; when exact, scale every term's gradient; else say once why not.
 
         ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
         point, so none is 0).
         """
-        if plan is not self.plan:  # set before the step, where the state stage made the capture
-            self.set_plan(plan)
         if any(loss is None for loss in losses):
             return
         self.decision = self.scale_terms(losses, weights)
@@ -247,7 +234,7 @@ class StepTerms:
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
-        if len(replicas) != len(self.captures) or self.plan is None:
+        if len(replicas) != len(self.captures):
             return None
         dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
         if self.decision is not None and all(is_loss_value(v, loss) for v, loss in zip(values, self._losses)):

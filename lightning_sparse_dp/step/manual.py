@@ -241,14 +241,12 @@ def _toggle(manual: ManualStep, rank: int, module: Any, name: str) -> Callable[[
 @contextmanager
 def manual_step(
     module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
-    weights: Sequence[float], terms: StepTerms | None, plan: Any,
+    weights: Sequence[float], terms: StepTerms | None,
 ) -> Iterator[ThreadGroup]:
     """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
     (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
     ``weights``, needed inside the step, so computed before it; yields the group."""
     group = group if group is not None else ThreadGroup(len(step_replicas))
-    if terms is not None:
-        terms.set_plan(plan)
     with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
         yield group
 

@@ -101,9 +101,7 @@ def install_step(
     with ExitStack() as stack:
         with step.call.timer.stage("state"):
             out.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
-            out.terms = StepTerms.for_step(loss_weighting, step.call.name, n, step.call.warnings, site_memory)
-            if out.terms is not None:
-                out.terms.set_plan(step.plan)  # the chunks' shapes: each replica summarizes its loss in its thread
+            out.terms = StepTerms.for_step(loss_weighting, step.call.name, n, step.call.warnings, site_memory, step.plan)
             install = partial(stack.enter_context, replica_state(
                 step.call.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,
                 step.plan, step.call.warnings, None if out.terms is None else out.terms.output_value,
@@ -118,7 +116,7 @@ def install_step(
             assert persistent is not None and step.plan is not None
             out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.call.warnings)
             out.group = stack.enter_context(
-                manual_step(step.call.module, persistent, step.replicas, out.group, out.weights, out.terms, step.plan)
+                manual_step(step.call.module, persistent, step.replicas, out.group, out.weights, out.terms)
             )
         yield out
         if step.check is not None:

@@ -25,12 +25,12 @@ def weigh(step: StepContext, loss_weighting: Any, held: HeldWeighting) -> tuple[
     weighted by its own share (gradient scales set) or ``"auto"`` said once. Stage ``weigh``."""
     assert step.plan is not None
     with step.call.timer.stage("weigh"):
-        losses = [loss_of(o) for o in step.outputs] if step.terms is None else step.terms.losses(step.outputs)
+        losses = [loss_of(o) for o in step.outputs]
         weights = step.weights if step.weights is not None else held.step_weights(
             step.plan, step.inputs, loss_weighting, step.call.warnings
         )
         if step.terms is not None:
-            step.terms.weigh(losses, step.plan, weights)
+            step.terms.weigh(losses, weights)
     return losses, weights
 
 
