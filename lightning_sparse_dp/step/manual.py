@@ -53,7 +53,7 @@ class ManualStep:
         group: the step's thread group (the batch-norm group when there is one, so that every rendezvous of a
             replica, batch norm's and these, is numbered in one sequence).
         weights: the chunks' weights (``"auto"``'s or the given ``loss_weighting``'s).
-        terms: the step's term captures under ``loss_weighting="terms"`` (its plan set), else ``None``.
+        terms: the step's term captures under ``loss_weighting="terms"`` (made with the step's plan), else ``None``.
     """
 
     def __init__(
