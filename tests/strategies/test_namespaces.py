@@ -79,20 +79,10 @@ def test_a_pytorch_lightning_module_trains_to_one_devices_parameters(strategy):
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= 1e-10
 
 
-def test_sparse_ddp_under_pytorch_lightning_trains_as_one_device():
-    """One rank in this process (its process group taken down after): the pytorch_lightning mirror's sparse_ddp."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
-    try:
-        ours, t = _fit("sparse_ddp", 1)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+def test_sparse_ddp_under_pytorch_lightning_trains_as_one_device(in_process_ddp):
+    """One rank in this process (its process group and launch environment taken back after: ``in_process_ddp``):
+    the pytorch_lightning mirror's sparse_ddp."""
+    ours, t = _fit("sparse_ddp", 1)
     reference, _ = _fit("auto", 1)
     assert type(t.strategy).__module__ == "lightning_sparse_dp.pl.strategies.sparse_ddp"
     for (name, a), b in zip(ours.state_dict().items(), reference.state_dict().values()):

@@ -13,25 +13,6 @@ from tests.support.exact import assert_same_states, same_start
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, sample_loader, trainer
 
 
-@pytest.fixture
-def in_process_ddp():
-    """A sparse_ddp / ddp fit of one rank in this process leaves its process group up and MASTER_PORT (a port its
-    store still listens on) in os.environ: taken down after the test, so that later launches pick their own."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 class _IterSteps(SparseNet):
     """training_step(self, dataloader_iter), as Lightning's fetcher tests write it."""
 
