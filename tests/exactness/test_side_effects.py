@@ -70,8 +70,23 @@ def fit(model, check, tmp_path, precision):
     return t, hooks, logger
 
 
+@pytest.fixture
+def one_thread_each(monkeypatch):
+    """Each replica (and ME's OpenMP, OpenBLAS) on one intra-op thread, as the user chooses with ``OMP_NUM_THREADS=1``
+    set after the imports, whatever the machine's cores or what an earlier test left in ``os.environ``: ME's CPU
+    kernel maps and OpenBLAS are not bitwise repeatable with several threads (on one device too), so a bitwise
+    comparison of two fits runs where both use one. The main thread's torch threads are given back after the test."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("precision", ["32-true", "64-true"])
-def test_a_fit_with_the_check_equals_one_without_it_bit_for_bit(precision, tmp_path, caplog):
+def test_a_fit_with_the_check_equals_one_without_it_bit_for_bit(precision, tmp_path, caplog, one_thread_each):
     checked, unchecked = same_start(Busy, seed=0)
     with caplog.at_level(logging.INFO):
         t1, hooks1, logger1 = fit(checked, True, tmp_path, precision)
