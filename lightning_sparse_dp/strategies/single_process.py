@@ -122,12 +122,12 @@ class SingleProcessParallelStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        """The first of :attr:`parallel_devices` (read from what the setter stored: one read, no second property call).
+        """The first of :attr:`parallel_devices` (a subclass's own property included).
 
         Raises:
             AssertionError: no devices yet (the strategy was given no Trainer).
         """
-        devices = self._parallel_devices
+        devices = self.parallel_devices
         assert devices is not None
         return devices[0]
 

@@ -111,3 +111,23 @@ def test_the_skipped_stage_is_entered_only_where_a_chunk_returned_none(monkeypat
     assert len(calls) == entered
     trained = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert trained == (module is SparseNet)  # every step skipped: nothing trained, as on one device
+
+
+class _OwnDevices(SparseDataParallelStrategy):
+    """A subclass whose ``parallel_devices`` is its own property (not what the base class's setter stored)."""
+
+    own = [torch.device("cpu", 1), torch.device("cpu", 2)]
+
+    @property
+    def parallel_devices(self):
+        return self.own
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices):
+        SingleProcessParallelStrategy.parallel_devices.fset(self, devices)
+
+
+def test_the_root_device_is_the_first_of_a_subclass_own_parallel_devices():
+    strategy = _OwnDevices(check_exactness=False)
+    strategy.parallel_devices = [CPU, CPU, CPU]  # stored by the base class's setter, which the subclass does not read
+    assert strategy.root_device == torch.device("cpu", 1)
