@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_sparse_dp.runtime.me import is_me_tensor
-from lightning_sparse_dp.split.leaves import _tensor_lists, key_of
+from lightning_sparse_dp.split.leaves import key_of, tensor_lists
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     BatchLayoutError,
@@ -54,10 +54,10 @@ from lightning_sparse_dp.split.records import (
     names_indices,
 )
 from lightning_sparse_dp.split.sources import (
-    _refuse_ambiguous,
     check_batch_index,
     check_coordinates,
     looks_like_collated_coordinates,
+    refuse_ambiguous,
 )
 
 #: the most layouts a :class:`HeldLayouts` keeps (a fit's training and validation loaders, the exactness check's copy)
@@ -129,7 +129,7 @@ class HeldLayouts:
             values = list(batch.values()) if type(batch) is dict else list(batch)
             structure: Any = (type(batch), tuple(batch) if type(batch) is dict else len(batch))
         if values is None or not all(type(x) is Tensor or is_me_tensor(x) for x in values):
-            values, structure = pytree.tree_flatten(batch, is_leaf=_tensor_lists(layout))
+            values, structure = pytree.tree_flatten(batch, is_leaf=tensor_lists(layout))
         kinds = tuple(
             (type(x), x.dtype, x.dim()) if isinstance(x, Tensor) else (type(x), x.dtype, x.ndim)
             if isinstance(x, np.ndarray) else type(x)
@@ -152,7 +152,7 @@ class HeldLayouts:
             for (name, i), me in zip(held.sources, held.me):
                 x = values[i]
                 if held.looks:  # found by its look: its batch column as find_sources takes it, and the same refusal
-                    _refuse_ambiguous(Leaf(held.leaves[i][0], name, x), batch_sizes)
+                    refuse_ambiguous(Leaf(held.leaves[i][0], name, x), batch_sizes)
                     batch_index = x[:, 0].long().cpu()
                 else:
                     batch_index = (x.C[:, 0].long() if me else check_coordinates(x, name)).cpu()

@@ -96,7 +96,7 @@ def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple
     return Role(role), tuple(r.strip() for r in refs.split(",")) if refs else ()
 
 
-def _tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:
+def tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:
     """:func:`leaf_predicate`, and a dict value that is a list / tuple of tensors is one leaf (a per-sample
     list, one tensor per sample) when its key names indices (``correspondences``: each sample's own row
     numbers) or ``layout`` gives that key the role ``"samples"``."""
@@ -157,7 +157,7 @@ def flatten(batch: Any, layout: Mapping[Any, str] | None) -> tuple[tuple[Leaf, .
             return tuple(Leaf(p, n, x) for p, n, x in zip(paths, names, _values(batch))), spec
         flat = list(zip(paths, _values(batch)))
     else:
-        flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(layout))
+        flat, spec = pytree.tree_flatten_with_path(batch, is_leaf=tensor_lists(layout))
     leaves = tuple(_leaf(tuple(p), x, *_layout_role(p, layout)) for p, x in flat)
     if layout:
         known = {k for leaf in leaves for k in (leaf.name, key_of(leaf.path))}
@@ -181,5 +181,5 @@ def list_parent(leaf: Leaf) -> str | None:
 
 __all__ = [
     "flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "layout_entry", "leaf_predicate", "list_parent",
-    "path_name",
+    "path_name", "tensor_lists",
 ]

@@ -16,7 +16,7 @@ one of them is found:
    :func:`_float_coordinates` and :func:`_collated_points`: one float tensor ``[N, 1 + D + k]`` holding batch
    index, coordinates and per-point values is collated points when it has more rows than the samples it numbers);
    a look-alike with as many rows as the DataLoader's ``batch_size`` and more rows than samples could be either,
-   and is refused (:func:`_refuse_ambiguous`); when they found some, those whose column 0 numbers the same ``B``
+   and is refused (:func:`refuse_ambiguous`); when they found some, those whose column 0 numbers the same ``B``
    samples ``0..B-1`` as the first source and that have more rows than samples (``sinput1_C`` beside
    ``sinput0_C``; a per-sample integer tensor ``[B, c]`` whose column 0 happens to read 0..B-1 is not one).
 
@@ -150,7 +150,7 @@ def find_sources(
     Raises:
         BatchLayoutError: coordinates that are numpy arrays or not ``[N, D+1]`` tensors (see
             :func:`check_coordinates`), a list of per-sample coordinate tensors (not collated), or a tensor found by
-            its look alone that may be either collated points or one row per sample (:func:`_refuse_ambiguous`).
+            its look alone that may be either collated points or one row per sample (:func:`refuse_ambiguous`).
     """
     out, sources = list(leaves), []
     for i, leaf in enumerate(leaves):
@@ -194,7 +194,7 @@ def find_sources(
         integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
         found = integer or _float_coordinates(out, candidates) or _collated_points(out, candidates)
         for i in found:
-            _refuse_ambiguous(out[i], batch_sizes)
+            refuse_ambiguous(out[i], batch_sizes)
             _as_source(out, sources, i, out[i].value[:, 0].long())
     else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
         num_samples = int(sources[0].batch_index.max()) + 1 if candidates and sources[0].num_points else 0
@@ -252,7 +252,7 @@ def _collated_points(leaves: list[Leaf], candidates: list[int]) -> list[int]:
     return found
 
 
-def _refuse_ambiguous(leaf: Leaf, batch_sizes: Collection[int] | None) -> None:
+def refuse_ambiguous(leaf: Leaf, batch_sizes: Collection[int] | None) -> None:
     """Refuse a tensor taken for collated coordinates by its look alone when the DataLoader says its rows may be the
     batch's samples: as many rows as a loader's ``batch_size`` and more rows than the samples its column 0 numbers.
 
@@ -365,4 +365,5 @@ def uncollated_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
     )
 
 
-__all__ = ["check_batch_index", "check_coordinates", "count_samples", "find_sources", "looks_like_collated_coordinates"]
+__all__ = ["check_batch_index", "check_coordinates", "count_samples", "find_sources", "looks_like_collated_coordinates",
+           "refuse_ambiguous"]

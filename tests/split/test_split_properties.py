@@ -186,7 +186,7 @@ def test_flattened_leaves_are_pytrees_key_paths_for_every_batch_form(form):
     # flatten takes a shortcut for one level of tensors; its leaves, paths and spec must be pytree's own walk's
     import torch.utils._pytree as pytree
 
-    from lightning_sparse_dp.split.leaves import _tensor_lists, flatten
+    from lightning_sparse_dp.split.leaves import flatten, tensor_lists
 
     batch = collate_dict(random_samples(4))
     if form == "tuple":
@@ -201,7 +201,7 @@ def test_flattened_leaves_are_pytrees_key_paths_for_every_batch_form(form):
             "labels": batch["labels"],
         }
     leaves, spec = flatten(batch, None)
-    walked, walked_spec = pytree.tree_flatten_with_path(batch, is_leaf=_tensor_lists(None))
+    walked, walked_spec = pytree.tree_flatten_with_path(batch, is_leaf=tensor_lists(None))
     assert spec == walked_spec
     assert [leaf.path for leaf in leaves] == [tuple(p) for p, _ in walked]
     assert all(leaf.value is x for leaf, (_, x) in zip(leaves, walked))
