@@ -32,6 +32,19 @@ def equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.to(b.device), b))
 
 
+def tensor_mark(t: Tensor) -> int | Tensor:
+    """What tells later whether ``t`` was changed in place (:func:`changed_in_place`): its version counter, or, for an
+    inference tensor (one made under ``torch.inference_mode``, as Lightning runs validation and its hooks), which has
+    none (reading it raises), a copy of its values."""
+    return t.clone() if t.is_inference() else t._version
+
+
+def changed_in_place(t: Tensor, mark: int | Tensor) -> bool:
+    """Whether ``t`` changed in place since :func:`tensor_mark` gave ``mark``: its version moved, or (an inference
+    tensor) its values differ from the copy."""
+    return not equal_tensors(mark, t) if isinstance(mark, Tensor) else t._version != mark
+
+
 @functools.cache
 def library_keys() -> frozenset[str]:
     """The ``__dict__`` keys a bare LightningModule has (Lightning's and torch's), its hyperparameters'
@@ -178,16 +191,16 @@ def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str,
 
 
 def say_shared_changes(
-    versions: list[tuple[str, Tensor, int]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
+    versions: list[tuple[str, Tensor, int | Tensor]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
     sizes: dict[str, list[tuple[Any, int]]], warning_cache: WarningCache,
 ) -> set[str]:
     """After a step, what its replicas changed in what they share with the module, which no merge can undo, said once
-    each: a tensor changed in place (``versions``: ``(name, tensor, its version before)``), a plain object's public
-    attributes (``objects``: ``(key, object, its public_state before)``), a list or dict the replicas got copies of
-    that changed through the module itself (``sizes``: ``self.<path> -> nested_sizes before``). Returns the names of
-    those containers (not merged: the module's object holds what the step did)."""
+    each: a tensor changed in place (``versions``: ``(name, tensor, its mark before)``, :func:`tensor_mark`), a plain
+    object's public attributes (``objects``: ``(key, object, its public_state before)``), a list or dict the replicas
+    got copies of that changed through the module itself (``sizes``: ``self.<path> -> nested_sizes before``). Returns
+    the names of those containers (not merged: the module's object holds what the step did)."""
     for name, tensor, version in versions:
-        if tensor._version != version:
+        if changed_in_place(tensor, version):
             warning_cache.warn(
                 f"sparse_dp: {name} (a tensor of the module) was changed in place in the step: the replicas share "
                 "it, so each applied its own chunk's change to it, one after another or at once (a sum adds up to "

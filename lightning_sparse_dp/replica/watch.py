@@ -91,20 +91,22 @@ def list_entries(entries: dict[str, Any]) -> Listing:
     )
 
 
-def container_marks(listing: Listing) -> tuple[dict[str, list[tuple[Any, int]]], list[tuple[str, Tensor, int]], set[str]]:
+def container_marks(
+    listing: Listing,
+) -> tuple[dict[str, list[tuple[Any, int]]], list[tuple[str, Tensor, int | Tensor]], set[str]]:
     """What a step reads of the listed containers and tensors as it finds them: each copied container's sizes
     (:func:`~.snapshot.nested_sizes`, by ``self.<key>``), the tensors (and those in the copied containers) with their
-    versions (:func:`~.snapshot.nested_tensors`), and the keys of the flat lists and dicts, whose copy is ``.copy()``:
-    those that :func:`~.snapshot.copy_nested` copies alone, with no list, dict or tensor in them that a copy, a size or
-    a version follows (a longer list's entries are never followed; found in C)."""
+    marks (:func:`~.snapshot.tensor_mark`; :func:`~.snapshot.nested_tensors`), and the keys of the flat lists and dicts,
+    whose copy is ``.copy()``: those that :func:`~.snapshot.copy_nested` copies alone, with no list, dict or tensor in
+    them that a copy, a size or a version follows (a longer list's entries are never followed; found in C)."""
     sizes: dict[str, list[tuple[Any, int]]] = {}
-    versions: list[tuple[str, Tensor, int]] = []
+    versions: list[tuple[str, Tensor, int | Tensor]] = []
     flat: set[str] = set()
     before = listing.before
     for key in listing.marked:
         value, name = before[key], f"self.{key}"
         if isinstance(value, Tensor):
-            versions.append((name, value, value._version))
+            versions.append((name, value, snapshot.tensor_mark(value)))
         elif len(value) > snapshot.SHORT or not any(
             map(isinstance, value.values() if isinstance(value, dict) else value, repeat(_NESTED))
         ):
@@ -113,7 +115,7 @@ def container_marks(listing: Listing) -> tuple[dict[str, list[tuple[Any, int]]],
                 flat.add(key)
         else:
             sizes[name] = list(snapshot.nested_sizes(value))
-            versions.extend((n, t, t._version) for n, t in snapshot.nested_tensors(value, name))
+            versions.extend((n, t, snapshot.tensor_mark(t)) for n, t in snapshot.nested_tensors(value, name))
     return sizes, versions, flat
 
 

@@ -48,7 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
 from lightning_sparse_dp.replica.attributes import SubmoduleChanges
-from lightning_sparse_dp.replica.snapshot import equal_tensors
+from lightning_sparse_dp.replica.snapshot import changed_in_place, equal_tensors, tensor_mark
 from lightning_sparse_dp.runtime.devices import check_devices
 from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots
 
@@ -178,16 +178,17 @@ class Replicas:
         )
         self._copy_parameters()
 
-    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int]]:
-        """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer,
-        version)`` each, for :meth:`diverged_buffers` after the step (none in most networks: nothing to look at)."""
+    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int | Tensor]]:
+        """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer, mark)``
+        each (:func:`~lightning_sparse_dp.replica.snapshot.tensor_mark`), for :meth:`diverged_buffers` after the step
+        (none in most networks: nothing to look at)."""
         marks = []
         for i, key, name in self._watched:
             b = self._sources[i]._buffers.get(key)
-            marks.append((i, key, name, b, -1 if b is None else b._version))
+            marks.append((i, key, name, b, -1 if b is None else tensor_mark(b)))
         return marks
 
-    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int]], count: int) -> list[str]:
+    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor]], count: int) -> list[str]:
         """The names of the buffers of ``marks`` that the step's root replica (the module itself) changed, in place or
         by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
         computed from each replica's chunk (a histogram of its labels), of which the module keeps the root replica's,
@@ -196,7 +197,7 @@ class Replicas:
         out = []
         for i, key, name, before, version in marks:
             now = self._sources[i]._buffers.get(key)
-            if name in self._diverged or (now is before and (now is None or now._version == version)):
+            if name in self._diverged or (now is before and (now is None or not changed_in_place(now, version))):
                 continue  # named already, or the root replica left it as it was
             for r in range(1, count):
                 theirs = self._copies[r][i]._buffers.get(key)
