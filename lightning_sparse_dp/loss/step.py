@@ -139,8 +139,8 @@ class StepTerms:
         plan: SplitPlan,
     ) -> StepTerms | None:
         """The capture of a step's replicas on the chunks of ``plan``: for ``loss_weighting="terms"``, several
-        replicas, not predict."""
-        if loss_weighting != "terms" or count < 2 or step_name == "predict_step":
+        replicas (a predict step's too: its 0-dim means are read as a validation step's)."""
+        if loss_weighting != "terms" or count < 2:
             return None
         return cls(count, warning_cache, memory, plan)
 

@@ -213,6 +213,16 @@ def _guess_role(
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
+    elif not first.is_floating_point() and coordinates_back(values, plan, "cat") is values:
+        warning_cache.warn(
+            f"sparse_dp: step output {_printed(path)} is an integer tensor of other lengths than the chunks' samples or "
+            "points: the replicas' are concatenated in chunk order, but integers read from a chunk are its own: row "
+            "indices (torch.nonzero) count its rows, sample ids (x.C[mask][:, 0]) its samples, and a set (torch.unique) "
+            "repeats what several chunks hold, where one device's step gives the batch's. Return per-point or "
+            "per-sample values (a mask, the predictions: they come back in the batch's order) and select from them "
+            f"after the step (on_predict_batch_end, ...), or name its role: SparseDataParallelStrategy(output_layout="
+            f"{{{_output_key(path)!r}: 'cat'}}) keeps the concatenation and silences this warning."
+        )
     return "cat"
 
 

@@ -270,3 +270,64 @@ def test_zero_dim_outputs_are_one_devices_where_the_step_tells_and_said_where_no
     assert "step output output['correct'] is a 0-dim integer tensor" in said
     assert "step output output['active']" not in said
     assert "step output output['top'] differs between the replicas and is not a combination" in said
+
+
+class PredictsMeans(SparseNet):
+    """A predict step that returns means over the chunk's points: in a dict beside the logits, or bare."""
+
+    bare = False
+
+    def predict_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        points = self.net[0](x).F
+        if self.bare:
+            return points.mean()
+        return {"mean_activation": points.mean(), "logits": self(x)}
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_mean_a_predict_step_returns_is_the_whole_batchs(bare):
+    """A 0-dim mean over the chunk's points returned by ``predict_step`` is the whole batch's mean, as a validation
+    step's is (the chunks' means were weighted by their samples, silently: 3e-2 to 1e-1 relative off)."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (171, 172)]
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        torch.manual_seed(0)
+        module = PredictsMeans()
+        module.bare = bare
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(module, loader(*batches))
+    for one, ours in zip(results["auto"], results["sparse_dp"]):
+        if bare:
+            torch.testing.assert_close(ours, one, rtol=1e-10, atol=0)
+            continue
+        for key in ("mean_activation", "logits"):
+            torch.testing.assert_close(ours[key], one[key], rtol=1e-10, atol=0)
+
+
+class PredictsIndices(SparseNet):
+    """A predict step that returns the row indices of its confident points (``torch.nonzero``): as many as the chunk
+    has, counted in its own rows."""
+
+    def predict_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        points = self.net[0](x).F
+        return {"confident": torch.nonzero(points.max(1).values > 0).squeeze(1)}
+
+
+def test_integers_a_predict_step_selects_from_its_chunk_are_said():
+    """Row indices of another length than the chunk's samples or points are each chunk's own: concatenated they are not
+    one device's (they were, silently); said once, naming the output and the role that keeps the concatenation, which
+    silences it."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (181, 182)]
+    torch.manual_seed(0)
+    module = PredictsIndices()
+    [one] = trainer(devices=1).predict(module, loader(batches[0]))
+    with pytest.warns(UserWarning, match=r"step output output\['confident'\] is an integer tensor of other lengths") as got:
+        ours = trainer(strategy="sparse_dp", devices=3).predict(module, loader(*batches))
+    assert sum("output['confident'] is an integer tensor" in str(w.message) for w in got) == 1  # once for two batches
+    assert ours[0]["confident"].numel() == one["confident"].numel()  # the same selection, counted in chunks' rows
+    assert not torch.equal(ours[0]["confident"], one["confident"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*is an integer tensor of other lengths")
+        strategy = SparseDataParallelStrategy(output_layout={"confident": "cat"})
+        trainer(strategy=strategy, devices=3).predict(module, loader(*batches))
