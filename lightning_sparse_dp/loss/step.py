@@ -154,9 +154,8 @@ class StepTerms:
         capture = self.captures[i]
         out = capture.run(step)
         loss = loss_of(out)
-        if isinstance(loss, Tensor):
-            shape = self._shapes[i] = self._shapes[i] or ChunkShape.of(self.plan, i)  # made in replica i's thread
-            self._summaries[i] = (loss, summarize(capture, loss, shape))
+        if isinstance(loss, Tensor):  # the chunk's shape made here, in replica i's thread
+            self._summaries[i] = (loss, summarize(capture, loss, self.shape(i)))
         return out
 
     def shape(self, i: int) -> ChunkShape:
