@@ -213,7 +213,7 @@ def _guess_role(
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
-    elif not first.is_floating_point() and coordinates_back(values, plan, "cat") is values:
+    elif not (first.is_floating_point() or first.is_complex()) and coordinates_back(values, plan, "cat") is values:
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} is an integer tensor of other lengths than the chunks' samples or "
             "points: the replicas' are concatenated in chunk order, but integers read from a chunk are its own: row "
