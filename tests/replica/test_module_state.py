@@ -389,32 +389,3 @@ def test_a_plain_object_of_the_module_the_step_changes_is_said():
     assert len(reference.meter.history) == 2 and len(ours.meter.history) == 6
     assert ours.meter.val != pytest.approx(reference.meter.val, rel=1e-10)
 
-
-class ValidationCounts(SparseNet):
-    """A validation confusion count kept in a tensor the validation hooks make, so under Lightning's inference mode
-    (an inference tensor, with no version counter): rebuilt in ``on_validation_epoch_start``, added to in place in each
-    validation step, and a running decay changed in place there too (applied once per replica: said)."""
-
-    def on_validation_epoch_start(self):
-        self.counts = torch.zeros(NUM_CLASSES, dtype=torch.long)
-        self.decay = torch.ones(())
-
-    def validation_step(self, batch, batch_idx):
-        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
-        self.counts += torch.bincount(self(x).argmax(1), minlength=NUM_CLASSES)
-        self.decay.mul_(0.5)
-        return super().validation_step(batch, batch_idx)
-
-
-def test_tensors_a_validation_hook_makes_are_followed_as_one_devices():
-    """Tensors made under inference mode (in a validation hook) have no version counter: the step's watch reads their
-    values instead (it crashed reading the version). An in-place sum adds up to one device's count; an in-place decay,
-    applied once per replica, is said."""
-    batches = [collate_dict(random_samples(7, seed=70 + i)) for i in range(2)]
-    ours, reference = same_start(ValidationCounts)
-    with pytest.warns(UserWarning, match=r"self\.decay \(a tensor of the module\) was changed in place"):
-        trainer(strategy="sparse_dp", devices=3, limit_val_batches=None).validate(ours, loader(*batches))
-    trainer(limit_val_batches=None).validate(reference, loader(*batches))
-    assert ours.counts.is_inference() and torch.equal(ours.counts, reference.counts)
-    assert int(reference.counts.sum()) == 14
-    assert float(reference.decay) == 0.5**2 and float(ours.decay) == 0.5**6
