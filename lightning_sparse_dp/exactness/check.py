@@ -154,9 +154,22 @@ class ExactnessCheck:
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
 
-    def reset(self) -> None:
-        """A new fit: its first training step is checked."""
+    def reset(self, count: int = 1, warnings: WarningCache | None = None) -> None:
+        """A new fit: its first training step is checked. With the check off and ``count`` (replicas or ranks of the
+        fit) of two or more, said once in ``warnings``: the loss's weighting is then read from the step's code only
+        (:mod:`~lightning_sparse_dp.loss`), which cannot see samples that meet before the loss (features centered on
+        the batch's mean inside ``forward``, a contrastive loss across samples)."""
         self._last = None
+        if self.mode is not None or count < 2 or warnings is None:
+            return
+        strategy, who = self.strategy, "replica" if self.strategy == "sparse_dp" else "rank"
+        warnings.info(
+            f"{strategy}: exactness check off (check_exactness=False): how each {who}'s loss is weighted is read from "
+            "the step's code only, which cannot see a step coupling the batch's samples before its loss (features "
+            "centered on the batch's mean or scaled by its std inside forward, a contrastive loss between samples): "
+            f"such a step trains unlike one device and nothing says so. check_exactness=True (the default) runs the "
+            f"first training step on one device and on the {who}s and says whether they differ."
+        )
 
     @property
     def done(self) -> bool:

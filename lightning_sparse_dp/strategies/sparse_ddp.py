@@ -176,7 +176,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if self._layer_sync is None and module is not None and trainer.state.fn == TrainerFn.FITTING:  # said once
             warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
         super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
-        self._exactness.reset()  # the first training step of each fit is checked
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._exactness.reset(self.world_size if fitting else 1, self._warning_cache)  # checked, or said off
 
     # --- exact loss and logs ---------------------------------------------------------------------
     def global_count(self, n: float) -> float:

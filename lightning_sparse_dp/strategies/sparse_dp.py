@@ -182,7 +182,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
-        self._exactness.reset()  # the first training step of each fit is checked
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._exactness.reset(len(self.parallel_devices) if fitting else 1, self._warning_cache)  # checked, or said off
         self._start_replica_threads(self.pin_replicas, synchronized=self._layer_sync is not None)
 
     @override
