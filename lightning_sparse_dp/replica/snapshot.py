@@ -32,17 +32,31 @@ def equal_tensors(a: Tensor | None, b: Tensor | None) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.to(b.device), b))
 
 
-def tensor_mark(t: Tensor) -> int | Tensor:
+def tensor_mark(t: Tensor) -> int | Tensor | None:
     """What tells later whether ``t`` was changed in place (:func:`changed_in_place`): its version counter, or, for an
     inference tensor (one made under ``torch.inference_mode``, as Lightning runs validation and its hooks), which has
-    none (reading it raises), a copy of its values."""
-    return t.clone() if t.is_inference() else t._version
+    none (reading it raises), a copy of its values while the calling thread is in inference mode (a validation step),
+    else ``None``: outside inference mode torch refuses to change an inference tensor in place ("Inplace update to
+    inference tensor outside InferenceMode"), so a training step copies none (a tensor the validation kept on the
+    module may be large). A step that enters ``torch.inference_mode()`` itself to change such a tensor is not
+    followed."""
+    if not t.is_inference():
+        return t._version
+    return t.clone() if torch.is_inference_mode_enabled() else None
 
 
-def changed_in_place(t: Tensor, mark: int | Tensor) -> bool:
+def changed_in_place(t: Tensor, mark: int | Tensor | None) -> bool:
     """Whether ``t`` changed in place since :func:`tensor_mark` gave ``mark``: its version moved, or (an inference
-    tensor) its values differ from the copy."""
-    return not equal_tensors(mark, t) if isinstance(mark, Tensor) else t._version != mark
+    tensor) its values differ from the copy (a NaN where the copy has one is no change); never for ``None`` (an
+    inference tensor marked outside inference mode)."""
+    if mark is None:
+        return False
+    if not isinstance(mark, Tensor):
+        return t._version != mark
+    if equal_tensors(mark, t):
+        return False
+    return not (mark.shape == t.shape and mark.dtype == t.dtype and mark.is_floating_point()
+                and bool(torch.allclose(mark, t, rtol=0.0, atol=0.0, equal_nan=True)))
 
 
 @functools.cache
@@ -191,7 +205,7 @@ def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str,
 
 
 def say_shared_changes(
-    versions: list[tuple[str, Tensor, int | Tensor]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
+    versions: list[tuple[str, Tensor, int | Tensor | None]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
     sizes: dict[str, list[tuple[Any, int]]], warning_cache: WarningCache,
 ) -> set[str]:
     """After a step, what its replicas changed in what they share with the module, which no merge can undo, said once

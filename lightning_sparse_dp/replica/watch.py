@@ -93,14 +93,14 @@ def list_entries(entries: dict[str, Any]) -> Listing:
 
 def container_marks(
     listing: Listing,
-) -> tuple[dict[str, list[tuple[Any, int]]], list[tuple[str, Tensor, int | Tensor]], set[str]]:
+) -> tuple[dict[str, list[tuple[Any, int]]], list[tuple[str, Tensor, int | Tensor | None]], set[str]]:
     """What a step reads of the listed containers and tensors as it finds them: each copied container's sizes
     (:func:`~.snapshot.nested_sizes`, by ``self.<key>``), the tensors (and those in the copied containers) with their
     marks (:func:`~.snapshot.tensor_mark`; :func:`~.snapshot.nested_tensors`), and the keys of the flat lists and dicts,
     whose copy is ``.copy()``: those that :func:`~.snapshot.copy_nested` copies alone, with no list, dict or tensor in
     them that a copy, a size or a version follows (a longer list's entries are never followed; found in C)."""
     sizes: dict[str, list[tuple[Any, int]]] = {}
-    versions: list[tuple[str, Tensor, int | Tensor]] = []
+    versions: list[tuple[str, Tensor, int | Tensor | None]] = []
     flat: set[str] = set()
     before = listing.before
     for key in listing.marked:

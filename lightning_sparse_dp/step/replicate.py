@@ -178,7 +178,7 @@ class Replicas:
         )
         self._copy_parameters()
 
-    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int | Tensor]]:
+    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int | Tensor | None]]:
         """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer, mark)``
         each (:func:`~lightning_sparse_dp.replica.snapshot.tensor_mark`), for :meth:`diverged_buffers` after the step
         (none in most networks: nothing to look at)."""
@@ -188,7 +188,7 @@ class Replicas:
             marks.append((i, key, name, b, -1 if b is None else tensor_mark(b)))
         return marks
 
-    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor]], count: int) -> list[str]:
+    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor | None]], count: int) -> list[str]:
         """The names of the buffers of ``marks`` that the step's root replica (the module itself) changed, in place or
         by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
         computed from each replica's chunk (a histogram of its labels), of which the module keeps the root replica's,

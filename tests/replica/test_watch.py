@@ -259,3 +259,22 @@ def test_tensors_a_validation_hook_makes_are_followed_as_one_devices():
     assert ours.counts.is_inference() and torch.equal(ours.counts, reference.counts)
     assert int(reference.counts.sum()) == 14
     assert float(reference.decay) == 0.5**2 and float(ours.decay) == 0.5**6
+
+
+def test_an_inference_tensor_is_copied_for_its_mark_under_inference_mode_only():
+    """A validation step (inference mode) marks a tensor its hooks made by a copy of its values; a training step copies
+    none (it may be large, kept from the validation epoch), since torch refuses to change it in place there."""
+    with torch.inference_mode():
+        kept = torch.zeros(1000)
+        mark = snapshot.tensor_mark(kept)
+        assert isinstance(mark, torch.Tensor) and not snapshot.changed_in_place(kept, mark)
+        kept.add_(1)
+        assert snapshot.changed_in_place(kept, mark)
+        kept[0] = float("nan")  # a NaN that stays is no change; one that comes is
+        mark = snapshot.tensor_mark(kept)
+        assert not snapshot.changed_in_place(kept, mark)
+        kept[1] = float("nan")
+        assert snapshot.changed_in_place(kept, mark)
+    assert snapshot.tensor_mark(kept) is None and not snapshot.changed_in_place(kept, None)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        kept.add_(1)  # why no copy is needed outside inference mode
