@@ -11,8 +11,9 @@ a per-sample cache that the replicas fill with their own samples' keys, is share
 
 - an attribute the replicas set to one value (``==``, or equal tensors) gets that value on the module;
   tensors they set to different values get them merged as the step's outputs are
-  (:func:`~lightning_sparse_dp.step.gather.gather_outputs`: a combination of the losses its whole-batch value, other
-  0-dim tensors the mean weighted like the loss, per-sample rows in sample order); any other value they set
+  (:func:`~lightning_sparse_dp.step.gather.gather_outputs`: a combination of the losses, or a mean the step computed
+  with ``torch.mean`` / ``.mean()``, its whole-batch value, other 0-dim tensors the mean weighted by the replicas'
+  shares of the batch, per-sample rows in sample order); any other value they set
   differently (an object made lazily in the step, a count) keeps the root replica's, as Lightning's DDP keeps rank
   0's, never a list of the replicas' values; a one-time warning names what was not one device's for certain;
 - the ``j``-th entry every replica appended to a list is merged the same way into one entry appended to
@@ -271,8 +272,10 @@ class ModuleChanges:
             if value is not None and all(isinstance(v, Tensor) for v in values):
                 warning_cache.warn(
                     f"sparse_dp: {name} was set to different tensors by the replicas' steps: the module gets them "
-                    "merged as step outputs are (0-dim tensors: the mean weighted like the loss; per-sample rows: in "
-                    "sample order). Log it, or return it from the step, to get one device's value in every case."
+                    "merged as step outputs are (0-dim tensors: the mean weighted by each replica's share of the batch, "
+                    "its samples or points; per-sample rows: in sample order), one device's value only for a mean "
+                    "over those. Compute it with torch.mean / .mean() (counted), log it, or return it from the step, "
+                    "to get one device's value."
                 )
                 return value
         warning_cache.warn(

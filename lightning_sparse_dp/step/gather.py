@@ -340,6 +340,7 @@ def gather_outputs(
     warning_cache: WarningCache | None = None,
     say_lists: bool = True,
     value_of: Callable[[list[Tensor]], Tensor | None] | None = None,
+    exact_loss: bool = True,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -375,7 +376,10 @@ def gather_outputs(
     replicas' values differ, where it is a combination of the step's captured losses or a mean each replica computed
     (an accuracy written with ``.mean()``), else ``None``. Such a leaf is that value (its gradient the weighted
     mean's); one it cannot tell is the weighted mean, said once (as ``self.log`` says a value it cannot reduce as one
-    device's).
+    device's). ``exact_loss``: the outputs' loss (a bare tensor, or the ``"loss"`` key) is the step's own, made the
+    whole batch's before (:meth:`~lightning_sparse_dp.loss.step.StepTerms.exact_outputs`), so ``value_of`` skips it;
+    ``False`` for values that are not the step's output (what a step appended to a list of the module), whose
+    ``"loss"`` is a leaf like any other.
 
     Raises:
         ValueError: some replicas returned ``None`` and others an output (the message says what
@@ -389,7 +393,7 @@ def gather_outputs(
     cache = _warning_cache if warning_cache is None else warning_cache
     combine = partial(
         _combine, plan=plan, weights=weights, device=device, output_layout=output_layout, cache=cache, say_lists=say_lists,
-        value_of=value_of,
+        value_of=value_of, exact_loss=exact_loss,
     )
     if all(type(o) is Tensor for o in outputs):  # a bare loss (the common step): one leaf, path (), no walk
         return combine((), list(outputs), False)
@@ -413,11 +417,11 @@ def gather_outputs(
 def _combine(
     path: Sequence[Any], values: list[Any], sequence: bool, *, plan: SplitPlan, weights: Sequence[float],
     device: torch.device, output_layout: Mapping[Any, str] | None, cache: WarningCache, say_lists: bool = True,
-    value_of: Callable[[list[Tensor]], Tensor | None] | None = None,
+    value_of: Callable[[list[Tensor]], Tensor | None] | None = None, exact_loss: bool = True,
 ) -> Any:
     """One output leaf from the replicas' ``values`` at ``path``: by its role (a per-sample ``sequence``, else
-    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`; a 0-dim value other than the loss as
-    :func:`gather_outputs` says for ``value_of``."""
+    ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`; a 0-dim value other than the loss (with
+    ``exact_loss``) as :func:`gather_outputs` says for ``value_of``."""
     role = "sequence" if sequence else _output_role(path, output_layout)
     if role is None and all(type(v) is ME.SparseTensor for v in values):
         merged = merge_sparse(values, plan, device)
@@ -427,7 +431,8 @@ def _combine(
     if guessed:
         role = _guess_role(path, values, plan, cache, say_lists)
     merged = _gather_leaf(path, values, role, plan, weights, device)
-    if guessed and role == "mean" and value_of is not None and path and key_of(path) != "loss" and merged.is_floating_point():
+    the_loss = exact_loss and (not path or key_of(path) == "loss")  # made the whole batch's already
+    if guessed and role == "mean" and value_of is not None and not the_loss and merged.is_floating_point():
         if not _comparable(values):
             value = value_of(values)
             if value is not None:  # the whole batch's value, the weighted mean's gradient

@@ -38,8 +38,10 @@ def combine_values(
     output_layout: Mapping[str, str] | None, warning_cache: WarningCache, values: list[Any],
 ) -> tuple[Any, bool]:
     """The replicas' values of one attribute or list entry the step left on ``self``, merged as one device's:
-    a combination of captured losses (or its ``.item()``) by its whole-batch value (``True``: exact), else as
-    step outputs are (``False``; :func:`~lightning_sparse_dp.step.gather.gather_outputs`).
+    a combination of captured losses (or its ``.item()``), or a mean each replica computed with ``torch.mean`` /
+    ``.mean()``, by its whole-batch value (:meth:`~lightning_sparse_dp.loss.step.StepTerms.output_value`; ``True``:
+    exact), else as step outputs are (``False``; :func:`~lightning_sparse_dp.step.gather.gather_outputs`, the leaves of
+    a dict or list the same way, its ``"loss"`` key included: not the step's own loss).
 
     Raises:
         ValueError: tensors that are not rows of their chunks (:func:`~lightning_sparse_dp.step.gather.rows_of_chunks`:
@@ -47,7 +49,7 @@ def combine_values(
             value of another size than any step's; the caller keeps the root replica's then.
     """
     if terms is not None and all(isinstance(v, (Tensor, float)) for v in values):
-        value = terms.log_value(list(range(len(values))), values)
+        value = terms.output_value(values)
         if value is not None:
             return (value.to(values[0].device) if isinstance(values[0], Tensor) else float(value)), True
     if all(isinstance(v, Tensor) and v.dim() > 0 for v in values) and not rows_of_chunks(values, plan):
@@ -55,7 +57,7 @@ def combine_values(
     structures = isinstance(values[0], (Mapping, list, tuple))  # their leaves' merge is said here, a leaf's by the caller
     value_of = terms.output_value if structures and terms is not None else None  # a 0-dim leaf's whole value, or said
     return gather_outputs(values, plan, weights, root, output_layout, warning_cache, say_lists=structures,
-                          value_of=value_of), False
+                          value_of=value_of, exact_loss=False), False
 
 
 @dataclass(eq=False)
