@@ -223,7 +223,25 @@ def _guess_role(
             f"after the step (on_predict_batch_end, ...), or name its role: SparseDataParallelStrategy(output_layout="
             f"{{{_output_key(path)!r}: 'cat'}}) keeps the concatenation and silences this warning."
         )
+    elif (first.is_floating_point() or first.is_complex()) and not in_sample_order(plan):
+        warning_cache.warn(
+            f"sparse_dp: step output {_printed(path)} has other lengths than the chunks' samples or points (rows the step "
+            "selected, e.g. o[mask], or a strided tensor's .F): the replicas' rows are concatenated in chunk order, "
+            "and the balanced split put the batch's samples in the chunks out of their order (by points), so these "
+            "rows come in another order than one device's. Return per-point or per-sample values and the mask (they "
+            "come back in the batch's order) and select after the step (on_predict_batch_end, ...), or name its "
+            f"role: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'cat'}}) keeps the chunk order "
+            "and silences this warning."
+        )
     return "cat"
+
+
+def in_sample_order(plan: SplitPlan) -> bool:
+    """Whether the chunks hold the batch's samples in its order (chunk ``i``'s sample ids all below chunk ``i + 1``'s;
+    each chunk's ascend): rows concatenated in chunk order, each chunk's in its samples' order, are then in the
+    batch's sample order."""
+    chunks = plan.chunk_samples
+    return all(int(a[-1]) < int(b[0]) for a, b in zip(chunks, chunks[1:]) if len(a) and len(b))
 
 
 def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool) -> str:

@@ -331,3 +331,35 @@ def test_integers_a_predict_step_selects_from_its_chunk_are_said():
         warnings.filterwarnings("error", message=".*is an integer tensor of other lengths")
         strategy = SparseDataParallelStrategy(output_layout={"confident": "cat"})
         trainer(strategy=strategy, devices=3).predict(module, loader(*batches))
+
+
+class PredictsSelected(SparseNet):
+    """A predict step that returns the features of the points its batch labels as class 1 (``o[mask]``): as many rows
+    as its chunk selects, in its samples' order."""
+
+    def predict_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        points = self.net[0](x).F
+        return {"selected": points[batch["features"][:, 0] > 0]}
+
+
+def test_float_rows_a_predict_step_selects_are_said_where_the_chunks_reorder_the_samples():
+    """Float rows of another length than the chunks' samples or points come in chunk order; where the balanced split
+    put the samples in the chunks out of the batch's order, that is not one device's order (it was silently): said
+    once, naming the output and the role that keeps the chunk order. The contiguous split keeps the batch's order:
+    one device's rows, unsaid."""
+    batch = collate_dict(random_samples(7, seed=191))
+    torch.manual_seed(0)
+    module = PredictsSelected()
+    [one] = trainer(devices=1, precision="64-true").predict(module, loader(batch))
+    with pytest.warns(UserWarning, match=r"output\['selected'\] has other lengths than the chunks' samples") as got:
+        ours = trainer(strategy="sparse_dp", devices=3, precision="64-true").predict(module, loader(batch, batch))[0]
+    assert sum("output['selected'] has other lengths" in str(w.message) for w in got) == 1
+    assert ours["selected"].shape == one["selected"].shape and not torch.equal(ours["selected"], one["selected"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*has other lengths than the chunks' samples")
+        strategy = SparseDataParallelStrategy(split="contiguous")
+        [kept] = trainer(strategy=strategy, devices=3, precision="64-true").predict(module, loader(batch))
+        strategy = SparseDataParallelStrategy(output_layout={"selected": "cat"})
+        trainer(strategy=strategy, devices=3, precision="64-true").predict(module, loader(batch))
+    torch.testing.assert_close(kept["selected"], one["selected"], rtol=1e-10, atol=0)
