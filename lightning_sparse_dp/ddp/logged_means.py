@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
 from lightning_sparse_dp.loss.decide import decide
@@ -112,16 +113,29 @@ def rank_row(tensor: Tensor, capture: Any, summary_of: Callable[[Tensor], Any], 
     return (summary, x.to(torch.float64).cpu().reshape(-1).tolist(), count, n)
 
 
-def whole_value(rows: Sequence[Row], like: Tensor, memory: Any) -> Tensor:
+def whole_value(
+    rows: Sequence[Row], like: Tensor, memory: Any, name: str | None = None, warnings: WarningCache | None = None,
+) -> Tensor:
     """The global batch's value of a logged value from the ranks' rows: the loss's own where every row is a
     combination of captured losses (:func:`~lightning_sparse_dp.loss.decide.decide`, with the strategy's site memory
     ``memory``), else the values weighted by the means' element counts where every rank has one, else by ``n_r``;
-    shaped, typed and placed like ``like``."""
+    shaped, typed and placed like ``like``. The last, for values that differ between the ranks, is one device's only
+    for a mean over what ``n_r`` counts (a hand-made ``correct / labeled`` is not): said once per ``name`` in
+    ``warnings`` (rank 0 says it; every rank reads the same rows), as ``sparse_dp`` says it of its replicas."""
     if all(r[0] is not None for r in rows):
         value = decide([r[0] for r in rows], memory, "rank").value
         if value is not None:
             return torch.tensor(value, dtype=like.dtype, device=like.device).reshape(like.shape)
-    weights = [float(r[2]) for r in rows] if all(r[2] is not None for r in rows) else [r[3] for r in rows]
+    counted = all(r[2] is not None for r in rows)
+    if not counted and warnings is not None and any(r[1] != rows[0][1] for r in rows[1:]):
+        warnings.info(
+            f"sparse_ddp: self.log({name or '<name>'!r}, ..., sync_dist=True) differs between ranks and is not a mean the "
+            "step computed with torch.mean / .mean() (e.g. a hand-made sum / count): it is reduced as a mean weighted "
+            "by each rank's share of the loss weighting (samples or points), the whole batch's value only for a mean "
+            "over those. For the whole batch's value log a torchmetrics metric, log value.mean() of the per-element "
+            "values (e.g. (pred[m] == y[m]).double().mean()), or pass batch_size= the count it is a mean over."
+        )
+    weights = [float(r[2]) for r in rows] if counted else [r[3] for r in rows]
     total = sum(weights)
     values = torch.tensor([r[1] for r in rows], dtype=torch.float64)
     share = torch.tensor([w / total if total > 0 else 1.0 / len(rows) for w in weights], dtype=torch.float64)
@@ -130,7 +144,7 @@ def whole_value(rows: Sequence[Row], like: Tensor, memory: Any) -> Tensor:
 
 def settle(
     ranks: Sequence[tuple[int, dict[str, tuple[Any, int, bool]]]],
-    value_of: Callable[[list[Any], Tensor], Tensor],
+    value_of: Callable[[list[Any], Tensor, str], Tensor],
     mine: dict[str, HeldCall],
 ) -> dict[str, tuple[Tensor, int]]:
     """Every held name's global value and one device's batch size, read alike on every rank.
@@ -138,8 +152,8 @@ def settle(
     Args:
         ranks: every rank's ``(samples in its share, {name: (row, batch_size, explicit)})``, in rank order; ``row`` is
             what ``value_of`` reads (the strategy's summary of the value).
-        value_of: ``value_of(rows of the ranks that logged the name, this rank's value) -> value``: the global
-            batch's value, shaped and typed like this rank's (the strategy's :func:`whole_value`).
+        value_of: ``value_of(rows of the ranks that logged the name, this rank's value, name=the name) -> value``: the
+            global batch's value, shaped and typed like this rank's (the strategy's :func:`whole_value`).
         mine: this rank's held calls (the names it settles).
 
     Returns:
@@ -153,7 +167,8 @@ def settle(
         constant = None
         if all(ranks[r][1][key][2] for r in present):  # explicit everywhere: a count per rank, or one constant
             constant = constant_batch_size(sizes, present, sum(samples), samples)
-        value = value_of([ranks[r][1][key][0] for r in present], call.value)
+        name = key.split(".", 1)[-1]  # Lightning's results key: "<hook>.<name>"
+        value = value_of([ranks[r][1][key][0] for r in present], call.value, name=name)
         out[key] = (value, constant if constant is not None else sum(sizes))
     return out
 

@@ -315,7 +315,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         batch's values, every rank's part in one gather."""
         rows = {key: (call.row, call.batch_size, call.explicit) for key, call in means.calls.items()}
         ranks = self._gather((ChunkShape.of(self._step_plan(), 0).samples, rows))
-        settled = settle(ranks, partial(whole_value, memory=self._site_memory), means.calls)
+        settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls)
         self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
         try:
             means.release(settled)
@@ -324,7 +324,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     def _rank_mean(self, tensor: Tensor) -> Tensor:
         """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
-        return whole_value(self._gather(self._log_row(tensor)), tensor, self._site_memory)
+        return whole_value(self._gather(self._log_row(tensor)), tensor, self._site_memory, warnings=self._warning_cache)
 
     def _log_row(self, tensor: Tensor) -> Row:
         """What this rank tells the others of a logged value (:func:`~lightning_sparse_dp.ddp.logged_means.rank_row`),
