@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -176,7 +176,7 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
         kept = strategy._loss_scale, strategy._site_memory, strategy._warning_cache
         strategy._site_memory, strategy._warning_cache = SiteMemory(), _Unsaid()
         try:  # the rank's step under the strategy's weighting, on the copy: its logs recorded (not compared here)
-            run = partial(twin.training_step, mine, *args[1:], **kwargs)
+            run = partial(agreed, partial(twin.training_step, mine, *args[1:], **kwargs), world)
             output, _ = quiet_step(twin, partial(strategy._weighted, "training_step", (mine, *args[1:]), kwargs, run=run))
             scale = strategy._loss_scale
         finally:
@@ -203,6 +203,29 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
               batch_norm_eval=not sync and has_batch_norm(module.modules()), warnings=said)
 
 
+def agreed(step: Callable[[], Any], world: int) -> Any:
+    """``step()`` on this rank, its failure known to every rank before any goes on (one ``all_gather_object``): a step
+    that raises on some ranks' shares of the probe only (a loss over no labeled point) must not leave the others
+    waiting in the collectives that follow it (the weighting's gather, synchronized batch norm's backward) while the
+    failed rank moves on. Every rank raises then, naming the first rank that failed and its error. A step that raises
+    between two synchronized layers of its forward still leaves the others waiting there.
+
+    Raises:
+        RuntimeError: the step raised on some rank.
+    """
+    failure, output = None, None
+    try:
+        output = step()
+    except Exception as err:  # noqa: BLE001  (agreed below, raised on every rank)
+        failure = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+    failures: list[str | None] = [None] * world
+    dist.all_gather_object(failures, failure)
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]}'s step on its share of the probe raised {failed[0][1]}")
+    return output
+
+
 def loss_reading(step: StepContext, loss_weighting: Any) -> str:
     """How the strategy weighted the step's loss over its replicas, for a user."""
     weights = ", ".join(f"{w:.3g}" for w in step.weights or [])
@@ -217,4 +240,4 @@ def loss_reading(step: StepContext, loss_weighting: Any) -> str:
     return f"The strategy weighted each replica's loss by loss_weighting={loss_weighting!r} (weights {weights})"
 
 
-__all__ = ["apart", "check_rank_step", "check_training_step", "loss_reading"]
+__all__ = ["agreed", "apart", "check_rank_step", "check_training_step", "loss_reading"]

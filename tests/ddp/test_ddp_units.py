@@ -160,3 +160,52 @@ def test_gather_objects_gives_every_rank_every_object_in_rank_order(tmp_path):
         got = torch.load(tmp_path / f"gather-{rank}.pt")
         assert got["small"] == [{"rank": 0, "samples": 3}, {"rank": 1, "samples": 4}]
         assert got["large"] == ["x" * 10, "x" * 5000]  # the second round, taken by both ranks
+
+
+def _agreed_worker(rank: int, port: int, out: str) -> None:
+
+    import torch.distributed as dist
+
+    from lightning_sparse_dp.strategies.exactness import agreed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    def step():  # the probe's share of rank 0 holds nothing to average: its step raises, rank 1's does not
+        if rank == 0:
+            raise ZeroDivisionError("division by zero")
+        return torch.ones(1)
+
+    try:
+        agreed(step, 2)
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    after = torch.tensor([float(rank + 1)])
+    dist.all_reduce(after)  # the ranks' next collectives pair up: none went on to one the other skipped
+    torch.save({"raised": raised, "after": float(after), "ok": agreed(lambda: rank, 2)}, f"{out}/agreed-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_probe_step_that_raises_on_one_rank_raises_on_every_rank(tmp_path):
+    """The exactness check's step on the ranks' shares of the probe: a failure on one rank only is known to every rank
+    before any goes on, and all raise naming it (rank 1 went on to its weighting's gather and its backward while
+    rank 0 left the check: the fit hung, or gloo aborted on mismatched collectives)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(_agreed_worker, args=(port, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            raise AssertionError("the ranks still run after 120 s: a rank waits in a collective the other skipped")
+    for rank in range(2):
+        got = torch.load(tmp_path / f"agreed-{rank}.pt")
+        assert got["raised"] == "rank 0's step on its share of the probe raised ZeroDivisionError: division by zero"
+        assert got["after"] == 3.0 and got["ok"] == rank
