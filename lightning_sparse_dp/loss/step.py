@@ -24,6 +24,9 @@ from lightning_sparse_dp.loss.values import is_loss_value, loss_of
 from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
 from lightning_sparse_dp.split import SplitPlan
 
+#: how every :func:`fallback_message` begins after the strategy's name (the exactness check finds its runs' own by it)
+FALLBACK_START = "loss_weighting='terms' cannot weight the step's loss term by term"
+
 
 def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
     """The one info line of a loss that is not a combination of terms: why, what is done, the exact alternative, its
@@ -36,7 +39,7 @@ def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
     example = counting_example(plan)
     if strategy == "sparse_ddp":
         return (
-            f"sparse_ddp: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Its ranks are "
+            f"sparse_ddp: {FALLBACK_START}: {reason}. Its ranks are "
             "weighted equally, as DDP averages gradients (exact for a loss the step normalizes across ranks itself, "
             f"or for equal shares). If the loss is one mean over each rank's {choice} ({why}), pass "
             "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), pass "
@@ -44,7 +47,7 @@ def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
         )
     who, cls = "replica", "SparseDataParallelStrategy"
     return (
-        f"{strategy}: loss_weighting='terms' cannot weight the step's loss term by term: {reason}. Each {who}'s loss is "
+        f"{strategy}: {FALLBACK_START}: {reason}. Each {who}'s loss is "
         f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
         f"is one mean over those. For an exact loss pass a callable counting what the loss is a mean over, e.g. "
         f"{cls}(loss_weighting={example})."
@@ -247,5 +250,5 @@ class StepTerms:
 
 
 __all__ = [
-    "StepTerms", "collective_message", "empty_message", "fallback_message", "rank_scale", "say",
+    "FALLBACK_START", "StepTerms", "collective_message", "empty_message", "fallback_message", "rank_scale", "say",
 ]

@@ -29,6 +29,7 @@ from lightning_sparse_dp.exactness.check import backward, one_device_step, quiet
 from lightning_sparse_dp.exactness.probe import float64_batch
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.reweight import scaled
+from lightning_sparse_dp.loss.step import FALLBACK_START
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import no_print
@@ -174,7 +175,8 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
     def on_ranks(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
         mine = on_device(chunks[strategy.global_rank])
         kept = strategy._loss_scale, strategy._site_memory, strategy._warning_cache
-        strategy._site_memory, strategy._warning_cache = SiteMemory(), _Unsaid()
+        unsaid = _Unsaid()
+        strategy._site_memory, strategy._warning_cache = SiteMemory(), unsaid
         try:  # the rank's step under the strategy's weighting, on the copy: its logs recorded (not compared here)
             run = partial(agreed, partial(twin.training_step, mine, *args[1:], **kwargs), world)
             output, _ = quiet_step(twin, partial(strategy._weighted, "training_step", (mine, *args[1:]), kwargs, run=run))
@@ -193,9 +195,13 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
             total = (loss.detach() * scale).reshape(1)
             dist.all_reduce(total)
             total = total[0] / world
+        # why the weighting fell back on the probe's shares (a share with no labeled point), which the check's line
+        # names: training's own shares may not fall back, and where one does, training says it
+        fell_back = sorted(m.removeprefix("sparse_ddp: ").rstrip(".") for m in unsaid if FALLBACK_START in str(m))
         return total, {}, (f"The strategy weighted each rank's loss by its share of the global batch "
                            f"(loss_weighting={strategy.loss_weighting!r}; rank {strategy.global_rank}'s loss scale "
-                           f"{scale:.4g}, on top of its loss terms' own shares)")
+                           f"{scale:.4g}, on top of its loss terms' own shares)"
+                           + (f"; on the probe's shares: {fell_back[0]}" if fell_back else ""))
 
     said = strategy._warning_cache if strategy.global_rank == 0 else WarningCache()  # rank 0 says it
     sync = strategy._layer_sync is not None
