@@ -124,10 +124,15 @@ class StepTerms:
         plan: the step's split (``plan.num_chunks >= count``), known before the step runs (the scatter stage made it):
             the chunks' shapes are read against it, in each replica's thread after its step, or inside it where a
             manual step decides at ``manual_backward``.
+        with_loss: the step's output holds a loss to weigh (a one-element tensor, bare or under ``"loss"``); ``False``
+            for a predict step, whose output is predictions (its means are still read: :meth:`output_value`).
     """
 
-    def __init__(self, count: int, warning_cache: WarningCache, memory: SiteMemory | None, plan: SplitPlan) -> None:
+    def __init__(
+        self, count: int, warning_cache: WarningCache, memory: SiteMemory | None, plan: SplitPlan, with_loss: bool = True,
+    ) -> None:
         self.captures = [TermCapture() for _ in range(count)]
+        self.with_loss = with_loss
         self.warning_cache = warning_cache
         self.memory = SiteMemory() if memory is None else memory
         self.decision: Decision | None = None
@@ -142,10 +147,10 @@ class StepTerms:
         plan: SplitPlan,
     ) -> StepTerms | None:
         """The capture of a step's replicas on the chunks of ``plan``: for ``loss_weighting="terms"``, several
-        replicas (a predict step's too: its 0-dim means are read as a validation step's)."""
+        replicas (a predict step's too, without a loss to weigh: its 0-dim means are read as a validation step's)."""
         if loss_weighting != "terms" or count < 2:
             return None
-        return cls(count, warning_cache, memory, plan)
+        return cls(count, warning_cache, memory, plan, with_loss=step_name != "predict_step")
 
     def wrap(self, steps: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
         """Each replica's step run under its own capture (entered in the replica's thread); the summary of the step's
@@ -156,8 +161,8 @@ class StepTerms:
     def _run(self, i: int, step: Callable[[], Any]) -> Any:
         capture = self.captures[i]
         out = capture.run(step)
-        loss = loss_of(out)
-        if isinstance(loss, Tensor):  # the chunk's shape made here, in replica i's thread
+        loss = loss_of(out) if self.with_loss else None
+        if isinstance(loss, Tensor) and loss.numel() == 1:  # the chunk's shape made here, in replica i's thread
             self._summaries[i] = (loss, summarize(capture, loss, self.shape(i)))
         return out
 
@@ -191,8 +196,8 @@ class StepTerms:
         ``weights``: the replicas' weights in the gathered loss (``"auto"``'s: every chunk has a sample and a
         point, so none is 0).
         """
-        if any(loss is None for loss in losses):
-            return
+        if not self.with_loss or any(loss is None or loss.numel() != 1 for loss in losses):
+            return  # no loss: predictions (a predict step's, an evaluation step's per-point logits)
         self.decision = self.scale_terms(losses, weights)
         self._losses = list(losses)
 

@@ -304,6 +304,40 @@ def test_a_mean_a_predict_step_returns_is_the_whole_batchs(bare):
             torch.testing.assert_close(ours[key], one[key], rtol=1e-10, atol=0)
 
 
+class ReturnsLogits(SparseNet):
+    """Evaluation and predict steps that return the batch's logits (no loss), after a loss the step computed."""
+
+    def logits(self, batch):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        self.loss_seen = torch.nn.functional.cross_entropy(logits, batch["labels"]).detach()
+        return logits
+
+    def validation_step(self, batch, batch_idx):
+        return self.logits(batch)
+
+    def predict_step(self, batch, batch_idx):
+        return self.logits(batch)
+
+
+def test_steps_that_return_predictions_say_nothing_of_a_loss_weighting(caplog):
+    """A predict step (and an evaluation step) returning logits has no loss to weigh: nothing is said of the loss's
+    weighting (the predict step said "loss_weighting='terms' cannot weight the step's loss term by term", naming a
+    fix for a loss it has not), and the predictions are one device's."""
+    import logging
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (195, 196)]
+    torch.manual_seed(0)
+    module = ReturnsLogits()
+    one = trainer(devices=1, precision="64-true").predict(module, loader(*batches))
+    with caplog.at_level(logging.INFO):
+        ours = trainer(strategy="sparse_dp", devices=3, precision="64-true").predict(module, loader(*batches))
+        trainer(strategy="sparse_dp", devices=3, limit_val_batches=None, precision="64-true").validate(module, loader(*batches))
+    assert "cannot weight the step's loss" not in caplog.text
+    for a, b in zip(ours, one):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=0)
+
+
 class PredictsIndices(SparseNet):
     """A predict step that returns the row indices of its confident points (``torch.nonzero``): as many as the chunk
     has, counted in its own rows."""
