@@ -180,8 +180,9 @@ class ReplicaStages:
             )
         with self._timer.stage("gather"):
             value_of = None if step.terms is None else step.terms.output_value
+            with_loss = step.terms is None or step.terms.with_loss  # a predict step's 0-dim output is no loss
             return gather_outputs(outputs, step.plan, step.weights, self.root_device, self.output_layout,
-                                  self._warning_cache, value_of=value_of)
+                                  self._warning_cache, value_of=value_of, exact_loss=with_loss)
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False
