@@ -78,20 +78,64 @@ def count_and_plan(
     return count, plan
 
 
-def gather_step_outputs(output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device) -> Any:
+def gather_step_outputs(
+    output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device, batch: Any = None,
+    layout: Mapping[Any, str] | None = None,
+) -> Any:
     """Every rank's output of global batch ``batch_idx`` as one output, in the global batch's sample order.
 
-    ``all_gather_object`` of each rank's output (tensors on the CPU), merged by
-    :func:`~lightning_sparse_dp.step.gather.gather_outputs` with the shares ``sampler`` dealt: per-sample lists
-    and per-sample rows in the global batch's order. Every rank must call it, for the same batch.
+    ``all_gather_object`` of each rank's output (tensors on the CPU) and of its share's points per sample
+    (:func:`share_points` of ``batch``, this rank's share, read with ``layout``), merged by
+    :func:`~lightning_sparse_dp.step.gather.gather_outputs` with the shares ``sampler`` dealt
+    (:func:`global_plan`): per-sample lists and rows, and per-point rows, in the global batch's order, as one device
+    returns them. Every rank must call it, for the same batch.
     """
-    batch = sampler.global_batches()[batch_idx]
-    position = {sample: p for p, sample in enumerate(batch)}
-    shares = [torch.tensor([position[i] for i in share], dtype=torch.long) for share in sampler.shares(batch)]
-    plan = SplitPlan(num_samples=len(batch), chunk_samples=tuple(shares))
+    ids = sampler.global_batches()[batch_idx]
+    position = {sample: p for p, sample in enumerate(ids)}
+    shares = [torch.tensor([position[i] for i in share], dtype=torch.long) for share in sampler.shares(ids)]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, apply_to_collection(output, Tensor, lambda t: t.detach().cpu()))
-    return gather_outputs(gathered, plan, chunk_weights(plan, "samples"), device)
+    mine = (apply_to_collection(output, Tensor, lambda t: t.detach().cpu()), share_points(batch, layout))
+    dist.all_gather_object(gathered, mine)
+    plan = global_plan(len(ids), shares, [points for _, points in gathered])
+    return gather_outputs([out for out, _ in gathered], plan, chunk_weights(plan, "samples"), device)
+
+
+def share_points(batch: Any, layout: Mapping[Any, str] | None = None) -> tuple[list[list[int]], list[int]] | None:
+    """A rank's share ``batch`` read as the split reads a batch (:func:`~lightning_sparse_dp.split.split_batch`, one
+    chunk): per coordinate source, the points of each of its samples in the share's order, and the sources' coordinate
+    columns; ``None`` for no batch or one the split cannot read (its per-point outputs are then merged in rank order)."""
+    if batch is None:
+        return None
+    try:
+        _, plan = split_batch(batch, 1, layout=layout)
+    except Exception:  # noqa: BLE001  (a batch of the user's own form: its per-sample outputs still merge)
+        return None
+    return [p.tolist() for p in plan.sample_points], list(plan.coordinate_columns)
+
+
+def global_plan(num_samples: int, shares: list[Tensor], points: list[Any]) -> SplitPlan:
+    """The global batch's :class:`~lightning_sparse_dp.split.SplitPlan` over the ranks' ``shares`` (per rank, int64
+    positions of its samples in the global batch, in its share's order) and their :func:`share_points`: per coordinate
+    source, each sample's points and the rows of each rank's points in the batch one device collates (samples in
+    position order, each sample's points together, as ME's ``sparse_collate`` puts them). Without every rank's points
+    (or with sources that differ), the plan knows samples only."""
+    plan = SplitPlan(num_samples=num_samples, chunk_samples=tuple(shares))
+    if any(p is None for p in points) or len({(len(p[0]), tuple(p[1])) for p in points}) != 1:
+        return plan
+    sample_points, point_rows = [], []
+    for source in range(len(points[0][0])):
+        counts = torch.zeros(num_samples, dtype=torch.long)
+        for share, (per_source, _) in zip(shares, points):
+            counts[share] = torch.tensor(per_source[source], dtype=torch.long)
+        starts = torch.cumsum(counts, 0) - counts
+        point_rows.append(tuple(
+            torch.cat([torch.arange(int(starts[p]), int(starts[p] + counts[p])) for p in share.tolist()])
+            if share.numel() else torch.zeros(0, dtype=torch.long)
+            for share in shares
+        ))
+        sample_points.append(counts)
+    return SplitPlan(num_samples=num_samples, chunk_samples=tuple(shares), point_rows=tuple(point_rows),
+                     sample_points=tuple(sample_points), coordinate_columns=tuple(points[0][1]))
 
 
 def destroy_process_group_at_exit() -> None:
@@ -113,5 +157,7 @@ __all__ = [
     "destroy_process_group_at_exit",
     "gather_objects",
     "gather_step_outputs",
+    "global_plan",
     "local_count",
+    "share_points",
 ]

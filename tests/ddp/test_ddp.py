@@ -144,8 +144,10 @@ def test_two_processes_equal_one_device(ddp_runs, name):
                 for got, want in zip(rank["predictions"], ref["predictions"], strict=True):
                     for x, y in zip(got, want, strict=True):
                         assert x.shape == y.shape and relative_difference(x, y) <= RTOL
-        else:
-            assert ranks[0]["predicted_rows"] == ranks[1]["predicted_rows"] == ref["predicted_rows"] == VAL_SAMPLES
+        else:  # per-sample or per-point rows, in the global batch's order (per-point ones came in rank order)
+            for rank in ranks:
+                assert rank["predicted"].shape == ref["predicted"].shape
+                assert relative_difference(rank["predicted"], ref["predicted"]) <= RTOL
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,13 @@ class PointNet(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch), sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):  # per-point logits: every rank's rows in the global batch's point order
+        field_ = ME.TensorField(batch["features"], batch["coordinates"].to(batch["features"].dtype), device=self.device)
+        return self.head(self.net(field_.sparse()).slice(field_).F)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.5)
 
@@ -186,7 +193,8 @@ SCENARIOS = {
     s.name: s
     for s in [
         Scenario("samples", "class", evaluate=True),
-        Scenario("points", "point", loss_weighting="points"),
+        # 2 per rank: the point-balanced shares hold the validation batches' samples out of order (per-point predictions)
+        Scenario("points", "point", loss_weighting="points", per_rank=2, evaluate=True),
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
         Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2},
                  explicit_batch_size=True),
@@ -317,13 +325,14 @@ def loaders(per_rank: int, world_size: int | None, model: str = "class") -> tupl
 
 
 def evaluate(trainer: L.Trainer, model: L.LightningModule, val: DataLoader) -> dict[str, Any]:
-    """``trainer.test`` (its logged ``test_loss``) and ``trainer.predict`` (the rows this rank predicted)."""
+    """``trainer.test`` (its logged ``test_loss``) and ``trainer.predict`` (what this rank predicted: per-sample lists,
+    or the tensors of every batch concatenated)."""
     trainer.test(model, val, verbose=False)
     test_loss = float(trainer.callback_metrics["test_loss"])
     predictions = trainer.predict(model, val)
     if isinstance(predictions[0], list):  # per-sample outputs: every sample's, in dataset order, on every rank
         return {"test_loss": test_loss, "predictions": [x for batch in predictions for x in batch]}
-    return {"test_loss": test_loss, "predicted_rows": sum(p.shape[0] for p in predictions)}
+    return {"test_loss": test_loss, "predicted": torch.cat([p.detach().cpu() for p in predictions])}
 
 
 MESSAGES: list[str] = []  # what the strategy said (rank-zero info and warnings) in this process
