@@ -166,9 +166,17 @@ def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
         if integer and x.dim() <= 2
         else ""
     )
+    other_set = (
+        "If it is per-point data of a point set the batch has no coordinates for (labels of the original points, "
+        "which ME.utils.sparse_quantize(..., return_index=True, return_inverse=True) maps to the voxels), put "
+        "that set's coordinates in the batch (ME.utils.batched_coordinates of the original points): it is then cut "
+        "with its samples, and the inverse map takes the role 'indices:<the voxels' coordinates key>'. "
+        if x.dim() <= 2
+        else ""
+    )
     return (
         "Per-point tensors must have one row per point of a coordinate source, per-sample tensors one row per "
-        f"sample. {indices}Only a value that is not per-sample data (a constant every replica needs whole, e.g. "
+        f"sample. {indices}{other_set}Only a value that is not per-sample data (a constant every replica needs whole, e.g. "
         f"a class-weight table) may take the role 'replicate' (layout={{{key!r}: 'replicate'}}); per-sample data "
         "passed whole would train every replica on every sample."
     )

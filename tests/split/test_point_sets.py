@@ -287,3 +287,58 @@ def test_an_index_tensor_left_to_its_length_is_named_with_the_indices_role():
     for chunk, rows in zip(chunks, rows_of):
         whole = batch["sinput1_C"][batch["negatives"][rows]][:, 1:]
         assert torch.equal(chunk["sinput1_C"][chunk["negatives"]][:, 1:], whole)
+
+
+def voxelized_batch(num_samples: int = 9, seed: int = 3) -> dict:
+    """ME's voxelization with an inverse map (``sparse_quantize(..., return_inverse=True)``): voxels' coordinates and
+    features, the original points' coordinates, each original point's voxel (offset by the voxels of the samples
+    before) and its label, float64."""
+    g = torch.Generator().manual_seed(seed)
+    voxels, features, originals, inverse, labels, before = [], [], [], [], [], 0
+    for _ in range(num_samples):
+        n = int(torch.randint(10, 40, (1,), generator=g))
+        points = torch.rand(n, 3, generator=g, dtype=torch.float64) * 6
+        c, f, _, inv = ME.utils.sparse_quantize(points, torch.randn(n, 3, generator=g, dtype=torch.float64),
+                                                quantization_size=2.0, return_index=True, return_inverse=True)
+        voxels.append(c), features.append(f), originals.append(points.float()), inverse.append(inv + before)
+        labels.append(torch.randint(0, 4, (n,), generator=g))
+        before += c.shape[0]
+    coordinates, features = ME.utils.sparse_collate(voxels, features)
+    return {"coordinates": coordinates, "features": features.double(), "inverse": torch.cat(inverse).long(),
+            "point_labels": torch.cat(labels), "original_coordinates": ME.utils.batched_coordinates(originals)}
+
+
+def test_labels_of_the_original_points_split_with_their_coordinates_as_one_device():
+    """Labels of the original points an inverse map sends to voxels match neither the samples nor the voxels: the
+    error names the fix, the original points' coordinates in the batch; with them, and the inverse map as indices
+    into the voxels, a fit is one device's (float64)."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lightning_sparse_dp import SparseDataParallelStrategy
+    from tests.support.exact import assert_same_states, same_start
+    from tests.support.helpers import loader, trainer
+
+    batch = voxelized_batch()
+    bare = {k: v for k, v in batch.items() if k != "original_coordinates"}
+    with pytest.raises(BatchLayoutError, match=r"put that set's coordinates in the batch"):
+        split_batch(bare, 3, layout={"inverse": "indices:coordinates"})
+
+    class OnOriginalPoints(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(ME.MinkowskiConvolution(3, 8, kernel_size=3, dimension=3), ME.MinkowskiReLU())
+            self.head = torch.nn.Linear(8, 4)
+
+        def training_step(self, b, batch_idx):
+            voxels = self.net(ME.SparseTensor(b["features"], b["coordinates"], device=self.device)).F
+            return F.cross_entropy(self.head(voxels)[b["inverse"]], b["point_labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ours, reference = same_start(OnOriginalPoints, seed=0)
+    strategy = SparseDataParallelStrategy(layout={"inverse": "indices:coordinates"})
+    trainer(strategy=strategy, devices=3, precision="64-true").fit(ours, loader(batch))
+    trainer(precision="64-true").fit(reference, loader(batch))
+    assert_same_states(ours, reference)
