@@ -179,7 +179,7 @@ def _matched_reading(
                 "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
                 "computes as one device does"
             )
-        if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _one_value([s.values[j] for s in sites]):
+        if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _penalty(sites, j):
             calls.append(("one", c))  # one value in every replica: of the parameters (a penalty), not of the chunks
         else:
             calls.append(("sum" if site.sums[j] else "mean", c))
@@ -222,7 +222,7 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
         return False
     if any(r <= 0 for s in sites for r in s.rows):
         return False
-    if site.name.startswith("torch.") and all(_one_value([s.values[j] for s in sites]) for j in range(len(site.coeffs))):
+    if site.name.startswith("torch.") and all(_penalty(sites, j) for j in range(len(site.coeffs))):
         return False  # one value in every replica: a penalty on the parameters (its own reading below)
     ks = _divisors(sites)
     divides = all(math.isclose(c * r, k, rel_tol=1e-9, abs_tol=0.0)
@@ -246,6 +246,14 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
         )
         return True
     return False
+
+
+def _penalty(sites: Sequence[SiteTerms], j: int) -> bool:
+    """Whether call ``j`` of a full ``torch.sum`` site is one quantity of the parameters (a penalty,
+    ``w.pow(2).sum()``): one value over one number of rows in every replica. A sum over rows of each chunk's own (as
+    many as its samples or points) that happens to give one value in every replica (a count of something the chunks
+    hold alike) is the chunks' sum, as a sum over other rows is."""
+    return _one_value([s.values[j] for s in sites]) and len({s.rows[j] for s in sites}) == 1
 
 
 def _one_value(values: Sequence[float]) -> bool:

@@ -103,6 +103,19 @@ def test_a_full_sum_read_from_its_values_is_never_recalled():
     assert [d[0] for d in _decisions(steps, recall=True)] == pytest.approx([0.5, 1.2, 0.5, 1.0])
 
 
+def test_a_full_sum_of_one_value_over_rows_of_each_chunks_own_is_their_sum():
+    """One value in every replica over one number of rows is a penalty on the parameters, counted once; over rows of
+    each chunk's own (a count the chunks happen to hold alike) it is the chunks' sum, as one device sums the batch
+    (it was counted once, silently: one chunk's count logged as the batch's)."""
+    def step(values: list[float], rows: list[int]) -> list[Summary]:
+        return [_summary(2, [(6, "torch.sum", False, False, False, [(1.0, True, 1.0, v, r, False)])])
+                for v, r in zip(values, rows)]
+
+    steps = [step([5.0, 5.0], [7, 9]), step([5.0, 5.0], [8, 8]), step([5.0, 5.0, 5.0], [4, 6, 6])]
+    _check(steps)
+    assert [d[0] for d in _decisions(steps, recall=True)] == pytest.approx([10.0, 5.0, 15.0])
+
+
 _CALL = st.tuples(
     st.sampled_from([0.0, 0.5, 1.0, 0.25]), st.booleans(), st.sampled_from([0.0, 1.0, 2.0, 5.0]),
     st.floats(-2, 2, allow_nan=False), st.sampled_from([1, 2, 3]), st.just(False),
