@@ -10,6 +10,7 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import WarningCache
@@ -19,6 +20,7 @@ from torch import Tensor
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.weights import chunk_counts, chunk_weights, say_auto_choice
 from lightning_sparse_dp.split import SplitPlan, split_batch
+from lightning_sparse_dp.split.records import ChunkRows
 from lightning_sparse_dp.step.gather import gather_outputs
 
 #: bytes of a pickled summary that travel in the one fixed-size all-gather of :func:`gather_objects`
@@ -115,26 +117,25 @@ def share_points(batch: Any, layout: Mapping[Any, str] | None = None) -> tuple[l
 
 def global_plan(num_samples: int, shares: list[Tensor], points: list[Any]) -> SplitPlan:
     """The global batch's :class:`~lightning_sparse_dp.split.SplitPlan` over the ranks' ``shares`` (per rank, int64
-    positions of its samples in the global batch, in its share's order) and their :func:`share_points`: per coordinate
-    source, each sample's points and the rows of each rank's points in the batch one device collates (samples in
-    position order, each sample's points together, as ME's ``sparse_collate`` puts them). Without every rank's points
-    (or with sources that differ), the plan knows samples only."""
+    ascending positions of its samples in the global batch, as the sampler deals them) and their :func:`share_points`:
+    per coordinate source, each sample's points and each rank's rows of the batch one device collates (samples in
+    position order, each sample's points together, as ME's ``sparse_collate`` puts them), as the split keeps a chunk's
+    rows (:class:`~lightning_sparse_dp.split.records.ChunkRows`). Without every rank's points (or with sources that
+    differ), the plan knows samples only."""
     plan = SplitPlan(num_samples=num_samples, chunk_samples=tuple(shares))
     if any(p is None for p in points) or len({(len(p[0]), tuple(p[1])) for p in points}) != 1:
         return plan
-    sample_points, point_rows = [], []
+    rank_of_sample = np.zeros(num_samples, dtype=np.int64)
+    for rank, share in enumerate(shares):
+        rank_of_sample[share.numpy()] = rank
+    sample_points = []
     for source in range(len(points[0][0])):
         counts = torch.zeros(num_samples, dtype=torch.long)
         for share, (per_source, _) in zip(shares, points):
             counts[share] = torch.tensor(per_source[source], dtype=torch.long)
-        starts = torch.cumsum(counts, 0) - counts
-        point_rows.append(tuple(
-            torch.cat([torch.arange(int(starts[p]), int(starts[p] + counts[p])) for p in share.tolist()])
-            if share.numel() else torch.zeros(0, dtype=torch.long)
-            for share in shares
-        ))
         sample_points.append(counts)
-    return SplitPlan(num_samples=num_samples, chunk_samples=tuple(shares), point_rows=tuple(point_rows),
+    point_rows = tuple(ChunkRows(np.repeat(rank_of_sample, counts.numpy()), len(shares)) for counts in sample_points)
+    return SplitPlan(num_samples=num_samples, chunk_samples=tuple(shares), point_rows=point_rows,
                      sample_points=tuple(sample_points), coordinate_columns=tuple(points[0][1]))
 
 

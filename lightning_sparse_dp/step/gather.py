@@ -206,6 +206,7 @@ def _guess_role(
         return role
     if not isinstance(first, Tensor):
         return _first_or_list(path, values, warning_cache, say_lists)
+    integer = not (first.is_floating_point() or first.is_complex())
     if same:
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} has the same length ({lengths[0]}) in every chunk, matching neither the "
@@ -213,7 +214,7 @@ def _guess_role(
             f"a histogram), say how to combine it: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) "
             f"(roles {', '.join(OUTPUT_ROLES)}); name it 'cat' to silence this warning."
         )
-    elif not (first.is_floating_point() or first.is_complex()) and coordinates_back(values, plan, "cat") is values:
+    elif integer and coordinates_back(values, plan, "cat") is values:
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} is an integer tensor of other lengths than the chunks' samples or "
             "points: the replicas' are concatenated in chunk order, but integers read from a chunk are its own: row "
@@ -223,7 +224,7 @@ def _guess_role(
             f"after the step (on_predict_batch_end, ...), or name its role: SparseDataParallelStrategy(output_layout="
             f"{{{_output_key(path)!r}: 'cat'}}) keeps the concatenation and silences this warning."
         )
-    elif (first.is_floating_point() or first.is_complex()) and not in_sample_order(plan):
+    elif not integer and not in_sample_order(plan):
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} has other lengths than the chunks' samples or points (rows the step "
             "selected, e.g. o[mask], or a strided tensor's .F): the replicas' rows are concatenated in chunk order, "
