@@ -7,30 +7,14 @@ from __future__ import annotations
 import collections
 import warnings
 
-import lightning as L
 import MinkowskiEngine as ME
 import pytest
 import torch
 
-from tests.support.exact import same_start
+from tests.support.exact import epoch_pair, same_start
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
-
-
-def _epoch_pair(cls, seeds):
-    """One epoch of two float64 batches (7 samples each, one per seed), validated on them too: ``cls`` under sparse_dp
-    on 3 CPU replicas and on one device, from the same start."""
-    batches = [collate_dict(random_samples(7, seed=s)) for s in seeds]
-    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    models = same_start(cls)
-    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
-        model.double()
-        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-        data = torch.utils.data.DataLoader(batches, batch_size=None)
-        t.fit(model, data, data)
-    return models
 
 
 def test_state_a_step_leaves_on_the_module_is_one_devices():
@@ -56,46 +40,11 @@ def test_state_a_step_leaves_on_the_module_is_one_devices():
             self.epoch_means.append(torch.stack(self.validation_step_outputs).mean())
             self.validation_step_outputs.clear()
 
-    ours, reference = _epoch_pair(Leaves, (51, 52))
+    ours, reference = epoch_pair(Leaves, (51, 52))
     assert ours.flag is True and ours.steps == reference.steps == 2
     assert len(ours.epoch_means) == len(reference.epoch_means) == 1
     assert float(ours.epoch_means[0]) == pytest.approx(float(reference.epoch_means[0]), rel=1e-10)
     assert float(ours.last) == pytest.approx(float(reference.last), rel=1e-10)
-
-
-class MeansOnSelf(SparseNet):
-    """A loss of a mean over samples and one over points, and a mean over points, kept on ``self`` three ways: none is
-    weighted as the replicas' shares of the batch, so the merge must read them (the loss's terms, the counted mean)."""
-
-    def __init__(self):
-        super().__init__(lr=0.1)
-        self.history, self.stats, self.frac = [], {}, None
-
-    def training_step(self, batch, batch_idx):
-        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
-        h = self.net[0](x).F  # per point
-        loss = torch.nn.functional.cross_entropy(self(x), batch["labels"]) + 0.1 * (h**2).mean()
-        frac = (h[:, 0] > 0).double().mean()
-        self.frac, self.stats["frac"] = frac.detach(), frac.detach()
-        self.history.append({"loss": loss.detach(), "frac": frac.detach()})  # Lightning 2's outputs list, as a dict
-        return loss
-
-
-def test_means_and_losses_a_step_keeps_on_self_are_the_whole_batchs():
-    """A mean computed with .mean() set on self, in a dict of self or appended, and the loss appended under "loss",
-    are the whole batch's values as on one device, unsaid (the appended "loss" and a bare mean were weighted by the
-    replicas' shares, silently or said as "weighted like the loss": 5e-2 relative off)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours, reference = _epoch_pair(MeansOnSelf, (53, 54))
-    said = [str(w.message) for w in caught if "sparse_dp: self." in str(w.message)]
-    assert not said, said
-    assert len(ours.history) == len(reference.history) == 2
-    pairs = [(ours.frac, reference.frac), (ours.stats["frac"], reference.stats["frac"])]
-    pairs += [(a[k], b[k]) for a, b in zip(ours.history, reference.history) for k in ("loss", "frac")]
-    for got, expected in pairs:
-        assert float(got) == pytest.approx(float(expected), rel=1e-10, abs=0)
-    assert float(reference.frac) not in (0.0, 1.0)  # a mean over points of both kinds: weights would show
 
 
 def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zeros():
@@ -130,7 +79,7 @@ def test_counts_and_fixed_size_tensors_a_step_leaves_are_one_devices_or_rank_zer
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ours, reference = _epoch_pair(Counts, (63, 64))
+        ours, reference = epoch_pair(Counts, (63, 64))
     said = " ".join(str(w.message) for w in caught)
     assert [int(c) for c in ours.correct] == [int(c) for c in reference.correct]
     assert [int(c) for c in ours.returned] == [int(c) for c in reference.returned] == [int(c) for c in reference.correct]
@@ -173,7 +122,7 @@ def test_dicts_and_nested_lists_a_step_changes_in_place_are_one_devices():
             self.per_loader[0].append(batch["labels"] * 10)
             self.counts["val_steps"] += 1
 
-    ours, reference = _epoch_pair(Nested, (61, 62))
+    ours, reference = epoch_pair(Nested, (61, 62))
     assert dict(ours.counts) == dict(reference.counts) == {"train_steps": 2, "val_steps": 2}
     assert type(ours.counts) is collections.defaultdict and ours.counts.default_factory is int
     assert len(ours.outputs["train"]) == len(reference.outputs["train"]) == 2
@@ -266,7 +215,7 @@ def test_attributes_a_step_sets_on_a_submodule_are_one_devices():
             super().__init__(lr=0.1)
             self.net.insert(len(self.net) - 1, _Probe())  # before the head: global pooling's per-sample rows
 
-    ours, reference = _epoch_pair(Noted, (71, 72))
+    ours, reference = epoch_pair(Noted, (71, 72))
     mine, theirs = ours.net[-2], reference.net[-2]
     assert theirs.calls == 4 and mine.calls == theirs.calls  # 2 training + 2 validation steps
     assert mine.last_rows.shape == theirs.last_rows.shape == (7, 16)
@@ -296,7 +245,7 @@ def test_lists_and_dicts_of_a_submodule_a_step_changes_in_place_are_one_devices(
             super().__init__(lr=0.1)
             self.net.insert(len(self.net) - 1, Recorder())
 
-    ours, reference = _epoch_pair(Recorded, (75, 76))
+    ours, reference = epoch_pair(Recorded, (75, 76))
     mine, theirs = ours.net[-2], reference.net[-2]
     assert theirs.counts == {"calls": 4} and mine.counts == theirs.counts
     assert len(theirs.history) == 4 and len(mine.history) == len(theirs.history)

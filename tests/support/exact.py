@@ -14,7 +14,7 @@ from functools import partial
 import lightning as L
 import torch
 
-from tests.support.helpers import SparseNet, loader, trainer
+from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
 #: Exactness is judged in float64: float32 rounding, amplified by cancellation in batch-norm gradient sums,
 #: reaches 1e-4 relative and can hide a real difference. ``trainer64`` is :func:`trainer` running "64-true" unless
@@ -72,3 +72,18 @@ def assert_same_states(ours, reference, rel: float = 1e-10, trained: bool = True
         assert start is not None, "trained=True needs `ours` from same_start (it keeps the starting parameters)"
         moved = [n for n, p in ours.named_parameters() if not torch.equal(p.detach().cpu(), start[n].to(p.dtype).cpu())]
         assert moved, "no parameter of `ours` moved from its start: the comparison says nothing about training"
+
+
+def epoch_pair(cls, seeds):
+    """One epoch of two float64 batches (7 samples each, one per seed), validated on them too: ``cls`` under sparse_dp
+    on 3 CPU replicas and on one device, from the same start."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in seeds]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(cls)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        t = L.Trainer(accelerator="cpu", precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+        data = torch.utils.data.DataLoader(batches, batch_size=None)
+        t.fit(model, data, data)
+    return models
