@@ -33,7 +33,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import BaseAggregator
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from lightning_sparse_dp.replica.metric_updates import say_plain_changes, whole_batch_updates
+from lightning_sparse_dp.replica.metric_updates import RESET, say_plain_changes, whole_batch_updates
 from lightning_sparse_dp.runtime.compat import (
     forward_cache,
     own_reduce_states,
@@ -312,6 +312,9 @@ def merge_into_root(
             else:
                 batch = entry.root.clone()
                 batch.reset()
+        for path, root in levels:  # reset in the step (the user's reset(), a wrapper's forward), as on one device: the
+            if any((m.get_submodule(path) if path else m).__dict__.get(RESET) for m in copies):  # root too, outermost
+                root.reset()  # first and before any merge (a wrapper's reset resets its inner metrics)
         merged: set[int] = set()  # the states merged so far (their _defaults), innermost first
         for path, root in reversed(levels):  # innermost first: a wrapper's compute reads its inner metrics merged
             if id(state_defaults(root)) in merged:  # a wrapper whose states are its inner metric's (ClasswiseWrapper):
@@ -371,8 +374,12 @@ def _merge_level(
         set_step_results(batch, count=total)
         set_step_results(entry.root, forward=batch.compute())
     merge_states(entry.root, sources)
-    # plain attributes (torchmetrics' __init__ sets them), set as nn.Module.__setattr__ ends up setting them
-    set_step_results(entry.root, count=update_count(entry.root) + total, result=None)
+    # plain attributes (torchmetrics' __init__ sets them), set as nn.Module.__setattr__ ends up setting them; the
+    # count advances by the root replica's updates: one device's where every replica updates alike (once a step), and
+    # otherwise (an update per sample of the chunk) what Lightning's DDP rank 0 counts, as its metric's own
+    first = entry.replicas[0]
+    set_step_results(entry.root, count=update_count(entry.root) + (0 if first is None else update_count(first)),
+                     result=None)
 
 
 def _empty(root: Metric) -> Metric:

@@ -22,7 +22,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.aggregation import MaxMetric, MinMetric, SumMetric
 
-from lightning_sparse_dp.runtime.compat import state_defaults
+from lightning_sparse_dp.runtime.compat import state_defaults, update_count
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _cache
 
 if TYPE_CHECKING:
@@ -44,6 +44,35 @@ class UpdateCalls:
 
 #: the attribute of a replica's copy (each level) holding :func:`plain_tensors` as the copy was handed out for a step
 HANDED = "_lsdp_handed_out"
+#: the attribute of a replica's copy (each level) set when the step reset it (:class:`StepResets`)
+RESET = "_lsdp_reset_in_step"
+
+
+class StepResets:
+    """A replica copy's ``reset`` and ``forward`` (each level's), noting in ``metric.__dict__[RESET]`` a ``reset`` that
+    the step made and that no ``forward`` of the metric itself undoes: one device's metric lost its accumulated state
+    there (``self.acc.reset()`` in the step; ``MinMaxMetric``'s ``forward`` resets its inner metric), so the root
+    metric is reset before the copies are merged into it
+    (:func:`~lightning_sparse_dp.replica.metric_merge.merge_into_root`). torchmetrics' own ``forward`` resets the
+    metric, updates it with the batch alone and puts the accumulated states back (``Metric._forward_reduce_state_update``,
+    ``_forward_full_state_update``): that reset is not noted. The copy's owner clears the note when it hands the copy out.
+    """
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric, self.own_reset, self.own_forward, self.forwarding = metric, metric.reset, metric.forward, 0
+        metric.reset, metric.forward = self.reset, self.forward  # instance attributes, as torchmetrics' update is
+
+    def reset(self) -> None:
+        if not self.forwarding:
+            self.metric.__dict__[RESET] = True
+        self.own_reset()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.forwarding += 1
+        try:
+            return self.own_forward(*args, **kwargs)
+        finally:
+            self.forwarding -= 1
 
 
 def plain_tensors(metric: Metric) -> dict[str, int]:
@@ -92,8 +121,13 @@ def whole_batch_updates(
     (per-row values, a ``weight=``); a ``MaxMetric`` / ``MinMetric`` of integers, or a ``MaxMetric`` / ``MinMetric`` /
     ``SumMetric`` of a value ``value_of`` cannot tell (a max, min or sum over the chunk, which the merge takes as one
     device's); for a ``MeanMetric`` or ``CatMetric`` such a value is said once (the merge is what DDP's ranks give)."""
-    calls = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
-    if any(c is None for c in calls) or len({len(c) for c in calls}) != 1:  # type: ignore[arg-type]
+    noted = [getattr(m.__dict__.get("update"), "calls", None) for m in updated]
+    if any(c is None for c in noted):
+        return None
+    # the updates its state holds: those since its last reset (a wrapper's forward resets its inner metric and updates
+    # it again, MinMaxMetric(MeanMetric())'s), as many as it counts
+    calls = [c[max(len(c) - update_count(m), 0):] for c, m in zip(noted, updated)]  # type: ignore[arg-type]
+    if len({len(c) for c in calls}) != 1:
         return None
     extreme = isinstance(entry.root, (MaxMetric, MinMetric))  # a max / min of the chunk's is one device's, merged
     wholes = []

@@ -30,7 +30,7 @@ from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.capture import outside_capture
 from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
-from lightning_sparse_dp.replica.metric_updates import HANDED, UpdateCalls, plain_tensors
+from lightning_sparse_dp.replica.metric_updates import HANDED, RESET, StepResets, UpdateCalls, plain_tensors
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
@@ -115,20 +115,23 @@ class ReplicaMetrics:
             if index >= 0:  # a replica's: update and forward run outside the step's loss capture (terms.outside_capture)
                 copy.update = outside_capture(copy.update)
                 copy.forward = outside_capture(copy.forward)
-                if isinstance(copy, BaseAggregator):  # its updates' values, for the whole batch's (metric_merge)
-                    copy.update = UpdateCalls(copy.update)
+                for _, level in metric_levels(copy):  # an aggregator's updates' values (a wrapper's inner one's too,
+                    if isinstance(level, BaseAggregator):  # MinMaxMetric(MeanMetric())), for the whole batch's (metric_merge)
+                        level.update = UpdateCalls(level.update)
+                    StepResets(level)  # a reset the step makes, which one device's metric makes too (metric_merge)
             self._copies[key] = copy
         elif any(update_count(m) or computed(m) is not None or forward_cache(m) is not None for _, m in metric_levels(copy)):
             # else no update, forward or compute ran on it (or a metric inside it: MinMaxMetric counts only its
             # inner metric's updates) since its reset: it is still empty
             for _, level in reversed(metric_levels(copy)):
                 reset_metric(level)
-            calls = copy.__dict__.get("update")
-            if isinstance(calls, UpdateCalls):
-                calls.calls.clear()
+                calls = level.__dict__.get("update")
+                if isinstance(calls, UpdateCalls):
+                    calls.calls.clear()
         if index >= 0:  # what its compute() may set outside its states (MinMaxMetric's min_val), to find after the step
             for _, level in metric_levels(copy):
                 level.__dict__[HANDED] = plain_tensors(level)
+                level.__dict__[RESET] = False  # not reset in the step yet (its own reset above is no step's)
         return copy
 
     @contextmanager
