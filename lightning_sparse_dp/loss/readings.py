@@ -143,7 +143,14 @@ def _matched_reading(
             f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
             "with a sample that has no loss)"
         )
-    divided = _divided_sums(sites, memory, who, out.notes)
+    for j in range(len(site.coeffs)):
+        if len(sites) > 1 and site.coeffs[j] != 0.0 and any(s.statistic[j] for s in sites):
+            raise NotExact(
+                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
+                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
+                "computes as one device does"
+            )
+    divided = _divided_sums(sites, summaries, memory, who, out.notes)
     if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and not divided:
         if site.name.startswith("torch."):
             raise NotExact(
@@ -172,12 +179,6 @@ def _matched_reading(
                 "every row by the whole batch's, which no combination of the chunks' losses gives. Compute it from the "
                 "dataset, or from the whole batch in on_before_batch_transfer and keep it on the module "
                 "(self.class_weights), so that every replica is given the same"
-            )
-        if len(sites) > 1 and any(s.statistic[j] for s in sites):
-            raise NotExact(
-                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
-                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
-                "computes as one device does"
             )
         if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _penalty(sites, j):
             calls.append(("one", c))  # one value in every replica: of the parameters (a penalty), not of the chunks
@@ -209,14 +210,19 @@ def _divisors(sites: Sequence[SiteTerms]) -> list[float]:
     return [c * r for c, r in zip(sites[0].coeffs, sites[0].rows)]
 
 
-def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, notes: list[str]) -> bool:
+def _divided_sums(
+    sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]
+) -> bool:
     """Whether a site's calls are ``reduction="sum"`` losses each divided by its own input's rows in every replica
     (``F.cross_entropy(out, y, reduction="sum") / len(y)``): ``c_ij * rows_ij`` one number ``k_j`` over the replicas,
     so that one device's step, whose input holds every replica's rows, divides the whole sum by all of them.
 
     Where every replica's coefficients are one number too (chunks of equal rows), the division is the reading when
     ``k_j`` is 1 (``sum / len(y)``; else a constant coefficient, ``0.5 * sum``), said once, unless the site was read
-    without doubt at an earlier step (``memory``)."""
+    without doubt at an earlier step (``memory``). Inputs of one row in every replica whose chunks are not all one
+    sample (a batch of one holding the chunk's rows in another dimension: ``F.cross_entropy(o.T[None], y[None],
+    reduction="sum")``) are not divided by their rows: dividing by 1 is no division, and one row is neither a chunk's
+    samples nor its points."""
     site = sites[0]
     if len(sites) < 2 or not all(site.sums) or any(s.sums != site.sums for s in sites):
         return False
@@ -237,6 +243,9 @@ def _divided_sums(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
         return False
     if site.key in memory.sums:
         return memory.sums[site.key] == "divided"
+    if all(r == 1 for s in sites for r in s.rows) and any(sm.samples != 1 for sm in summaries):
+        memory.sums[site.key] = "constant"
+        return False
     if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
         notes.append(
             f"sparse_dp: {site.name} at {site.where} (reduction='sum') has one coefficient in every {who}, one over its "

@@ -184,8 +184,8 @@ _REDUCTIONS = (
 #: autograd nodes a statistic may pass through on its way to a loss (elementwise ops, views, conversions)
 _THROUGH = (
     "View", "Unsqueeze", "Squeeze", "Expand", "Reshape", "Alias", "Permute", "Transpose", "TBackward", "ToCopy",
-    "Clone", "Mul", "Div", "Add", "Sub", "Neg", "Pow", "Exp", "Log", "Sqrt", "Rsqrt", "Sigmoid", "Tanh", "Relu",
-    "Abs", "Clamp", "Slice",
+    "Clone", "Mul", "Div", "Add", "Sub", "Rsub", "Neg", "Reciprocal", "Pow", "Exp", "Log", "Sqrt", "Rsqrt", "Sigmoid",
+    "Tanh", "Relu", "Abs", "Clamp", "Slice",
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from tests.support.exact import REL, same_start, state_differences, trainer64
@@ -51,4 +52,35 @@ def test_a_selection_of_rows_by_their_losses_is_said(devices, caplog):
     (silent with check_exactness=False): it is a statistic of the chunk, said by the loss reading."""
     worst, said = _fit_both(HardestPoints, devices, caplog)
     assert len(said) == 1 and "a top-k / sort of its rows' losses" in next(iter(said)), said
+    assert worst > 1e-8
+
+
+class SoftDice(PooledNet):
+    """A soft Dice over the classes (sums over the chunk's rows, ``1 - dice``) added to the cross-entropy."""
+
+    def training_step(self, batch, batch_idx):
+        logits, labels = self.head(self.features(batch)), batch["labels"]
+        p, onehot = logits.softmax(1), F.one_hot(labels, logits.shape[1]).to(logits)
+        dice = 1 - (2 * (p * onehot).sum(0) + 1) / (p.sum(0) + onehot.sum(0) + 1)
+        return F.cross_entropy(logits, labels) + dice.mean()
+
+
+class SortedErrors(PooledNet):
+    """A Lovasz-like loss: the chunk's errors sorted, weighted by their rank, over the weights' sum."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.features(batch))
+        errors = 1 - logits.softmax(1).gather(1, batch["labels"][:, None]).squeeze(1)
+        ranked, _ = torch.sort(errors, descending=True)
+        weights = torch.linspace(1, 0, ranked.numel(), dtype=ranked.dtype)
+        return (ranked * weights).sum() / weights.sum()
+
+
+@pytest.mark.parametrize("cls", [SoftDice, SortedErrors])
+def test_a_statistic_behind_one_minus_or_a_divided_sum_is_said(cls, caplog):
+    """``1 - x`` (RsubBackward) stopped the walk to the statistic, and a sum over sorted errors divided by a constant
+    was read as a sum divided by its rows before the statistic was looked at: both were weighted as exact terms (a Dice
+    0.17 off one device, a Lovasz-like loss 0.18), silently with check_exactness=False or once the check had passed."""
+    worst, said = _fit_both(cls, 3, caplog)
+    assert len(said) == 1 and "a statistic of the chunk" in next(iter(said)), said
     assert worst > 1e-8
