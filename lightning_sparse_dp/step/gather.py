@@ -461,8 +461,9 @@ def _combine(
                 "step computed with torch.mean / .mean() or torch's losses (e.g. a maximum, a hand-made ratio): it is "
                 "the replicas' values weighted as the loss, which is one device's only for a mean over what the loss "
                 f"averages. Log it with self.log, return what it is made of, or name its role: "
-                f"SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'mean'}}) takes the weighted mean "
-                "and silences this warning."
+                f"SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}) adds the replicas' values "
+                "(a float sum over the chunk's rows: y.double().sum()), 'mean' takes the weighted mean; either silences "
+                "this warning."
             )
     return merged
 
