@@ -190,7 +190,7 @@ def plan_split(
     else:
         flat, spec = flatten(batch, layout)
         leaves, sources = find_sources(flat, batch_sizes)
-        num_samples, sources = count_samples(leaves, sources)
+        num_samples, sources = count_samples(leaves, sources, batch_sizes)
     if num_chunks == 1 or num_samples == 1:  # one chunk: the whole batch, in order
         chunk_samples, index_in_chunk = [torch.arange(num_samples)], torch.arange(num_samples)
         sources = tuple(replace(s, rows=(torch.arange(s.num_points),)) for s in sources)

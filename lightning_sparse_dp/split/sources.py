@@ -276,13 +276,17 @@ def refuse_ambiguous(leaf: Leaf, batch_sizes: Collection[int] | None) -> None:
     )
 
 
-def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tuple[int, tuple[Source, ...]]:
+def count_samples(
+    leaves: tuple[Leaf, ...], sources: tuple[Source, ...], batch_sizes: Collection[int] | None = None,
+) -> tuple[int, tuple[Source, ...]]:
     """``B`` and the sources with their points per sample: from the batch indices of the coordinate
     sources, else from dim 0 of the dense tensors.
 
     Raises:
         BatchLayoutError: bad batch indices (:func:`check_batch_index`), sources or dense tensors that
-            disagree on ``B``, no tensor to split, or an empty batch.
+            disagree on ``B``, no tensor to split, or an empty batch; lists of per-sample tensors that were not
+            collated (:func:`uncollated_hint`) whose tensors have more rows than any of the loaders' ``batch_sizes``
+            (fixed-size point clouds: their rows are points, not samples, and would be cut through every sample).
     """
     if sources:
         sources = tuple(replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
@@ -309,10 +313,11 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
                 "'indices' (row indices into point sets) or 'samples'."
             )
         return next(iter(samples.values())), sources
-    lengths = {
-        leaf.name: leaf.value.shape[0]
+    lengths = {  # dense tensors, and lists given the role 'samples' (one entry per sample)
+        leaf.name: leaf.value.shape[0] if isinstance(leaf.value, Tensor) else len(leaf.value)
         for leaf in leaves
-        if isinstance(leaf.value, Tensor) and leaf.value.dim() > 0 and leaf.role != Role.REPLICATE
+        if (isinstance(leaf.value, Tensor) and leaf.value.dim() > 0 and leaf.role != Role.REPLICATE)
+        or (leaf.role == Role.SAMPLES and type(leaf.value) in (list, tuple))
     }
     if not lengths:
         raise BatchLayoutError(
@@ -329,6 +334,13 @@ def count_samples(leaves: tuple[Leaf, ...], sources: tuple[Source, ...]) -> tupl
             ))
         )
     num_samples = next(iter(lengths.values()))
+    hint = uncollated_hint(leaves) if batch_sizes and num_samples > max(batch_sizes) else ""
+    if hint:
+        raise BatchLayoutError(
+            f"dense batch tensors have {num_samples} rows each, more than the DataLoader's batch_size "
+            f"({max(batch_sizes)}), so their rows are not samples and would be cut through every sample. {hint} Or "
+            "give each list the role 'samples' in layout= (one entry per sample)."
+        )
     if num_samples == 0:
         raise BatchLayoutError(
             "the batch is empty (dim 0 has size 0): there are no samples to split. Drop empty samples and batches "

@@ -8,15 +8,17 @@ relative per tensor.
 
 from __future__ import annotations
 
+import lightning as L
 import MinkowskiEngine as ME
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.split import merge_batch
-from tests.support.exact import assert_same_states, fit_float64, relative_difference, same_start
+from tests.support.exact import assert_same_states, fit_float64, relative_difference, same_start, trainer64
 from tests.support.helpers import IN_CHANNELS, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 # --- float coordinates in the split ------------------------------------------------------------------
@@ -230,3 +232,38 @@ def test_uncollated_list_of_samples_points_to_sparse_collate():
         split_batch(coords, 2)
     with pytest.raises(BatchLayoutError, match=r"not collated.*ME.utils.sparse_collate"):
         split_batch({"coordinates_list": coords, "labels": torch.arange(3)}, 2)
+
+
+class _PointLists(L.LightningModule):
+    """ME's reconstruction-style batch: a list of each sample's points and one of its labels, collated in the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(ME.MinkowskiConvolution(3, 8, kernel_size=3, dimension=3), ME.MinkowskiReLU(),
+                                       ME.MinkowskiLinear(8, 4))
+
+    def training_step(self, batch, batch_idx):
+        coordinates = ME.utils.batched_coordinates(batch["points"], dtype=torch.float32)
+        x = ME.TensorField(torch.cat(batch["points"]).to(self.dtype), coordinates)
+        return torch.nn.functional.cross_entropy(self.net(x.sparse()).slice(x).F, torch.cat(batch["labels"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lists_of_equal_sized_samples_are_refused_or_split_as_samples_with_the_layout():
+    """Fixed-size point clouds in lists (30 points each, 6 samples a batch) were cut as 30 samples of one row: every
+    replica got a third of every sample (0.06 relative off one device, silently with the check off). They are refused
+    now, naming the collate and the layout; with the role 'samples' each list entry is a sample, as one device's."""
+    g = torch.Generator().manual_seed(19)
+    samples = [(torch.rand(30, 3, generator=g, dtype=torch.float64) * 6, torch.randint(0, 4, (30,), generator=g))
+               for _ in range(6)]
+    lists = DataLoader(samples, batch_size=6, collate_fn=lambda s: {"points": [p for p, _ in s], "labels": [y for _, y in s]})
+    with pytest.raises(BatchLayoutError, match=r"30 rows each, more than the DataLoader's batch_size \(6\).*not "
+                                               r"collated.*the role 'samples' in layout="):
+        trainer64(strategy="sparse_dp", devices=3).fit(_PointLists(), lists)
+    ours, reference = same_start(_PointLists)
+    layout = {"points": "samples", "labels": "samples"}
+    trainer64(strategy=SparseDataParallelStrategy(layout=layout), devices=3).fit(ours, lists)
+    trainer64().fit(reference, lists)
+    assert_same_states(ours, reference)
