@@ -196,12 +196,17 @@ def find_sources(
         for i in found:
             refuse_ambiguous(out[i], batch_sizes)
             _as_source(out, sources, i, out[i].value[:, 0].long())
-    else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples
+    else:  # beside named sources: integer look-alikes numbering the same samples 0..B-1, with more rows than samples;
+        # a float one only with a source's rows and its very batch index (a float copy of its coordinates, moved: a
+        # target shape), which no features column is (other float ones are refused by name: resolve_roles)
         num_samples = int(sources[0].batch_index.max()) + 1 if candidates and sources[0].num_points else 0
         for i in candidates:
             x = out[i].value
             batch_index = x[:, 0].long()
-            if not x.dtype.is_floating_point and x.shape[0] > num_samples and _numbers_samples(batch_index, num_samples):
+            own = not x.dtype.is_floating_point or any(
+                s.num_points == x.shape[0] and torch.equal(batch_index, s.batch_index) for s in sources
+            )
+            if own and x.shape[0] > num_samples and _numbers_samples(batch_index, num_samples):
                 _as_source(out, sources, i, batch_index)
     return tuple(out), tuple(sources)
 

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
 from lightning_sparse_dp.step.gather import gather_outputs
+from tests.support.helpers import collate_dict, random_samples
 
 CPU = torch.device("cpu")
 
@@ -342,3 +343,21 @@ def test_labels_of_the_original_points_split_with_their_coordinates_as_one_devic
     trainer(strategy=strategy, devices=3, precision="64-true").fit(ours, loader(batch))
     trainer(precision="64-true").fit(reference, loader(batch))
     assert_same_states(ours, reference)
+
+
+def test_a_float_copy_of_the_coordinates_under_another_key_is_renumbered_with_them():
+    """A target shape collated as float coordinates (``gt = coords.float()``, moved) under a key that names no
+    coordinates kept the whole batch's sample ids in column 0 while its rows went with their samples: chunk 1's target
+    numbered samples 2 and 3 beside its coordinates' 0 and 1 (0.07 relative off one device, silently in validation).
+    Float features with as many rows, whose column 0 is not the batch index, are cut as they are."""
+    batch = collate_dict(random_samples(6, seed=23))
+    coords = batch["coordinates"]
+    gt = coords.double()
+    gt[:, 1:] += 1.25
+    feats = torch.rand(len(coords), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    chunks, plan = split_batch({"coords": coords, "gt": gt, "feats": feats}, 3)
+    for j, chunk in enumerate(chunks):
+        moved = chunk["coords"].double()
+        moved[:, 1:] += 1.25
+        assert torch.equal(chunk["gt"], moved), j
+        assert torch.equal(chunk["feats"], feats[plan.point_rows[0][j]]), j
