@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from lightning_sparse_dp.loss.capture import TermCapture
-from lightning_sparse_dp.loss.readings import NotExact, Reading, read_site
+from lightning_sparse_dp.loss.readings import NotExact, Reading, chunk_condition, read_site
 from lightning_sparse_dp.loss.sites import unweighable
 from lightning_sparse_dp.split import SplitPlan
 
@@ -284,10 +284,7 @@ def _decide(
     """The value and scales into ``out``; each site read in full (:func:`~lightning_sparse_dp.loss.readings.read_site`),
     or as ``readings`` recalled for the step's structure (:func:`structure`). Returns the readings."""
     if readings is None and len({tuple(site.key for site in s.sites) for s in summaries}) > 1:
-        raise NotExact(
-            f"the {who}s' steps called different sequences of mean-reduced losses (e.g. a loss computed only when the "
-            "chunk has something for it)"
-        )
+        raise NotExact(f"the {who}s' steps called different sequences of mean-reduced losses: {chunk_condition(who)}")
     rs = [s.remainder for s in summaries]
     if max(rs) - min(rs) > max(s.tolerance for s in summaries) or not all(map(math.isfinite, rs)):
         raise NotExact(

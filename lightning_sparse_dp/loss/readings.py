@@ -44,6 +44,21 @@ class Reading:
     steady: bool = True
 
 
+#: how a reason no loss weighting can mend says so (the fallback line then names no weighting: loss/step.py)
+NO_WEIGHTING = "No loss weighting makes that exact"
+
+
+def chunk_condition(who: str) -> str:
+    """Why the replicas' steps called their losses differently, and what makes it exact (no loss weighting does)."""
+    return (
+        f"a call under a condition on the chunk (if t.sum() > 0: ...) or in a loop over what it holds, which each {who} "
+        f"decides on its own chunk where one device decides once for the whole batch. {NO_WEIGHTING}: decide the "
+        "condition on the whole batch in on_before_batch_transfer (batch['has_t'] = bool(batch['t'].any()): a Python "
+        f"bool or number in the batch reaches every {who} as the whole batch's), loop over a fixed list, or call the "
+        "loss unconditionally"
+    )
+
+
 def read_site(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision) -> Reading:
     """How one call site's calls enter the whole batch's value: one per sample, else matched by position.
 
@@ -139,10 +154,7 @@ def _matched_reading(
     value in every replica: a penalty on the parameters), not :attr:`~lightning_sparse_dp.loss.recall.Reading.steady`."""
     site = sites[0]
     if len({len(s.coeffs) for s in sites}) > 1:
-        raise NotExact(
-            f"the {who}s' steps called {site.name} at {site.where} different numbers of times (e.g. once per sample, "
-            "with a sample that has no loss)"
-        )
+        raise NotExact(f"the {who}s' steps called {site.name} at {site.where} different numbers of times: {chunk_condition(who)}")
     for j in range(len(site.coeffs)):
         if len(sites) > 1 and site.coeffs[j] != 0.0 and any(s.statistic[j] for s in sites):
             raise NotExact(
@@ -270,4 +282,4 @@ def _one_value(values: Sequence[float]) -> bool:
     return all(math.isclose(v, values[0], rel_tol=_SAME, abs_tol=0.0) for v in values)
 
 
-__all__ = ["NotExact", "Reading", "read_site"]
+__all__ = ["NO_WEIGHTING", "NotExact", "Reading", "chunk_condition", "read_site"]

@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, Decision, SiteMemory, Summary, decide, summarize
 from lightning_sparse_dp.loss.means import scalar_values
+from lightning_sparse_dp.loss.readings import NO_WEIGHTING
 from lightning_sparse_dp.loss.reweight import PartWeight, shifted
 from lightning_sparse_dp.loss.values import is_loss_value, loss_of
 from lightning_sparse_dp.loss.weights import counting_example, resolve_auto
@@ -37,20 +38,25 @@ def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
     """
     choice, why = resolve_auto(plan)
     example = counting_example(plan)
+    mendable = NO_WEIGHTING not in reason  # else a weighting cannot mend it: the reason says what does
     if strategy == "sparse_ddp":
         return (
             f"sparse_ddp: {FALLBACK_START}: {reason}. Its ranks are "
             "weighted equally, as DDP averages gradients (exact for a loss the step normalizes across ranks itself, "
-            f"or for equal shares). If the loss is one mean over each rank's {choice} ({why}), pass "
-            "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), pass "
-            f"a callable counting it, e.g. SparseDDPStrategy(loss_weighting={example})."
+            "or for equal shares)." + (
+                f" If the loss is one mean over each rank's {choice} ({why}), pass "
+                "SparseDDPStrategy(loss_weighting='auto'); for a mean over a count of the batch (e.g. labeled points), "
+                f"pass a callable counting it, e.g. SparseDDPStrategy(loss_weighting={example})." if mendable else ""
+            )
         )
     who, cls = "replica", "SparseDataParallelStrategy"
+    exact = "" if not mendable else (
+        f" For an exact loss pass a callable counting what the loss is a mean over, e.g. {cls}(loss_weighting={example})."
+    )
     return (
         f"{strategy}: {FALLBACK_START}: {reason}. Each {who}'s loss is "
         f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "
-        f"is one mean over those. For an exact loss pass a callable counting what the loss is a mean over, e.g. "
-        f"{cls}(loss_weighting={example})."
+        f"is one mean over those.{exact}"
     )
 
 

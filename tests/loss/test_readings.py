@@ -1,10 +1,14 @@
 """How a loss's terms are read across replicas (``loss/readings.py``), against plain Lightning on one device in float64:
-a ``reduction="sum"`` loss whose input is a batch of one holding the chunk's rows in another dimension."""
+a ``reduction="sum"`` loss whose input is a batch of one holding the chunk's rows in another dimension; a loss called
+under a condition on the chunk."""
 
 from __future__ import annotations
 
+import logging
+
 import torch.nn.functional as F
 
+from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.support.exact import REL, same_start, state_differences, trainer64
 from tests.support.helpers import collate_dict, loader, random_samples
 from tests.support.step_forms import PooledNet
@@ -26,4 +30,48 @@ def test_a_sum_over_a_batch_of_one_is_the_chunks_sum():
     ours, reference = same_start(SummedOverOneBatch, seed=0)
     trainer64(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
     trainer64(max_steps=3).fit(reference, loader(*batches))
+    assert max(state_differences(ours, reference).values()) <= REL
+
+
+class _Conditional(PooledNet):
+    """An auxiliary loss added only where the batch holds class 0 (a head trained only on batches with positives)."""
+
+    def aux_due(self, batch):
+        return bool((batch["labels"] == 0).any())
+
+    def training_step(self, batch, batch_idx):
+        logits, labels = self.head(self.features(batch)), batch["labels"]
+        loss = F.cross_entropy(logits, labels)
+        if self.aux_due(batch):
+            loss = loss + F.binary_cross_entropy_with_logits(logits[:, 0], (labels == 0).to(logits))
+        return loss
+
+
+class _ConditionOfTheBatch(_Conditional):
+    """The fix the line names: the condition decided on the whole batch, before the split."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "aux": bool((batch["labels"] == 0).any())}
+
+    def aux_due(self, batch):
+        return batch["aux"]
+
+
+def test_a_loss_under_a_condition_on_the_chunk_names_the_fix_that_is_exact(caplog):
+    """Each replica decided the condition on its own chunk: the line suggested a loss_weighting callable counting
+    labels != 255, which cannot mend that (0.59 relative off one device with it). It now says no weighting makes it
+    exact and names what does: the condition decided on the whole batch, which is one device's."""
+    batches = [collate_dict(random_samples(8, seed=s)) for s in (14, 15)]
+    for b in batches:
+        b["labels"][:3] = 0  # class 0 in the first samples only: the other chunks hold none
+        b["labels"][3:] = b["labels"][3:].clamp(min=1)
+    ours, reference = same_start(_Conditional, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, max_steps=2).fit(
+            ours, loader(*batches))
+    said = [r.getMessage() for r in caplog.records if "No loss weighting makes that exact" in r.getMessage()]
+    assert len(said) == 1 and "on_before_batch_transfer" in said[0] and "loss_weighting=lambda" not in said[0]
+    ours, reference = same_start(_ConditionOfTheBatch, seed=0)
+    trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, max_steps=2).fit(ours, loader(*batches))
+    trainer64(max_steps=2).fit(reference, loader(*batches))
     assert max(state_differences(ours, reference).values()) <= REL
