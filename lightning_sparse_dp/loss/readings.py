@@ -194,6 +194,8 @@ def _matched_reading(
             )
         if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _penalty(sites, j):
             calls.append(("one", c))  # one value in every replica: of the parameters (a penalty), not of the chunks
+        elif not site.sums[j] and _undivided(sites, summaries, j):
+            calls.append(("sum", c))  # divided by its input's one row in every replica: the chunks' values add up
         else:
             calls.append(("sum" if site.sums[j] else "mean", c))
     return Reading("matched", tuple(calls), steady=steady)
@@ -267,6 +269,18 @@ def _divided_sums(
         )
         return True
     return False
+
+
+def _undivided(sites: Sequence[SiteTerms], summaries: Sequence[Summary], j: int) -> bool:
+    """Whether call ``j`` is ``F.kl_div(..., reduction="batchmean")`` on a batch of one holding the chunk's rows in
+    another dimension (``F.kl_div(logp[None], q[None], reduction="batchmean")``): torch divides by ``input.size(0)``,
+    1 in every replica and in the whole batch, so the call is its sum, and the chunks' sums add up to one device's;
+    their shares of a mean over that one row would average them instead. One row is neither a chunk's samples nor
+    its points where some chunk holds several samples."""
+    return (
+        sites[0].name == "F.kl_div" and len(sites) > 1 and any(sm.samples != 1 for sm in summaries)
+        and all(s.rows[j] == 1 and s.denominators[j] == 1.0 for s in sites)
+    )
 
 
 def _penalty(sites: Sequence[SiteTerms], j: int) -> bool:

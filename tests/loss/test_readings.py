@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch.nn.functional as F
 
 from lightning_sparse_dp import SparseDataParallelStrategy
@@ -22,12 +23,24 @@ class SummedOverOneBatch(PooledNet):
         return F.cross_entropy(logits.T[None], batch["labels"][None], reduction="sum")
 
 
-def test_a_sum_over_a_batch_of_one_is_the_chunks_sum():
+class BatchmeanOverOneBatch(PooledNet):
+    """``F.kl_div(..., reduction="batchmean")`` on ``[1, B, C]``: torch divides by ``input.size(0)``, which is 1."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.features(batch))
+        target = (0.7 * F.one_hot(batch["labels"], logits.shape[1]) + 0.3 / logits.shape[1]).to(logits)
+        return F.kl_div(logits.log_softmax(1)[None], target[None], reduction="batchmean")
+
+
+@pytest.mark.parametrize("cls", [SummedOverOneBatch, BatchmeanOverOneBatch])
+def test_a_sum_over_a_batch_of_one_is_the_chunks_sum(cls):
     """Its input has one row in every replica, so its coefficient (1) times its rows (1) was read as ``sum / len(y)``:
     the whole batch's sum divided by the replicas' rows, 3 on 3 replicas (the loss and gradients 1 - 1/3 off one
-    device's, the parameters 1.27 after 3 steps), with an info line promising a later batch would settle it."""
+    device's, the parameters 1.27 after 3 steps), with an info line promising a later batch would settle it. A
+    ``batchmean`` KL divergence there was weighted as a mean over the chunks' one row each: their average, not their
+    sum (1.33 off after 2 steps, silently with the check off)."""
     batches = [collate_dict(random_samples(n, seed=s)) for n, s in ((7, 11), (8, 12), (5, 13))]
-    ours, reference = same_start(SummedOverOneBatch, seed=0)
+    ours, reference = same_start(cls, seed=0)
     trainer64(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
     trainer64(max_steps=3).fit(reference, loader(*batches))
     assert max(state_differences(ours, reference).values()) <= REL
