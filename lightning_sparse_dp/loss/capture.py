@@ -61,7 +61,7 @@ from lightning_sparse_dp.loss.means import (
     pass_mean,
     scalar_values,
 )
-from lightning_sparse_dp.loss.sites import CallSite, input_rows, locate, peek_transform, reduces_rows
+from lightning_sparse_dp.loss.sites import CallSite, RowStatistics, input_rows, locate, peek_transform, reduces_rows
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
@@ -214,6 +214,7 @@ class TermCapture(StepObserver):
         self.recording = True  # whether the step records gradients (set by run)
         self.weighable = True  # every term so far reached by its gradient through its factor (not checkpointed...)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
+        self.statistics = RowStatistics()  # the chunk's statistics, followed where autograd records nothing
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -252,8 +253,14 @@ class TermCapture(StepObserver):
         ):
             return self._reduction(func, args, kwargs)
         if kind is None and (not self.forms or not self._touches_forms(args)):
-            return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
+            if self.recording:
+                return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
+            out = func(*args, **kwargs)
+            self.statistics.follow(func, args, kwargs, out)  # no graph to read them off: followed here
+            return out
         out = func(*args, **kwargs)
+        if not self.recording:
+            self.statistics.follow(func, args, kwargs, out)
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:
             self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):
@@ -264,6 +271,12 @@ class TermCapture(StepObserver):
         elif self.forms:
             follow(self.forms, func, args, kwargs, out)
         return out
+
+    def _statistic(self, x: Any) -> bool:
+        """Whether a term's input ``x`` is a statistic of the chunk: read off autograd's graph
+        (:func:`~lightning_sparse_dp.loss.sites.reduces_rows`), or, where the step records none, followed
+        (:class:`~lightning_sparse_dp.loss.sites.RowStatistics`)."""
+        return reduces_rows(x) or (not self.recording and self.statistics.holds(x))
 
     def _touches_forms(self, args: tuple) -> bool:
         """Whether an argument (or a tensor of a list / tuple first argument) is a tensor computed from terms. Asked
@@ -289,7 +302,7 @@ class TermCapture(StepObserver):
             torch.ones((), dtype=out.dtype, device=out.device),
             site,
             input_rows(func, bound),
-            reduces_rows(bound.get("input")),
+            self._statistic(bound.get("input")),
             shared_arguments(func, bound),
         )
         return self._add(term, out, keep, checkpointed)
@@ -324,7 +337,7 @@ class TermCapture(StepObserver):
         site, checkpointed = locate(2)
         term = Term(
             f"torch.{func.__name__}", float(x.numel()) if mean else None,
-            torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]), reduces_rows(x),
+            torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]), self._statistic(x),
         )
         return self._add(term, out, x.numel() > 0 or not mean, checkpointed)
 

@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -239,5 +240,60 @@ def reduces_rows(x: Any, limit: int = 16) -> bool:
     return False
 
 
-__all__ = ["CallSite", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "locate", "peek_transform",
-           "reduces_rows", "unweighable"]
+#: torch reductions (by name, as functions and as Tensor methods) that give a statistic when they reduce dim 0 or every
+#: dim, and where their ``dim`` is given positionally (``norm(input, p, dim)``, ``topk(input, k, dim)``)
+_ROW_REDUCTIONS = {
+    **dict.fromkeys(("sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "std", "var", "prod",
+                     "logsumexp", "median", "nanmedian", "sort", "msort", "argsort"), 1),
+    **dict.fromkeys(("norm", "topk", "kthvalue"), 2),
+}
+#: what a statistic passes through on its way to a loss without autograd (``_THROUGH``'s ops by their torch names)
+_PASSING = frozenset({
+    "add", "__add__", "__radd__", "sub", "__sub__", "rsub", "__rsub__", "mul", "__mul__", "__rmul__", "div",
+    "__truediv__", "__rtruediv__", "__div__", "neg", "__neg__", "pow", "__pow__", "__rpow__", "exp", "log", "sqrt",
+    "rsqrt", "sigmoid", "tanh", "relu", "abs", "clamp", "clamp_min", "clamp_max", "reciprocal", "view", "reshape",
+    "unsqueeze", "squeeze", "expand", "expand_as", "permute", "transpose", "t", "clone", "to", "double", "float",
+    "contiguous", "detach",
+})
+
+
+class RowStatistics:
+    """The statistics of the chunk a step computes where autograd records nothing (a validation or test step, under
+    ``torch.no_grad`` / ``torch.inference_mode``), for :func:`reduces_rows`' question without a graph: the results of a
+    reduction over the rows (dim 0, or every dim) of a tensor of several rows (``p.sum(0)``, ``err.sort()``), and what
+    the step computes from them through the ops autograd's walk passes (:data:`_THROUGH`: ``1 - 2 * inter / union``).
+    Fed every torch call of the step's thread by its capture (:meth:`follow`); held by weak reference."""
+
+    def __init__(self) -> None:
+        self._held: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+    def holds(self, x: Any) -> bool:
+        """Whether ``x`` is such a statistic, or computed from one as above."""
+        return isinstance(x, Tensor) and self._held.get(id(x)) is x
+
+    def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note ``out`` (a tensor, or the values of a ``(values, indices)`` result) when ``func(*args, **kwargs)``
+        reduced the rows of a tensor, or passed a statistic on."""
+        name = getattr(func, "__name__", None)
+        x = args[0] if args else kwargs.get("input")
+        if name in _PASSING:
+            found = any(self.holds(a) for a in args)
+        elif name in _ROW_REDUCTIONS and isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] > 1:
+            at = _ROW_REDUCTIONS[name]
+            dim = kwargs.get("dim", args[at] if len(args) > at else None)
+            if isinstance(dim, Tensor):  # torch.max(a, b): elementwise
+                return
+            if dim is None and name in ("sort", "argsort", "topk", "kthvalue"):
+                dim = -1  # their default: the last dim
+            dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+            found = not dims or any(d % x.dim() == 0 for d in dims)
+        else:
+            return
+        if found:
+            values = out[0] if isinstance(out, tuple) and out else out
+            if isinstance(values, Tensor):
+                self._held[id(values)] = values
+
+
+__all__ = ["CallSite", "RowStatistics", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "locate",
+           "peek_transform", "reduces_rows", "unweighable"]
