@@ -171,7 +171,9 @@ def _matched_reading(
             )
         raise NotExact(
             f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
-            "count of the chunk)"
+            f"count of the chunk, or a random number each {who} draws: mixup's lam = torch.rand(()), which one device "
+            "draws once for the batch; draw it in on_before_batch_transfer and put it in the batch, where every "
+            f"{who} gets the same)"
         )
     if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
         memory.setdefault(site.key, ("matched", None))
