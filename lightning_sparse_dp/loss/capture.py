@@ -77,6 +77,10 @@ _KINDS: dict[Any, str] = {
 }
 
 
+#: the statistics of a step that records a graph (read off it instead: :func:`reduces_rows`); follows nothing
+_NO_STATISTICS = RowStatistics.__new__(RowStatistics)
+
+
 class StepObserver(TorchFunctionMode):
     """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.loss.means.
     note_mean`) and, where ``collectives`` is a list, notes the ``torch.distributed`` collectives the user's code calls
@@ -214,7 +218,7 @@ class TermCapture(StepObserver):
         self.recording = True  # whether the step records gradients (set by run)
         self.weighable = True  # every term so far reached by its gradient through its factor (not checkpointed...)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
-        self.statistics = RowStatistics()  # the chunk's statistics, followed where autograd records nothing
+        self.statistics = _NO_STATISTICS  # the chunk's statistics, followed where autograd records nothing (_followed)
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -256,11 +260,11 @@ class TermCapture(StepObserver):
             if self.recording:
                 return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
             out = func(*args, **kwargs)
-            self.statistics.follow(func, args, kwargs, out)  # no graph to read them off: followed here
+            self._followed().follow(func, args, kwargs, out)  # no graph to read them off: followed here
             return out
         out = func(*args, **kwargs)
         if not self.recording:
-            self.statistics.follow(func, args, kwargs, out)
+            self._followed().follow(func, args, kwargs, out)
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:
             self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):
@@ -272,11 +276,11 @@ class TermCapture(StepObserver):
             follow(self.forms, func, args, kwargs, out)
         return out
 
-    def _statistic(self, x: Any) -> bool:
-        """Whether a term's input ``x`` is a statistic of the chunk: read off autograd's graph
-        (:func:`~lightning_sparse_dp.loss.sites.reduces_rows`), or, where the step records none, followed
-        (:class:`~lightning_sparse_dp.loss.sites.RowStatistics`)."""
-        return reduces_rows(x) or (not self.recording and self.statistics.holds(x))
+    def _followed(self) -> RowStatistics:
+        """:attr:`statistics`, made at the first torch call of a step that records no graph."""
+        if self.statistics is _NO_STATISTICS:
+            self.statistics = RowStatistics()
+        return self.statistics
 
     def _touches_forms(self, args: tuple) -> bool:
         """Whether an argument (or a tensor of a list / tuple first argument) is a tensor computed from terms. Asked
@@ -302,7 +306,7 @@ class TermCapture(StepObserver):
             torch.ones((), dtype=out.dtype, device=out.device),
             site,
             input_rows(func, bound),
-            self._statistic(bound.get("input")),
+            reduces_rows(bound.get("input")) or (not self.recording and self._followed().holds(bound.get("input"))),
             shared_arguments(func, bound),
         )
         return self._add(term, out, keep, checkpointed)
@@ -337,7 +341,8 @@ class TermCapture(StepObserver):
         site, checkpointed = locate(2)
         term = Term(
             f"torch.{func.__name__}", float(x.numel()) if mean else None,
-            torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]), self._statistic(x),
+            torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]),
+            reduces_rows(x) or (not self.recording and self._followed().holds(x)),  # read off the graph, else followed
         )
         return self._add(term, out, x.numel() > 0 or not mean, checkpointed)
 

@@ -196,7 +196,7 @@ def _matched_reading(
             )
         if site.sums[j] and site.name.startswith("torch.") and len(sites) > 1 and _penalty(sites, j):
             calls.append(("one", c))  # one value in every replica: of the parameters (a penalty), not of the chunks
-        elif not site.sums[j] and _undivided(sites, summaries, j):
+        elif site.name == "F.kl_div" and not site.sums[j] and _undivided(sites, summaries, j):
             calls.append(("sum", c))  # divided by its input's one row in every replica: the chunks' values add up
         else:
             calls.append(("sum" if site.sums[j] else "mean", c))
@@ -280,7 +280,7 @@ def _undivided(sites: Sequence[SiteTerms], summaries: Sequence[Summary], j: int)
     their shares of a mean over that one row would average them instead. One row is neither a chunk's samples nor
     its points where some chunk holds several samples."""
     return (
-        sites[0].name == "F.kl_div" and len(sites) > 1 and any(sm.samples != 1 for sm in summaries)
+        len(sites) > 1 and any(sm.samples != 1 for sm in summaries)
         and all(s.rows[j] == 1 and s.denominators[j] == 1.0 for s in sites)
     )
 
