@@ -12,7 +12,8 @@ other (a batch-norm bias gradient's cancellation). A gradient is measured agains
 the step's largest gradient (the one-device run's largest ``max|grad|`` over the parameters): a gradient that is zero
 in exact math (the bias of a layer right before batch norm, which the normalization's mean removes) is rounding noise
 in both runs, two noises whose ratio means nothing; a real difference in it shows still (a difference of ``d`` in a
-gradient smaller than the floor reads ``d / floor``, above the check's tolerance for any ``d`` above rounding).
+gradient smaller than the floor reads ``d / floor``, above the check's tolerance for any ``d`` above rounding). A
+tensor held below float64 in either run counts as equal within its own precision's rounding (:data:`LOW_PRECISION_ULPS`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from torchmetrics import Metric
 #: ``BatchNorm1d``): that reads 5e-10 here, under the check's tolerance (1e-8), while a difference of 1e-3 relative
 #: in a gradient a millionth of the largest still reads 1e-6
 GRADIENT_FLOOR = 1e-3
+#: a tensor held in a lower precision than float64 in either run (a torchmetrics state, which ``.double()`` leaves
+#: float32 under ``precision="64-true"``; a logged Python float made a float32 tensor) differs only beyond this many
+#: units of rounding of its precision: its sums over the batch, in another order on the replicas, round apart there
+#: (a float32 ``MeanMetric`` state 9.9e-8 relative off), which is not a difference of the step
+LOW_PRECISION_ULPS = 256
 
 
 @dataclass
@@ -135,7 +141,15 @@ def differences(actual: StepRecord, expected: StepRecord) -> Iterator[tuple[str,
             if name not in mine or name not in theirs:
                 yield f"{label} {name!r}", math.inf
             else:
-                yield f"{label} {name!r}", relative_difference(mine[name], theirs[name], floor)
+                d = relative_difference(mine[name], theirs[name], floor)
+                yield f"{label} {name!r}", 0.0 if d <= _rounding(mine[name], theirs[name]) else d
 
 
-__all__ = ["GRADIENT_FLOOR", "StepRecord", "differences", "record_step", "relative_difference"]
+def _rounding(a: Tensor | None, b: Tensor | None) -> float:
+    """The relative difference two runs' rounding explains in a tensor held below float64 in either
+    (:data:`LOW_PRECISION_ULPS` of its coarser precision); 0 for float64 and non-float tensors."""
+    eps = max((torch.finfo(t.dtype).eps for t in (a, b) if t is not None and t.is_floating_point()), default=0.0)
+    return LOW_PRECISION_ULPS * eps if eps > torch.finfo(torch.float64).eps else 0.0
+
+
+__all__ = ["GRADIENT_FLOOR", "LOW_PRECISION_ULPS", "StepRecord", "differences", "record_step", "relative_difference"]

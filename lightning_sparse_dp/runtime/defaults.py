@@ -28,6 +28,13 @@ FACTORIES = frozenset({
 })
 
 
+#: the factories whose values come from Python numbers (``torch.tensor(0.1)``, ``torch.full(s, 0.1)``): made again with
+#: ``dtype=torch.float64`` (``0.1``, not float32's ``0.10000000149``), as ``set_default_dtype`` makes them; they draw no
+#: random numbers, so making them twice changes nothing else
+VALUED = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.full, torch.arange, torch.linspace,
+                    torch.logspace})
+
+
 class Float64Defaults(TorchFunctionMode):
     """In its thread: a float32 tensor a factory function made with no ``dtype`` given becomes float64 (values cast,
     ``requires_grad`` kept). A tensor built from another tensor (``torch.tensor(t)``) keeps that tensor's dtype, as
@@ -44,6 +51,8 @@ class Float64Defaults(TorchFunctionMode):
             and torch.get_default_dtype() == torch.float32
             and not (func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], Tensor))
         ):
+            if func in VALUED:  # made again in float64 from its Python numbers: a cast would keep float32's rounding
+                return func(*args, **{**kwargs, "dtype": torch.float64})
             return out.detach().to(torch.float64).requires_grad_(out.requires_grad)
         return out
 
@@ -65,4 +74,4 @@ def float64_defaults_on() -> bool:
     return getattr(_this_thread, "on", False)
 
 
-__all__ = ["FACTORIES", "Float64Defaults", "float64_defaults", "float64_defaults_on"]
+__all__ = ["FACTORIES", "VALUED", "Float64Defaults", "float64_defaults", "float64_defaults_on"]

@@ -160,3 +160,36 @@ def test_a_real_difference_in_a_small_gradient_still_shows():
     noise = dict(differences(StepRecord(loss=None, grads={"big": big, "small": small + 1e-16}), expected))
     assert off["grad of 'small'"] > TOLERANCE and noise["grad of 'small'"] < TOLERANCE
     assert relative_difference(small * 2, small, floor=0.0) == pytest.approx(1.0)
+
+
+class _LowPrecisionValues(PooledNet):
+    """A learning rate logged as a Python float, and a torchmetrics mean of the per-sample losses (its states stay
+    float32 under "64-true": torchmetrics ignores .double())."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.losses = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        per_sample = F.cross_entropy(self.head(self.features(batch)), batch["labels"], reduction="none")
+        self.losses.update(per_sample)
+        self.log("lr", 0.1)
+        return per_sample.mean()
+
+
+def test_values_held_below_float64_are_compared_at_their_precision(caplog):
+    """The check said "differs" for a logged 0.1 (1.5e-8: the check's copies made it float32 and cast it) and for a
+    float32 metric state (9.9e-8: float32 sums in another order), with the loss's fixes, where training matched one
+    device's to 1e-16. A logged number is now float64 in the check's runs, and a float32 tensor equal within its own
+    rounding; a real difference in it still shows."""
+    ours, reference = same_start(_LowPrecisionValues, seed=0)
+    one_device(reference)
+    infos, said, _ = fit_saying(ours, 3, caplog)
+    assert max(state_differences(ours, reference).values()) <= REL
+    assert len(infos) == 1 and EQUAL in infos[0] and not said, (infos, said)
+    state = torch.tensor([1.0, 3.0])
+    expected = StepRecord(loss=None, metrics={"m.s": state})
+    off = dict(differences(StepRecord(loss=None, metrics={"m.s": state * (1 + 1e-3)}), expected))
+    assert off["metric state 'm.s'"] > TOLERANCE
