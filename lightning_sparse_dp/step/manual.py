@@ -148,6 +148,10 @@ class _Once:
         self._manual, self._rank, self._target, self._name = manual, rank, target, name
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else args[0] if args and callable(args[0]) else None
+        if closure is not None:
+            return self._closure_step(closure, args[1:] if args and args[0] is closure else args, kwargs)
+
         def run() -> Any:
             out = self._target.step(*args, **kwargs)
             if self._name.startswith("optimizer"):
@@ -155,6 +159,30 @@ class _Once:
             return out
 
         return self._manual.once(self._rank, f"{self._name}.step", run)
+
+    def _closure_step(self, closure: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``opt.step(closure)``: every replica runs its own closure in its thread first (its ``zero_grad`` and
+        ``manual_backward`` meet the others', as outside a closure), then the optimizer steps once with the reduced
+        gradients, handed a closure that gives the loss already computed (Lightning's wrapper around it runs the
+        ``on_before_optimizer_step`` hooks and the clipping once). Each replica gets its own loss back, as each DDP rank
+        does. An optimizer that evaluates the closure several times per step (``torch.optim.LBFGS``: a line search at
+        new parameters) is refused: the replicas cannot follow those evaluations."""
+        optimizer = getattr(self._target, "optimizer", self._target)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise RuntimeError(
+                "sparse_dp: opt.step(closure) with torch.optim.LBFGS evaluates the closure several times per step, at "
+                "parameters its line search picks, which the replicas cannot follow together. Train an LBFGS module "
+                "with strategy='sparse_ddp' (each rank runs its own closure) or on one device."
+            )
+        with torch.enable_grad():  # as the optimizer calls it
+            loss = closure()
+
+        def run() -> Any:
+            self._target.step(lambda: loss, *args, **kwargs)  # the gradients are the replicas' reduced ones already
+            self._manual.stepped()
+
+        self._manual.once(self._rank, f"{self._name}.step", run)
+        return loss
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         def run() -> None:

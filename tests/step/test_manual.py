@@ -82,7 +82,24 @@ class Toggled(TwoOptimizers):
         self.log("loss_b", loss_b)
 
 
-@pytest.mark.parametrize("model", [ManualSeg, TwoOptimizers, ClipsItself, Toggled])
+class WithClosure(ManualSeg):
+    """Lightning's closure form: ``opt.step(closure=...)``, the closure zeroing the gradients and calling
+    ``manual_backward`` (it hung: the replica that ran the optimizer's step waited in the closure for the others)."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+
+        def closure():
+            opt.zero_grad()
+            loss = self.loss(batch)
+            self.manual_backward(loss)
+            return loss
+
+        loss = opt.step(closure=closure)
+        return self.after_step(loss)
+
+
+@pytest.mark.parametrize("model", [ManualSeg, TwoOptimizers, ClipsItself, Toggled, WithClosure])
 def test_manual_optimization_on_replicas_is_the_one_device_step(model):
     batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.6)) for s in (111, 112)]
     torch.manual_seed(0)
@@ -152,3 +169,13 @@ def test_manual_backward_under_a_loss_scaler_is_scaled_like_lightnings():
             assert (value - ref[name]).abs().max() <= 1e-3 * step, name
             moved += 1
     assert moved >= 4  # the step moved the parameters, so the comparison says something
+
+
+class WithLBFGS(WithClosure):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_that_evaluates_the_closure_again_is_refused_naming_the_way():
+    with pytest.raises(RuntimeError, match=r"LBFGS evaluates the closure several times.*strategy='sparse_ddp'"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(WithLBFGS(), fresh_loader([seg_batch(7, seed=113)]))
