@@ -129,15 +129,19 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"split_batch: {leaf.name} is an integer tensor under a key that names indices, split as per-point values of "
             f"{sources[matches[0]].name} (its length is that set's number of points), so its values are not re-based "
             "to each chunk's rows. If it holds row indices into a point set (FCGF's negatives, a neighbor list), give "
-            f"it the role 'indices': layout={{{key_of(leaf.path)!r}: "
-            f"'indices:{key_of(leaves[sources[matches[0]].leaf].path)}'}}; if it is per-point data, "
+            f"it the role 'indices' naming the set its values are rows of: layout={{{key_of(leaf.path)!r}: "
+            f"'indices:{key_of(leaves[sources[matches[0]].leaf].path)}'}} (the point sets: "
+            f"{', '.join(repr(key_of(leaves[s.leaf].path)) for s in sources)}; ME.utils.sparse_quantize's inverse map "
+            "holds rows of the voxels, its unique map rows of the original points); if it is per-point data, "
             f"layout={{{key_of(leaf.path)!r}: 'points'}} says so and silences this."
         )
     return replace(leaf, role=Role.POINTS, source=matches[0])
 
 
 #: keys that name indices but are not taken for them without ``layout`` (``corr``, ``match``, ``pair`` are: records.py)
-_NAMES_INDICES_TOO = re.compile(r"neg|idx|index|indices|neighbo|knn|anchor|(^|_)pos(itive)?s?(_|$|\d)", re.IGNORECASE)
+_NAMES_INDICES_TOO = re.compile(  # sparse_quantize's maps too: inverse_map, unique_map
+    r"neg|idx|index|indices|neighbo|knn|anchor|inverse|unique|(^|_)maps?$|(^|_)pos(itive)?s?(_|$|\d)", re.IGNORECASE
+)
 
 
 def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], matches: list[int]) -> list[int]:

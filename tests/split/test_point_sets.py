@@ -361,3 +361,18 @@ def test_a_float_copy_of_the_coordinates_under_another_key_is_renumbered_with_th
         moved[:, 1:] += 1.25
         assert torch.equal(chunk["gt"], moved), j
         assert torch.equal(chunk["feats"], feats[plan.point_rows[0][j]]), j
+
+
+def test_an_unnamed_inverse_map_is_said_with_the_set_its_values_index():
+    """sparse_quantize's inverse map under its own name was cut as per-point values of the original points, silently,
+    and the step then failed with a bare IndexError. It is said now, naming the role and the set it indexes."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "inverse_map" in m})
+    batch = voxelized_batch()
+    batch["inverse_map"] = batch.pop("inverse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split_batch(batch, 3)
+    said = [str(w.message) for w in caught if "batch['inverse_map'] is an integer tensor" in str(w.message)]
+    assert len(said) == 1 and "'indices" in said[0] and "inverse map holds rows of the voxels" in said[0], said
