@@ -210,6 +210,13 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
             f"{leaf.name} is a numpy array with one row per point ({length}); convert it with torch.as_tensor(...) in "
             "the collate function (ME.utils.sparse_collate does so): it is then split with its points."
         )
+    hint = _empty_sample_hint(sources, length, num_samples) if leaf.role is None else ""
+    if hint:  # a per-sample list (names, paths) beside coordinates that lost their last samples: said, not guessed
+        _warning_cache.warn(
+            f"split_batch: {leaf.name} has {length} entries where the batch's coordinates number {num_samples} "
+            f"samples: it is passed whole to every replica, as a list that is not per-sample. {hint}If it is not "
+            f"per-sample (class names), layout={{{key_of(leaf.path)!r}: 'replicate'}} says so and silences this."
+        )
     return Role.REPLICATE
 
 

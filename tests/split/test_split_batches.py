@@ -8,6 +8,8 @@ relative per tensor.
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import MinkowskiEngine as ME
 import numpy as np
@@ -267,3 +269,17 @@ def test_lists_of_equal_sized_samples_are_refused_or_split_as_samples_with_the_l
     trainer64(strategy=SparseDataParallelStrategy(layout=layout), devices=3).fit(ours, lists)
     trainer64().fit(reference, lists)
     assert_same_states(ours, reference)
+
+
+def test_a_names_list_beside_coordinates_that_lost_their_last_sample_is_said():
+    """A sample quantized to nothing leaves the coordinates numbering 3 samples beside 4 names: the list was passed
+    whole to every replica, silently (names[k] in a chunk was sample 0's name for every k)."""
+    batch = collate_dict(random_samples(3, seed=24))
+    batch["names"] = ["a", "b", "c", "empty"]
+    with pytest.warns(UserWarning, match=r"batch\['names'\] has 4 entries where the batch's coordinates number 3 "
+                                         r"samples.*the last 1 of them has no points.*'replicate'"):
+        split_batch(batch, 3)
+    batch["names"] = ["chair", "table", "sofa", "lamp", "bed", "desk"] * 20  # class names: not per-sample, unsaid
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split_batch(batch, 3)
