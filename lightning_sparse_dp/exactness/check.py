@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
 from lightning_sparse_dp.exactness.compare import StepRecord, differences, record_step
-from lightning_sparse_dp.exactness.probe import RandomStates, float64_copy, given_back
+from lightning_sparse_dp.exactness.probe import OptimizerGroups, RandomStates, float64_copy, given_back
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.recorder import install_recorder
@@ -218,12 +218,13 @@ class ExactnessCheck:
         return outcome
 
     def _compare(self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, batch_norm_eval: bool) -> Outcome:
-        states = RandomStates()
+        states, groups = RandomStates(), OptimizerGroups(trainer)
         records: list[StepRecord] = []
         reading = None
-        with given_back(states), float64_defaults():  # in this thread and the replicas' only, not set_default_dtype
+        with given_back(states, groups), float64_defaults():  # in this thread and the replicas' only, not set_default_dtype
             for run in (one_device, replicas):
                 states.restore()
+                groups.restore()
                 twin = float64_copy(module, trainer, batch_norm_eval, one_device=run is one_device)
                 frozen = {n: p._version for n, p in twin.named_parameters() if not p.requires_grad}
                 try:

@@ -128,14 +128,31 @@ def _same_numpy(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
 
 
+class OptimizerGroups:
+    """The hyperparameters of the trainer's optimizers (each param group's entries but its ``params``): taken once, set
+    again before each run and given back at the end, so that a step that changes them in place (a warm-up written in
+    ``training_step``: ``g["lr"] *= 0.5``) changes them in the fit, not in the check's runs of its copies, which reach
+    the trainer's optimizers through ``self.optimizers()``."""
+
+    def __init__(self, trainer: Any) -> None:
+        optimizers = list(getattr(trainer, "optimizers", None) or ())
+        self.saved = [(g, {k: v for k, v in g.items() if k != "params"}) for o in optimizers for g in o.param_groups]
+
+    def restore(self) -> None:
+        for group, values in self.saved:
+            group.update(values)
+
+
 @contextmanager
-def given_back(states: RandomStates) -> Iterator[RandomStates]:
-    """``states`` set before the block and given back after it, whatever the block drew or raised."""
+def given_back(states: RandomStates, groups: OptimizerGroups | None = None) -> Iterator[RandomStates]:
+    """``states`` (and ``groups``) set before the block and given back after it, whatever the block drew or raised."""
     states.restore()
     try:
         yield states
     finally:
         states.restore()
+        if groups is not None:
+            groups.restore()
 
 
-__all__ = ["RandomStates", "float64_batch", "float64_copy", "given_back"]
+__all__ = ["OptimizerGroups", "RandomStates", "float64_batch", "float64_copy", "given_back"]

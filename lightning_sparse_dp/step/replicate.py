@@ -48,6 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
 
 from lightning_sparse_dp.replica.attributes import SubmoduleChanges
+from lightning_sparse_dp.replica.optimizers import RankOptimizers
 from lightning_sparse_dp.replica.snapshot import changed_in_place, equal_tensors, tensor_mark
 from lightning_sparse_dp.runtime.devices import check_devices
 from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots
@@ -169,6 +170,13 @@ class Replicas:
             for copies in self._copies
             for m, c in zip(self._sources, copies)
         ]
+        # each replica: its own copies of the optimizers' param groups for a step, as each DDP rank has its own optimizer
+        # (replica/optimizers.py: the root's written back after the step); kept through every refresh, emptied by it
+        self.rank_optimizers = [RankOptimizers(module) if hasattr(module, "optimizers") else None
+                                for _ in range(len(self.devices))]
+        for r, view in enumerate(self.rank_optimizers):
+            if view is not None:
+                self._dicts[r * len(self._sources)][2]["optimizers"] = view
         # the first replica whose parameters a refresh copies (frozen ones it owns, or all on another GPU), else the
         # replica count: a refresh of the replicas before it has no parameter to copy (refresh_tensors)
         self._copied_from = next(
@@ -281,6 +289,8 @@ class Replicas:
         for d, source, own in self._dicts[r * per_replica : (r + 1) * per_replica]:  # (copy's __dict__, module's, own)
             d.update(source)
             d.update(own)
+        if self.rank_optimizers[r] is not None:  # a new step: its param groups copied again at their first read
+            self.rank_optimizers[r].copies.clear()
         self.attributes.prune(r)
         if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
             self.modules[r].__dict__["_device"] = self.devices[r]

@@ -250,6 +250,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         step.losses, step.weights = weigh(step, self.loss_weighting, self._weighting)
         root = step.call.parallel_devices[0]  # the root device, as the step started (_context)
         merge_into_module(step, root, self.output_layout)  # what the replicas set on it, as one device's
+        groups = self._replicas.rank_optimizers[0] if self._replicas is not None else None
+        if groups is not None and groups.copies:  # the optimizers' groups the root replica changed, as rank 0's
+            groups.write_back()
         if step.call.name == "training_step":  # each replica's backward in its thread, when Lightning's backward reaches it
             clear_replica_gradients(step, self._replicas)  # what a backward inside the step left, as zero_grad clears
             step.outputs = backward_in_replicas(step, self._replicas, self._replica_threads())

@@ -1,0 +1,69 @@
+"""Optimizers: what each replica reaches as ``self.optimizers()`` in a step, as each DDP rank has its own optimizer.
+
+The replicas run the step in threads of one process and share the trainer's optimizers. A step that changes an
+optimizer's hyperparameters in place (``for g in self.optimizers().param_groups: g["lr"] *= 0.5``, a warm-up
+written in ``training_step``) would change them once per replica, where one device changes them once and each of
+Lightning's DDP ranks changes its own optimizer. So each replica gets, as its ``optimizers``, a
+:class:`RankOptimizers`: the module's optimizers, each behind a :class:`RankOptimizer` whose ``param_groups`` are the
+replica's own copies of the groups for the step (dicts copied from the trainer's at their first read in the step,
+their ``params`` lists shared), which no other replica sees. After the step the root replica's copies are written
+back into the trainer's optimizers (:meth:`RankOptimizers.write_back`), as rank 0's optimizer is the one that
+checkpoints keep; the others' are dropped when their replica is refreshed for the next step
+(:meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`). Under manual optimization the step's own
+stand-ins (:mod:`~lightning_sparse_dp.step.manual`) take their place for the step. An optimizer reached through the
+trainer (``self.trainer.optimizers``) is the trainer's own, shared by the replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+#: ``id(group) -> (the trainer's group, the replica's copy)``
+Copies = dict[int, tuple[dict[str, Any], dict[str, Any]]]
+
+
+class RankOptimizer:
+    """An optimizer (a ``LightningOptimizer`` or torch's) as a replica sees it in a step: ``param_groups`` its own copies
+    (``copies``, shared by the replica's views), the rest the optimizer's."""
+
+    def __init__(self, optimizer: Any, copies: Copies) -> None:
+        self._optimizer, self._copies = optimizer, copies
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        copies, out = self._copies, []
+        for group in self._optimizer.param_groups:
+            entry = copies.get(id(group))
+            if entry is None:
+                entry = copies[id(group)] = (group, dict(group))
+            out.append(entry[1])
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+class RankOptimizers:
+    """A replica's ``optimizers`` (``LightningModule.optimizers``'s signature): ``module``'s optimizers, each a
+    :class:`RankOptimizer` over :attr:`copies`, the replica's group copies for the step (emptied by its refresh)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.copies: Copies = {}
+
+    def __call__(self, use_pl_optimizer: bool = True) -> Any:
+        found = type(self.module).optimizers(self.module, use_pl_optimizer)  # type: ignore[attr-defined]
+        if isinstance(found, list):
+            return [RankOptimizer(o, self.copies) for o in found]
+        return RankOptimizer(found, self.copies)
+
+    def write_back(self) -> None:
+        """The copies' hyperparameters (every entry but ``params``) into the trainer's groups; the copies dropped."""
+        for group, copy in self.copies.values():
+            group.update((k, v) for k, v in copy.items() if k != "params")
+        self.copies.clear()
+
+
+__all__ = ["RankOptimizer", "RankOptimizers"]
