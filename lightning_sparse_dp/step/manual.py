@@ -29,6 +29,7 @@ So a manual step on N replicas is the step on one device with the whole batch (`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -78,8 +79,17 @@ class ManualStep:
         self.group.all_gather_apply(rank, None, ("reduce",), lambda _: self._reduce())
 
     def once(self, rank: int, name: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run once for the step's replicas (by the replica that arrives last), its result to every one."""
-        return self.group.all_gather_apply(rank, None, (name,), lambda _: fn())
+        """``fn()`` run once for the step's replicas (by the replica that arrives last), its result to every one; an
+        optimizer's step inside it is the replicas' one step (:func:`_refuse_direct_step` lets it through)."""
+
+        def run(_: Any) -> Any:
+            _once.inside = True
+            try:
+                return fn()
+            finally:
+                _once.inside = False
+
+        return self.group.all_gather_apply(rank, None, (name,), run)
 
     # --- run once, by the replica that completes the rendezvous ------------------------------------
     def _decide(self, losses: list[Tensor]) -> list[float]:
@@ -139,6 +149,22 @@ class ManualStep:
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""
         self.replicas._copy_parameters(self.count)
+
+
+#: ``inside``: whether the calling thread runs a call the replicas make once (:meth:`ManualStep.once`)
+_once = threading.local()
+
+
+def _refuse_direct_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    """An optimizer's step pre-hook for a manual step on replicas: a step that is not the replicas' one step (through
+    ``self.optimizers()``) is one each replica makes, so it is refused before it changes anything."""
+    if not getattr(_once, "inside", False):
+        raise RuntimeError(
+            f"sparse_dp: the step called step() of a {type(optimizer).__name__} it reached outside self.optimizers() "
+            "(self.trainer.optimizers[0], an optimizer kept on the module): every replica runs the step, so every "
+            "replica would step it. Reach it through self.optimizers(), whose calls the strategy makes once for the "
+            "replicas, or train with strategy='sparse_ddp', where each rank steps its own."
+        )
 
 
 class _Once:
@@ -275,8 +301,14 @@ def manual_step(
     (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
     ``weights``, needed inside the step, so computed before it; yields the group."""
     group = group if group is not None else ThreadGroup(len(step_replicas))
-    with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
-        yield group
+    trainer = trainer_of(module)
+    hooks = [o.register_step_pre_hook(_refuse_direct_step) for o in getattr(trainer, "optimizers", None) or ()]
+    try:
+        with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
+            yield group
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 __all__ = ["ManualStep", "installed", "manual_step"]

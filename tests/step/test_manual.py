@@ -179,3 +179,23 @@ class WithLBFGS(WithClosure):
 def test_an_optimizer_that_evaluates_the_closure_again_is_refused_naming_the_way():
     with pytest.raises(RuntimeError, match=r"LBFGS evaluates the closure several times.*strategy='sparse_ddp'"):
         trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(WithLBFGS(), fresh_loader([seg_batch(7, seed=113)]))
+
+
+class ThroughTheTrainer(ManualSeg):
+    """The optimizer reached through the trainer, not ``self.optimizers()``: every replica would step it."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.trainer.optimizers[0]
+        opt.zero_grad()
+        self.manual_backward(self.loss(batch))
+        opt.step()
+
+
+def test_an_optimizer_stepped_outside_self_optimizers_is_refused_before_it_steps():
+    """Each replica stepped the trainer's optimizer: three steps a batch on 3 replicas (0.94 relative off one device),
+    silently. The first such step is refused now, naming self.optimizers()."""
+    model = ThroughTheTrainer()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"step\(\) of a SGD it reached outside self.optimizers\(\)"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(model, fresh_loader([seg_batch(7, seed=114)]))
+    assert all(torch.equal(v, start[k]) for k, v in model.named_parameters())  # nothing stepped
