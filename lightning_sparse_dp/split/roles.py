@@ -103,7 +103,7 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"{leaf.name} has length {length} in dim 0, which matches neither the number of samples "
             f"({num_samples}) nor the number of points "
             f"({', '.join(f'{s.name}: {s.num_points}' for s in sources) or 'no coordinates'}). "
-            + _empty_sample_hint(sources, length, num_samples)
+            + ("" if _numbers_samples(x, num_samples) else _empty_sample_hint(sources, length, num_samples))
             + _unmatched_hint(leaf, num_samples)
         )
     first = sources[matches[0]].batch_index
@@ -156,7 +156,7 @@ def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
     """The fix for a tensor whose length matches nothing: the role that fits what it looks like."""
     x, key = leaf.value, key_of(leaf.path)
     integer = not x.dtype.is_floating_point and x.dtype != torch.bool
-    if x.dim() == 2 and looks_like_collated_coordinates(x):
+    if x.dim() == 2 and (looks_like_collated_coordinates(x) or _numbers_samples(x, num_samples)):
         samples = int(x[:, 0].max()) + 1
         return (
             f"It looks like coordinates of a point set of its own (column 0 a batch index numbering {samples} samples"
@@ -184,6 +184,19 @@ def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
         f"a class-weight table) may take the role 'replicate' (layout={{{key!r}: 'replicate'}}); per-sample data "
         "passed whole would train every replica on every sample."
     )
+
+
+def _numbers_samples(x: Tensor, num_samples: int) -> bool:
+    """Whether ``x`` is ``[M, D+1]`` whose column 0 holds whole numbers that are every sample ``0..B-1`` and nothing
+    else, in any order (coordinates whose batch column is not sorted: a target set collated sample by sample out of
+    order), with more rows than samples."""
+    if x.dim() != 2 or x.shape[1] < 2 or x.shape[0] <= num_samples or x.dtype == torch.bool or x.is_complex():
+        return False
+    column = x[:, 0]
+    if x.dtype.is_floating_point and not bool((column == column.floor()).all()):
+        return False
+    found = torch.unique(column.long())
+    return found.numel() == num_samples and int(found[0]) == 0 and int(found[-1]) == num_samples - 1
 
 
 def _has_length(x: Any) -> bool:

@@ -376,3 +376,19 @@ def test_an_unnamed_inverse_map_is_said_with_the_set_its_values_index():
         split_batch(batch, 3)
     said = [str(w.message) for w in caught if "batch['inverse_map'] is an integer tensor" in str(w.message)]
     assert len(said) == 1 and "'indices" in said[0] and "inverse map holds rows of the voxels" in said[0], said
+
+
+def test_target_coordinates_with_an_unsorted_batch_column_are_named_coordinates_in_the_error():
+    """A second point set whose rows are not sorted by sample was taken for a per-sample tensor of missing samples
+    ("the last 21 of them have no points") and given the role 'indices', which fails; it is named as coordinates now,
+    the role that splits it exactly."""
+    g = torch.Generator().manual_seed(25)
+    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    target = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3, 2)])
+    target = target[torch.randperm(len(target), generator=g)]
+    with pytest.raises(BatchLayoutError, match=r"layout=\{'target': 'coordinates'\}") as err:
+        split_batch({"coordinates": a, "target": target, "labels": torch.arange(3)}, 2)
+    assert "have no points" not in str(err.value) and "has no points" not in str(err.value)
+    chunks, plan = split_batch({"coordinates": a, "target": target, "labels": torch.arange(3)}, 2,
+                               layout={"target": "coordinates"})
+    assert sum(len(c["target"]) for c in chunks) == len(target)
