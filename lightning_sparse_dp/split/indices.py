@@ -35,6 +35,20 @@ _OFFSET_HINT = (
 )
 
 
+def _column_hint(leaf: Leaf, columns: tuple[int, ...], names: list[str]) -> str:
+    """Where the columns' sources were taken in the order the batch's sources were found (no ``layout`` naming them,
+    several sources): which source each column was read as, and how to name them."""
+    read = [names[s] for s in columns if s >= 0]
+    if leaf.refs or len(set(read)) < 2:
+        return ""
+    order = ",".join((["batch"] if columns[0] < 0 else []) + read)
+    return (
+        f" Its columns were read as rows of {', '.join(map(repr, read))}, in that order (the batch's coordinate sources "
+        f"in the order they were found, a source named in layout= first); if another order is meant, name it: "
+        f"layout={{{key_of(leaf.path)!r}: 'indices:{order}'}} with the sources in the columns' order."
+    )
+
+
 def _source_names(leaves: Sequence[Leaf], sources: Sequence[Source]) -> list[str]:
     return [str(key_of(leaves[s.leaf].path)) for s in sources]
 
@@ -115,6 +129,7 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
             raise BatchLayoutError(
                 f"{leaf.name}[{k}, {c}] = {int(idx[k])} is not a row of {src.name}, which has {src.num_points} points "
                 f"(rows 0..{src.num_points - 1}; {bad.numel()} index(es) out of range in this column). {_OFFSET_HINT}"
+                + _column_hint(leaf, columns, names)
             )
         own = src.batch_index[idx]
         if samples is None:
@@ -126,6 +141,7 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
             raise BatchLayoutError(
                 f"row {k} of {leaf.name} pairs a point of sample {int(samples[k])} (column {first}) with a point of "
                 f"sample {int(own[k])} (column {c}); every row must stay inside one sample. {_OFFSET_HINT}"
+                + _column_hint(leaf, columns, names)
             )
     assert samples is not None
     if columns[0] < 0:
@@ -134,7 +150,7 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
             k = int(differ[0])
             raise BatchLayoutError(
                 f"row {k} of {leaf.name} says sample {int(values[k, 0])} in its batch column (column 0) but indexes "
-                f"points of sample {int(samples[k])}. {_OFFSET_HINT}"
+                f"points of sample {int(samples[k])}. {_OFFSET_HINT}" + _column_hint(leaf, columns, names)
             )
     return replace(leaf, columns=columns, row_samples=samples)
 

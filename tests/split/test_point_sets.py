@@ -392,3 +392,16 @@ def test_target_coordinates_with_an_unsorted_batch_column_are_named_coordinates_
     chunks, plan = split_batch({"coordinates": a, "target": target, "labels": torch.arange(3)}, 2,
                                layout={"target": "coordinates"})
     assert sum(len(c["target"]) for c in chunks) == len(target)
+
+
+def test_an_index_error_names_which_source_each_column_was_read_as():
+    """Naming only the second scan in layout made it the first source, so correspondences' column 0 was checked
+    against it; the error blamed the offsets alone. It names the sources the columns were read as, and the layout
+    that orders them."""
+    batch = pair_batch([8, 3, 6], [2, 5, 4], [3, 2, 3], seed=26)
+    with pytest.raises(BatchLayoutError, match=r"columns were read as rows of 'coords1', 'coords0'.*"
+                                               r"'indices:coords1,coords0'") as err:
+        split_batch(batch, 2, layout={"coords1": "coordinates"})
+    assert "with the sources in the columns' order" in str(err.value)
+    chunks, _ = split_batch(batch, 2, layout={"coords1": "coordinates", "correspondences": "indices:coords0,coords1"})
+    assert sum(len(c["correspondences"]) for c in chunks) == len(batch["correspondences"])
