@@ -115,10 +115,21 @@ def merge_batch(chunks: Sequence[Any], plan: SplitPlan) -> Any:
 def point_source(plan: SplitPlan, lengths: list[int]) -> int | None:
     """The first coordinate source whose points per chunk are ``lengths`` (one per chunk), or ``None``: which
     ``plan.point_rows`` put rows of those lengths back in batch order."""
+    found = point_sources(plan, lengths)
+    return found[0] if found else None
+
+
+def point_sources(plan: SplitPlan, lengths: list[int]) -> list[int]:
+    """Every coordinate source whose points per chunk are ``lengths``, less those that put rows back in the order of
+    one listed before (equal ``plan.point_rows``): more than one where several point sets have as many points in
+    every chunk but other rows (a registration pair whose scans' sizes differ by sample and add up alike)."""
+    found: list[int] = []
     for source, rows in enumerate(plan.point_rows):
-        if lengths == [r.numel() for r in rows]:
-            return source
-    return None
+        if lengths == [r.numel() for r in rows] and not any(
+            all(torch.equal(a, b) for a, b in zip(plan.point_rows[f], rows)) for f in found
+        ):
+            found.append(source)
+    return found
 
 
 def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int = 0) -> list[Tensor]:
@@ -169,6 +180,7 @@ def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
 
 
 __all__ = [
-    "MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "point_source", "restore_batch_indices",
+    "MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "point_source", "point_sources",
+    "restore_batch_indices",
     "row_order",
 ]

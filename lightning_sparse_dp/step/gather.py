@@ -30,7 +30,7 @@ from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
-from lightning_sparse_dp.split.merge import coordinates_back, point_source
+from lightning_sparse_dp.split.merge import coordinates_back, point_sources
 from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
 
@@ -128,7 +128,7 @@ def rows_of_chunks(values: list[Any], plan: SplitPlan) -> bool:
     """Whether ``values`` (one per chunk: tensors ``[m_i, ...]``, arrays, lists) are rows of their chunks: ``m_i`` each
     chunk's samples, or its points of one coordinate source; what a merge in batch order can put back as one device's."""
     lengths = _lengths(values)
-    return lengths is not None and (lengths == list(plan.samples_per_chunk) or point_source(plan, lengths) is not None)
+    return lengths is not None and (lengths == list(plan.samples_per_chunk) or bool(point_sources(plan, lengths)))
 
 
 def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> Any:
@@ -148,9 +148,12 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
         return None
     coordinates, features = [v.C for v in values], [v.F for v in values]
     lengths = [c.shape[0] for c in coordinates]
-    source = point_source(plan, lengths)
+    source, restored = None, coordinates
+    for candidate in point_sources(plan, lengths):  # the point set whose samples' points the batch column counts
+        source, restored = candidate, coordinates_back(coordinates, plan, "points", candidate)
+        if restored is not coordinates:
+            break
     if source is not None:
-        restored = coordinates_back(coordinates, plan, "points", source)
         merged = [merge_chunks(restored, plan.point_rows[source]), merge_chunks(features, plan.point_rows[source])]
     elif lengths == plan.samples_per_chunk:
         restored = coordinates_back(coordinates, plan, "samples")
@@ -191,8 +194,17 @@ def _guess_role(
     if lengths is None:
         return _first_or_list(path, values, warning_cache, say_lists)
     samples = lengths == plan.samples_per_chunk
-    points = point_source(plan, lengths) is not None
+    sets = point_sources(plan, lengths)
+    points = bool(sets)
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
+    if len(sets) > 1 and not samples and all(coordinates_back(values, plan, "points", s) is values for s in sets):
+        warning_cache.warn(
+            f"sparse_dp: step output {_printed(path)} has as many rows in every chunk as the points of several point sets "
+            f"of the batch (its coordinate sources {', '.join(map(str, sets))}, in the order the split found them), which "
+            f"put the chunks' rows back in different orders: it is merged as the points of source {sets[0]}, which is one "
+            "device's only if it is theirs. Return it in an ME.SparseTensor of its set (whose coordinates tell the set), "
+            "or return that set's coordinates (x.C) in its place."
+        )
     if samples or points:
         role = "samples" if samples else "points"
         if same:
@@ -304,14 +316,20 @@ def _gather_leaf(
                 f"chunks' numbers of samples {plan.samples_per_chunk}."
             )
         return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
-    source = point_source(plan, lengths) if lengths is not None else None
+    found = point_sources(plan, lengths) if lengths is not None else []
+    source, restored = (found[0] if found else None), on_device
+    for candidate in found if all(tensors) else ():  # coordinates: the point set whose points their batch column counts
+        restored = coordinates_back(on_device, plan, "points", candidate)
+        if restored is not on_device:
+            source = candidate
+            break
     if source is None:
         raise ValueError(
             f"output_layout gives step output {_printed(path)} the role 'points' but its lengths {lengths} are not the chunks' "
             f"numbers of points {plan.points_per_chunk}."
         )
     rows = plan.point_rows[source]
-    return merge_chunks(coordinates_back(on_device, plan, "points", source), rows) if all(tensors) else merge_rows(values, rows)
+    return merge_chunks(restored, rows) if all(tensors) else merge_rows(values, rows)
 
 
 def _comparable(values: list[Any]) -> bool:
