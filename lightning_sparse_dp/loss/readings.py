@@ -109,8 +109,19 @@ def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory
 def _samples_reading(
     sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, out: Decision
 ) -> Reading:
-    """A per-sample site: the coefficient of each of its calls in the whole batch's value."""
+    """A per-sample site: the coefficient of each of its calls in the whole batch's value. Refused where a call in the
+    value has nothing to average over (a sample whose every label is ``ignore_index``): one device's gives NaN, which a
+    step that drops NaN losses leaves out, while a replica's gives 0 and stays (a chunk's call over nothing must not
+    make the loss NaN), so the replicas' value averages over another number of samples than one device's."""
     site = sites[0]
+    if any(d == 0 and not is_sum and c != 0.0 for t in sites for d, c, is_sum in zip(t.denominators, t.coeffs, t.sums)):
+        raise NotExact(
+            f"the per-sample losses {site.name} at {site.where} include a sample with nothing to average over (every "
+            "label ignore_index): one device's call gives NaN there, which a step that drops NaN losses (torch.isnan) "
+            f"leaves out, while a {who}'s gives 0 (a chunk's call over nothing must not make the loss NaN) and the step "
+            f"keeps it. {NO_WEIGHTING}: skip the call for such a sample, if (y_s != ignore_index).any(): ..., which is "
+            "exact"
+        )
     for s in sites:
         if any(not math.isclose(c, s.coeffs[0], rel_tol=_SAME, abs_tol=0.0) for c in s.coeffs):
             raise NotExact(f"the per-sample losses {site.name} at {site.where} are combined with different coefficients")
