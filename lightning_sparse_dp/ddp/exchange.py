@@ -80,9 +80,27 @@ def count_and_plan(
     return count, plan
 
 
+class _SaidBySparseDDP(WarningCache):
+    """The merge's lines (:func:`~lightning_sparse_dp.step.gather.gather_outputs`, written for ``sparse_dp``) as
+    ``sparse_ddp`` says them: its name, and its class where a line names the option to pass."""
+
+    @staticmethod
+    def _renamed(message: str) -> str:
+        return message.replace("sparse_dp:", "sparse_ddp:", 1).replace("SparseDataParallelStrategy(", "SparseDDPStrategy(")
+
+    def warn(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        super().warn(self._renamed(message), stacklevel, **kwargs)
+
+    def info(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        super().info(self._renamed(message), stacklevel, **kwargs)
+
+
+_said = _SaidBySparseDDP()
+
+
 def gather_step_outputs(
     output: Any, sampler: PointBalancedBatchSampler, batch_idx: int, device: torch.device, batch: Any = None,
-    layout: Mapping[Any, str] | None = None,
+    layout: Mapping[Any, str] | None = None, output_layout: Mapping[Any, str] | None = None,
 ) -> Any:
     """Every rank's output of global batch ``batch_idx`` as one output, in the global batch's sample order.
 
@@ -99,7 +117,7 @@ def gather_step_outputs(
     mine = (apply_to_collection(output, Tensor, lambda t: t.detach().cpu()), share_points(batch, layout))
     dist.all_gather_object(gathered, mine)
     plan = global_plan(len(ids), shares, [points for _, points in gathered])
-    return gather_outputs([out for out, _ in gathered], plan, chunk_weights(plan, "samples"), device)
+    return gather_outputs([out for out, _ in gathered], plan, chunk_weights(plan, "samples"), device, output_layout, _said)
 
 
 def share_points(batch: Any, layout: Mapping[Any, str] | None = None) -> tuple[list[list[int]], list[int]] | None:

@@ -94,6 +94,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             Counts are measured once per dataset, each rank measuring ``1/world_size`` of it.
         layout: roles for batch entries that cannot be told apart, as for ``split_batch`` (used to
             count ``n_r``).
+        output_layout: how ``trainer.predict``'s outputs of the ranks are merged, by key, as ``sparse_dp``'s
+            (:func:`~lightning_sparse_dp.step.gather.gather_outputs`): ``{"pair": "fixed"}``...
         allow_unpatched_me: go on with CPU ranks on a MinkowskiEngine this project's recipe did not build (refused
             at setup otherwise: its CPU defects make a rank's result depend on its share of the batch).
         check_exactness, check_exactness_every_n_steps: the exactness check, as in ``sparse_dp``: rank 0's batch is the
@@ -120,6 +122,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         split: str = "balanced",
         count_points: Callable[[Any], int] | None = None,
         layout: Mapping[Any, str] | None = None,
+        output_layout: Mapping[Any, str] | None = None,
         allow_unpatched_me: bool = False,
         check_exactness: bool | str = True,
         check_exactness_every_n_steps: int = 0,
@@ -127,6 +130,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
     ) -> None:
         self._set_options(loss_weighting, split, layout, allow_unpatched_me, check_exactness, check_exactness_every_n_steps)
         super().__init__(**kwargs)
+        self.output_layout = dict(output_layout) if output_layout else None
         self.count_points = count_points
         self._count: float | None = None  # n_r during a training / validation / test step
         self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
@@ -342,7 +346,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             return output
         batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])
         batch = args[0] if args else kwargs.get("batch")
-        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device, batch, self.layout)
+        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device, batch, self.layout,
+                                   self.output_layout)
 
     @override
     def on_predict_end(self) -> None:

@@ -209,3 +209,51 @@ def test_a_probe_step_that_raises_on_one_rank_raises_on_every_rank(tmp_path):
         got = torch.load(tmp_path / f"agreed-{rank}.pt")
         assert got["raised"] == "rank 0's step on its share of the probe raised ZeroDivisionError: division by zero"
         assert got["after"] == 3.0 and got["ok"] == rank
+
+
+def _fixed_pair_worker(rank: int, port: int, out: str) -> None:
+
+    import torch.distributed as dist
+
+    from lightning_sparse_dp.ddp.exchange import gather_step_outputs
+    from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    sampler = PointBalancedBatchSampler(None, 4, num_replicas=2, rank=rank, num_samples=4, shuffle=False,
+                                        split="contiguous")
+    logits = torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2]  # this rank's 2 samples, one row each
+    merged = {
+        str(layout): gather_step_outputs([logits, 2 * logits], sampler, 0, torch.device("cpu"), output_layout=layout)
+        for layout in (None, {"output": "fixed"})
+    }
+    torch.save(merged, f"{out}/pair-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_predict_outputs_merge_by_output_layout_and_say_sparse_ddps_class(tmp_path):
+    """A fixed pair of per-sample logits was taken as one entry per sample (four entries of one row where one device
+    returns the pair), and the line named SparseDataParallelStrategy(output_layout=...), which SparseDDPStrategy did not
+    take (passed on to DDP, it crashed). SparseDDPStrategy takes output_layout now, and the line names it."""
+    import torch.multiprocessing as mp
+
+    from lightning_sparse_dp import SparseDDPStrategy
+
+    assert SparseDDPStrategy(output_layout={"output": "fixed"}).output_layout == {"output": "fixed"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fixed_pair_worker, args=(port, str(tmp_path)), nprocs=2)
+    whole = torch.arange(8.0).reshape(4, 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"pair-{rank}.pt")
+        fixed = got[str({"output": "fixed"})]
+        assert len(fixed) == 2 and torch.equal(fixed[0], whole) and torch.equal(fixed[1], 2 * whole)
+        assert len(got["None"]) == 4  # unnamed: taken as one entry per sample, as said
+
+
+def test_the_merge_s_lines_under_sparse_ddp_name_it():
+    from lightning_sparse_dp.ddp.exchange import _SaidBySparseDDP
+
+    line = "sparse_dp: step output x ... SparseDataParallelStrategy(output_layout={'x': 'fixed'})"
+    assert _SaidBySparseDDP._renamed(line) == "sparse_ddp: step output x ... SparseDDPStrategy(output_layout={'x': 'fixed'})"
