@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.decide import decide
 from lightning_sparse_dp.loss.means import count_of
-from lightning_sparse_dp.runtime.compat import inferred_batch_size, is_synced_mean, shadow_result_updates
+from lightning_sparse_dp.runtime.compat import inferred_batch_size, shadow_result_updates, synced_reduction
 from lightning_sparse_dp.step.log import constant_batch_size
 
 #: one rank's reading of a logged value: (its summary where it is a combination of the step's captured losses, else
@@ -50,12 +50,15 @@ class HeldCall:
     row: Any
     batch_size: int
     explicit: bool
+    reduction: str = "mean"
 
 
 class HeldMeans:
     """For one step of one rank: Lightning's results (``trainer._results``, a ``_ResultCollection``) take the step's
-    held means (the tensors mean-reduced and logged with ``sync_dist=True``:
-    :func:`~lightning_sparse_dp.runtime.compat.is_synced_mean`) into :attr:`calls` instead of accumulating them;
+    held values (the tensors logged with ``sync_dist=True``: :func:`~lightning_sparse_dp.runtime.compat.synced_reduction`;
+    reduced by a sum, maximum or minimum only where the strategy reads the batch's value, a combination of the losses
+    or a mean the step computed: the global value, a sum's share ``1 / world_size`` of it, which Lightning's reduction
+    across ranks gives back) into :attr:`calls` instead of accumulating them;
     :meth:`release`, after the block, accumulates the settled values. Entered around the step in the rank's own thread;
     the results object's ``update_metrics`` is shadowed on that instance only, and given back on exit
     (:func:`~lightning_sparse_dp.runtime.compat.shadow_result_updates`). ``row(value)`` is what the rank tells the others of a
@@ -69,13 +72,18 @@ class HeldMeans:
         self._shadow = shadow_result_updates(results, self._hold)
 
     def _hold(self, update: Callable[[str, Any, int], None], key: str, value: Any, batch_size: int) -> None:
-        if not is_synced_mean(self.results[key]):
+        reduction = synced_reduction(self.results[key])
+        if reduction is None:
             update(key, value, batch_size)
+            return
+        value = value.detach()
+        row = self.row(value)
+        if reduction != "mean" and row[0] is None and row[2] is None:  # the ranks' own sum / max / min (a count,
+            update(key, value, batch_size)  # logits.max()), which Lightning's reduction across ranks makes one device's
             return
         inferred = inferred_batch_size(self.results)
         explicit = inferred is None or batch_size != inferred
-        value = value.detach()
-        self.calls[key] = HeldCall(value, self.row(value), int(batch_size), explicit)
+        self.calls[key] = HeldCall(value, row, int(batch_size), explicit, reduction)
 
     def __enter__(self) -> HeldMeans:
         self._shadow.__enter__()
@@ -169,6 +177,8 @@ def settle(
             constant = constant_batch_size(sizes, present, sum(samples), samples)
         name = key.split(".", 1)[-1]  # Lightning's results key: "<hook>.<name>"
         value = value_of([ranks[r][1][key][0] for r in present], call.value, name=name)
+        if call.reduction == "sum":  # Lightning sums it over the ranks: each accumulates its part of the batch's value
+            value = value / len(ranks)
         out[key] = (value, constant if constant is not None else sum(sizes))
     return out
 

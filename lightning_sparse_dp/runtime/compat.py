@@ -12,7 +12,7 @@ Lightning (``lightning.pytorch``, and the ``pytorch_lightning`` mirror the same 
 - :func:`trainer_of`, :func:`set_trainer`: ``LightningModule._trainer`` (the public ``.trainer`` raises when none is
   attached; its setter reaches into the Trainer);
 - :func:`results_of`: ``Trainer._results``, the active loop's ``_ResultCollection`` (what ``self.log`` writes);
-- :func:`is_synced_mean`, :func:`inferred_batch_size`, :func:`shadow_result_updates`: a ``_ResultMetric``'s
+- :func:`synced_reduction`, :func:`inferred_batch_size`, :func:`shadow_result_updates`: a ``_ResultMetric``'s
   ``meta`` (reduction, ``sync_dist``, ``rank_zero_only``) and ``is_tensor``, the collection's ``batch_size`` (what
   Lightning inferred for the step) and its ``update_metrics(key, value, batch_size)``;
 - :func:`current_hook`, :func:`set_current_hook`: ``LightningModule._current_fx_name`` (which hook runs: ``self.log``
@@ -68,11 +68,16 @@ def results_of(trainer: Any) -> Any:
     return getattr(trainer, "_results", None)
 
 
-def is_synced_mean(result: Any) -> bool:
-    """Whether a logged result (a ``_ResultMetric``) is a tensor, mean-reduced, synchronized across processes
-    (``self.log(..., sync_dist=True)``, not ``rank_zero_only``)."""
+def synced_reduction(result: Any) -> str | None:
+    """How a logged result (a ``_ResultMetric``) synchronized across processes (a tensor logged with
+    ``sync_dist=True``, not ``rank_zero_only``) is reduced: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``
+    (``reduce_fx``); ``None`` for one that is not synchronized, or reduced by a function of the user's."""
     meta = result.meta
-    return bool(result.is_tensor and meta.is_mean_reduction and meta.sync.should and not meta.sync.rank_zero_only)
+    if not (result.is_tensor and meta.sync.should and not meta.sync.rank_zero_only):
+        return None
+    kinds = (("mean", meta.is_mean_reduction), ("sum", meta.is_sum_reduction), ("max", meta.is_max_reduction),
+             ("min", meta.is_min_reduction))
+    return next((kind for kind, found in kinds if found), None)
 
 
 def inferred_batch_size(results: Any) -> int | None:
@@ -228,7 +233,6 @@ __all__ = [
     "has_hook_name",
     "inferred_batch_size",
     "inner_batch_sampler",
-    "is_synced_mean",
     "own_reduce_states",
     "reduce_states",
     "reinstantiate_loader",
@@ -237,6 +241,7 @@ __all__ = [
     "set_current_hook",
     "set_step_results",
     "shadow_result_updates",
+    "synced_reduction",
     "state_defaults",
     "state_reduction",
     "trainer_of",

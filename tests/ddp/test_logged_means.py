@@ -17,14 +17,23 @@ def _log(results: _ResultCollection, name: str, value: float, **options) -> None
     results.log("training_step", name, torch.tensor(value, dtype=torch.float64), sync_dist_fn=lambda v, **_: v, **options)
 
 
+def _row(value):
+    """A rank's row of a logged value: a loss-like value (9.0, a summary of the rank's losses) is read as the batch's;
+    others are not."""
+    return ("losses" if float(value) == 9.0 else None, [float(value)], None, 1.0)
+
+
 def test_held_means_reach_the_results_only_as_settled_and_others_at_once():
     results = _ResultCollection(training=True)
-    with HeldMeans(results, row=lambda v: float(v)) as means:
+    with HeldMeans(results, row=_row) as means:
         _log(results, "held", 2.0, on_step=False, on_epoch=True, sync_dist=True)
         _log(results, "own", 5.0, on_step=False, on_epoch=True)  # no sync_dist: the rank's own, accumulated now
-        _log(results, "summed", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        _log(results, "summed", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")  # a count
+        _log(results, "loss_sum", 9.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")  # the loss
     assert "update_metrics" not in vars(results)  # the instance's own method is back
-    assert list(means.calls) == ["training_step.held"] and means.calls["training_step.held"].row == 2.0
+    assert list(means.calls) == ["training_step.held", "training_step.loss_sum"]
+    assert means.calls["training_step.held"].row == _row(2.0) and means.calls["training_step.loss_sum"].reduction == "sum"
+    means.calls.pop("training_step.loss_sum")
     assert float(results["training_step.held"].cumulated_batch_size) == 0  # nothing accumulated yet
     assert float(results["training_step.own"].value) == 15.0 and float(results["training_step.summed"].value) == 1.0
     means.release({"training_step.held": (torch.tensor(4.0, dtype=torch.float64), 7)})
@@ -42,8 +51,8 @@ def _mean_of_rows(rows, like, name):
 
 
 class _Call:
-    def __init__(self, value: float) -> None:
-        self.value = torch.tensor(value, dtype=torch.float64)
+    def __init__(self, value: float, reduction: str = "mean") -> None:
+        self.value, self.reduction = torch.tensor(value, dtype=torch.float64), reduction
 
 
 def test_batch_size_is_one_devices_sum_of_counts_or_the_one_constant():
@@ -81,3 +90,13 @@ def test_a_value_weighted_by_the_ranks_counts_is_said_once(caplog):
         whole_value([(None, [0.5], 10, 3.0), (None, [0.2], 30, 4.0)], like, None, "acc_mean", warnings)
     said = [r.getMessage() for r in caplog.records if "sync_dist=True) differs between ranks" in r.getMessage()]
     assert len(said) == 1 and "self.log('acc_ratio', ..., sync_dist=True)" in said[0], said
+
+
+def test_a_sum_or_maximum_of_the_loss_across_ranks_is_the_batch_s():
+    """reduce_fx="sum" of the loss logged with sync_dist=True was each rank's own loss summed over the ranks (2x one
+    device's on 2 ranks), "max" the larger of the ranks' own: each rank now accumulates the batch's value, a sum its
+    1 / world_size share of it, which Lightning's reduction across ranks gives back."""
+    mine = {"s": _Call(1.0, "sum"), "m": _Call(1.0, "max")}
+    ranks = _ranks((2, {"s": (1.0, 4, False), "m": (1.0, 4, False)}), (2, {"s": (3.0, 4, False), "m": (3.0, 4, False)}))
+    settled = settle(ranks, _mean_of_rows, mine)
+    assert float(settled["s"][0]) * 2 == 2.0 and float(settled["m"][0]) == 2.0  # the batch's 2.0, as one device's

@@ -102,7 +102,7 @@ def test_result_entries_hold_synced_means_and_read_the_inferred_batch_size():
     held: list[tuple[str, float, int]] = []
 
     def hold(update, key, value, batch_size):
-        if compat.is_synced_mean(results[key]):
+        if compat.synced_reduction(results[key]) == "mean":
             held.append((key, float(value), batch_size))
         else:
             update(key, value, batch_size)
