@@ -140,8 +140,9 @@ def whole_value(
             f"sparse_ddp: self.log({name or '<name>'!r}, ..., sync_dist=True) differs between ranks and is not a mean the "
             "step computed with torch.mean / .mean() (e.g. a hand-made sum / count): it is reduced as a mean weighted "
             "by each rank's share of the loss weighting (samples or points), the whole batch's value only for a mean "
-            "over those. For the whole batch's value log a torchmetrics metric, log value.mean() of the per-element "
-            "values (e.g. (pred[m] == y[m]).double().mean()), or pass batch_size= the count it is a mean over."
+            "over those. For the whole batch's value log value.mean() of the per-element values (e.g. "
+            "(pred[m] == y[m]).double().mean()) or pass batch_size= the count it is a mean over; a torchmetrics metric "
+            "logged instead gives the whole epoch's value (on step, the rank's own, as under DDP)."
         )
     weights = [float(r[2]) for r in rows] if counted else [r[3] for r in rows]
     total = sum(weights)
