@@ -126,7 +126,8 @@ def whole_value(
 ) -> Tensor:
     """The global batch's value of a logged value from the ranks' rows: the loss's own where every row is a
     combination of captured losses (:func:`~lightning_sparse_dp.loss.decide.decide`, with the strategy's site memory
-    ``memory``), else the values weighted by the means' element counts where every rank has one, else by ``n_r``;
+    ``memory``), an integer (a count over the rank's rows, ``mask.sum()``) the ranks' sum, as ``sparse_dp`` sums its
+    replicas', else the values weighted by the means' element counts where every rank has one, else by ``n_r``;
     shaped, typed and placed like ``like``. The last, for values that differ between the ranks, is one device's only
     for a mean over what ``n_r`` counts (a hand-made ``correct / labeled`` is not): said once per ``name`` in
     ``warnings`` (rank 0 says it; every rank reads the same rows), as ``sparse_dp`` says it of its replicas."""
@@ -134,6 +135,9 @@ def whole_value(
         value = decide([r[0] for r in rows], memory, "rank").value
         if value is not None:
             return torch.tensor(value, dtype=like.dtype, device=like.device).reshape(like.shape)
+    if not (like.is_floating_point() or like.is_complex()):  # a count over the rank's rows (mask.sum()): the batch's
+        total = torch.tensor([r[1] for r in rows], dtype=torch.float64).sum(0)  # is their sum, as sparse_dp sums them
+        return total.reshape(like.shape).to(device=like.device, dtype=like.dtype)
     counted = all(r[2] is not None for r in rows)
     if not counted and warnings is not None and any(r[1] != rows[0][1] for r in rows[1:]):
         warnings.info(

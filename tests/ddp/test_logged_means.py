@@ -100,3 +100,12 @@ def test_a_sum_or_maximum_of_the_loss_across_ranks_is_the_batch_s():
     ranks = _ranks((2, {"s": (1.0, 4, False), "m": (1.0, 4, False)}), (2, {"s": (3.0, 4, False), "m": (3.0, 4, False)}))
     settled = settle(ranks, _mean_of_rows, mine)
     assert float(settled["s"][0]) * 2 == 2.0 and float(settled["m"][0]) == 2.0  # the batch's 2.0, as one device's
+
+
+def test_an_integer_count_logged_as_a_mean_is_the_ranks_sum(caplog):
+    """mask.sum() logged with sync_dist=True was the ranks' counts averaged (37 where one device logs 74), said as
+    "not a mean" with fixes that give no count. It is the ranks' sum, as sparse_dp sums its replicas' integers."""
+    rows = [(None, [37.0], None, 3.0), (None, [37.0], None, 4.0)]
+    with caplog.at_level(logging.INFO):
+        value = whole_value(rows, torch.tensor(37), None, "count", WarningCache())
+    assert value.dtype == torch.int64 and int(value) == 74 and "differs between ranks" not in caplog.text
