@@ -59,11 +59,15 @@ def test_a_selection_of_rows_by_their_losses_is_said(devices, caplog):
 class SoftDice(PooledNet):
     """A soft Dice over the classes (sums over the chunk's rows, ``1 - dice``) added to the cross-entropy."""
 
-    def training_step(self, batch, batch_idx):
+    def dice(self, batch):
+        """The logits and each class's ``1 - dice`` over the chunk's rows."""
         logits, labels = self.head(self.features(batch)), batch["labels"]
         p, onehot = logits.softmax(1), F.one_hot(labels, logits.shape[1]).to(logits)
-        dice = 1 - (2 * (p * onehot).sum(0) + 1) / (p.sum(0) + onehot.sum(0) + 1)
-        return F.cross_entropy(logits, labels) + dice.mean()
+        return logits, 1 - (2 * (p * onehot).sum(0) + 1) / (p.sum(0) + onehot.sum(0) + 1)
+
+    def training_step(self, batch, batch_idx):
+        logits, dice = self.dice(batch)
+        return F.cross_entropy(logits, batch["labels"]) + dice.mean()
 
 
 class SortedErrors(PooledNet):
@@ -91,9 +95,7 @@ class ValidationDice(SoftDice):
     """The soft Dice as a validation score, logged per epoch: computed without autograd, under inference mode."""
 
     def validation_step(self, batch, batch_idx):
-        logits, labels = self.head(self.features(batch)), batch["labels"]
-        p, onehot = logits.softmax(1), F.one_hot(labels, logits.shape[1]).to(logits)
-        self.log("val_dice", (1 - (2 * (p * onehot).sum(0) + 1) / (p.sum(0) + onehot.sum(0) + 1)).mean())
+        self.log("val_dice", self.dice(batch)[1].mean())
 
 
 def test_a_statistic_in_a_validation_step_is_said(caplog):
