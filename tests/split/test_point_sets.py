@@ -1,8 +1,7 @@
-"""Several point sets per batch (issue 18): coordinate sources found, index tensors re-based, per-sample outputs.
+"""Several point sets per batch (issue 18): coordinate sources found, index tensors re-based, errors that name the fix.
 
-Split-level tests check every chunk against the whole batch (the points of each source that belong to
-the chunk's samples, correspondences picking the same points); output tests check the merged output
-against what one device returns for the whole batch.
+Tests check every chunk against the whole batch (the points of each source that belong to the chunk's samples,
+correspondences picking the same points); the merged outputs are tests/split/test_point_set_outputs.py's.
 """
 
 from __future__ import annotations
@@ -14,18 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
-from lightning_sparse_dp.step.gather import gather_outputs
-from tests.support.helpers import collate_dict, random_samples
+from tests.support.helpers import collate_dict, grid_points, random_samples
 
 CPU = torch.device("cpu")
-
-
-def _points(g: torch.Generator, n: int) -> torch.Tensor:
-    return torch.randint(0, 12, (n, 3), generator=g, dtype=torch.int32)
 
 
 def pair_batch(sizes0, sizes1, pairs, seed=0, batch_column=False) -> dict:
@@ -40,9 +32,9 @@ def pair_batch(sizes0, sizes1, pairs, seed=0, batch_column=False) -> dict:
         rows.append(torch.stack([torch.full_like(i, b), i, j], 1) if batch_column else torch.stack([i, j], 1))
         off0, off1 = off0 + n0, off1 + n1
     return {
-        "coords0": ME.utils.batched_coordinates([_points(g, n) for n in sizes0]),
+        "coords0": ME.utils.batched_coordinates([grid_points(g, n) for n in sizes0]),
         "feats0": torch.randn(sum(sizes0), 2, generator=g),
-        "coords1": ME.utils.batched_coordinates([_points(g, n) for n in sizes1]),
+        "coords1": ME.utils.batched_coordinates([grid_points(g, n) for n in sizes1]),
         "feats1": torch.randn(sum(sizes1), 2, generator=g),
         "correspondences": torch.cat(rows).int(),
         "transform": torch.randn(len(sizes0), 4, 4, generator=g),
@@ -62,7 +54,7 @@ pair_cases = st.builds(
 
 @settings(max_examples=50, deadline=None)
 @given(pair_cases)
-def test_correspondences_go_with_their_samples_and_pick_the_same_points(case):
+def test_correspondences_go_with_their_samples_and_pick_the_samegrid_points(case):
     sizes0, sizes1, pairs, seed, k, column = case
     batch = pair_batch(sizes0, sizes1, pairs, seed, column)
     chunks, plan = split_batch(batch, k)
@@ -91,8 +83,8 @@ def test_correspondences_go_with_their_samples_and_pick_the_same_points(case):
 
 def test_completion_batch_splits_each_point_set_by_its_own_batch_column():
     g = torch.Generator().manual_seed(1)
-    partial = [_points(g, n) for n in (7, 4, 6, 9, 8)]
-    complete = [_points(g, n) for n in (12, 4, 4, 6, 13)]
+    partial = [grid_points(g, n) for n in (7, 4, 6, 9, 8)]
+    complete = [grid_points(g, n) for n in (12, 4, 4, 6, 13)]
     batch = {
         "coordinates": ME.utils.batched_coordinates(partial),
         "features": torch.randn(34, 1, generator=g),
@@ -113,8 +105,8 @@ def test_completion_batch_splits_each_point_set_by_its_own_batch_column():
 
 def test_coordinate_names_and_look_alikes():
     g = torch.Generator().manual_seed(2)
-    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
-    b = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3, 2)])
+    a = ME.utils.batched_coordinates([grid_points(g, n) for n in (4, 6, 5)])
+    b = ME.utils.batched_coordinates([grid_points(g, n) for n in (7, 3, 2)])
     for key in ("coords1", "xyz1", "target_coordinates", "complete"):  # named, or an integer look-alike with B samples
         _, plan = split_batch({"coordinates": a, key: b, "labels": torch.arange(3)}, 2)
         assert len(plan.point_rows) == 2, key
@@ -129,8 +121,8 @@ def test_coordinate_names_and_look_alikes():
 
 def test_errors_name_the_fix():
     g = torch.Generator().manual_seed(3)
-    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
-    other = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3)])  # 2 samples, the batch has 3
+    a = ME.utils.batched_coordinates([grid_points(g, n) for n in (4, 6, 5)])
+    other = ME.utils.batched_coordinates([grid_points(g, n) for n in (7, 3)])  # 2 samples, the batch has 3
     with pytest.raises(BatchLayoutError, match="disagree on the number of samples.*'points'.*'indices'"):
         split_batch({"coordinates": a, "coords1": other}, 2)
     with pytest.raises(BatchLayoutError, match="role 'indices'"):
@@ -140,7 +132,7 @@ def test_errors_name_the_fix():
                        r"batch\['b'\].*CombinedLoader.*one batch_size"):
         split_batch({"a": {"coordinates": a, "labels": torch.arange(3)}, "b": {"coordinates": other}}, 2)
     # a per-point tensor of the same length as two point sets: layout names the set
-    b = ME.utils.batched_coordinates([_points(g, n) for n in (5, 5, 5)])
+    b = ME.utils.batched_coordinates([grid_points(g, n) for n in (5, 5, 5)])
     with pytest.raises(BatchLayoutError, match=r"'normals': 'points:coordinates'"):
         split_batch({"coordinates": a, "coords1": b, "normals": torch.randn(15, 3)}, 2)
     chunks, plan = split_batch({"coordinates": a, "coords1": b, "normals": torch.randn(15, 3)}, 2,
@@ -175,87 +167,9 @@ def test_per_sample_lists_of_index_tensors_travel_with_their_samples():
         split_batch(dict(batch, correspondences=[*own[:2], torch.tensor([[2, 0]])]), 2)
 
 
-# --- per-sample outputs ----------------------------------------------------------------------------
-
-def _chunks(num_samples, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(1, 9, (num_samples,), generator=g).tolist()
-    batch = {"coordinates": ME.utils.batched_coordinates([_points(g, n) for n in sizes]),
-             "features": torch.randn(sum(sizes), 2, generator=g, dtype=torch.float64)}
-    chunks, plan = split_batch(batch, k)
-    return batch, chunks, plan
-
-
-def _gather(outputs, plan, **kwargs):
-    return gather_outputs(outputs, plan, chunk_weights(plan, "samples"), CPU, warning_cache=WarningCache(), **kwargs)
-
-
-@pytest.mark.parametrize("num_samples", [7, 6, 2])
-def test_decomposed_outputs_come_back_as_one_device_returns_them(num_samples):
-    batch, chunks, plan = _chunks(num_samples, 3)
-
-    def step(b):  # ME's idiom: a SparseTensor's per-sample rows, and (coordinates, features) pairs
-        x = ME.SparseTensor(b["features"], b["coordinates"])
-        y = ME.MinkowskiReLU()(x)
-        coords, feats = y.decomposed_coordinates, y.decomposed_features
-        return {"loss": y.F.sum() * 0, "feats": feats, "pairs": list(zip(coords, feats)),
-                "dicts": [{"n": len(f), "mean": f.mean(0)} for f in feats], "both": (coords, feats)}
-
-    def by_coordinates(coords, feats):  # ME's decomposition order inside a sample is not fixed: compare as sets
-        key = ((coords[:, 0].long() * 64 + coords[:, 1]) * 64 + coords[:, 2]).argsort()
-        return coords[key], feats[key]
-
-    one = step(batch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # equal chunks warn that a tuple of alike entries is taken per sample
-        ours = _gather([step(c) for c in chunks], plan)
-    assert len(ours["feats"]) == len(ours["pairs"]) == len(ours["dicts"]) == num_samples
-    for b in range(num_samples):
-        for got in (ours["pairs"][b], (ours["both"][0][b], ours["both"][1][b]), (ours["pairs"][b][0], ours["feats"][b])):
-            for x, y in zip(by_coordinates(*got), by_coordinates(*one["pairs"][b]), strict=True):
-                assert torch.equal(x, y)
-        assert ours["dicts"][b]["n"] == one["dicts"][b]["n"]
-        torch.testing.assert_close(ours["dicts"][b]["mean"], one["dicts"][b]["mean"], rtol=1e-12, atol=0)
-    assert isinstance(ours["both"], tuple) and len(ours["both"]) == 2  # a fixed (coordinates, features) tuple
-
-
-def test_top_level_per_sample_list_and_fixed_tuples():
-    batch, chunks, plan = _chunks(7, 3, seed=4)
-    assert plan.samples_per_chunk != [plan.samples_per_chunk[0]] * 3
-
-    def step(b):
-        ids = b["coordinates"][:, 0].long()
-        return [b["features"][ids == i] * 2 for i in range(int(ids.max()) + 1)]
-
-    ours = _gather([step(c) for c in chunks], plan)
-    assert [t.shape for t in ours] == [t.shape for t in step(batch)]
-    assert all(torch.equal(a, b) for a, b in zip(ours, step(batch)))
-    # (loss, logits): a fixed structure, never per-sample, even in chunks of two samples
-    _, chunks, plan = _chunks(6, 3, seed=5)
-    outs = [(c["features"].sum(), c["features"]) for c in chunks]
-    loss, logits = _gather(outs, plan)
-    assert loss.dim() == 0 and logits.shape[0] == sum(len(c["features"]) for c in chunks)
-
-
-def test_ambiguous_sequences_warn_and_output_layout_decides():
-    _, chunks, plan = _chunks(6, 3, seed=6)  # 2 samples per chunk
-    outs = [(c["features"][:1], c["features"][1:2]) for c in chunks]  # two alike tensors: per sample or two heads?
-    with pytest.warns(UserWarning, match=r"output_layout=\{'output': 'fixed'\}"):
-        merged = _gather(outs, plan)
-    assert len(merged) == 6
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        fixed = _gather(outs, plan, output_layout={"output": "fixed"})
-        assert len(fixed) == 2 and fixed[0].shape[0] == 3
-        assert len(_gather(outs, plan, output_layout={"output": "samples"})) == 6
-    assert not [w for w in seen if "alike entries" in str(w.message)]
-    with pytest.raises(ValueError, match="role 'samples' but its lengths"):
-        _gather([[c["features"]] for c in chunks], plan, output_layout={"output": "samples"})
-
-
 def test_a_per_sample_integer_table_is_not_taken_for_coordinates():
     g = torch.Generator().manual_seed(9)
-    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
+    a = ME.utils.batched_coordinates([grid_points(g, n) for n in (4, 6, 5)])
     boxes = torch.tensor([[0, 3, 4, 5], [1, 2, 2, 2], [2, 7, 1, 0]])  # column 0 reads 0, 1, 2 by chance
     chunks, plan = split_batch({"coordinates": a, "boxes": boxes}, 2)
     assert len(plan.point_rows) == 1 and plan.roles[1] == "samples"
@@ -383,8 +297,8 @@ def test_target_coordinates_with_an_unsorted_batch_column_are_named_coordinates_
     ("the last 21 of them have no points") and given the role 'indices', which fails; it is named as coordinates now,
     the role that splits it exactly."""
     g = torch.Generator().manual_seed(25)
-    a = ME.utils.batched_coordinates([_points(g, n) for n in (4, 6, 5)])
-    target = ME.utils.batched_coordinates([_points(g, n) for n in (7, 3, 2)])
+    a = ME.utils.batched_coordinates([grid_points(g, n) for n in (4, 6, 5)])
+    target = ME.utils.batched_coordinates([grid_points(g, n) for n in (7, 3, 2)])
     target = target[torch.randperm(len(target), generator=g)]
     with pytest.raises(BatchLayoutError, match=r"layout=\{'target': 'coordinates'\}") as err:
         split_batch({"coordinates": a, "target": target, "labels": torch.arange(3)}, 2)
@@ -405,24 +319,3 @@ def test_an_index_error_names_which_source_each_column_was_read_as():
     assert "with the sources in the columns' order" in str(err.value)
     chunks, _ = split_batch(batch, 2, layout={"coords1": "coordinates", "correspondences": "indices:coords0,coords1"})
     assert sum(len(c["correspondences"]) for c in chunks) == len(batch["correspondences"])
-
-
-def test_outputs_of_the_second_point_set_come_back_in_its_order():
-    """Two scans whose samples' sizes differ ((2, 4), (5, 5), (4, 2)) but add up alike in every chunk: outputs of the
-    second came back in the first's row order (coordinates 1.0, features 1.4 relative off one device, silently). Its
-    coordinates and SparseTensors now find their set by their batch column; features alone are said."""
-    g = torch.Generator().manual_seed(27)
-    sets = [[_points(g, n) for n in sizes] for sizes in ((2, 5, 4), (4, 5, 2))]
-    batch = {"coords0": ME.utils.batched_coordinates(sets[0]), "coords1": ME.utils.batched_coordinates(sets[1])}
-    batch["feats1"] = torch.randn(len(batch["coords1"]), 3, generator=g, dtype=torch.float64)
-    chunks, plan = split_batch(batch, 2, assignment=lambda points, k: [torch.tensor([1]), torch.tensor([0, 2])])
-
-    def step(b):
-        x = ME.SparseTensor(b["feats1"], b["coords1"])
-        return {"c1": b["coords1"], "sparse": x, "f1": b["feats1"]}
-
-    with pytest.warns(UserWarning, match=r"output\['f1'\] has as many rows in every chunk as the points of several"):
-        ours = _gather([step(c) for c in chunks], plan)
-    assert torch.equal(ours["c1"], batch["coords1"])
-    one = step(batch)["sparse"]
-    assert torch.equal(ours["sparse"].C, one.C) and torch.equal(ours["sparse"].F, one.F)

@@ -50,6 +50,11 @@ def random_samples(num_samples: int, seed: int = 0, dim: int = 3, min_points: in
     return samples
 
 
+def grid_points(g: torch.Generator, n: int) -> torch.Tensor:
+    """``n`` integer points of a 12^3 grid, int32 ``[n, 3]`` (repeats allowed), drawn from ``g``."""
+    return torch.randint(0, 12, (n, 3), generator=g, dtype=torch.int32)
+
+
 def collate_dict(samples):
     """ME's Lightning-example batch: coordinates [N, D+1] (batch index in column 0), features [N, C], labels [B]."""
     coords, feats, labels = zip(*samples)
