@@ -17,8 +17,6 @@ from hypothesis import strategies as st
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
 from tests.support.helpers import collate_dict, grid_points, random_samples
 
-CPU = torch.device("cpu")
-
 
 def pair_batch(sizes0, sizes1, pairs, seed=0, batch_column=False) -> dict:
     """A registration batch as FCGF's collate_pair_fn makes it: two scans per sample, each collated with
