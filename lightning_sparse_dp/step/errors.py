@@ -4,7 +4,8 @@ A replica runs the user's step on a chunk of the batch, so some errors that the 
 the chunk being small, or from its own device. :func:`explain_replica_error` recognizes them and re-raises them with
 what they mean and the fix (a new exception of the same type, whose ``__cause__`` is the original): batch norm over one
 value per channel (the replica's chunk named, its samples and points, from the replica index in the note its thread
-adds), and torch's "Expected all tensors to be on the same device" (a tensor every replica shares, on the root device).
+adds), torch's "Expected all tensors to be on the same device" (a tensor every replica shares, on the root device) and
+MinkowskiEngine's assertion on a tensor whose every sample has a single point (a chunk of such samples).
 Other errors are raised as they are, with the longer help as a note (their message keeps the cause and the fix): an
 index out of range in a batch with tensors cut as one row per point gets a note naming them and the ``layout`` role
 ``"indices"``, which row indices into a point set need.
@@ -22,6 +23,10 @@ _ONE_VALUE = "Expected more than 1 value per channel when training"
 
 
 _SAME_DEVICE = "Expected all tensors to be on the same device"  # torch, on mixing devices in one op
+
+#: MinkowskiEngine 0.5.4's origin map (``decomposed_features``, ``decomposed_coordinates``) on a tensor whose every
+#: sample has a single point (``coordinate_map_cpu.hpp``: ``in_size > out_size``, where equal sizes are valid)
+_ONE_POINT_SAMPLES = "assertion (in_size > out_size) failed"
 
 
 def _replica_of(err: BaseException) -> int | None:
@@ -52,6 +57,17 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
             "attribute (self.x = tensor) is shared by every replica as it is, on the root device: register it as a "
             "buffer (self.register_buffer('x', tensor), copied to each replica's device), or make it in the step "
             "on the input's device."
+        ), err)
+    if isinstance(err, RuntimeError) and _ONE_POINT_SAMPLES in str(err):
+        replica = _replica_of(err)
+        chunk = (f"replica {replica}'s chunk has {plan.samples_per_chunk[replica]} sample(s) and "
+                 f"{plan.points_per_chunk[replica]} point(s)" if replica is not None and replica < plan.num_chunks else
+                 f"a replica's chunk holds only samples of one point (points per chunk: {plan.points_per_chunk})")
+        return _with_cause(RuntimeError(
+            f"{err} — {chunk}: MinkowskiEngine's per-sample decomposition (decomposed_features, "
+            "decomposed_coordinates) fails on a tensor whose every sample has a single point, which the whole batch, "
+            "with more points than samples, is not. Fix: drop samples of a single point (in the Dataset or the collate "
+            "function), or train on fewer devices so that no chunk holds only such samples."
         ), err)
     if _is_index_error(err) and plan.point_targets:
         names = list(plan.point_targets)

@@ -283,3 +283,22 @@ def test_a_names_list_beside_coordinates_that_lost_their_last_sample_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         split_batch(batch, 3)
+
+
+class _Decomposed(SparseNet):
+    """A loss over ME's per-sample decomposition of the features."""
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return sum(f.sum() for f in self.net[0](x).decomposed_features) * 0 + self.loss(batch)
+
+
+def test_a_chunk_of_one_point_samples_that_me_cannot_decompose_names_the_fix():
+    """ME asserts (in_size > out_size) decomposing a tensor whose every sample has one point, which the whole batch
+    is not: the replica's chunk of one one-point sample raised ME's bare assertion. It names the chunk and the fix."""
+    c = ME.utils.batched_coordinates([torch.tensor([[0, 0, 0]]), torch.tensor([[0, 0, 0], [2, 2, 2], [4, 4, 4]])])
+    g = torch.Generator().manual_seed(28)
+    batch = {"coordinates": c, "features": torch.randn(len(c), IN_CHANNELS, generator=g), "labels": torch.tensor([0, 1])}
+    fit_float64(_Decomposed(), batch)  # one device trains
+    with pytest.raises(RuntimeError, match=r"in_size > out_size.*chunk has 1 sample\(s\) and 1 point\(s\).*drop samples"):
+        fit_float64(_Decomposed(), batch, strategy=unchecked(split="contiguous"), devices=2)
