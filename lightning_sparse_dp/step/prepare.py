@@ -30,6 +30,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_sparse_dp.runtime.compat import apply_batch_transfer, trainer_of
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan
 from lightning_sparse_dp.split.presplit import PreSplitBatch
 from lightning_sparse_dp.step.scatter import (
@@ -40,6 +41,9 @@ from lightning_sparse_dp.step.scatter import (
     place_chunks,
     transfer_hooks_overridden,
 )
+
+#: said once per process: the hooks' batch where the module has its own batch-transfer hooks
+_SAID_HOOKS_BATCH = "sparse_dp hooks batch before the transfer hooks"
 
 
 @dataclass(eq=False)
@@ -108,12 +112,26 @@ def prepare_batch(
     Raises:
         ValueError / BatchLayoutError: from ``split`` (a batch it cannot read; more chunks than devices).
     """
+    if type(batch) in (dict, list, tuple) and any(
+        isinstance(v, PreSplitBatch) for v in (batch.values() if isinstance(batch, dict) else batch)
+    ):  # a CombinedLoader's batch of several loaders' ("max_size_cycle"), each split in its workers: split as one
+        batch = apply_to_collection(batch, PreSplitBatch, collated)
     hooks_batch = collated(batch) if isinstance(batch, PreSplitBatch) else batch
     if one_device and not isinstance(batch, PreSplitBatch) and not me_tensors_elsewhere(batch, devices[0]):
         whole = lightning_transfer(module, dataloader_idx)(batch, devices[0])  # plain Lightning's batch_to_device
         return PreparedBatch(batch=whole, source=None, whole=whole)
     if not transfer_hooks_overridden(module):
         return PreparedBatch(batch=hooks_batch, source=batch)  # cut and placed in the step (in the replicas' threads)
+    if _SAID_HOOKS_BATCH not in _cache:  # what the hooks' batch is, once: the transfer hooks' changes are the chunks'
+        _cache.add(_SAID_HOOKS_BATCH)
+        _cache.info(
+            "sparse_dp: the module's (or its datamodule's) own batch-transfer hooks (transfer_batch_to_device, "
+            "on_after_batch_transfer) run on each replica's chunk, as on each DDP rank's batch; the hooks and callbacks "
+            "that receive the batch (on_*_batch_start / _end, a BasePredictionWriter) get the collated batch before "
+            "them, as the DataLoader returned it, so what on_after_batch_transfer adds or changes is in the step's "
+            "chunks only. Return it from the step (the outputs reach those hooks in the batch's order), or do it in "
+            "on_before_batch_transfer, which runs on the whole batch."
+        )
     cutters, plan = split(batch)
     chunks = place_chunks([cut() for cut in cutters], devices, lightning_transfer(module, dataloader_idx))
     return PreparedBatch(batch=hooks_batch, source=PlacedChunks(chunks, plan))

@@ -203,3 +203,52 @@ def test_a_datamodules_before_transfer_hook_sees_the_batch_as_under_plain_lightn
 
     trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(SparseNet(), datamodule=Data())
     assert seen == ["dict", "dict"]
+
+
+class _TwoLoaders(SparseNet):
+    """A step over a CombinedLoader's batch of two loaders' batches."""
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch["a"]) + 0.5 * self.loss(batch["b"])
+
+
+def test_a_combined_loaders_batches_split_in_workers_train_as_one_device():
+    """Each inner loader's batches were split in its workers, and the step got a dict of two split batches, which it
+    could not read ("the batch has no tensor to split"). They are split as one batch now, as one device's."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def loaders(workers):
+        return CombinedLoader({"a": sample_loader(random_samples(14, seed=29), num_workers=workers),
+                               "b": sample_loader(random_samples(14, seed=30), num_workers=workers)}, "max_size_cycle")
+
+    ours, reference = same_start(_TwoLoaders)
+    trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours, loaders(2))
+    trainer(max_steps=2, precision="64-true").fit(reference, loaders(0))
+    assert_same_states(ours, reference)
+
+
+class _AddsAKey(SparseNet):
+    """on_after_batch_transfer adds a key that on_train_batch_end reads."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "points": len(batch["coordinates"])}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen = "points" in batch
+
+
+def test_what_the_hooks_batch_is_where_the_transfer_hooks_are_the_modules_own_is_said_once(caplog):
+    """The hooks get the collated batch from before the transfer hooks, which run on each chunk: a key the transfer
+    hook adds is missing there (a KeyError on a callback that reads it), silently. It is said once."""
+    import logging
+
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+    from lightning_sparse_dp.step.prepare import _SAID_HOOKS_BATCH
+
+    SAID_ONCE.difference_update({_SAID_HOOKS_BATCH, *(m for m in SAID_ONCE if "own batch-transfer hooks" in m)})
+    model = _AddsAKey()
+    with caplog.at_level(logging.INFO):
+        trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(model, loader(*[collate_dict(random_samples(6, seed=s))
+                                                                                     for s in (31, 32)]))
+    said = [r.getMessage() for r in caplog.records if "own batch-transfer hooks" in r.getMessage()]
+    assert len(said) == 1 and "on_before_batch_transfer" in said[0] and model.seen is False
