@@ -270,8 +270,14 @@ def _divided_sums(
         return False
     if site.key in memory.sums:
         return memory.sums[site.key] == "divided"
-    if all(r == 1 for s in sites for r in s.rows) and any(sm.samples != 1 for sm in summaries):
+    if all(r == 1 for s in sites for r in s.rows):  # one row in every replica: a division by it is none
         memory.sums[site.key] = "constant"
+        if all(sm.samples == 1 for sm in summaries):
+            notes.append(
+                f"sparse_dp: {site.name} at {site.where} (reduction='sum') is over one row in every {who} (one sample "
+                "each): read as its sum. If the step divides it by its rows (sum / len(y)), which one row cannot show, "
+                "write reduction='mean' instead, which is that and exact."
+            )
         return False
     if all(math.isclose(k, 1.0, rel_tol=1e-9) for k in ks):
         notes.append(

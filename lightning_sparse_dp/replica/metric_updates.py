@@ -100,9 +100,10 @@ def say_plain_changes(entry: MetricReplicas, copies: list[Metric]) -> None:
 
 
 def _scalar(value: Any) -> bool:
-    """One number: a Python int or float (not a bool), or a one-element tensor that is not a bool."""
+    """One number: a Python int or float (not a bool), or a 0-dim tensor that is not a bool (a ``[1]`` tensor is a row
+    per sample or point of a chunk that holds one: its rows, merged as rows)."""
     if isinstance(value, Tensor):
-        return value.numel() == 1 and value.dtype != torch.bool
+        return value.dim() == 0 and value.dtype != torch.bool
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

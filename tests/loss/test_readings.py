@@ -127,3 +127,21 @@ def test_a_per_sample_loss_dropped_as_nan_is_said_with_the_fix_that_is_exact(cap
     trainer64(strategy="sparse_dp", devices=3, max_steps=2, sync_batchnorm=True).fit(ours, loader(*batches))
     trainer64(max_steps=2).fit(reference, loader(*batches))
     assert max(state_differences(ours, reference).values()) <= REL
+
+
+class _PlainSum(PooledNet):
+    """A cross-entropy summed over the samples."""
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.head(self.features(batch)), batch["labels"], reduction="sum")
+
+
+def test_a_sum_over_one_sample_in_every_replica_is_the_chunks_sum():
+    """A batch of as many samples as replicas (one scene per device) leaves every call one row: coefficient 1 times
+    1 row was read as sum / len(y), the whole batch's sum over 3 (the loss 0.67 off one device's, every step, as no
+    batch of unequal chunks came to settle it). One row in every replica is read as the sum now, said once."""
+    batches = [collate_dict(random_samples(3, seed=s)) for s in (16, 17)]
+    ours, reference = same_start(_PlainSum, seed=0)
+    trainer64(strategy="sparse_dp", devices=3, max_steps=2).fit(ours, loader(*batches))
+    trainer64(max_steps=2).fit(reference, loader(*batches))
+    assert max(state_differences(ours, reference).values()) <= REL

@@ -235,3 +235,32 @@ def test_a_metric_reset_in_the_step_is_reset_on_the_module_too():
     for state in ("tp", "fp", "tn", "fn"):
         assert torch.equal(getattr(ours.acc, state), getattr(reference.acc, state)), state
     assert int(reference.acc.tp.sum() + reference.acc.fn.sum()) == 9  # the last batch's samples alone
+
+
+class _RowsOfOneSample(SparseNet):
+    """Aggregation metrics updated with per-sample rows: with one sample per replica each is a ``[1]`` tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits, self.labels, self.count = torchmetrics.MeanMetric(), torchmetrics.CatMetric(), torchmetrics.SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        hits = self(x).argmax(1) == batch["labels"]
+        self.hits.update(hits.double())
+        self.labels.update(batch["labels"])
+        self.count.update(hits.double().sum())
+
+
+def test_per_sample_rows_of_one_sample_chunks_update_metrics_as_one_devices():
+    """A chunk of one sample makes its per-sample rows [1] tensors, which were taken for one number of the chunk:
+    equal ones became one update (a mean over 7 samples where one device's is over 9), integers were summed, a sum of
+    the chunk's hits was averaged (0.33 where one device counts 1), silently."""
+    batches = [collate_dict(random_samples(n, seed=s)) for n, s in ((6, 94), (3, 95))]
+    ours, reference = same_start(_RowsOfOneSample)
+    for model, kwargs in ((ours, {"strategy": "sparse_dp", "devices": 3}), (reference, {})):
+        trainer(limit_val_batches=None, **kwargs).validate(model, loader(*batches))
+    for name in ("hits", "labels", "count"):
+        assert torch.allclose(getattr(ours, name).compute().double(), getattr(reference, name).compute().double(),
+                              rtol=REL, atol=0), name
+    assert int(reference.hits.weight) == 9
