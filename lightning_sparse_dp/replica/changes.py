@@ -240,8 +240,9 @@ class ModuleChanges:
     ) -> Any:
         """The replicas' values of one attribute or container entry as one value: 0-dim integer tensors the replicas
         ``appended`` to a list (``(pred == y).sum()``) their sum, a count over the batch, as ``self.log`` sums integers
-        (said once); theirs when they agree; appended dicts, lists and tuples merged leaf by leaf as step outputs are
-        (the merge saying what is not one device's); a combination of the step's losses (or its ``.item()``) by its whole-batch
+        (said once); appended tensors of the chunks' rows the batch's rows, equal or not; theirs when they agree;
+        appended dicts, lists and tuples merged leaf by leaf as step outputs are (the merge saying what is not one
+        device's); a combination of the step's losses (or its ``.item()``) by its whole-batch
         value; other floating-point values, and tensors of the chunks' rows, merged as step outputs are (said once when
         that is not one device's value for certain); anything else (an object the step made, a Python int, a 0-dim
         integer tensor kept on ``self``, a tensor of fixed size) the root replica's value, as Lightning's DDP
@@ -255,6 +256,11 @@ class ModuleChanges:
             )
             moved = [self._to_root(v) for v in values]
             return sum(moved[1:], moved[0])
+        if appended and len(values) > 1 and all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+            try:  # rows of the chunks appended (self.outs.append(batch["labels"])): the batch's rows, even where every
+                return combine(values)[0]  # replica's are equal (labels of one class); a fixed size raises: below
+            except ValueError:
+                pass
         if snapshot.all_same(values):
             return values[0]
         if appended and all(isinstance(v, (Mapping, list, tuple)) for v in values):

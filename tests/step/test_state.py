@@ -49,3 +49,29 @@ def test_means_and_losses_a_step_keeps_on_self_are_the_whole_batchs():
     for got, expected in pairs:
         assert float(got) == pytest.approx(float(expected), rel=1e-10, abs=0)
     assert float(reference.frac) not in (0.0, 1.0)  # a mean over points of both kinds: weights would show
+
+
+class _AppendsLabels(SparseNet):
+    """Lightning 2's outputs list: the batch's labels appended in every validation step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(batch["labels"])
+
+
+def test_rows_a_step_appends_are_the_batchs_even_where_every_replica_has_the_same():
+    """Labels of one class in chunks of equal size are equal tensors in every replica: the module's list got one
+    replica's 2 rows where one device appends the batch's 6, silently."""
+    from tests.support.helpers import collate_dict, loader, random_samples, trainer
+
+    batch = collate_dict(random_samples(6, seed=33))
+    batch["labels"] = torch.ones_like(batch["labels"])
+    ours, reference = _AppendsLabels(), _AppendsLabels()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # equal chunks: "taken as per-sample rows", said
+        trainer(strategy="sparse_dp", devices=3, limit_val_batches=None).validate(ours, loader(batch))
+    trainer(limit_val_batches=None).validate(reference, loader(batch))
+    assert [len(t) for t in ours.seen] == [len(t) for t in reference.seen] == [6]
