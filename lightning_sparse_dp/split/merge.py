@@ -169,6 +169,17 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
     return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]
 
 
+def points_back(values: list[Tensor], plan: SplitPlan, sources: Sequence[int]) -> tuple[int | None, list[Tensor]]:
+    """Of ``sources`` (:func:`point_sources` of the values' lengths), the one whose samples' points the values' batch
+    column counts, and the values with the batch's sample ids (:func:`coordinates_back`): coordinates tell their point
+    set. Values that are not such coordinates (features, a set none counts): the first source, the values as they are."""
+    for source in sources:
+        restored = coordinates_back(values, plan, "points", source)
+        if restored is not values:
+            return source, restored
+    return (sources[0] if sources else None), values
+
+
 def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
     """Per chunk, the batch's ids of rows of the given ``lengths`` (one per chunk): its samples
     (``plan.chunk_samples``) when they are the chunks' numbers of samples, else a coordinate source's points
@@ -180,7 +191,6 @@ def row_order(plan: SplitPlan, lengths: list[int]) -> Sequence[Tensor] | None:
 
 
 __all__ = [
-    "MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "point_source", "point_sources",
-    "restore_batch_indices",
-    "row_order",
+    "MERGES", "coordinates_back", "merge_batch", "merge_chunks", "merge_rows", "point_source", "point_sources", "points_back",
+    "restore_batch_indices", "row_order",
 ]

@@ -30,7 +30,7 @@ from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
-from lightning_sparse_dp.split.merge import coordinates_back, point_sources
+from lightning_sparse_dp.split.merge import coordinates_back, point_sources, points_back
 from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
 
@@ -148,11 +148,7 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
         return None
     coordinates, features = [v.C for v in values], [v.F for v in values]
     lengths = [c.shape[0] for c in coordinates]
-    source, restored = None, coordinates
-    for candidate in point_sources(plan, lengths):  # the point set whose samples' points the batch column counts
-        source, restored = candidate, coordinates_back(coordinates, plan, "points", candidate)
-        if restored is not coordinates:
-            break
+    source, restored = points_back(coordinates, plan, point_sources(plan, lengths))  # the set their batch column counts
     if source is not None:
         merged = [merge_chunks(restored, plan.point_rows[source]), merge_chunks(features, plan.point_rows[source])]
     elif lengths == plan.samples_per_chunk:
@@ -197,7 +193,7 @@ def _guess_role(
     sets = point_sources(plan, lengths)
     points = bool(sets)
     same = plan.num_chunks > 1 and len(set(lengths)) == 1
-    if len(sets) > 1 and not samples and all(coordinates_back(values, plan, "points", s) is values for s in sets):
+    if len(sets) > 1 and not samples and points_back(values, plan, sets)[1] is values:  # features: no set told
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} has as many rows in every chunk as the points of several point sets "
             f"of the batch (its coordinate sources {', '.join(map(str, sets))}, in the order the split found them), which "
@@ -317,12 +313,7 @@ def _gather_leaf(
             )
         return merge_rows(coordinates_back(on_device, plan, "samples") if all(tensors) else on_device, plan.chunk_samples)
     found = point_sources(plan, lengths) if lengths is not None else []
-    source, restored = (found[0] if found else None), on_device
-    for candidate in found if all(tensors) else ():  # coordinates: the point set whose points their batch column counts
-        restored = coordinates_back(on_device, plan, "points", candidate)
-        if restored is not on_device:
-            source = candidate
-            break
+    source, restored = points_back(on_device, plan, found) if all(tensors) else (found[0] if found else None, on_device)
     if source is None:
         raise ValueError(
             f"output_layout gives step output {_printed(path)} the role 'points' but its lengths {lengths} are not the chunks' "
