@@ -77,10 +77,6 @@ _KINDS: dict[Any, str] = {
 }
 
 
-#: the statistics of a step that records a graph (read off it instead: :func:`reduces_rows`); follows nothing
-_NO_STATISTICS = RowStatistics.__new__(RowStatistics)
-
-
 class StepObserver(TorchFunctionMode):
     """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.loss.means.
     note_mean`) and, where ``collectives`` is a list, notes the ``torch.distributed`` collectives the user's code calls
@@ -218,7 +214,8 @@ class TermCapture(StepObserver):
         self.recording = True  # whether the step records gradients (set by run)
         self.weighable = True  # every term so far reached by its gradient through its factor (not checkpointed...)
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
-        self.statistics = _NO_STATISTICS  # the chunk's statistics, followed where autograd records nothing (_followed)
+        #: the chunk's statistics, followed where autograd records nothing (made by :meth:`_followed`; ``None`` until)
+        self.statistics: RowStatistics | None = None
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -278,7 +275,7 @@ class TermCapture(StepObserver):
 
     def _followed(self) -> RowStatistics:
         """:attr:`statistics`, made at the first torch call of a step that records no graph."""
-        if self.statistics is _NO_STATISTICS:
+        if self.statistics is None:
             self.statistics = RowStatistics()
         return self.statistics
 

@@ -50,9 +50,9 @@ def fallback_message(strategy: str, reason: str, plan: SplitPlan) -> str:
             )
         )
     who, cls = "replica", "SparseDataParallelStrategy"
-    exact = "" if not mendable else (
+    exact = (
         f" For an exact loss pass a callable counting what the loss is a mean over, e.g. {cls}(loss_weighting={example})."
-    )
+    ) if mendable else ""
     return (
         f"{strategy}: {FALLBACK_START}: {reason}. Each {who}'s loss is "
         f"weighted as loss_weighting='auto' does instead, by its {choice} ({why}), which is exact only for a loss that "

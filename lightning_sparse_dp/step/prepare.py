@@ -42,9 +42,6 @@ from lightning_sparse_dp.step.scatter import (
     transfer_hooks_overridden,
 )
 
-#: said once per process: the hooks' batch where the module has its own batch-transfer hooks
-_SAID_HOOKS_BATCH = "sparse_dp hooks batch before the transfer hooks"
-
 
 @dataclass(eq=False)
 class PlacedChunks:
@@ -122,16 +119,14 @@ def prepare_batch(
         return PreparedBatch(batch=whole, source=None, whole=whole)
     if not transfer_hooks_overridden(module):
         return PreparedBatch(batch=hooks_batch, source=batch)  # cut and placed in the step (in the replicas' threads)
-    if _SAID_HOOKS_BATCH not in _cache:  # what the hooks' batch is, once: the transfer hooks' changes are the chunks'
-        _cache.add(_SAID_HOOKS_BATCH)
-        _cache.info(
-            "sparse_dp: the module's (or its datamodule's) own batch-transfer hooks (transfer_batch_to_device, "
-            "on_after_batch_transfer) run on each replica's chunk, as on each DDP rank's batch; the hooks and callbacks "
-            "that receive the batch (on_*_batch_start / _end, a BasePredictionWriter) get the collated batch before "
-            "them, as the DataLoader returned it, so what on_after_batch_transfer adds or changes is in the step's "
-            "chunks only. Return it from the step (the outputs reach those hooks in the batch's order), or do it in "
-            "on_before_batch_transfer, which runs on the whole batch."
-        )
+    _cache.info(  # what the hooks' batch is, once per process (WarningCache): the transfer hooks' changes are the chunks'
+        "sparse_dp: the module's (or its datamodule's) own batch-transfer hooks (transfer_batch_to_device, "
+        "on_after_batch_transfer) run on each replica's chunk, as on each DDP rank's batch; the hooks and callbacks "
+        "that receive the batch (on_*_batch_start / _end, a BasePredictionWriter) get the collated batch before "
+        "them, as the DataLoader returned it, so what on_after_batch_transfer adds or changes is in the step's "
+        "chunks only. Return it from the step (the outputs reach those hooks in the batch's order), or do it in "
+        "on_before_batch_transfer, which runs on the whole batch."
+    )
     cutters, plan = split(batch)
     chunks = place_chunks([cut() for cut in cutters], devices, lightning_transfer(module, dataloader_idx))
     return PreparedBatch(batch=hooks_batch, source=PlacedChunks(chunks, plan))
