@@ -253,15 +253,14 @@ class TermCapture(StepObserver):
             self.forms and self._touches_forms(args)
         ):
             return self._reduction(func, args, kwargs)
-        if kind is None and (not self.forms or not self._touches_forms(args)):
-            if self.recording:
-                return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
-            out = func(*args, **kwargs)
-            self._followed().follow(func, args, kwargs, out)  # no graph to read them off: followed here
-            return out
+        plain = kind is None and (not self.forms or not self._touches_forms(args))
+        if plain and self.recording:
+            return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
-        if not self.recording:
+        if not self.recording:  # no graph to read the chunk's statistics off: followed here
             self._followed().follow(func, args, kwargs, out)
+        if plain:
+            return out
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:
             self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):

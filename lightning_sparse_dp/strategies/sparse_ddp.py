@@ -345,9 +345,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
             return output
         batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])
-        batch = args[0] if args else kwargs.get("batch")
-        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device, batch, self.layout,
-                                   self.output_layout)
+        return gather_step_outputs(output, self._predict_samplers[index], batch_idx, self.root_device,
+                                   args[0] if args else kwargs.get("batch"), self.layout, self.output_layout)
 
     @override
     def on_predict_end(self) -> None:
