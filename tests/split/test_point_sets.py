@@ -52,7 +52,7 @@ pair_cases = st.builds(
 
 @settings(max_examples=50, deadline=None)
 @given(pair_cases)
-def test_correspondences_go_with_their_samples_and_pick_the_samegrid_points(case):
+def test_correspondences_go_with_their_samples_and_pick_the_same_points(case):
     sizes0, sizes1, pairs, seed, k, column = case
     batch = pair_batch(sizes0, sizes1, pairs, seed, column)
     chunks, plan = split_batch(batch, k)
