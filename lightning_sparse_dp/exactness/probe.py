@@ -129,18 +129,23 @@ def _same_numpy(a: tuple, b: tuple) -> bool:
 
 
 class OptimizerGroups:
-    """The hyperparameters of the trainer's optimizers (each param group's entries but its ``params``): taken once, set
-    again before each run and given back at the end, so that a step that changes them in place (a warm-up written in
-    ``training_step``: ``g["lr"] *= 0.5``) changes them in the fit, not in the check's runs of its copies, which reach
-    the trainer's optimizers through ``self.optimizers()``."""
+    """The hyperparameters of the trainer's optimizers (each param group's entries but its ``params``) and the states of
+    its learning-rate schedulers (``state_dict()``): taken once, set again before each run and given back at the end, so
+    that a step that changes them (a warm-up written in ``training_step``: ``g["lr"] *= 0.5``,
+    ``self.lr_schedulers().step()``) changes them in the fit, not in the check's runs of its copies, which reach the
+    trainer's optimizers and schedulers through ``self.optimizers()`` and ``self.lr_schedulers()``."""
 
     def __init__(self, trainer: Any) -> None:
         optimizers = list(getattr(trainer, "optimizers", None) or ())
         self.saved = [(g, {k: v for k, v in g.items() if k != "params"}) for o in optimizers for g in o.param_groups]
+        schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", None) or ()]
+        self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in schedulers if hasattr(s, "state_dict")]
 
     def restore(self) -> None:
         for group, values in self.saved:
             group.update(values)
+        for scheduler, state in self.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(state))
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""What a replica's step does outside the module: its loggers' calls.
+"""What a replica's step does outside the module: its loggers' calls, the schedulers it steps.
 
 On one device a step runs once per batch, so what it does outside the module happens once, with the whole batch:
 ``self.logger.experiment.add_image(...)`` logs one image, ``np.save(f"{out}/{batch_idx}_{i}.npy", pred[i])`` writes
@@ -20,6 +20,10 @@ replicas behave as Lightning's DDP ranks do, the root replica as rank 0:
   ``on_*_batch_end`` (which gets the gathered outputs and the whole batch) or a ``BasePredictionWriter``, and name
   them by what the sample carries (an id or a path in the batch); README and docs/troubleshooting.md say this rule.
 
+- **Schedulers.** The view's ``lr_scheduler_configs`` (and so ``self.lr_schedulers()``) show the schedulers so that a
+  scheduler stepped by hand in the step is stepped once for the replicas' ``k``-th calls, as each DDP rank steps its
+  own (:mod:`~lightning_sparse_dp.replica.schedulers`).
+
 Nothing here changes a step of one replica (one device, or a one-chunk batch): the step is the module's, as on one
 device.
 """
@@ -27,11 +31,14 @@ device.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
+from lightning_sparse_dp.replica.schedulers import configs_view
 from lightning_sparse_dp.runtime.compat import set_trainer, trainer_of
 from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
 
@@ -53,6 +60,11 @@ class StepEffects:
         self.count = count
         self.run_none = run_none
         self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
+        # the calls the replicas make once together (replica/schedulers.py call_once): (key, replica) -> calls made,
+        # (key, k) -> the k-th call's outcome
+        self.once_lock = threading.Lock()
+        self.once_counts: dict[tuple[int, int], int] = {}
+        self.once_results: dict[tuple[int, int], Future[Any]] = {}
 
     def watch(self, index: int, step: Callable[[], T]) -> T:
         """``step()`` as replica ``index``'s step: its loggers' calls noted (in the replica's thread)."""
@@ -172,8 +184,14 @@ def _trainer_class(cls: type) -> type:
     def loggers(self: Any) -> list[Any]:
         return [view(lg, "self.logger") for lg in cls.loggers.fget(self)]
 
+    def lr_scheduler_configs(self: Any) -> list[Any]:
+        configs = cls.lr_scheduler_configs.fget(self)
+        return configs_view(configs) if _context() is not None and configs else configs
+
     namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),
                  "__module__": cls.__module__, "_lsdp_view": True}
+    if isinstance(getattr(cls, "lr_scheduler_configs", None), property):
+        namespace["lr_scheduler_configs"] = property(lr_scheduler_configs)
     return type(cls.__name__, (cls,), namespace)
 
 

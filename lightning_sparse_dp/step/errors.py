@@ -24,8 +24,9 @@ _ONE_VALUE = "Expected more than 1 value per channel when training"
 
 _SAME_DEVICE = "Expected all tensors to be on the same device"  # torch, on mixing devices in one op
 
-#: MinkowskiEngine 0.5.4's origin map (``decomposed_features``, ``decomposed_coordinates``) on a tensor whose every
-#: sample has a single point (``coordinate_map_cpu.hpp``: ``in_size > out_size``, where equal sizes are valid)
+#: MinkowskiEngine 0.5.4's origin map (``decomposed_features``, global pooling) on a tensor whose every sample has a
+#: single point (``coordinate_map_cpu.hpp``: ``in_size > out_size``, where equal sizes are valid); the project's build
+#: takes it (scripts/minkowski_patches/15-cpu-origin-map-one-point-samples.patch), a stock ME raises it
 _ONE_POINT_SAMPLES = "assertion (in_size > out_size) failed"
 
 
@@ -64,10 +65,11 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
                  f"{plan.points_per_chunk[replica]} point(s)" if replica is not None and replica < plan.num_chunks else
                  f"a replica's chunk holds only samples of one point (points per chunk: {plan.points_per_chunk})")
         return _with_cause(RuntimeError(
-            f"{err} — {chunk}: MinkowskiEngine's per-sample decomposition (decomposed_features, "
-            "decomposed_coordinates) fails on a tensor whose every sample has a single point, which the whole batch, "
-            "with more points than samples, is not. Fix: drop samples of a single point (in the Dataset or the collate "
-            "function), or train on fewer devices so that no chunk holds only such samples."
+            f"{err} — {chunk}: MinkowskiEngine 0.5.4 as released builds no origin map (decomposed_features, global "
+            "pooling) for a tensor whose every sample has a single point, which the whole batch, with more points "
+            "than samples, is not. Fix: install the MinkowskiEngine build of lightning-sparse-dp (bash "
+            "scripts/setup.sh; patch 15 takes such tensors), or drop samples of a single point (in the Dataset or the "
+            "collate function), or train on fewer devices so that no chunk holds only such samples."
         ), err)
     if _is_index_error(err) and plan.point_targets:
         names = list(plan.point_targets)

@@ -348,6 +348,26 @@ def test_global_pooling_rows_are_the_samples_in_batch_order(mode):
     assert_close(out.F.detach(), expected, mode.name)
 
 
+@pytest.mark.parametrize("mode", GLOBAL_MODES, ids=[m.name for m in GLOBAL_MODES])
+def test_global_pooling_of_samples_of_one_point_each(mode):
+    """Known values: where every sample has one point (a data-parallel chunk can be such), each pooled row is its
+    sample's point and the gradient reaches each point once; ``decomposed_features`` gives the points back, of a
+    SparseTensor and of a TensorField. ME 0.5.4 as released asserted ``in_size > out_size`` building the origin map
+    (patch 15)."""
+    samples = [make_sample(seed, 1) for seed in range(4)]
+    batch = Batch(samples)
+    x = batch.sparse()
+    out = ME.MinkowskiGlobalPooling(mode)(x)
+    assert out.C[:, 0].tolist() == list(range(len(samples)))
+    assert_close(out.F.detach(), batch.feats.detach(), mode.name)
+    (grad,) = torch.autograd.grad((out.F * torch.arange(1.0, 1 + CHANNELS, dtype=out.F.dtype)).sum(), batch.feats)
+    assert_close(grad, torch.arange(1.0, 1 + CHANNELS, dtype=grad.dtype).expand_as(grad), mode.name)
+    assert_close(torch.cat(x.decomposed_features).detach(), batch.feats.detach(), "decomposed_features")
+    field = ME.TensorField(batch.feats.detach(), batch.coords.double())
+    assert_close(ME.MinkowskiGlobalPooling(mode)(field.sparse()).F, batch.feats.detach(), f"{mode.name} of field.sparse()")
+    assert_close(torch.cat(field.decomposed_features), batch.feats.detach(), "a TensorField's decomposed_features")
+
+
 @pytest.mark.parametrize("mode", QUANT, ids=[q.name for q in QUANT])
 @pytest.mark.parametrize("negative", [False, True], ids=["signed", "negative"])
 def test_tensor_field_quantization_values(mode, negative):

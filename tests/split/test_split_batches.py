@@ -8,6 +8,7 @@ relative per tensor.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import lightning as L
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_sparse_dp import BatchLayoutError, SparseDataParallelStrategy, split_batch
-from lightning_sparse_dp.split import merge_batch
+from lightning_sparse_dp.split import SplitPlan, merge_batch
 from tests.support.exact import assert_same_states, fit_float64, relative_difference, same_start, trainer64
 from tests.support.helpers import IN_CHANNELS, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
@@ -286,19 +287,37 @@ def test_a_names_list_beside_coordinates_that_lost_their_last_sample_is_said():
 
 
 class _Decomposed(SparseNet):
-    """A loss over ME's per-sample decomposition of the features."""
+    """A per-sample loss over ME's decomposition of the features, beside the cross-entropy."""
 
     def training_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
-        return sum(f.sum() for f in self.net[0](x).decomposed_features) * 0 + self.loss(batch)
+        per_sample = torch.stack([f.pow(2).mean() for f in self.net[0](x).decomposed_features])
+        return 0.1 * per_sample.mean() + self.loss(batch)
 
 
-def test_a_chunk_of_one_point_samples_that_me_cannot_decompose_names_the_fix():
-    """ME asserts (in_size > out_size) decomposing a tensor whose every sample has one point, which the whole batch
-    is not: the replica's chunk of one one-point sample raised ME's bare assertion. It names the chunk and the fix."""
+def test_a_chunk_of_one_point_samples_decomposes_as_in_the_whole_batch():
+    """ME 0.5.4 as released asserts (in_size > out_size) decomposing a tensor whose every sample has one point, which
+    the whole batch is not: a replica's chunk of one one-point sample raised. The project's ME build (patch 15) takes
+    it: two devices train as one."""
     c = ME.utils.batched_coordinates([torch.tensor([[0, 0, 0]]), torch.tensor([[0, 0, 0], [2, 2, 2], [4, 4, 4]])])
     g = torch.Generator().manual_seed(28)
     batch = {"coordinates": c, "features": torch.randn(len(c), IN_CHANNELS, generator=g), "labels": torch.tensor([0, 1])}
-    fit_float64(_Decomposed(), batch)  # one device trains
-    with pytest.raises(RuntimeError, match=r"in_size > out_size.*chunk has 1 sample\(s\) and 1 point\(s\).*drop samples"):
-        fit_float64(_Decomposed(), batch, strategy=unchecked(split="contiguous"), devices=2)
+    ours, reference = same_start(_Decomposed)
+    fit_float64(reference, batch)
+    fit_float64(ours, batch, strategy=unchecked(split="contiguous"), devices=2)
+    assert_same_states(ours, reference)
+
+
+def test_me_s_assertion_on_one_point_samples_names_the_chunk_and_the_fixes():
+    """With a stock ME (allow_unpatched_me=True) the assertion stays: its error names the replica's chunk, the build
+    that takes such chunks and the other fixes."""
+    from lightning_sparse_dp.step.errors import explain_replica_error
+
+    plan = SplitPlan(num_samples=2, chunk_samples=(torch.tensor([0]), torch.tensor([1])),
+                     point_rows=((torch.tensor([0]), torch.tensor([1, 2, 3])),))
+    err = RuntimeError("src/coordinate_map_cpu.hpp:742, assertion (in_size > out_size) failed. Invalid out_coordinate_map")
+    err.add_note("raised in replica 0 (cpu)")
+    new = explain_replica_error(err, plan)
+    assert new.__cause__ is err
+    assert re.search(r"in_size > out_size.*replica 0's chunk has 1 sample\(s\) and 1 point\(s\).*scripts/setup.sh.*"
+                     r"drop samples", str(new))
