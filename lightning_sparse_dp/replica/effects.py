@@ -20,6 +20,9 @@ replicas behave as Lightning's DDP ranks do, the root replica as rank 0:
   ``on_*_batch_end`` (which gets the gathered outputs and the whole batch) or a ``BasePredictionWriter``, and name
   them by what the sample carries (an id or a path in the batch); README and docs/troubleshooting.md say this rule.
 
+- **Optimizers.** The view's ``optimizers`` are the replica's views of the trainer's optimizers, as
+  ``self.optimizers()``'s (:mod:`~lightning_sparse_dp.replica.optimizers`): a change of their param groups is the
+  replica's own, the root replica's written back.
 - **Schedulers.** The view's ``lr_scheduler_configs`` (and so ``self.lr_schedulers()``) show the schedulers so that a
   scheduler stepped by hand in the step is stepped once for the replicas' ``k``-th calls, as each DDP rank steps its
   own (:mod:`~lightning_sparse_dp.replica.schedulers`).
@@ -38,6 +41,7 @@ from typing import Any, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
+from lightning_sparse_dp.replica.optimizers import RankOptimizer
 from lightning_sparse_dp.replica.schedulers import configs_view
 from lightning_sparse_dp.runtime.compat import set_trainer, trainer_of
 from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
@@ -63,6 +67,8 @@ class StepEffects:
         # the calls the replicas make once together (replica/schedulers.py call_once): (key, replica) -> calls made,
         # (key, k) -> the k-th call's outcome
         self.once_lock = threading.Lock()
+        # per replica, its views of the optimizers (replica/optimizers.py), which self.trainer.optimizers shows too
+        self.rank_optimizers: list[Any] | None = None
         self.once_counts: dict[tuple[int, int], int] = {}
         self.once_results: dict[tuple[int, int], Future[Any]] = {}
 
@@ -188,10 +194,19 @@ def _trainer_class(cls: type) -> type:
         configs = cls.lr_scheduler_configs.fget(self)
         return configs_view(configs) if _context() is not None and configs else configs
 
+    def optimizers(self: Any) -> list[Any]:
+        found = cls.optimizers.fget(self)
+        context = _context()
+        views = None if context is None or context[1].rank_optimizers is None else context[1].rank_optimizers
+        view = None if views is None or context[0] >= len(views) else views[context[0]]
+        return found if view is None else [RankOptimizer(o, view.copies) for o in found]
+
     namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),
                  "__module__": cls.__module__, "_lsdp_view": True}
     if isinstance(getattr(cls, "lr_scheduler_configs", None), property):
         namespace["lr_scheduler_configs"] = property(lr_scheduler_configs)
+    if isinstance(getattr(cls, "optimizers", None), property):
+        namespace["optimizers"] = property(optimizers, cls.optimizers.fset)
     return type(cls.__name__, (cls,), namespace)
 
 

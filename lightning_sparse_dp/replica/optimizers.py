@@ -9,9 +9,10 @@ replica's own copies of the groups for the step (dicts copied from the trainer's
 their ``params`` lists shared), which no other replica sees. After the step the root replica's copies are written
 back into the trainer's optimizers (:meth:`RankOptimizers.write_back`), as rank 0's optimizer is the one that
 checkpoints keep; the others' are dropped when their replica is refreshed for the next step
-(:meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`). Under manual optimization the step's own
-stand-ins (:mod:`~lightning_sparse_dp.step.manual`) take their place for the step. An optimizer reached through the
-trainer (``self.trainer.optimizers``) is the trainer's own, shared by the replicas.
+(:meth:`~lightning_sparse_dp.step.replicate.Replicas.refresh_replica`). The replica's trainer view shows the same
+views as ``self.trainer.optimizers`` (:mod:`~lightning_sparse_dp.replica.effects`). Under manual optimization the
+step's own stand-ins (:mod:`~lightning_sparse_dp.step.manual`) take their place for the step, with the same copies as
+their ``param_groups``; the root replica's are written back before each optimizer step, which then uses them.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
+from lightning_sparse_dp.replica.optimizers import RankOptimizer
 from lightning_sparse_dp.runtime.compat import call_after_backward, trainer_of
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
@@ -146,6 +147,13 @@ class ManualStep:
                 param.requires_grad_(source.requires_grad)
         return out
 
+    def write_back(self) -> None:
+        """Before an optimizer's step: the param groups the root replica changed in the step (its copies) into the
+        trainer's optimizers, as rank 0's optimizer steps with its own groups (run once, while every replica waits)."""
+        root = self.replicas.rank_optimizers[0] if self.replicas.rank_optimizers else None
+        if root is not None and root.copies:
+            root.write_back()
+
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""
         self.replicas._copy_parameters(self.count)
@@ -179,6 +187,8 @@ class _Once:
             return self._closure_step(closure, args[1:] if args and args[0] is closure else args, kwargs)
 
         def run() -> Any:
+            if self._name.startswith("optimizer"):
+                self._manual.write_back()
             out = self._target.step(*args, **kwargs)
             if self._name.startswith("optimizer"):
                 self._manual.stepped()
@@ -204,11 +214,20 @@ class _Once:
             loss = closure()
 
         def run() -> Any:
+            self._manual.write_back()
             self._target.step(lambda: loss, *args, **kwargs)  # the gradients are the replicas' reduced ones already
             self._manual.stepped()
 
         self._manual.once(self._rank, f"{self._name}.step", run)
         return loss
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """An optimizer's groups as this replica's own copies (:class:`~lightning_sparse_dp.replica.optimizers.RankOptimizer`),
+        as each DDP rank changes its own optimizer's; a scheduler's target's groups as they are."""
+        views = self._manual.replicas.rank_optimizers
+        view = views[self._rank] if self._name.startswith("optimizer") and self._rank < len(views) else None
+        return self._target.param_groups if view is None else RankOptimizer(self._target, view.copies).param_groups
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         def run() -> None:

@@ -151,6 +151,8 @@ class ReplicaStages:
         devices = self.parallel_devices[: len(replicas)]
         call = step.call
         effects = StepEffects(call.name, len(replicas), run_none=self._checking) if len(replicas) > 1 else None
+        if effects is not None and self._replicas is not None:  # self.trainer.optimizers: the replicas' views
+            effects.rank_optimizers = self._replicas.rank_optimizers
         steps = replica_steps(replicas, inputs, call.name, call.args, call.kwargs, step.terms, step.group, self._timer,
                               step.before, effects)
         meanwhile = None if step.check is None else self._timer.timed("check", step.check.run)  # stage check

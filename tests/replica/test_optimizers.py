@@ -3,11 +3,12 @@ against plain Lightning on one device in float64."""
 
 from __future__ import annotations
 
+import pytest
 import torch.nn.functional as F
 
 from tests.support.exact import assert_same_states, same_start, trainer64
 from tests.support.helpers import collate_dict, loader, random_samples
-from tests.support.step_forms import PooledNet
+from tests.support.step_forms import ManualOptimization, PooledNet
 
 
 class _DecaysInTheStep(PooledNet):
@@ -26,6 +27,42 @@ def test_a_learning_rate_changed_in_place_in_the_step_changes_once():
     the root one changes copies of its own now, as a DDP rank its own optimizer; the root's change is the trainer's."""
     batches = [collate_dict(random_samples(8, seed=s)) for s in (31, 32)]
     ours, reference = same_start(_DecaysInTheStep, seed=0)
+    t = trainer64(strategy="sparse_dp", devices=3, max_steps=2)
+    t.fit(ours, loader(*batches))
+    r = trainer64(max_steps=2)
+    r.fit(reference, loader(*batches))
+    assert t.optimizers[0].param_groups[0]["lr"] == r.optimizers[0].param_groups[0]["lr"] == 0.025
+    assert float(t.callback_metrics["lr"]) == float(r.callback_metrics["lr"])
+    assert_same_states(ours, reference)
+
+
+class _DecaysThroughTheTrainer(_DecaysInTheStep):
+    """The same decay, on the optimizers the trainer holds (``self.trainer.optimizers``)."""
+
+    def training_step(self, batch, batch_idx):
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] *= 0.5
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return F.cross_entropy(self.head(self.features(batch)), batch["labels"])
+
+
+class _DecaysInAManualStep(ManualOptimization, _DecaysInTheStep):
+    """The decay under manual optimization, before the step's ``opt.step()``, which must use the new rate."""
+
+    def manual_loss(self, batch, batch_idx):
+        for group in self.optimizers().param_groups:
+            group["lr"] *= 0.5
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        return F.cross_entropy(self.head(self.features(batch)), batch["labels"])
+
+
+@pytest.mark.parametrize("cls", [_DecaysThroughTheTrainer, _DecaysInAManualStep], ids=["trainer", "manual"])
+def test_a_learning_rate_changed_through_the_trainer_or_in_a_manual_step_changes_once(cls):
+    """Through ``self.trainer.optimizers`` (automatic) and ``self.optimizers()`` (manual) every replica halved the
+    shared groups (0.85 off in the logged rate, 5e-2 in the parameters, silently with the check off). Each replica
+    changes its own copies now; the root's reach the trainer's optimizer before it steps."""
+    batches = [collate_dict(random_samples(8, seed=s)) for s in (31, 32)]
+    ours, reference = same_start(cls, seed=0)
     t = trainer64(strategy="sparse_dp", devices=3, max_steps=2)
     t.fit(ours, loader(*batches))
     r = trainer64(max_steps=2)
