@@ -188,7 +188,7 @@ def _guess_role(
         return "sum"
     lengths = _lengths(values)
     if lengths is None:
-        return _first_or_list(path, values, warning_cache, say_lists)
+        return _first_or_list(path, values, warning_cache, say_lists, plan)
     samples = lengths == plan.samples_per_chunk
     sets = point_sources(plan, lengths)
     points = bool(sets)
@@ -213,7 +213,7 @@ def _guess_role(
             )
         return role
     if not isinstance(first, Tensor):
-        return _first_or_list(path, values, warning_cache, say_lists)
+        return _first_or_list(path, values, warning_cache, say_lists, plan)
     integer = not (first.is_floating_point() or first.is_complex())
     if same:
         warning_cache.warn(
@@ -253,10 +253,21 @@ def in_sample_order(plan: SplitPlan) -> bool:
     return all(int(a[-1]) < int(b[0]) for a, b in zip(chunks, chunks[1:]) if len(a) and len(b))
 
 
-def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool) -> str:
+def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool,
+                   plan: SplitPlan | None = None) -> str:
     """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
-    value there, not one per chunk."""
+    value there, not one per chunk. Equal integers that are each chunk's number of samples or points (``len(y)`` over
+    equal chunks) are said too: one device's would be the batch's."""
     if _comparable(values):
+        counts = [] if plan is None or plan.num_chunks < 2 else [
+            plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
+        if say and isinstance(values[0], int) and any(list(c) == values for c in counts):
+            warning_cache.warn(
+                f"sparse_dp: step output {_printed(path)} is {values[0]} in every replica, which is also each chunk's "
+                "number of samples or points: it is given as that one value, where one device's step counts the "
+                "whole batch if it is a count. If it is, say so: SparseDataParallelStrategy(output_layout="
+                f"{{{_output_key(path)!r}: 'sum'}}); name it 'first' to silence this warning."
+            )
         return "first"
     if say:  # the message names the output only, so that it is said once, whatever the values
         warning_cache.warn(

@@ -90,25 +90,39 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
 
 
 def constant_batch_size(
-    sizes: Sequence[Any], replicas: Sequence[int], num_samples: int, chunk_samples: Sequence[int] | None
+    sizes: Sequence[Any], replicas: Sequence[int], num_samples: int, chunk_samples: Sequence[int] | None,
+    chunk_points: Sequence[Sequence[int]] = (),
 ) -> Any:
     """The ``batch_size=`` the replicas passed when it is one value for the whole batch, else ``None`` (each chunk's own
-    count, to be summed): every replica passed the same value, and it is the whole batch's sample count or, for
-    some replica, not its chunk's (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
-    weighs that batch by the constant in epoch means, not by the replicas' sum of it)."""
+    count, to be summed): every replica passed the same value, and it is the whole batch's sample or point count or, for
+    some replica, neither its chunk's sample count nor its chunk's point count of any point set (``chunk_points``: per
+    point set, per chunk) (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
+    weighs that batch by the constant in epoch means, not by the replicas' sum of it). Equal point counts are each
+    chunk's (fixed-size point clouds: ``batch_size=len(labels)``)."""
     if not sizes or any(s != sizes[0] for s in sizes[1:]):
         return None
-    if sizes[0] == num_samples:
+    if sizes[0] == num_samples or any(sizes[0] == sum(c) for c in chunk_points):  # the whole batch's samples or points
         return sizes[0]
     if chunk_samples is None or len(sizes) < 2:
         return None
-    return sizes[0] if any(sizes[0] != chunk_samples[i] for i in replicas) else None
+    counts = [chunk_samples, *chunk_points]
+    own = any(all(i < len(c) and sizes[0] == c[i] for i in replicas) for c in counts)
+    return None if own else sizes[0]
 
 
 def _is_integer(value: Any) -> bool:
     if isinstance(value, Tensor):
         return not value.dtype.is_floating_point and not value.is_complex()
     return isinstance(value, numbers.Integral)
+
+
+def _chunk_counts(values: Sequence[Tensor], present: Sequence[tuple[int, Any]], chunk_samples: Sequence[int] | None,
+                  chunk_points: Sequence[Sequence[int]]) -> bool:
+    """Whether the replicas' 0-dim values are each its chunk's number of samples, or of points of one point set."""
+    if chunk_samples is None or any(v.dim() != 0 for v in values):
+        return False
+    counts = [chunk_samples, *chunk_points]
+    return any(all(i < len(c) and int(v) == c[i] for v, (i, _) in zip(values, present)) for c in counts)
 
 
 def _all_equal(values: Sequence[Tensor]) -> bool:
@@ -126,6 +140,7 @@ def reduce_log_calls(
     exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
     infer_batch_size: bool = False,
     chunk_samples: Sequence[int] | None = None,
+    chunk_points: Sequence[Sequence[int]] = (),
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -144,6 +159,7 @@ def reduce_log_calls(
             the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
         chunk_samples: each replica's samples (tells a ``batch_size=`` that is one constant, e.g.
             ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
+        chunk_points: per point set, each replica's points (a ``batch_size=`` that is each chunk's point count).
     """
     warning_cache = _WARNINGS if warning_cache is None else warning_cache
     names: list[str] = []
@@ -171,12 +187,12 @@ def reduce_log_calls(
             value = exact([i for i, _ in present], [c.value for _, c in present])
         if value is None:
             value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples,
-                                   chunk_samples)
+                                   chunk_samples, chunk_points)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(s is not None for s in sizes):  # one size passed by every replica (the batch's, a constant) counts once
-            constant = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples)
+            constant = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points)
             kwargs["batch_size"] = constant if constant is not None else sum(sizes)
         elif infer_batch_size:  # Lightning infers it from the step's whole batch (its warning included), as on one device
             kwargs.pop("batch_size", None)
@@ -223,6 +239,7 @@ def _reduce_values(
     warning_cache: WarningCache,
     num_samples: int = 0,
     chunk_samples: Sequence[int] | None = None,
+    chunk_points: Sequence[Sequence[int]] = (),
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
@@ -237,7 +254,10 @@ def _reduce_values(
     is_loss = losses is not None and all(is_loss_value(c.value, losses[i]) for i, c in present)
     if is_loss:
         reduce_fx = "mean"  # the loss (or its .item()) is a weighted mean, whatever Lightning reduces it by over an epoch
-    elif "reduce_fx" not in kwargs and all(_is_integer(c.value) for _, c in present):
+    elif all(_is_integer(c.value) for _, c in present) and (
+            "reduce_fx" not in kwargs or (reduce_fx in (*MEAN_NAMES, torch.mean) and (
+                not _all_equal(values) or _chunk_counts(values, present, chunk_samples, chunk_points)))):
+        # a count of each chunk (log_dict passes reduce_fx="mean" for every value): the whole batch's is their sum
         warning_cache.warn(
             f"sparse_dp: self.log({name!r}, <integer>) from several replicas is logged as the sum over the replicas "
             "(the whole batch's count or size, when it is the chunk's). Pass reduce_fx='sum' to say so and silence "
@@ -258,7 +278,7 @@ def _reduce_values(
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(n is not None for n in counts):  # means the step computed: weighted by their own element counts
             return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
-        per_chunk = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples) is None
+        per_chunk = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points) is None
         if all(isinstance(s, numbers.Number) for s in sizes) and per_chunk:
             warning_cache.info(
                 f"sparse_dp: self.log({name!r}, ..., batch_size=<each chunk's count>) differs between replicas and is "
@@ -297,6 +317,7 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
             step.terms.log_value if step.terms is not None else None,
             infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
+            chunk_points=[[len(r) for r in rows] for rows in step.plan.point_rows],
         )
 
 

@@ -183,3 +183,46 @@ def test_a_constant_batch_size_weighs_a_short_batch_as_one_device_does(devices):
     ours, one = metrics
     for name in ("val_loss", "val_loss_chunk"):
         assert float(ours[name]) == pytest.approx(float(one[name]), rel=1e-10), name
+
+
+def test_a_batch_size_of_each_chunks_points_weighs_epoch_means_as_one_device_does():
+    """``batch_size=<the chunk's points>`` with fixed-size point clouds: over equal chunks (6 samples of 10 points: 20,
+    20, 20) the equal sizes were taken for one constant (20 where one device weighs the batch by 60), so the epoch mean
+    was 7.5e-3 off, silently. Each chunk's point count is summed now, as its sample count is."""
+    from torch.utils.data import DataLoader
+
+    class PerPoint(SparseNet):
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.log("loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch["coordinates"].shape[0])
+            return loss
+
+    samples = random_samples(13, seed=5, min_points=10, max_points=10)  # batches of 7 (uneven chunks) and 6 (even)
+    ours, reference = same_start(PerPoint)
+    for model, strategy, n in ((ours, "sparse_dp", 3), (reference, "auto", 1)):
+        t = trainer(strategy=strategy, devices=n, precision="64-true", max_steps=2, max_epochs=1)
+        t.fit(model, DataLoader(samples, batch_size=7, collate_fn=collate_dict))
+        model.logged = float(t.callback_metrics["loss_epoch"])
+    assert ours.logged == pytest.approx(reference.logged, rel=1e-10)
+
+
+def test_integer_counts_logged_with_log_dict_are_the_batchs():
+    """``self.log_dict({"correct": ..., "n": len(y)})`` passes ``reduce_fx="mean"``, which kept the integer counts
+    from being summed: the replicas' mean (a third of one device's), silently. Integer counts under a mean are summed
+    and said, as under no reduce_fx; equal chunks' counts too."""
+
+    class Counts(SparseNet):
+        def validation_step(self, batch, batch_idx):
+            y = batch["labels"]
+            x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+            self.log_dict({"correct": (self(x).argmax(1) == y).sum(), "n": len(y)})
+
+    for samples in (7, 6):  # chunks of 3, 2, 2 and of 2, 2, 2
+        batch = collate_dict(random_samples(samples, seed=8))
+        metrics = []
+        for strategy, n in (("sparse_dp", 3), ("auto", 1)):
+            torch.manual_seed(0)
+            t = trainer(strategy=strategy, devices=n, precision="64-true", limit_val_batches=None)
+            t.validate(Counts(), loader(batch), verbose=False)
+            metrics.append({k: float(v) for k, v in t.callback_metrics.items()})
+        assert metrics[0] == metrics[1] and metrics[1]["n"] == samples

@@ -69,6 +69,24 @@ def test_a_number_output_that_differs_between_chunks_is_said_and_named_roles_giv
     assert out == ref == {"n": 7, "same": 3, "name": "scene"}
 
 
+def test_a_count_output_equal_in_every_chunk_is_said():
+    """``len(labels)`` over equal chunks (6 samples: 2, 2, 2) is one number in every replica, which was given as the
+    batch's silently (2 where one device returns 6). It is said, naming the role that gives one device's count."""
+    batch = collate_dict(random_samples(6, seed=3, min_points=10, max_points=10))
+
+    class Counts(SparseNet):
+        def predict_step(self, batch, batch_idx):
+            return {"n": int(batch["labels"].shape[0]), "points": int(batch["coordinates"].shape[0]), "k": 5}
+
+    with pytest.warns(UserWarning, match=r"step output output\['n'\] is 2 in every replica.*output_layout=\{'n': 'sum'\}"):
+        [out] = trainer(strategy="sparse_dp", devices=3).predict(Counts(), loader(batch))
+    assert out == {"n": 2, "points": 20, "k": 5}
+    strategy = SparseDataParallelStrategy(output_layout={"n": "sum", "points": "sum"})
+    [out] = trainer(strategy=strategy, devices=3).predict(Counts(), loader(batch))
+    [ref] = trainer(devices=1).predict(Counts(), loader(batch))
+    assert out == ref == {"n": 6, "points": 60, "k": 5}
+
+
 def test_output_roles_directly():
     batch = _hist_batch(7)
     chunks, plan = split_batch(batch, 3, assignment="balanced")
