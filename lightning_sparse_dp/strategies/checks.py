@@ -120,6 +120,19 @@ def refuse_compiled_submodules(module: nn.Module, replicas: int) -> None:
         )
 
 
+def warn_eval_batchnorm(layers: list[nn.Module], replicas: int) -> None:
+    """At setup of a validate / test / predict run of ``sparse_dp`` without ``sync_batchnorm``, with two or more
+    replicas: batch-norm ``layers`` without running statistics (``track_running_stats=False``, which normalize with the
+    batch's statistics in eval mode too) said once to normalize each replica's chunk."""
+    if replicas >= 2 and layers:
+        rank_zero_info(
+            f"sparse_dp: {len(layers)} batch-norm layer{'s' if len(layers) > 1 else ''} without running statistics "
+            "(track_running_stats=False) normalize each replica's chunk with its own statistics in validation, test "
+            "and predict too (eval mode keeps the batch's statistics for them), not the whole batch's as on one "
+            "device; pass Trainer(sync_batchnorm=True) to synchronize them."
+        )
+
+
 def warn_unsynchronized_batchnorm(module: nn.Module, replicas: int = 2, strategy: str = "sparse_dp") -> None:
     """At setup without ``sync_batchnorm``, with ``replicas`` replicas (``sparse_dp``) or ranks (``sparse_ddp``) of two
     or more: say once that batch norm runs per chunk. SyncBatchNorm layers (``ME.MinkowskiSyncBatchNorm``), which
@@ -147,4 +160,4 @@ def warn_unsynchronized_batchnorm(module: nn.Module, replicas: int = 2, strategy
         )
 
 
-__all__ = ["min_points_per_chunk", "refuse_dataloader_iter", "warn_unsynchronized_batchnorm"]
+__all__ = ["min_points_per_chunk", "refuse_dataloader_iter", "warn_eval_batchnorm", "warn_unsynchronized_batchnorm"]

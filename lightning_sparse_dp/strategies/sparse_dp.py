@@ -40,12 +40,13 @@ from lightning_sparse_dp.strategies.checks import (
     refuse_compiled_submodules,
     refuse_dataloader_iter,
     refuse_old_gather,
+    warn_eval_batchnorm,
     warn_unsynchronized_batchnorm,
 )
 from lightning_sparse_dp.strategies.exactness import check_training_step
 from lightning_sparse_dp.strategies.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.strategies.stages import ReplicaStages
-from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, eval_batch_statistics, revert_layer_sync
 
 
 class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProcessParallelStrategy):
@@ -179,7 +180,9 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._resolve_layer_sync()
         if self._layer_sync is None and trainer.state.fn == TrainerFn.FITTING:  # said once: batch norm per replica
             warn_unsynchronized_batchnorm(module, len(self.parallel_devices))
-        apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting, before the precision conversion
+        elif self._layer_sync is None:  # validate / test / predict: batch norm that keeps the batch's statistics in eval
+            warn_eval_batchnorm(eval_batch_statistics(module), len(self.parallel_devices))
+        apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting (or used in eval), before precision
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -22,6 +22,7 @@ from typing import Any
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.syncbn.batchnorm import Swap, convert_sync_batchnorm, revert_sync_batchnorm
@@ -54,21 +55,29 @@ class SyncBatchNormSwap(LayerSync):
 
 
 def apply_layer_sync(strategy: Any) -> None:
-    """``DDPStrategy.setup``'s step: apply ``strategy._layer_sync`` to ``strategy.model`` when fitting."""
-    if strategy._layer_sync is not None and _fitting(strategy):
+    """``DDPStrategy.setup``'s step: apply ``strategy._layer_sync`` to ``strategy.model`` when fitting, and in the other
+    stages when the module has batch norm without running statistics (:func:`eval_batch_statistics`), which normalizes
+    with the batch's statistics in eval mode too (one device's: the whole batch's)."""
+    if strategy._layer_sync is not None and _needed(strategy):
         strategy.model = strategy._layer_sync.apply(strategy.model)
 
 
 def revert_layer_sync(strategy: Any) -> None:
-    """``DDPStrategy.teardown``'s step: revert ``strategy._layer_sync`` on ``strategy.model`` after fitting."""
-    if strategy._layer_sync is not None and strategy.model is not None and _fitting(strategy):
+    """``DDPStrategy.teardown``'s step: revert ``strategy._layer_sync`` on ``strategy.model`` where it was applied."""
+    if strategy._layer_sync is not None and strategy.model is not None and _needed(strategy):
         strategy.model = strategy._layer_sync.revert(strategy.model)
 
 
-def _fitting(strategy: Any) -> bool:
+def eval_batch_statistics(module: Module | None) -> list[Module]:
+    """``module``'s batch-norm layers that normalize with the batch's statistics in eval mode too
+    (``track_running_stats=False``: no running statistics; torch's ``_BatchNorm.forward``)."""
+    return [] if module is None else [m for m in module.modules() if isinstance(m, _BatchNorm) and m.running_mean is None]
+
+
+def _needed(strategy: Any) -> bool:
     module = strategy.lightning_module
     trainer = trainer_of(module)
-    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    return trainer is not None and (trainer.state.fn == TrainerFn.FITTING or bool(eval_batch_statistics(module)))
 
 
-__all__ = ["SyncBatchNormSwap", "apply_layer_sync", "revert_layer_sync"]
+__all__ = ["SyncBatchNormSwap", "apply_layer_sync", "eval_batch_statistics", "revert_layer_sync"]
