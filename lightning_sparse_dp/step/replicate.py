@@ -49,7 +49,7 @@ from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of 
 
 from lightning_sparse_dp.replica.attributes import SubmoduleChanges
 from lightning_sparse_dp.replica.optimizers import RankOptimizers
-from lightning_sparse_dp.replica.snapshot import changed_in_place, equal_tensors, tensor_mark
+from lightning_sparse_dp.replica.snapshot import equal_tensors, tensor_mark
 from lightning_sparse_dp.runtime.devices import check_devices
 from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots
 
@@ -201,12 +201,14 @@ class Replicas:
         by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
         computed from each replica's chunk (a histogram of its labels), of which the module keeps the root replica's,
         as ``nn.DataParallel`` (and DDP's buffer broadcast from rank 0) keep the first device's. Replicas that all
-        made one update (a step counter) agree and are not named; each buffer is named once for these replicas."""
+        made one update (a step counter) agree and are not named; each buffer is named once for these replicas. A
+        buffer the root replica left as it was is named too where another replica changed it (an update in a branch
+        that the root replica's chunk did not take), whose change the module does not keep."""
         out = []
         for i, key, name, before, version in marks:
             now = self._sources[i]._buffers.get(key)
-            if name in self._diverged or (now is before and (now is None or not changed_in_place(now, version))):
-                continue  # named already, or the root replica left it as it was
+            if name in self._diverged or now is None:
+                continue  # named already, or none
             for r in range(1, count):
                 theirs = self._copies[r][i]._buffers.get(key)
                 if not equal_tensors(theirs, now):

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.support.exact import assert_same_states, same_start
 from tests.support.exact import trainer64 as trainer
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples
@@ -74,6 +75,33 @@ def test_a_buffer_the_replicas_update_differently_is_said(module, said):
         assert "'label_counts'" in messages[0]
         whole = sum(torch.bincount(b["labels"], minlength=NUM_CLASSES) for b in batches).double()
         assert not torch.equal(ours.label_counts, whole)  # the first replica's chunks only, as the warning says
+
+
+class _RareCounts(SparseNet):
+    """A buffer the step updates only in a branch on its chunk (a sample of a rare class present)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rare_seen", torch.zeros((), dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        rare = batch["labels"] == NUM_CLASSES - 1
+        if rare.any():
+            self.rare_seen += rare.sum()
+        return self.loss(batch)
+
+
+def test_a_buffer_only_other_replicas_update_is_said():
+    """The root replica's chunk holds no rare sample, the others' do: the module kept the root replica's buffer as it
+    was (0 where one device counts them), and nothing was said, the root replica having left it unchanged."""
+    labels = torch.tensor([0, 0, 0, NUM_CLASSES - 1, 0, NUM_CLASSES - 1])  # chunks of 2: the root's has none
+    batch = collate_dict(random_samples(6, seed=73, min_points=10, max_points=10))
+    batch["labels"] = labels
+    strategy = SparseDataParallelStrategy(check_exactness=False, split="contiguous")
+    with pytest.warns(UserWarning, match=r"the module's buffer 'rare_seen' to a different value"):
+        ours = _RareCounts()
+        trainer(strategy=strategy, devices=3, logger=False).fit(ours, loader(batch))
+    assert ours.rare_seen.item() == 0.0  # the root replica's, as the warning says (one device's: 2)
 
 
 @pytest.mark.parametrize("devices", [2, 3])
