@@ -2,7 +2,7 @@
 
 Batch containers are traversed with ``torch.utils._pytree`` (dicts, lists, tuples, namedtuples);
 ``ME.SparseTensor`` / ``ME.TensorField`` are leaves, and so are a list / tuple of non-tensors under a
-dict key (per-sample names, paths) and a numpy array: :func:`is_sequence_leaf`.
+dict key or beside tensors in a list / tuple (per-sample names, paths, labels) and a numpy array: :func:`is_sequence_leaf`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ def is_sequence_leaf(x: Any) -> bool:
 
 
 def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any], bool]:
-    """``is_leaf`` for ``torch.utils._pytree``: ME tensors, and sequence leaves that are dict values.
+    """``is_leaf`` for ``torch.utils._pytree``: ME tensors, and sequence leaves that are dict values or entries of a
+    list / tuple that holds tensors (``ME.utils.batch_sparse_collate``'s ``(coordinates, features, labels)`` with the
+    labels a list of ints).
 
-    pytree asks about a node before its children, so a dict marks its values that are
+    pytree asks about a node before its children, so a dict (or such a list / tuple) marks its values that are
     :func:`is_sequence_leaf` and they are then taken whole. ``extra`` marks more leaves.
     """
     marked: set[int] = set()
@@ -48,6 +50,8 @@ def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any]
             return True
         if isinstance(x, Mapping):
             marked.update(id(v) for v in x.values() if is_sequence_leaf(v))
+        elif type(x) in (list, tuple) and any(isinstance(v, Tensor) for v in x):
+            marked.update(id(v) for v in x if is_sequence_leaf(v))
         return False
 
     return is_leaf

@@ -321,3 +321,29 @@ def test_me_s_assertion_on_one_point_samples_names_the_chunk_and_the_fixes():
     assert new.__cause__ is err
     assert re.search(r"in_size > out_size.*replica 0's chunk has 1 sample\(s\) and 1 point\(s\).*scripts/setup.sh.*"
                      r"drop samples", str(new))
+
+
+class _MECollated(SparseNet):
+    """A step on ``ME.utils.batch_sparse_collate``'s batches: ``(coordinates, features, labels)``, the labels the
+    dataset's ints as a Python list."""
+
+    def training_step(self, batch, batch_idx):
+        coordinates, features, labels = batch
+        x = ME.SparseTensor(features, coordinates, device=self.device)
+        loss = F.cross_entropy(self(x), torch.as_tensor(labels, device=self.device))
+        self.log("train_loss", loss, batch_size=len(labels))
+        return loss
+
+
+def test_me_batch_sparse_collate_with_int_labels_trains_as_one_device():
+    """ME's own collate function returns the labels as a list of ints inside the tuple: the list was not a leaf of
+    the tuple, so every int went to every replica whole (a crash: 'Expected input batch_size (2) to match target
+    batch_size (7)'). Such a list beside tensors is split with its samples now, as under a dict key."""
+    samples = [(c, f, int(y)) for c, f, y in random_samples(14, seed=9, max_points=20)]
+    ours, reference = same_start(_MECollated)
+    for model, strategy, n in ((ours, "sparse_dp", 3), (reference, "auto", 1)):
+        t = trainer64(strategy=strategy, devices=n, max_steps=2)
+        t.fit(model, DataLoader(samples, batch_size=7, collate_fn=ME.utils.batch_sparse_collate))
+        model.logged = float(t.callback_metrics["train_loss"])
+    assert ours.logged == pytest.approx(reference.logged, rel=1e-10)
+    assert_same_states(ours, reference)
