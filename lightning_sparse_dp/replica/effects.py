@@ -110,7 +110,7 @@ def _said(warning_cache: WarningCache, key: str) -> bool:
 
 
 def _batch_end(step_name: str) -> str:
-    return f"on_{step_name.removesuffix('_step')}_batch_end"
+    return f"on_{step_name.removesuffix('_step').replace('training', 'train')}_batch_end"
 
 
 def _context() -> tuple[int, StepEffects] | None:

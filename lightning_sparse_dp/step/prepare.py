@@ -50,6 +50,29 @@ class PlacedChunks:
 
     chunks: list[Any]
     plan: SplitPlan
+    marks: list[tuple[int, int]] | None = None  # the hooks' batch's tensors when cut: (id, version) each
+
+    def changed_since(self, batch: Any) -> bool:
+        """Whether ``batch`` (the hooks' batch, which the step is given) holds other tensors, or tensors changed in
+        place, than when the chunks were cut: an ``on_*_batch_start`` hook changed it after the cut."""
+        return self.marks is not None and _tensor_marks(batch) != self.marks
+
+
+def _tensor_marks(batch: Any) -> list[tuple[int, int]]:
+    marks: list[tuple[int, int]] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: marks.append((id(t), t._version)))
+    return marks
+
+
+def say_changed_after_cut(step_name: str) -> None:
+    """Once per process: the hooks' batch changed after the chunks were cut (:meth:`PlacedChunks.changed_since`)."""
+    hook = f"on_{step_name.removesuffix('_step').replace('training', 'train')}_batch_start"
+    _cache.warn(
+        f"sparse_dp: the batch given to {step_name} was changed after the module's own batch-transfer hooks ran (e.g. "
+        f"in {hook}): with those hooks, the replicas' chunks are cut and moved before {hook}, so the step's chunks "
+        "do not have that change, where one device's step does. Make the change in on_before_batch_transfer (the "
+        "whole batch) or on_after_batch_transfer (each chunk), or in the step itself."
+    )
 
 
 @dataclass(eq=False)
@@ -129,7 +152,7 @@ def prepare_batch(
     )
     cutters, plan = split(batch)
     chunks = place_chunks([cut() for cut in cutters], devices, lightning_transfer(module, dataloader_idx))
-    return PreparedBatch(batch=hooks_batch, source=PlacedChunks(chunks, plan))
+    return PreparedBatch(batch=hooks_batch, source=PlacedChunks(chunks, plan, _tensor_marks(hooks_batch)))
 
 
-__all__ = ["PlacedChunks", "PreparedBatch", "collated", "lightning_transfer", "prepare_batch"]
+__all__ = ["PlacedChunks", "PreparedBatch", "collated", "lightning_transfer", "prepare_batch", "say_changed_after_cut"]

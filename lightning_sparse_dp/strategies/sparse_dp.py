@@ -29,7 +29,7 @@ from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replic
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepCall, StepContext
 from lightning_sparse_dp.step.log import emit, log_step
-from lightning_sparse_dp.step.prepare import PreparedBatch, prepare_batch
+from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch, say_changed_after_cut
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import step_cutters
 from lightning_sparse_dp.step.skipped import skipped_outputs
@@ -272,6 +272,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         prepared = self._prepared
         if prepared is not None and prepared.batch is args[0] and module is self.lightning_module:
             self._prepared = None
+            if isinstance(prepared.source, PlacedChunks) and prepared.source.changed_since(args[0]):
+                say_changed_after_cut(name)
         else:
             prepared = self._prepare(args[0], module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0),
                                      devices)
