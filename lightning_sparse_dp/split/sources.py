@@ -127,8 +127,11 @@ def check_batch_index(batch_index: Tensor, name: str) -> Tensor:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise BatchLayoutError(
             f"{name} has gaps in its batch indices (column 0): no points for sample(s) {shown} of 0..{counts.numel() - 1}. "
-            "Batch indices must be contiguous 0..B-1 (is column 0 really the batch index?). Drop empty samples "
-            "before collation, or collate with ME.utils.sparse_collate, which numbers samples 0..B-1."
+            "Batch indices must be contiguous 0..B-1. A sample with no points (an empty scan, a crop that kept none) "
+            "keeps its index under ME.utils.sparse_collate and ME.utils.batched_coordinates, which number samples by "
+            "their place in the list: drop such samples in the Dataset or in the collate function before collating "
+            "(e.g. samples = [s for s in samples if len(s[0]) > 0]). If column 0 is not the batch index, the tensor is "
+            "not coordinates: name the batch's coordinates in the strategy's layout=."
         )
     return counts
 
