@@ -91,21 +91,21 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
 
 def constant_batch_size(
     sizes: Sequence[Any], replicas: Sequence[int], num_samples: int, chunk_samples: Sequence[int] | None,
-    chunk_points: Sequence[Sequence[int]] = (),
+    chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
 ) -> Any:
     """The ``batch_size=`` the replicas passed when it is one value for the whole batch, else ``None`` (each chunk's own
     count, to be summed): every replica passed the same value, and it is the whole batch's sample or point count or, for
-    some replica, neither its chunk's sample count nor its chunk's point count of any point set (``chunk_points``: per
-    point set, per chunk) (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
+    some replica, neither its chunk's sample count nor its chunk's point count of any point set (``chunk_points()``:
+    per point set, per chunk) (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
     weighs that batch by the constant in epoch means, not by the replicas' sum of it). Equal point counts are each
     chunk's (fixed-size point clouds: ``batch_size=len(labels)``)."""
     if not sizes or any(s != sizes[0] for s in sizes[1:]):
         return None
-    if sizes[0] == num_samples or any(sizes[0] == sum(c) for c in chunk_points):  # the whole batch's samples or points
+    if sizes[0] == num_samples or any(sizes[0] == sum(c) for c in chunk_points()):  # the whole batch's samples or points
         return sizes[0]
     if chunk_samples is None or len(sizes) < 2:
         return None
-    counts = [chunk_samples, *chunk_points]
+    counts = [chunk_samples, *chunk_points()]
     own = any(all(i < len(c) and sizes[0] == c[i] for i in replicas) for c in counts)
     return None if own else sizes[0]
 
@@ -117,11 +117,11 @@ def _is_integer(value: Any) -> bool:
 
 
 def _chunk_counts(values: Sequence[Tensor], present: Sequence[tuple[int, Any]], chunk_samples: Sequence[int] | None,
-                  chunk_points: Sequence[Sequence[int]]) -> bool:
+                  chunk_points: Callable[[], Sequence[Sequence[int]]]) -> bool:
     """Whether the replicas' 0-dim values are each its chunk's number of samples, or of points of one point set."""
     if chunk_samples is None or any(v.dim() != 0 for v in values):
         return False
-    counts = [chunk_samples, *chunk_points]
+    counts = [chunk_samples, *chunk_points()]
     return any(all(i < len(c) and int(v) == c[i] for v, (i, _) in zip(values, present)) for c in counts)
 
 
@@ -140,7 +140,7 @@ def reduce_log_calls(
     exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
     infer_batch_size: bool = False,
     chunk_samples: Sequence[int] | None = None,
-    chunk_points: Sequence[Sequence[int]] = (),
+    chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -159,7 +159,8 @@ def reduce_log_calls(
             the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
         chunk_samples: each replica's samples (tells a ``batch_size=`` that is one constant, e.g.
             ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
-        chunk_points: per point set, each replica's points (a ``batch_size=`` that is each chunk's point count).
+        chunk_points: gives, per point set, each replica's points (a ``batch_size=`` that is each chunk's point
+            count); called only where needed.
     """
     warning_cache = _WARNINGS if warning_cache is None else warning_cache
     names: list[str] = []
@@ -239,7 +240,7 @@ def _reduce_values(
     warning_cache: WarningCache,
     num_samples: int = 0,
     chunk_samples: Sequence[int] | None = None,
-    chunk_points: Sequence[Sequence[int]] = (),
+    chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
@@ -317,7 +318,7 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
             step.terms.log_value if step.terms is not None else None,
             infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
-            chunk_points=[[len(r) for r in rows] for rows in step.plan.point_rows],
+            chunk_points=lambda: [[len(r) for r in rows] for rows in step.plan.point_rows],  # when needed
         )
 
 
