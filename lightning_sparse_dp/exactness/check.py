@@ -150,6 +150,9 @@ class ExactnessCheck:
         #: reduces them, so there the gradients and the module's state after the step are compared
         self.compare_values = strategy == "sparse_dp"
         self._last: int | None = None  # global_step of the fit's last check
+        #: whether no training step of this fit will be checked any more: off, or checked once with
+        #: ``every_n_steps=0`` (the strategies then skip the check's step machinery); an attribute, read every step
+        self.done = mode is None
         #: names of the module's frozen parameters the checked step changed in place on one device (an EMA teacher):
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
@@ -160,6 +163,7 @@ class ExactnessCheck:
         (:mod:`~lightning_sparse_dp.loss`), which cannot see samples that meet before the loss (features centered on
         the batch's mean inside ``forward``, a contrastive loss across samples)."""
         self._last = None
+        self.done = self.mode is None
         if self.mode is not None or count < 2 or warnings is None:
             return
         strategy, who = self.strategy, "replica" if self.strategy == "sparse_dp" else "rank"
@@ -171,12 +175,6 @@ class ExactnessCheck:
             f"first training step on one device and on the {who}s and says whether they differ."
         )
 
-    @property
-    def done(self) -> bool:
-        """Whether no training step of this fit will be checked any more: off, or checked once with
-        ``every_n_steps=0`` (the strategies then skip the check's step machinery)."""
-        return self.mode is None or (self._last is not None and self.every_n_steps == 0)
-
     def due(self, global_step: int) -> bool:
         """Whether the training step at ``global_step`` is checked (noted as checked when it is)."""
         if self.mode is None:
@@ -185,6 +183,7 @@ class ExactnessCheck:
         if last is not None and (self.every_n_steps == 0 or global_step - last < self.every_n_steps):
             return False
         self._last = global_step
+        self.done = self.every_n_steps == 0
         return True
 
     def run(

@@ -152,9 +152,12 @@ def replica_state(
     """
     with ExitStack() as stack:
         own = replicas[0] is not module  # the persistent replicas (not the module itself, for one chunk)
-        step_metrics = stack.enter_context(
-            metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan, value_of)
-        )
+        if own and persistent is not None and metrics.empty_for is persistent:  # no metric in this module tree
+            step_metrics = metrics.none
+        else:
+            step_metrics = stack.enter_context(
+                metrics.step_copies(module, replicas, list(devices), persistent if own else None, plan, value_of)
+            )
         stack.callback(remove_recorders, replicas)
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]

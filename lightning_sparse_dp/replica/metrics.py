@@ -95,7 +95,10 @@ class ReplicaMetrics:
         self._copies: dict[tuple[int, int, torch.device], Metric] = {}
         # (structure, the root's metrics, each replica's (parent module, attribute) per metric by id(replica))
         self._found: tuple[object, list[tuple[str, Metric]], dict[int, list[tuple[nn.Module, str]]]] | None = None
-        self._none = StepMetrics(self, [], {}, [], [])  # the copies of a step without metrics: none
+        self.none = StepMetrics(self, [], {}, [], [])  # the copies of a step without metrics: none
+        #: the structure (see :meth:`step_copies`) of a root found to have no metric: a step of it needs none of
+        #: :meth:`step_copies` (:meth:`none_for`)
+        self.empty_for: object = None
 
     def _template(self, metric: Metric) -> Metric:
         template = self._templates.get(id(metric))
@@ -157,7 +160,7 @@ class ReplicaMetrics:
             RuntimeError: from :func:`merge_into_root`.
         """
         if len(replicas) == 1 and replicas[0] is root:
-            yield self._none
+            yield self.none
             return
         if structure is not None and self._found is not None and self._found[0] is structure:
             _, found, slots_of = self._found
@@ -169,7 +172,8 @@ class ReplicaMetrics:
             slots_of = {}
             self._found = None if structure is None else (structure, found, slots_of)
         if not found:  # no metric: nothing to install, merge or give back
-            yield self._none
+            self.empty_for = structure
+            yield self.none
             return
         step = StepMetrics(self, found, slots_of, replicas, devices)
         try:

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sparse_dp.runtime.defaults import float64_defaults, float64_defaults_on
 from lightning_sparse_dp.runtime.devices import device_context, replica_contexts
+from lightning_sparse_dp.runtime.process import FLOAT64_DEFAULTS as _float64
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _this_thread
 from lightning_sparse_dp.runtime.randomness import SharedDraws
 from lightning_sparse_dp.runtime.stall import StallWatch, stall_seconds
@@ -66,7 +67,7 @@ class ThreadState:
                 (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
             )
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast), torch.get_num_threads(),
-                   float64_defaults_on())
+                   getattr(_float64, "on", False))  # float64_defaults_on(), read here: a thread-local every call reads
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state in the current thread; ``stack`` undoes it (the thread count stays set).
@@ -173,7 +174,7 @@ class ReplicaExecutor:
             state = dataclasses.replace(state, intra_op_threads=self.threads_per_replica)
         contexts = replica_contexts(devices)  # the caller's CUDA streams, as torch's parallel_apply hands them on
         affinity = self.affinity
-        generators = self._draws.before(devices)
+        generators = self._draws.before(devices) if self._draws.looking else None
         with self._lock:  # one step at a time: replicas of two steps never interleave
             try:
                 mine, errors, futures = self._submit(fns, devices, state, contexts, affinity, meanwhile)

@@ -72,14 +72,18 @@ class SharedDraws:
     def __init__(self) -> None:
         self.passes = 0
         self.said = False
+        #: whether a later call may still be looked at (not said, fewer than CHECKED_PASSES looked at): the executor
+        #: calls :meth:`before` only then
+        self.looking = True
 
     def before(self, devices: Sequence[torch.device]) -> list[tuple[str, Callable[[], Any], Any]] | None:
         """The shared generators' ``(name, state getter, state)``, when this call is one to look at; else ``None``."""
-        if self.said or self.passes >= CHECKED_PASSES or len(devices) < 2 or not torch.is_grad_enabled():
+        if not self.looking or len(devices) < 2 or not torch.is_grad_enabled():
             return None
         if not torch.are_deterministic_algorithms_enabled():
             return None
         self.passes += 1
+        self.looking = self.passes < CHECKED_PASSES
         getters = [(f"torch's generator of {d}", partial(_state, d)) for d in shared_generators(devices)]
         return [(name, get, get()) for name, get in [*getters, *HOST_GENERATORS]]
 
@@ -90,7 +94,7 @@ class SharedDraws:
             return
         drew = [name for name, get, state in before if not _equal(state, get())]
         if drew:
-            self.said = True
+            self.said, self.looking = True, False
             rank_zero_warn(
                 f"sparse_dp: the step draws random numbers (dropout, a random augmentation) from {', '.join(drew)}, "
                 "which its replicas share (torch has one generator per device, NumPy and Python one per process, not "

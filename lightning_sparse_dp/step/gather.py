@@ -25,7 +25,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_sparse_dp.loss.weights import weighted_sum
-from lightning_sparse_dp.replica.snapshot import is_integer
 from lightning_sparse_dp.runtime.me import ME
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
@@ -176,7 +175,7 @@ def _guess_role(
     """
     first = values[0]
     if isinstance(first, Tensor) and first.dim() == 0:
-        if not all(is_integer(v) for v in values):
+        if any(v.is_floating_point() or v.is_complex() for v in values):  # not all integers (the loss): a mean
             return "mean"
         warning_cache.warn(
             f"sparse_dp: step output {_printed(path)} is a 0-dim integer tensor from each replica: it is their sum, one device's "
@@ -353,7 +352,7 @@ def _output_key(path: Sequence[Any]) -> Any:
 
 
 def _output_role(path: Sequence[Any], output_layout: Mapping[Any, str] | None) -> str | None:
-    entry = layout_entry(path, output_layout, root="output")
+    entry = layout_entry(path, output_layout, root="output") if output_layout else None
     if entry is not None and entry[1] not in OUTPUT_ROLES:
         raise ValueError(f"output_layout[{entry[0]!r}] = {entry[1]!r}; use one of {OUTPUT_ROLES}.")
     return None if entry is None else entry[1]

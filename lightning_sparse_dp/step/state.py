@@ -102,7 +102,8 @@ def install_step(
     n, out = len(step.replicas), InstalledStep()
     with ExitStack() as stack:
         with step.call.timer.stage("state"):
-            out.group = stack.enter_context(synchronized(sync_layers[:n]))  # None for one replica
+            if n > 1 and sync_layers and sync_layers[0]:  # else no group: one replica, or no synchronized layer
+                out.group = stack.enter_context(synchronized(sync_layers[:n]))
             out.terms = StepTerms.for_step(loss_weighting, step.call.name, n, step.call.warnings, site_memory, step.plan)
             install = partial(stack.enter_context, replica_state(
                 step.call.module, step.replicas, step.devices, metrics, persistent, out.group, step.refresh_in_threads,

@@ -197,9 +197,13 @@ class ReplicaStages:
         pinned = self._core_groups is not None and self.split == "balanced"
         assignment = partial(balanced_assignment, groups=self._core_groups) if pinned else self.split
         module, synchronized, built = self.lightning_module, self._layer_sync is not None, self._replicas
-        batch_norm = built.batch_norm if built is not None and built.root is module else None  # no walk per step
-        return {"layout": self.layout, "assignment": assignment,
-                "min_points": 1 if module is None else min_points_per_chunk(module, synchronized, batch_norm),
+        if module is None or synchronized:
+            min_points = 1
+        elif built is not None and built.root is module:  # no walk per step: the replicas noted it when built
+            min_points = 2 if built.batch_norm else 1
+        else:
+            min_points = min_points_per_chunk(module, synchronized)
+        return {"layout": self.layout, "assignment": assignment, "min_points": min_points,
                 "batch_sizes": self._loader_batch_sizes, "layouts": self._held_layouts}
 
 
