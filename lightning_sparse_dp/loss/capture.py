@@ -216,6 +216,11 @@ class TermCapture(StepObserver):
         self._combinations: dict[int, tuple[Form, Any]] = {}  # id(value) -> (its form, combination(value))
         #: the chunk's statistics, followed where autograd records nothing (made by :meth:`_followed`; ``None`` until)
         self.statistics: RowStatistics | None = None
+        #: counts of the chunk: one-element tensors without gradient from a full sum of the step's (``mask.sum()``,
+        #: not a term) and what the step computed from them (``.clamp(min=1)``), by id; and the Python numbers read off
+        #: them (``int(mask.sum())``); a loss divided by one is noted in its form (:attr:`Form.counted`)
+        self.counts: dict[int, Tensor] = {}
+        self.count_values: set[float] = set()
 
     def read_numbers(self) -> None:
         """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
@@ -254,9 +259,11 @@ class TermCapture(StepObserver):
         ):
             return self._reduction(func, args, kwargs)
         plain = kind is None and (not self.forms or not self._touches_forms(args))
-        if plain and self.recording:
+        if plain and self.recording and not self.counts:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
+        if kind is _SUM_KIND or self.counts:
+            self._note_count(kind, args, out)
         if not self.recording:  # no graph to read the chunk's statistics off: followed here
             self._followed().follow(func, args, kwargs, out)
         if plain:
@@ -269,8 +276,30 @@ class TermCapture(StepObserver):
             why = f"it calls {loss_name(func)}(reduction='mean'), which is not captured"
             self.forms[id(out)] = Form(out, None, why)
         elif self.forms:
-            follow(self.forms, func, args, kwargs, out)
+            follow(self.forms, func, args, kwargs, out, self._is_count if self.counts else None)
         return out
+
+    def _note_count(self, kind: Any, args: tuple, out: Any) -> None:
+        """``out`` noted as a count of the chunk (:attr:`counts`) when it is a full sum that is no term, or a number
+        or one-element tensor computed from a count."""
+        if isinstance(out, Tensor):
+            if out.numel() == 1 and not out.requires_grad and (
+                kind is _SUM_KIND or any(isinstance(a, Tensor) and self.counts.get(id(a)) is a for a in args)
+            ):
+                self.counts[id(out)] = out
+        elif type(out) in (int, float) and args and isinstance(args[0], Tensor) and self.counts.get(id(args[0])) is args[0]:
+            self.count_values.add(out)  # int(mask.sum()), mask.sum().item()
+
+    def _is_count(self, x: Any) -> bool:
+        """Whether the divisor ``x`` is a count of the chunk (:attr:`counts`, :attr:`count_values`)."""
+        if isinstance(x, Tensor):
+            return self.counts.get(id(x)) is x
+        return type(x) in (int, float) and x in self.count_values
+
+    def counted_terms(self, value: Any) -> frozenset[int]:
+        """The terms whose coefficient in ``value`` holds a division by a count of the chunk (:attr:`Form.counted`)."""
+        form = self.forms.get(id(value)) if isinstance(value, Tensor) else None
+        return frozenset() if form is None else form.counted
 
     def _followed(self) -> RowStatistics:
         """:attr:`statistics`, made at the first torch call of a step that records no graph."""

@@ -121,6 +121,7 @@ class SiteTerms:
     statistic: list[bool]  # each call's input is a reduction over rows (terms.reduces_rows)
     shared: list[int] = field(default_factory=list)  # each call's arguments for all its rows alike, fingerprinted
     some_samples: bool = False  # the rows are some of the chunk's samples' points, one call each (ChunkShape.some_samples)
+    counted: list[bool] = field(default_factory=list)  # each call's coefficient divided by a count of the chunk (Form)
 
 
 @dataclass
@@ -163,7 +164,8 @@ def summarize(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
     )
     position: dict[int, int] = {}
-    for term, c in zip(capture.terms, coeffs):
+    counted = capture.counted_terms(value)
+    for k, (term, c) in enumerate(zip(capture.terms, coeffs)):
         p = position.setdefault(term.site, len(out.sites))
         if p == len(out.sites):
             out.sites.append(SiteTerms(term.site, term.where, term.name, term.in_loop, [], [], [], [], [], False, []))
@@ -177,6 +179,7 @@ def summarize(
         site.rows.append(term.rows)
         site.statistic.append(term.statistic)
         site.shared.append(_fingerprint(term.shared) if term.shared else 0)
+        site.counted.append(k in counted)
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = len(site.rows) == shape.samples and shape.per_sample(site.rows)  # one call per sample first
@@ -206,8 +209,9 @@ class SiteMemory(dict):
 
     ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
     replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
-    ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows) or ``"constant"`` (one
-    coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
+    ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows), ``"counted"`` (a
+    ``torch.sum`` divided by different numbers at some step: a count of the chunk, said at every step after) or
+    ``"constant"`` (one coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
     ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
     :data:`RECALLED`, the oldest dropped first).
     """
@@ -319,7 +323,7 @@ def structure(summaries: Sequence[Summary], memory: SiteMemory, who: str) -> tup
             (s.samples, tuple(
                 (site.key, site.where, site.name, site.in_loop, tuple(site.sums), tuple(site.coeffs),
                  tuple(site.rows) if any(site.sums) else None, site.per_sample, site.some_samples,
-                 tuple(site.statistic), tuple(site.shared))
+                 tuple(site.statistic), tuple(site.shared), tuple(site.counted))
                 for site in s.sites
             ))
             for s in summaries

@@ -10,6 +10,7 @@ the reason (:func:`follow`).
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -49,16 +50,18 @@ class Form:
     """How a tensor of the step was computed from its terms: ``coeffs`` ``{k: c_k}``, or ``None`` and ``why`` not.
 
     A 1-dim tensor stacked from losses (``torch.stack(losses)``) has ``elements``: the coefficients of each
-    of its entries (``coeffs`` is then ``None`` and ``why`` says what a non-reducing use of it means).
+    of its entries (``coeffs`` is then ``None`` and ``why`` says what a non-reducing use of it means). ``counted``:
+    the terms whose coefficient holds a division by a count of the chunk (``loss.sum() / mask.sum()``, see
+    :func:`follow`'s ``is_count``).
     """
 
-    __slots__ = ("tensor", "coeffs", "why", "elements")
+    __slots__ = ("tensor", "coeffs", "why", "elements", "counted")
 
     def __init__(
         self, tensor: Tensor, coeffs: dict[int, float] | None, why: str | None = None,
-        elements: list[dict[int, float]] | None = None,
+        elements: list[dict[int, float]] | None = None, counted: frozenset[int] = frozenset(),
     ) -> None:
-        self.tensor, self.coeffs, self.why, self.elements = tensor, coeffs, why, elements
+        self.tensor, self.coeffs, self.why, self.elements, self.counted = tensor, coeffs, why, elements, counted
 
 
 def _number(x: Any) -> float | str:
@@ -81,8 +84,11 @@ def _combine(a: dict[int, float], b: dict[int, float], beta: float) -> dict[int,
     return out
 
 
-def follow(forms: dict[int, Form], func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
-    """Record in ``forms`` how ``out = func(*args, **kwargs)`` combines the terms its arguments were computed from."""
+def follow(
+    forms: dict[int, Form], func: Any, args: tuple, kwargs: dict, out: Tensor, is_count: Callable[[Any], bool] | None = None
+) -> None:
+    """Record in ``forms`` how ``out = func(*args, **kwargs)`` combines the terms its arguments were computed from.
+    ``is_count(x)``: whether a divisor ``x`` is a count of the chunk (its terms are then noted in ``Form.counted``)."""
     name = getattr(func, "__name__", "")
     of = [forms.get(id(a)) if isinstance(a, Tensor) else None for a in args]
     if isinstance(args[0] if args else None, (list, tuple)):
@@ -100,7 +106,13 @@ def follow(forms: dict[int, Form], func: Any, args: tuple, kwargs: dict, out: Te
         forms[id(out)] = Form(out, None, bad.why)
         return
     coeffs = linear(name, args, kwargs, of, out)
-    forms[id(out)] = Form(out, coeffs, None) if isinstance(coeffs, dict) else Form(out, None, coeffs)
+    if not isinstance(coeffs, dict):
+        forms[id(out)] = Form(out, None, coeffs)
+        return
+    counted = frozenset().union(*(f.counted for f in of if f is not None))
+    if name in _DIV and is_count is not None and len(args) > 1 and of[0] is not None and is_count(args[1]):
+        counted |= frozenset(of[0].coeffs or ())  # divided by a count of the chunk
+    forms[id(out)] = Form(out, coeffs, None, counted=counted & coeffs.keys() if counted else counted)
 
 
 def stacked(forms: dict[int, Form], name: str, args: tuple, kwargs: dict, out: Tensor) -> Form:

@@ -174,12 +174,24 @@ def _matched_reading(
                 "computes as one device does"
             )
     divided = _divided_sums(sites, summaries, memory, who, out.notes)
-    if any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites) and not divided:
-        if site.name.startswith("torch."):
-            raise NotExact(
-                f"the {who}s' steps divided {site.name} at {site.where} by different numbers: a hand-written masked "
-                "mean such as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
-            )
+    differ = any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites)
+    if not divided and len(sites) > 1 and any(any(s.counted) for s in sites):
+        raise NotExact(
+            f"the {who}s' steps divided {site.name} at {site.where} by a count of their chunk (e.g. loss.sum() / "
+            "mask.sum(), or / max(int(num_pos), 1)), where one device divides by the whole batch's count (equal counts "
+            "in every chunk hide it, and a count clamped to 1 is none). Count on the whole batch in "
+            "on_before_batch_transfer (batch['num_pos'] = (labels == 1).sum()), which every replica gets alike, and "
+            "divide by that: exact"
+        )
+    if site.name.startswith("torch.") and not divided and (differ or memory.sums.get(site.key) == "counted"):
+        # a count of the chunk, which chunks of equal counts (one positive each) hide: read so from then on
+        memory.sums[site.key] = "counted"
+        raise NotExact(
+            f"the {who}s' steps divided {site.name} at {site.where} by different numbers"
+            f"{'' if differ else ' at an earlier step (by equal ones at this step)'}: a hand-written masked mean such "
+            "as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
+        )
+    if differ and not divided:
         raise NotExact(
             f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
             f"count of the chunk, or a random number each {who} draws: mixup's lam = torch.rand(()), which one device "
@@ -265,7 +277,7 @@ def _divided_sums(
         memory.sums[site.key] = "divided"
         return True
     if not (divides and constant):
-        if constant:
+        if constant and memory.sums.get(site.key) != "counted":
             memory.sums[site.key] = "constant"
         return False
     if site.key in memory.sums:

@@ -145,3 +145,48 @@ def test_a_sum_over_one_sample_in_every_replica_is_the_chunks_sum():
     trainer64(strategy="sparse_dp", devices=3, max_steps=2).fit(ours, loader(*batches))
     trainer64(max_steps=2).fit(reference, loader(*batches))
     assert max(state_differences(ours, reference).values()) <= REL
+
+
+class _PerPositive(PooledNet):
+    """A loss normalized by the number of positives (detection style): ``l.sum() / count``, the count of the chunk's
+    positives as a tensor (``t.sum().clamp(min=1)``) or a Python number (``max(int(t.sum()), 1)``)."""
+
+    def __init__(self, tensor_count: bool = True):
+        super().__init__()
+        self.tensor_count = tensor_count
+
+    def count(self, batch, t):
+        return t.sum().clamp(min=1) if self.tensor_count else max(int(t.sum()), 1)
+
+    def training_step(self, batch, batch_idx):
+        logit = self.head(self.features(batch))[:, 0]
+        t = (batch["labels"] == 0).to(logit)
+        return F.binary_cross_entropy_with_logits(logit, t, reduction="none").sum() / self.count(batch, t)
+
+
+class _PerPositiveOfTheBatch(_PerPositive):
+    """The fix the line names: the count taken on the whole batch, which every replica gets alike."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "num_pos": (batch["labels"] == 0).sum()}
+
+    def count(self, batch, t):
+        return batch["num_pos"].clamp(min=1)
+
+
+@pytest.mark.parametrize("tensor_count", [True, False], ids=["tensor", "int"])
+def test_a_sum_over_a_count_of_the_chunk_is_said_also_when_the_counts_are_equal(tensor_count, caplog):
+    """One positive in every chunk of 2: each replica divided by 1, read as a plain sum, so the loss was the replicas'
+    sum, 3x one device's (which divides by 3), silently. The count is followed from the chunk's data now, and such a
+    division is said whatever its value; the count taken on the whole batch is exact."""
+    batch = collate_dict(random_samples(6, seed=16, min_points=12, max_points=12))
+    batch["labels"] = torch.tensor([0, 1, 0, 2, 0, 3])
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy=SparseDataParallelStrategy(split="contiguous", check_exactness=False), devices=3).fit(
+            _PerPositive(tensor_count), loader(batch))
+    said = [r.getMessage() for r in caplog.records if "by a count of their chunk" in r.getMessage()]
+    assert len(said) == 1 and "on_before_batch_transfer" in said[0]
+    ours, reference = same_start(_PerPositiveOfTheBatch, seed=0)
+    trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).fit(ours, loader(batch))
+    trainer64().fit(reference, loader(batch))
+    assert max(state_differences(ours, reference).values()) <= REL
