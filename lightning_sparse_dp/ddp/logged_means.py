@@ -163,8 +163,9 @@ def settle(
     """Every held name's global value and one device's batch size, read alike on every rank.
 
     Args:
-        ranks: every rank's ``(samples in its share, {name: (row, batch_size, explicit)})``, in rank order; ``row`` is
-            what ``value_of`` reads (the strategy's summary of the value).
+        ranks: every rank's ``(samples in its share, {name: (row, batch_size, explicit)}, points of its share per
+            point set)``, in rank order; ``row`` is what ``value_of`` reads (the strategy's summary of the value); the
+            points tell a ``batch_size=`` that is each share's point count (fixed-size point clouds) from a constant.
         value_of: ``value_of(rows of the ranks that logged the name, this rank's value, name=the name) -> value``: the
             global batch's value, shaped and typed like this rank's (the strategy's :func:`whole_value`).
         mine: this rank's held calls (the names it settles).
@@ -172,14 +173,16 @@ def settle(
     Returns:
         ``{name: (value, batch_size)}`` for the names in ``mine``.
     """
-    samples = [n for n, _ in ranks]
+    samples = [rank[0] for rank in ranks]
+    sets = min((len(rank[2]) for rank in ranks), default=0) if all(len(rank) > 2 for rank in ranks) else 0
+    points = [[rank[2][s] for rank in ranks] for s in range(sets)]  # per point set, per rank
     out: dict[str, tuple[Tensor, int]] = {}
     for key, call in mine.items():
-        present = [r for r, (_, rows) in enumerate(ranks) if key in rows]
+        present = [r for r, rank in enumerate(ranks) if key in rank[1]]
         sizes = [ranks[r][1][key][1] for r in present]
         constant = None
         if all(ranks[r][1][key][2] for r in present):  # explicit everywhere: a count per rank, or one constant
-            constant = constant_batch_size(sizes, present, sum(samples), samples)
+            constant = constant_batch_size(sizes, present, sum(samples), samples, lambda: points)
         name = key.split(".", 1)[-1]  # Lightning's results key: "<hook>.<name>"
         value = value_of([ranks[r][1][key][0] for r in present], call.value, name=name)
         if call.reduction == "sum":  # Lightning sums it over the ranks: each accumulates its part of the batch's value

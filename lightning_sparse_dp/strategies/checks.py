@@ -120,14 +120,15 @@ def refuse_compiled_submodules(module: nn.Module, replicas: int) -> None:
         )
 
 
-def warn_eval_batchnorm(layers: list[nn.Module], replicas: int) -> None:
-    """At setup of a validate / test / predict run of ``sparse_dp`` without ``sync_batchnorm``, with two or more
-    replicas: batch-norm ``layers`` without running statistics (``track_running_stats=False``, which normalize with the
-    batch's statistics in eval mode too) said once to normalize each replica's chunk."""
+def warn_eval_batchnorm(layers: list[nn.Module], replicas: int, strategy: str = "sparse_dp") -> None:
+    """At setup of a validate / test / predict run without ``sync_batchnorm``, with two or more replicas (``sparse_dp``)
+    or ranks (``sparse_ddp``): batch-norm ``layers`` without running statistics (``track_running_stats=False``, which
+    normalize with the batch's statistics in eval mode too) said once to normalize each one's chunk."""
     if replicas >= 2 and layers:
+        what = "replica" if strategy == "sparse_dp" else "rank"
         rank_zero_info(
-            f"sparse_dp: {len(layers)} batch-norm layer{'s' if len(layers) > 1 else ''} without running statistics "
-            "(track_running_stats=False) normalize each replica's chunk with its own statistics in validation, test "
+            f"{strategy}: {len(layers)} batch-norm layer{'s' if len(layers) > 1 else ''} without running statistics "
+            f"(track_running_stats=False) normalize each {what}'s chunk with its own statistics in validation, test "
             "and predict too (eval mode keeps the batch's statistics for them), not the whole batch's as on one "
             "device; pass Trainer(sync_batchnorm=True) to synchronize them."
         )

@@ -67,8 +67,9 @@ from lightning_sparse_dp.runtime.threads import ThreadSplit, follow_omp_num_thre
 from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
 from lightning_sparse_dp.step.scatter import check_me_devices, place_batch
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin, dataloader_iter_steps
-from lightning_sparse_dp.strategies.checks import warn_unsynchronized_batchnorm
+from lightning_sparse_dp.strategies.checks import warn_eval_batchnorm, warn_unsynchronized_batchnorm
 from lightning_sparse_dp.strategies.exactness import check_rank_step
+from lightning_sparse_dp.syncbn.layer_sync import eval_batch_statistics
 from lightning_sparse_dp.syncbn.process_group import ProcessGroupSyncBatchNorm
 
 
@@ -144,6 +145,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._predict_samplers: list[PointBalancedBatchSampler] = []  # per predict DataLoader, in order
         self._warning_cache = WarningCache()
         self._threads: ThreadSplit | None = None  # ME's and OpenBLAS's thread counts changed for the run
+        self._eval_sync = False  # the layer sync applied for a validate / test / predict run (batch norm without running stats)
 
     @override
     def setup_distributed(self) -> None:
@@ -154,6 +156,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._eval_sync and self.model is not None and self._layer_sync is not None:  # applied for validate / test
+            self.model = self._layer_sync.revert(self.model)
+        self._eval_sync = False
         if self._threads is not None:
             self._threads.restore()
             self._threads = None
@@ -177,10 +182,16 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
                 "GPUs only; on CPU they raise. Pass Trainer(sync_batchnorm=True): sparse_ddp then synchronizes them over "
                 "the process group (gloo), on CPU too."
             )
-        if self._layer_sync is None and module is not None and trainer.state.fn == TrainerFn.FITTING:  # said once
-            warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
-        super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
         fitting = trainer.state.fn == TrainerFn.FITTING
+        eval_norms = [] if fitting else eval_batch_statistics(module)  # batch norm keeping the batch's statistics in eval
+        if self._layer_sync is None and module is not None and fitting:  # said once
+            warn_unsynchronized_batchnorm(module, self.world_size, "sparse_ddp")
+        elif self._layer_sync is None:
+            warn_eval_batchnorm(eval_norms, self.world_size, "sparse_ddp")
+        self._eval_sync = self._layer_sync is not None and bool(eval_norms) and self.model is not None
+        if self._eval_sync:  # DDPStrategy.setup applies the layer sync when fitting only
+            self.model = self._layer_sync.apply(self.model)
+        super().setup(trainer)  # applies self._layer_sync (ProcessGroupSyncBatchNorm) when fitting
         self._exactness.reset(self.world_size if fitting else 1, self._warning_cache)  # checked, or said off
 
     # --- exact loss and logs ---------------------------------------------------------------------
@@ -318,7 +329,9 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """The step's held ``sync_dist`` means (:mod:`~lightning_sparse_dp.ddp.logged_means`) logged as the global
         batch's values, every rank's part in one gather."""
         rows = {key: (call.row, call.batch_size, call.explicit) for key, call in means.calls.items()}
-        ranks = self._gather((ChunkShape.of(self._step_plan(), 0).samples, rows))
+        plan = self._step_plan()
+        points = [int(sets[0].numel()) for sets in plan.point_rows]  # this rank's share, per point set
+        ranks = self._gather((ChunkShape.of(plan, 0).samples, rows, points))
         settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls)
         self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
         try:

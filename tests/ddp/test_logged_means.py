@@ -69,6 +69,17 @@ def test_batch_size_is_one_devices_sum_of_counts_or_the_one_constant():
     assert float(settled["a"][0]) == 2.0
 
 
+def test_a_batch_size_of_each_shares_points_is_summed():
+    """Fixed-size point clouds logged with ``batch_size=<the share's points>``: equal on every rank (48 and 48), they
+    were taken for one constant (48 where one device weighs the step by 96), so epoch means mixing such steps with
+    unequal ones were off (3.9e-4), silently. Each rank's points are gathered with its samples now."""
+    mine = {"p": _Call(1.0), "k": _Call(1.0)}
+    ranks = [(3, {"p": (1.0, 48, True), "k": (1.0, 32, True)}, [48]), (3, {"p": (3.0, 48, True), "k": (3.0, 32, True)}, [48])]
+    settled = settle(ranks, _mean_of_rows, mine)
+    assert settled["p"][1] == 96  # each share's points: summed, as one device counts the batch's
+    assert settled["k"][1] == 32  # neither the shares' samples nor their points: one constant
+
+
 def test_whole_value_weights_by_the_means_element_counts_else_by_the_ranks_counts():
     like = torch.tensor(0.0, dtype=torch.float64)
     by_counts = whole_value([(None, [1.0], 1, 10.0), (None, [4.0], 3, 10.0)], like, memory=None)

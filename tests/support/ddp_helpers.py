@@ -127,11 +127,11 @@ class ClassNet(SparseNet):
 class PointNet(L.LightningModule):
     """Per-point segmentation (mean over points): TensorField -> sparse -> conv (BN) ReLU conv -> slice -> linear."""
 
-    def __init__(self, batch_norm: bool = False) -> None:
+    def __init__(self, batch_norm: bool | str = False) -> None:
         super().__init__()
         layers = [ME.MinkowskiConvolution(IN_CHANNELS, 8, kernel_size=3, dimension=3)]
-        if batch_norm:
-            layers.append(ME.MinkowskiBatchNorm(8))
+        if batch_norm:  # "eval": without running statistics, so the batch's statistics in eval mode too
+            layers.append(ME.MinkowskiBatchNorm(8, track_running_stats=batch_norm != "eval"))
         layers += [ME.MinkowskiReLU(), ME.MinkowskiConvolution(8, 8, kernel_size=3, dimension=3), ME.MinkowskiReLU()]
         self.net = torch.nn.Sequential(*layers)
         self.head = torch.nn.Linear(8, NUM_CLASSES)
@@ -167,7 +167,7 @@ class Scenario:
     name: str
     model: str  # "class", "point" or "pair" (two scans per sample and correspondences: tests/support/pairs.py)
     loss_weighting: Any = "samples"
-    batch_norm: bool = False
+    batch_norm: bool | str = False  # "eval": the point model's batch norm without running statistics
     per_rank: int = 3
     epochs: int = 2
     trainer: dict[str, Any] = field(default_factory=dict)
@@ -196,6 +196,9 @@ SCENARIOS = {
         # 2 per rank: the point-balanced shares hold the validation batches' samples out of order (per-point predictions)
         Scenario("points", "point", loss_weighting="points", per_rank=2, evaluate=True),
         Scenario("syncbn", "point", loss_weighting="points", batch_norm=True, trainer={"sync_batchnorm": True}),
+        # batch norm that keeps the batch's statistics in eval mode: test and predict synchronized too
+        Scenario("eval_stats", "point", loss_weighting="points", batch_norm="eval", epochs=1,
+                 trainer={"sync_batchnorm": True}, evaluate=True),
         Scenario("accumulate", "class", per_rank=2, epochs=1, trainer={"accumulate_grad_batches": 2},
                  explicit_batch_size=True),
         Scenario("resume", "class", batch_norm=True, resume=True, trainer={"sync_batchnorm": True}),
