@@ -137,23 +137,29 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
     ``values`` as they are otherwise.
 
     A step that returns coordinates (``x.C``, ``batch["coordinates"]``) returns its chunk's, whose column 0 counts the
-    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32 ``[m_i, D+1]``
-    tensors (ME's ``.C`` and collated coordinates are int32; ``D+1`` the columns of a coordinate source of the batch,
+    chunk's samples ``0..b_i-1``; one device returns the batch's ``0..B-1``. Taken as coordinates: int32, int64 or
+    floating ``[m_i, D+1]`` tensors (ME's ``.C``, ``x.C.long()``, a TensorField's ``.C`` with its integral batch
+    column; ``D+1`` the columns of a coordinate source of the batch,
     ``plan.coordinate_columns``, so that an int32 ``(prediction, label)`` pair is not) whose column 0 holds, in every
     chunk, each of the chunk's ``b_i`` samples as many times as ``rows`` says: ``"points"``, its points in coordinate
     source ``source`` (``plan.sample_points``: a stride-1 tensor's ``.C``, the batch's coordinates); ``"samples"``,
     once (a globally pooled tensor's ``.C``); ``"cat"``, at least once (a strided tensor's ``.C``, concatenated in
     chunk order, each row still beside its features). Mapped through ``plan.chunk_samples[i]``
-    (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`).
+    (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`). A per-point integer vector that is the batch
+    column alone (``x.C[:, 0]``) is mapped too where it holds the chunk's points' ids as the chunk orders them.
     """
     widths = set(plan.coordinate_columns) if rows != "points" else set(plan.coordinate_columns[source : source + 1])
-    if len(values) != len(plan.chunk_samples) or not all(
-        v.dtype == torch.int32 and v.dim() == 2 and v.shape[1] in widths for v in values
-    ):
+    if len(values) != len(plan.chunk_samples):
         return values
     if rows == "points" and (source >= len(plan.sample_points) or plan.sample_points[source].numel() == 0):
         return values
+    if all(v.dim() == 1 and v.dtype in _INTEGERS for v in values):  # x.C[:, 0]: the batch column alone
+        return _batch_columns_back(values, plan, rows, source)
+    if not all(v.dim() == 2 and v.shape[1] in widths and _coordinate_dtype(v) for v in values):
+        return values
     for v, samples in zip(values, plan.chunk_samples):
+        if v.is_floating_point() and v.numel() and not bool((v[:, 0] == v[:, 0].round()).all()):
+            return values  # a TensorField's continuous coordinates keep an integral batch column
         column = v[:, 0].long()
         if column.numel() == 0 or int(column.min()) < 0 or int(column.max()) >= samples.numel():
             return values
@@ -167,6 +173,38 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
         if not torch.equal(found, expected):
             return values
     return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]
+
+
+_INTEGERS = (torch.int32, torch.int64)
+
+
+def _coordinate_dtype(v: Tensor) -> bool:
+    """Coordinates' dtypes: ME's int32, an int64 copy (``x.C.long()``), a TensorField's floating ones."""
+    return v.dtype in _INTEGERS or v.is_floating_point()
+
+
+def _batch_columns_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int) -> list[Tensor]:
+    """Integer vectors that are, in every chunk, a batch column as the chunk holds it, with the batch's sample ids:
+    per point (``rows="points"``), its points' ids in runs ``0..b_i-1`` in order (``x.C[:, 0]`` of a stride-1 tensor);
+    concatenated (``"cat"``), ids in order with every sample present (``x.C[:, 0]`` of a strided or quantized tensor);
+    ``values`` as they are otherwise (a per-point class prediction is no such run). Per-sample vectors are left: one
+    id per sample, ``0..b_i-1``, cannot be told from per-sample classes."""
+    if rows not in ("points", "cat"):
+        return values
+    out = []
+    for v, samples in zip(values, plan.chunk_samples):
+        ids = v.long()
+        if rows == "points":
+            counts = plan.sample_points[source][samples].to(v.device)
+            runs = v.numel() == int(counts.sum()) and torch.equal(
+                ids, torch.repeat_interleave(torch.arange(len(samples), device=v.device), counts))
+        else:
+            runs = v.numel() > 0 and int(ids.min()) >= 0 and int(ids.max()) < len(samples) and bool(
+                (ids[1:] >= ids[:-1]).all()) and bool((torch.bincount(ids, minlength=len(samples)) > 0).all())
+        if not runs:
+            return values
+        out.append(samples.to(v.device)[ids].to(v.dtype))
+    return out
 
 
 def points_back(values: list[Tensor], plan: SplitPlan, sources: Sequence[int]) -> tuple[int | None, list[Tensor]]:
