@@ -136,7 +136,7 @@ def _samples_reading(
             reading = learned
         elif math.isclose(means[0], 1.0, rel_tol=1e-9) or not math.isclose(cs[0] * total, 1.0, rel_tol=1e-9):
             reading = "mean"
-            if not math.isclose(means[0], 1.0, rel_tol=1e-9) and len(sites) > 1:
+            if not math.isclose(means[0], 1.0, rel_tol=1e-9) and len(sites) > 1 and cs[0] != 0.0:  # 0: not in it
                 out.notes.append(
                     f"sparse_dp: the per-sample losses {site.name} at {site.where} have the coefficient {cs[0]:g} in every "
                     f"{who}, whose chunks hold {summaries[0].samples} samples each: read as {means[0]:g} times their mean "
