@@ -294,6 +294,14 @@ def _gather_leaf(
             "step must return the same kind of value."
         )
     on_device = [v.to(device) for v in values] if all(tensors) else values
+    if role in ("samples", "points", "cat") and all(tensors) and len({v.shape[1:] for v in values}) > 1:
+        raise ValueError(
+            f"step output {_printed(path)} has rows of different shapes in the replicas' chunks "
+            f"({', '.join(str(tuple(v.shape)) for v in values)}): one device's step returns one tensor of the whole "
+            "batch's shape, which no merge of the chunks' gives (x.dense() sizes its grid by the chunk's coordinates). "
+            "Give it a fixed shape (x.dense(shape=..., min_coordinate=...)), or name its role 'list' to get the "
+            f"replicas' tensors: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'list'}})."
+        )
     if role == "first":
         return values[0]
     if role == "list":

@@ -419,3 +419,21 @@ def test_float_rows_a_predict_step_selects_are_said_where_the_chunks_reorder_the
         strategy = SparseDataParallelStrategy(output_layout={"selected": "cat"})
         trainer(strategy=strategy, devices=3, precision="64-true").predict(module, loader(batch))
     torch.testing.assert_close(kept["selected"], one["selected"], rtol=1e-10, atol=0)
+
+
+class _DenseGrids(SparseNet):
+    """Per-sample dense grids returned from predict: ``x.dense()`` sizes the grid by the tensor's own coordinates."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return self.net[0](x).dense()[0]
+
+
+def test_per_sample_rows_of_different_shapes_in_the_chunks_name_the_fix():
+    """Each chunk's grid had its own extent: the merge's torch.cat raised 'Sizes of tensors must match', naming
+    nothing. It names the output, the chunks' shapes and the fixes."""
+    batch = collate_dict(random_samples(7, seed=21))
+    with pytest.raises(ValueError, match=r"step output output has rows of different shapes.*x.dense\(shape=.*'list'"):
+        trainer(strategy="sparse_dp", devices=3).predict(_DenseGrids(), loader(batch))
