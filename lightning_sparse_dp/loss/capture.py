@@ -296,11 +296,6 @@ class TermCapture(StepObserver):
             return self.counts.get(id(x)) is x
         return type(x) in (int, float) and x in self.count_values
 
-    def counted_terms(self, value: Any) -> frozenset[int]:
-        """The terms whose coefficient in ``value`` holds a division by a count of the chunk (:attr:`Form.counted`)."""
-        form = self.forms.get(id(value)) if isinstance(value, Tensor) else None
-        return frozenset() if form is None else form.counted
-
     def _followed(self) -> RowStatistics:
         """:attr:`statistics`, made at the first torch call of a step that records no graph."""
         if self.statistics is None:

@@ -164,7 +164,8 @@ def summarize(
         None, shape.samples, n, remainder=r, tolerance=64 * torch.finfo(value.dtype).eps * scale, collectives=list(collectives)
     )
     position: dict[int, int] = {}
-    counted = capture.counted_terms(value)
+    form = capture.forms.get(id(value))  # the terms divided by a count of the chunk (Form.counted)
+    counted = frozenset() if form is None else form.counted
     for k, (term, c) in enumerate(zip(capture.terms, coeffs)):
         p = position.setdefault(term.site, len(out.sites))
         if p == len(out.sites):
