@@ -70,9 +70,10 @@ class ModuleChanges:
 
     def __init__(
         self, module: nn.Module, replicas: Sequence[nn.Module], deferred: bool = False,
-        attributes: SubmoduleChanges | None = None,
+        attributes: SubmoduleChanges | None = None, plan: Any = None,
     ) -> None:
         self.module = module
+        self.plan = plan  # the step's SplitPlan (each chunk's samples and points tell a count of the chunk), if known
         self.replicas = list(replicas)
         self.active = module not in self.replicas and len(self.replicas) > 1
         self.attributes = attributes if self.active else None
@@ -203,7 +204,28 @@ class ModuleChanges:
             else:
                 setattr(target, key, self._to_root(value))
             return
+        self._say_chunk_count(name, values, copies, warning_cache)
         setattr(target, key, self._combined(name, values, combine, warning_cache))
+
+    def _say_chunk_count(self, name: str, values: list[Any], copies: list[Any], warning_cache: WarningCache) -> None:
+        """Said once: a Python int every replica's step grew by one number ``d`` that is each chunk's number of samples
+        or points (``self.seen += len(labels)`` over equal chunks), which the replicas agree on, so the module keeps
+        it, where one device's step grows it by the batch's count."""
+        plan = self.plan
+        if plan is None or len(values) < 2 or not all(type(v) is int and type(c) is int for v, c in zip(values, copies)):
+            return
+        deltas = {v - c for v, c in zip(values, copies)}
+        if len(deltas) != 1 or 0 in deltas:
+            return
+        d = deltas.pop()
+        counts = [plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
+        if any(len(c) == len(values) and all(n == d for n in c) for c in counts):
+            warning_cache.warn(
+                f"sparse_dp: {name} grew by {d} in every replica's step, which is also each chunk's number of samples or "
+                "points: the replicas agree, so the module keeps that change, as DDP keeps rank 0's, where one device's "
+                "step, if it counts the batch, grows it by the whole batch's count. Count from the whole batch in "
+                "on_train_batch_end (or keep the count in a torchmetrics SumMetric, merged across the replicas)."
+            )
 
     def _merge_submodules(
         self, changes: list[list[tuple[int, str]]], combine: Callable[[list[Any]], tuple[Any, bool]],

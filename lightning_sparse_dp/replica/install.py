@@ -108,6 +108,20 @@ def say_diverged_buffers(names: Sequence[str], warning_cache: WarningCache | Non
         )
 
 
+def say_counted_buffers(counted: Sequence[tuple[str, float]], warning_cache: WarningCache | None = None) -> None:
+    """A warning for each 0-dim buffer every replica's step changed by one number that is each chunk's count of samples
+    or points (:meth:`~lightning_sparse_dp.step.replicate.Replicas.diverged_buffers`' ``counted``)."""
+    say = rank_zero_warn if warning_cache is None else warning_cache.warn
+    for name, d in counted:
+        say(
+            f"sparse_dp: the step changed the module's buffer {name!r} by {d:g} in every replica, which is also each "
+            "chunk's number of samples or points: the replicas agree, so the module keeps that change, as DDP's buffer "
+            "broadcast keeps rank 0's, where one device's step, if it counts the batch, changes it by the whole batch's "
+            "count. Count from the whole batch (the gathered step outputs in on_train_batch_end), or keep the count in "
+            "a torchmetrics SumMetric, whose replicas' states are merged."
+        )
+
+
 def say_written_frozen(names: Sequence[str], count: int, warning_cache: WarningCache | None = None) -> None:
     """A warning for each frozen parameter of the module that the replicas share and the step changed in place
     (:meth:`~lightning_sparse_dp.step.replicate.Replicas.written_frozen`): applied once per replica this step; the next
@@ -162,7 +176,7 @@ def replica_state(
         refresh = persistent.refresh_replica if deferred and own and persistent is not None else None
         buffers = persistent.buffer_hand_off(len(replicas)) if refresh is not None else None  # type: ignore[union-attr]
         attributes = persistent.attributes if own and persistent is not None else None
-        left = ModuleChanges(module, replicas, deferred=True, attributes=attributes)
+        left = ModuleChanges(module, replicas, deferred=True, attributes=attributes, plan=plan)
         watch = None if attributes is None else attributes.watch
         state = ReplicaState(replicas, step_metrics, own, refresh, group, left, buffers, watch)
         watch = own and persistent is not None and len(replicas) > 1
@@ -173,12 +187,16 @@ def replica_state(
                 state.enter(i)
         yield state
         if marks:
-            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas)), warning_cache)  # type: ignore[union-attr]
+            counted: list[tuple[str, float]] = []
+            counts = [] if plan is None else [
+                plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
+            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas), counts, counted), warning_cache)  # type: ignore[union-attr]
+            say_counted_buffers(counted, warning_cache)
         if frozen:
             say_written_frozen(persistent.written_frozen(frozen), len(replicas), warning_cache)  # type: ignore[union-attr]
 
 
 __all__ = [
-    "enter_checked", "replica_state", "say_diverged_buffers", "say_written_frozen",
+    "enter_checked", "replica_state", "say_counted_buffers", "say_diverged_buffers", "say_written_frozen",
     "ReplicaState",
 ]

@@ -186,26 +186,33 @@ class Replicas:
         )
         self._copy_parameters()
 
-    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int | Tensor | None]]:
-        """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer, mark)``
-        each (:func:`~lightning_sparse_dp.replica.snapshot.tensor_mark`), for :meth:`diverged_buffers` after the step
-        (none in most networks: nothing to look at)."""
+    def buffer_marks(self) -> list[tuple[int, str, str, Tensor | None, int | Tensor | None, Tensor | None]]:
+        """The module's buffers outside batch norm as a step finds them: ``(module index, key, name, buffer, mark,
+        value)`` each (:func:`~lightning_sparse_dp.replica.snapshot.tensor_mark`; ``value``: a 0-dim buffer's copy, a
+        counter's value before the step), for :meth:`diverged_buffers` after the step (none in most networks: nothing
+        to look at)."""
         marks = []
         for i, key, name in self._watched:
             b = self._sources[i]._buffers.get(key)
-            marks.append((i, key, name, b, -1 if b is None else tensor_mark(b)))
+            value = b.detach().clone() if b is not None and b.dim() == 0 and not b.is_inference() else None
+            marks.append((i, key, name, b, -1 if b is None else tensor_mark(b), value))
         return marks
 
-    def diverged_buffers(self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor | None]], count: int) -> list[str]:
+    def diverged_buffers(
+        self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor | None, Tensor | None]], count: int,
+        counts: Sequence[Sequence[int]] = (), counted: list[tuple[str, float]] | None = None,
+    ) -> list[str]:
         """The names of the buffers of ``marks`` that the step's root replica (the module itself) changed, in place or
         by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
         computed from each replica's chunk (a histogram of its labels), of which the module keeps the root replica's,
         as ``nn.DataParallel`` (and DDP's buffer broadcast from rank 0) keep the first device's. Replicas that all
         made one update (a step counter) agree and are not named; each buffer is named once for these replicas. A
         buffer the root replica left as it was is named too where another replica changed it (an update in a branch
-        that the root replica's chunk did not take), whose change the module does not keep."""
+        that the root replica's chunk did not take), whose change the module does not keep. ``counted`` gets the
+        0-dim buffers every replica changed by one number ``d`` that is each chunk's count of ``counts`` (its samples,
+        its points: ``self.seen += len(labels)`` over equal chunks), ``(name, d)``, each once."""
         out = []
-        for i, key, name, before, version in marks:
+        for i, key, name, _, _, value in marks:
             now = self._sources[i]._buffers.get(key)
             if name in self._diverged or now is None:
                 continue  # named already, or none
@@ -215,6 +222,12 @@ class Replicas:
                     out.append(name)
                     self._diverged.add(name)
                     break
+            else:
+                if counted is not None and value is not None and now.dim() == 0 and now.dtype != torch.bool:
+                    d = float(now) - float(value)
+                    if d != 0 and any(len(c) == count and all(n == d for n in c) for c in counts):
+                        counted.append((name, d))
+                        self._diverged.add(name)
         return out
 
     def matches(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:

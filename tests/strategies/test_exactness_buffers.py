@@ -133,3 +133,32 @@ def test_a_teacher_updated_in_place_without_the_check_is_said_once_then_owned():
             assert any("frozen parameters" in note for note in err.__notes__), err.__notes__
     assert len([w for w in caught if "'teacher.weight'" in str(w.message)]) == 1
     assert strategy._frozen_written == {"teacher.weight", "teacher.bias"}  # the next fit's replicas own them
+
+
+class _CountsSamples(SparseNet):
+    """Counts of the samples and points the step saw, in a buffer and in a Python attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("samples_seen", torch.zeros((), dtype=torch.long))
+        self.points_seen = 0
+
+    def training_step(self, batch, batch_idx):
+        self.samples_seen += batch["labels"].numel()
+        self.points_seen += int(batch["coordinates"].shape[0])
+        return self.loss(batch)
+
+
+def test_a_count_of_equal_chunks_the_replicas_agree_on_is_said():
+    """Over chunks of equal sizes every replica adds the same count, so the replicas agree and nothing was said, while
+    the module kept a third of one device's count (4 samples where it counts 12). Both are said now."""
+    samples = random_samples(6, seed=74, min_points=10, max_points=10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _CountsSamples()
+        strategy = SparseDataParallelStrategy(check_exactness=False)
+        trainer(strategy=strategy, devices=3, logger=False, max_steps=1).fit(ours, loader(collate_dict(samples)))
+    said = [str(w.message) for w in caught]
+    assert any("buffer 'samples_seen' by 2 in every replica" in m for m in said), said
+    assert any("self.points_seen grew by 20 in every replica's step" in m for m in said), said
+    assert int(ours.samples_seen) == 2  # the root replica's change, as the warning says (one device's: 6)
