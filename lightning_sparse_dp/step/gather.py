@@ -200,6 +200,13 @@ def _guess_role(
             "device's only if it is theirs. Return it in an ME.SparseTensor of its set (whose coordinates tell the set), "
             "or return that set's coordinates (x.C) in its place."
         )
+    if samples and _chunk_ids(values):
+        warning_cache.warn(
+            f"sparse_dp: step output {_printed(path)} holds 0..b-1 in every chunk of b samples: the chunk's own sample ids "
+            "(torch.unique(x.C[:, 0]), torch.arange(len(labels))), where one device's step gives the batch's 0..B-1. "
+            "It is merged as per-sample rows as it is. Return the coordinates (x.C: they come back with the batch's "
+            "sample ids) or per-sample values, and number the samples after the step (on_predict_batch_end, ...)."
+        )
     if samples or points:
         role = "samples" if samples else "points"
         if same:
@@ -250,6 +257,14 @@ def in_sample_order(plan: SplitPlan) -> bool:
     batch's sample order."""
     chunks = plan.chunk_samples
     return all(int(a[-1]) < int(b[0]) for a, b in zip(chunks, chunks[1:]) if len(a) and len(b))
+
+
+def _chunk_ids(values: list[Any]) -> bool:
+    """Whether every chunk's value is the integer vector ``0..b_i-1`` (some chunk of two or more samples): the chunks'
+    own sample ids."""
+    return all(isinstance(v, Tensor) and v.dim() == 1 and not (v.is_floating_point() or v.is_complex()) for v in values) \
+        and any(len(v) > 1 for v in values) \
+        and all(torch.equal(v.long().cpu(), torch.arange(len(v))) for v in values)
 
 
 def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool,

@@ -437,3 +437,17 @@ def test_per_sample_rows_of_different_shapes_in_the_chunks_name_the_fix():
     batch = collate_dict(random_samples(7, seed=21))
     with pytest.raises(ValueError, match=r"step output output has rows of different shapes.*x.dense\(shape=.*'list'"):
         trainer(strategy="sparse_dp", devices=3).predict(_DenseGrids(), loader(batch))
+
+
+class _SampleIds(SparseNet):
+    def predict_step(self, batch, batch_idx):
+        return {"ids": torch.unique(batch["coordinates"][:, 0]), "labels": batch["labels"]}
+
+
+def test_the_chunks_own_sample_ids_returned_are_said():
+    """torch.unique(x.C[:, 0]) per chunk is 0..b-1: merged as per-sample rows it was [0, 1, 2, 0, 1, 0, 1] where one
+    device returns 0..6, silently. It is said, naming what comes back with the batch's ids."""
+    batch = collate_dict(random_samples(7, seed=22))
+    with pytest.warns(UserWarning, match=r"step output output\['ids'\] holds 0..b-1 in every chunk"):
+        [out] = trainer(strategy="sparse_dp", devices=3).predict(_SampleIds(), loader(batch))
+    assert torch.equal(out["labels"], batch["labels"])
