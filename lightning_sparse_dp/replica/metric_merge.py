@@ -332,8 +332,9 @@ def merge_into_root(
                 raise RuntimeError(
                     f"the torchmetrics metric {name!r} ({type(root).__name__}) was updated in sparse_dp replicas but "
                     f"its state cannot be merged across them ({err}; a state reduced by None or a function of its "
-                    "own). Use a metric with full_state_update=False, or update it outside the step (e.g. from the "
-                    "gathered outputs in on_validation_batch_end)."
+                    "own). Update it outside the step, from the gathered outputs (on_validation_batch_end, ...), or "
+                    "give its states a reduction the merge applies: dist_reduce_fx='sum', 'mean', 'max', 'min' or "
+                    "'cat' (a list of tensors)."
                 ) from err
 
 

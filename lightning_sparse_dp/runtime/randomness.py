@@ -7,7 +7,8 @@ their draws, so two runs from the same seed differ even with ``Trainer(determini
 repeats. ``nn.DataParallel``'s replicas, one per GPU, each draw from their own GPU's generator, as replicas on
 distinct GPUs do here. NumPy's global generator (``np.random.rand``) and Python's ``random`` are one per process: every
 replica shares them, on GPUs too. :class:`SharedDraws` compares the shared generators' states around the first
-training forward passes (grad mode on) while torch's deterministic algorithms are on, and says once when a step drew.
+forward passes of training (grad mode on) and of evaluation while torch's deterministic algorithms are on, and says
+once when a step drew.
 """
 
 from __future__ import annotations
@@ -66,24 +67,27 @@ class SharedDraws:
     deterministic algorithms are on (``Trainer(deterministic=True)``): such runs do not repeat (module docstring).
 
     :meth:`before` and :meth:`after` go around one call of the replicas; only the first :data:`CHECKED_PASSES` calls
-    in grad mode with shared generators are looked at (a state copy and comparison per shared generator each).
+    in each grad mode with shared generators are looked at (a state copy and comparison per shared generator each).
     """
 
     def __init__(self) -> None:
-        self.passes = 0
+        self.passes = {True: 0, False: 0}  # calls looked at, by grad mode: training passes, evaluation passes
         self.said = False
-        #: whether a later call may still be looked at (not said, fewer than CHECKED_PASSES looked at): the executor
-        #: calls :meth:`before` only then
+        #: whether a later call may still be looked at (not said, fewer than CHECKED_PASSES looked at in a grad mode):
+        #: the executor calls :meth:`before` only then
         self.looking = True
 
     def before(self, devices: Sequence[torch.device]) -> list[tuple[str, Callable[[], Any], Any]] | None:
-        """The shared generators' ``(name, state getter, state)``, when this call is one to look at; else ``None``."""
-        if not self.looking or len(devices) < 2 or not torch.is_grad_enabled():
+        """The shared generators' ``(name, state getter, state)``, when this call is one to look at; else ``None``.
+        Training passes and evaluation passes (a validation step's bootstrap draws) are counted apart, so that the
+        sanity check's validation passes leave the training passes looked at."""
+        mode = torch.is_grad_enabled()
+        if not self.looking or len(devices) < 2 or self.passes[mode] >= CHECKED_PASSES:
             return None
         if not torch.are_deterministic_algorithms_enabled():
             return None
-        self.passes += 1
-        self.looking = self.passes < CHECKED_PASSES
+        self.passes[mode] += 1
+        self.looking = min(self.passes.values()) < CHECKED_PASSES
         getters = [(f"torch's generator of {d}", partial(_state, d)) for d in shared_generators(devices)]
         return [(name, get, get()) for name, get in [*getters, *HOST_GENERATORS]]
 

@@ -134,6 +134,31 @@ def test_draws_from_a_generator_the_replicas_share_are_said_under_deterministic(
     assert said is None or f"from {said}, which" in messages[0]
 
 
+class _DrawsInValidation(SparseNet):
+    """A bootstrap-like draw in the validation step (torchmetrics' BootStrapper draws so), from the shared generator."""
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self(x)
+        picked = torch.randint(0, len(logits), (len(logits),))
+        self.log("val_boot", F.cross_entropy(logits[picked], batch["labels"][picked]), batch_size=len(logits))
+
+
+def test_draws_in_a_validation_step_are_said_under_deterministic():
+    """Only training passes (grad mode on) were looked at: draws in validation were silent (a bootstrap's spread 1.05
+    off, the runs not repeating). Evaluation passes are looked at too, counted apart from the training ones."""
+    batch = collate_dict(random_samples(9, seed=75))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy="sparse_dp", devices=3, deterministic=True, limit_val_batches=None).validate(
+                _DrawsInValidation(), loader(batch), verbose=False)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)  # Lightning leaves it set for the process
+    assert [w for w in caught if "draws random numbers" in str(w.message)]
+
+
 def test_the_generators_replicas_share():
     cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     assert shared_generators([cpu, cpu, cpu]) == [cpu]
