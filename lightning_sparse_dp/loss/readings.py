@@ -175,6 +175,15 @@ def _matched_reading(
             )
     divided = _divided_sums(sites, summaries, memory, who, out.notes)
     differ = any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites)
+    if site.name.startswith("torch.") and not divided and (differ or memory.sums.get(site.key) == "counted"):
+        # a count of the chunk, which chunks of equal counts (one positive each) hide: read so from then on
+        memory.sums[site.key] = "counted"
+        raise NotExact(
+            f"the {who}s' steps divided {site.name} at {site.where} by different numbers"
+            f"{'' if differ else ' at an earlier step (by equal ones at this step)'}: a hand-written masked mean such "
+            "as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk (count on the whole batch in "
+            "on_before_batch_transfer, which every replica gets alike, and divide by that: exact)"
+        )
     if not divided and len(sites) > 1 and any(any(s.counted) for s in sites):
         raise NotExact(
             f"the {who}s' steps divided {site.name} at {site.where} by a count of their chunk (e.g. loss.sum() / "
@@ -182,14 +191,6 @@ def _matched_reading(
             "in every chunk hide it, and a count clamped to 1 is none). Count on the whole batch in "
             "on_before_batch_transfer (batch['num_pos'] = (labels == 1).sum()), which every replica gets alike, and "
             "divide by that: exact"
-        )
-    if site.name.startswith("torch.") and not divided and (differ or memory.sums.get(site.key) == "counted"):
-        # a count of the chunk, which chunks of equal counts (one positive each) hide: read so from then on
-        memory.sums[site.key] = "counted"
-        raise NotExact(
-            f"the {who}s' steps divided {site.name} at {site.where} by different numbers"
-            f"{'' if differ else ' at an earlier step (by equal ones at this step)'}: a hand-written masked mean such "
-            "as (loss * mask).sum() / mask.sum(), or a sum over a count of the chunk"
         )
     if differ and not divided:
         raise NotExact(
