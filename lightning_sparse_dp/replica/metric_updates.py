@@ -42,6 +42,38 @@ class UpdateCalls:
         return self.update(*args, **kwargs)
 
 
+#: the attribute of a replica's copy holding ``(its chunk's batch column, the metric's name)`` for the step
+CHUNK_COLUMN = "_lsdp_chunk_column"
+
+
+class BatchColumns:
+    """A replica copy's ``update``, saying once when an argument is the chunk's batch column (its points' sample ids
+    ``0..b-1`` in order, ``x.C[:, 0]``, as ``metric.__dict__[CHUNK_COLUMN]`` holds it for the step): each replica
+    numbers its samples from 0, so ids of different chunks meet in the metric's state (a retrieval metric's
+    ``indexes`` group them as one query), where one device's are the batch's ``0..B-1``."""
+
+    def __init__(self, update: Callable[..., Any], metric: Metric) -> None:
+        self.update, self.metric = update, metric
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        held = self.metric.__dict__.get(CHUNK_COLUMN)
+        if held is not None:
+            column, name = held
+            for v in (*args, *kwargs.values()):
+                if (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == column.numel()
+                        and v.dtype in (torch.int32, torch.int64) and torch.equal(v.long(), column.to(v.device))):
+                    _cache.warn(
+                        f"sparse_dp: the torchmetrics metric {name!r} was updated with the chunk's batch column (its "
+                        "points' sample ids 0..b-1, x.C[:, 0]): each replica numbers its samples from 0, so ids of "
+                        "different chunks meet in the metric's state (a retrieval metric's indexes= group them as one "
+                        "query), where one device's are the batch's 0..B-1. Pass ids of the whole batch: put them in "
+                        "the batch in on_before_batch_transfer (batch['point_sample_ids'] = coordinates[:, 0]), which "
+                        "the split cuts with the points and leaves as they are."
+                    )
+                    break
+        return self.update(*args, **kwargs)
+
+
 #: the attribute of a replica's copy (each level) holding :func:`plain_tensors` as the copy was handed out for a step
 HANDED = "_lsdp_handed_out"
 #: the attribute of a replica's copy (each level) set when the step reset it (:class:`StepResets`)

@@ -30,7 +30,15 @@ from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.capture import outside_capture
 from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
-from lightning_sparse_dp.replica.metric_updates import HANDED, RESET, StepResets, UpdateCalls, plain_tensors
+from lightning_sparse_dp.replica.metric_updates import (
+    CHUNK_COLUMN,
+    HANDED,
+    RESET,
+    BatchColumns,
+    StepResets,
+    UpdateCalls,
+    plain_tensors,
+)
 from lightning_sparse_dp.runtime.compat import RESET_ATTRIBUTES, computed, forward_cache, state_defaults, update_count
 from lightning_sparse_dp.split import SplitPlan
 
@@ -116,7 +124,7 @@ class ReplicaMetrics:
             if device != metric.device:
                 copy.to(device)
             if index >= 0:  # a replica's: update and forward run outside the step's loss capture (terms.outside_capture)
-                copy.update = outside_capture(copy.update)
+                copy.update = BatchColumns(outside_capture(copy.update), copy)
                 copy.forward = outside_capture(copy.forward)
                 for _, level in metric_levels(copy):  # an aggregator's updates' values (a wrapper's inner one's too,
                     if isinstance(level, BaseAggregator):  # MinMaxMetric(MeanMetric())), for the whole batch's (metric_merge)
@@ -175,7 +183,7 @@ class ReplicaMetrics:
             self.empty_for = structure
             yield self.none
             return
-        step = StepMetrics(self, found, slots_of, replicas, devices)
+        step = StepMetrics(self, found, slots_of, replicas, devices, plan)
         try:
             yield step
             merge_into_root(step.merged, plan, value_of)
@@ -193,9 +201,10 @@ class StepMetrics:
 
     def __init__(
         self, owner: ReplicaMetrics, found: list[tuple[str, Metric]], slots_of: dict[int, list[tuple[nn.Module, str]]],
-        replicas: list[nn.Module], devices: list[torch.device],
+        replicas: list[nn.Module], devices: list[torch.device], plan: SplitPlan | None = None,
     ) -> None:
         self._owner, self._slots_of, self._replicas, self._devices = owner, slots_of, replicas, devices
+        self._plan = plan  # each replica's chunk's batch column, for its copies' updates (BatchColumns)
         self._paths = [name.rpartition(".") for name, _ in found]
         count = len(replicas)
         # -1: the batch's scratch metric (the whole batch's forward value)
@@ -216,11 +225,24 @@ class StepMetrics:
             if slots is None:  # each metric's parent in this replica (its own module: the child slot set directly)
                 slots = self._slots_of[id(replica)] = [(replica.get_submodule(parent), attr) for parent, _, attr in self._paths]
             previous = self._previous[index]
+            column = self._batch_column(index)
             for entry, (parent, attr) in zip(self.merged, slots):
                 copy = self._owner._copy(entry.root, index, device)
+                copy.__dict__[CHUNK_COLUMN] = None if column is None else (column, entry.name)
                 previous.append((parent, attr, parent._modules[attr]))
                 parent._modules[attr] = copy
                 entry.replicas[index] = copy
+
+    def _batch_column(self, index: int) -> Tensor | None:
+        """Replica ``index``'s chunk's batch column (int64 ``[n_i]``: its points' sample ids ``0..b_i-1`` in order, of
+        the first point set), where the chunk holds two samples or more (one sample's is all zeros, as a target may be)."""
+        plan = self._plan
+        if plan is None or not plan.sample_points or index >= len(plan.chunk_samples):
+            return None
+        samples = plan.chunk_samples[index]
+        if samples.numel() < 2 or torch.equal(samples.cpu(), torch.arange(samples.numel())):
+            return None  # one sample (its column all zeros, as a target may be), or the batch's ids already
+        return torch.repeat_interleave(torch.arange(samples.numel()), plan.sample_points[0][samples].cpu())
 
     def copies(self, index: int) -> dict[str, Metric]:
         """``module path -> copy`` of replica ``index``'s installed copies and of the metrics inside them."""

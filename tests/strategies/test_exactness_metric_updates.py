@@ -264,3 +264,44 @@ def test_per_sample_rows_of_one_sample_chunks_update_metrics_as_one_devices():
         assert torch.allclose(getattr(ours, name).compute().double(), getattr(reference, name).compute().double(),
                               rtol=REL, atol=0), name
     assert int(reference.hits.weight) == 9
+
+
+class _Retrieval(SparseNet):
+    """A retrieval metric with one query per sample: its points' scores, ``indexes=`` each point's sample id."""
+
+    def __init__(self, whole_batch_ids: bool):
+        super().__init__()
+        self.mrr, self.whole_batch_ids = torchmetrics.retrieval.RetrievalMRR(), whole_batch_ids
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "point_sample_ids": batch["coordinates"][:, 0].long().clone()}
+
+    def validation_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        scores = self.net[0](x).F[:, 0]
+        ids = batch["point_sample_ids"] if self.whole_batch_ids else x.C[:, 0].long()
+        self.mrr.update(scores, batch["features"][:, 0] > 0, indexes=ids)
+        self.log("mrr", self.mrr)
+
+
+@pytest.mark.parametrize("whole_batch_ids", [False, True], ids=["chunk-column", "whole-batch-ids"])
+def test_a_metric_updated_with_the_chunks_batch_column_is_said(whole_batch_ids):
+    """x.C[:, 0] as a retrieval metric's indexes= numbers each chunk's samples from 0: queries of different chunks
+    were grouped as one (0.24 off one device), silently. It is said; ids of the whole batch put in the batch before
+    the split are exact and not said."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "updated with the chunk's batch column" in m})
+    batch = collate_dict(random_samples(7, seed=23))
+    values = []
+    for strategy, devices in (("sparse_dp", 3), ("auto", 1)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = trainer(strategy=strategy, devices=devices, limit_val_batches=None)
+            torch.manual_seed(0)
+            t.validate(_Retrieval(whole_batch_ids), loader(batch), verbose=False)
+        values.append(float(t.callback_metrics["mrr"]))
+        said = [w for w in caught if "updated with the chunk's batch column" in str(w.message)]
+        assert bool(said) == (strategy == "sparse_dp" and not whole_batch_ids)
+    if whole_batch_ids:
+        assert values[0] == pytest.approx(values[1], rel=REL)
