@@ -24,21 +24,35 @@ def _is_atom(x: Any) -> bool:
     return not isinstance(x, (Tensor, Mapping, list, tuple, np.ndarray)) and not is_me_tensor(x)
 
 
+def _record(x: Any) -> bool:
+    """One sample's metadata: a dict of plain values, short tuples / lists of them and tensors of at most one dimension
+    (``img_metas``' entries, ``{"label": tensor(3), "weight": 0.5}``), or a list / tuple of plain values."""
+    if isinstance(x, Mapping):
+        return all(
+            _is_atom(v) or (isinstance(v, Tensor) and v.dim() <= 1)
+            or (type(v) in (list, tuple) and all(_is_atom(e) for e in v)) for v in x.values()
+        )
+    return type(x) in (list, tuple) and all(_is_atom(v) for v in x)
+
+
 def is_sequence_leaf(x: Any) -> bool:
-    """A plain ``list`` / ``tuple`` of non-tensors (scene names, file paths, ids) or a numpy array.
+    """A plain ``list`` / ``tuple`` of non-tensors (scene names, file paths, ids), of per-sample records
+    (:func:`_record`: dicts of plain values or small tensors, tuples of plain values), or a numpy array.
 
     Under a dict key these are per-sample data when their length is the number of samples ``B``
     (split like per-sample tensors); the split does not descend into them.
     """
     if isinstance(x, np.ndarray):
         return True
-    return type(x) in (list, tuple) and all(_is_atom(v) for v in x)
+    if type(x) not in (list, tuple):
+        return False
+    return all(_is_atom(v) for v in x) or (len(x) > 0 and all(isinstance(v, (Mapping, list, tuple)) and _record(v) for v in x))
 
 
 def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any], bool]:
-    """``is_leaf`` for ``torch.utils._pytree``: ME tensors, and sequence leaves that are dict values or entries of a
-    list / tuple that holds tensors (``ME.utils.batch_sparse_collate``'s ``(coordinates, features, labels)`` with the
-    labels a list of ints).
+    """``is_leaf`` for ``torch.utils._pytree``: ME tensors, and sequence leaves that are values of a dict or a NamedTuple,
+    or entries of a list / tuple that holds tensors or a dict (``ME.utils.batch_sparse_collate``'s ``(coordinates,
+    features, labels)`` with the labels a list of ints; a collate function's ``(batch_dict, names)``).
 
     pytree asks about a node before its children, so a dict (or such a list / tuple) marks its values that are
     :func:`is_sequence_leaf` and they are then taken whole. ``extra`` marks more leaves.
@@ -48,10 +62,10 @@ def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any]
     def is_leaf(x: Any) -> bool:
         if is_me_tensor(x) or isinstance(x, np.ndarray) or id(x) in marked or (extra is not None and extra(x)):
             return True
-        if isinstance(x, Mapping):
-            marked.update(id(v) for v in x.values() if is_sequence_leaf(v))
-        elif type(x) in (list, tuple) and any(isinstance(v, Tensor) for v in x):
-            marked.update(id(v) for v in x if is_sequence_leaf(v))
+        if isinstance(x, Mapping) or (isinstance(x, tuple) and hasattr(x, "_fields")):  # a dict, a NamedTuple
+            marked.update(id(v) for v in (x.values() if isinstance(x, Mapping) else x) if is_sequence_leaf(v))
+        elif type(x) in (list, tuple) and any(isinstance(v, (Tensor, Mapping)) or is_me_tensor(v) for v in x):
+            marked.update(id(v) for v in x if is_sequence_leaf(v))  # beside tensors, or a dict: (batch, names)
         return False
 
     return is_leaf

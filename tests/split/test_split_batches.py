@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import NamedTuple
 
 import lightning as L
 import MinkowskiEngine as ME
@@ -347,3 +348,37 @@ def test_me_batch_sparse_collate_with_int_labels_trains_as_one_device():
         model.logged = float(t.callback_metrics["train_loss"])
     assert ours.logged == pytest.approx(reference.logged, rel=1e-10)
     assert_same_states(ours, reference)
+
+
+class _Scenes(NamedTuple):
+    coordinates: torch.Tensor
+    features: torch.Tensor
+    labels: torch.Tensor
+    names: list
+
+
+@pytest.mark.parametrize("form", ["namedtuple", "dict-and-names", "meta-dicts"])
+def test_per_sample_metadata_in_other_containers_is_cut_with_its_samples(form):
+    """Scene names in a NamedTuple, the names beside the batch dict (a collate function's ``return batch, names``) and
+    per-sample metadata dicts (``img_metas``) went whole to every replica, silently (a per-scene weight looked up from
+    them 0.6 off in validation). They are cut with their samples now, as names under a dict key are."""
+    base = collate_dict(random_samples(7, seed=24))
+    names = [f"scene{i}" for i in range(7)]
+    if form == "namedtuple":
+        batch = _Scenes(base["coordinates"], base["features"], base["labels"], names)
+    elif form == "dict-and-names":
+        batch = (base, names)
+    else:
+        batch = {**base, "meta": [{"name": n, "scale": (1.0, 0.5 + i)} for i, n in enumerate(names)]}
+    chunks, _ = split_batch(batch, 3, assignment="contiguous")
+    seen = []
+    for chunk in chunks:
+        if form == "namedtuple":
+            got, samples = chunk.names, len(chunk.labels)
+        elif form == "dict-and-names":
+            got, samples = chunk[1], len(chunk[0]["labels"])
+        else:
+            got, samples = [m["name"] for m in chunk["meta"]], len(chunk["labels"])
+        assert len(got) == samples
+        seen += got
+    assert seen == names
