@@ -27,6 +27,7 @@ never sources: they get the role ``"indices"`` (:mod:`.indices`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from typing import Any
 
@@ -358,6 +359,13 @@ def count_samples(
 
 
 def _numpy_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
+    """What the leaves of a batch without a tensor to split hold instead: numpy arrays, or a dataclass."""
+    kept = [leaf for leaf in leaves if dataclasses.is_dataclass(leaf.value) and not isinstance(leaf.value, type)]
+    if kept:
+        return (
+            f" {kept[0].name} is a dataclass ({type(kept[0].value).__name__}), which the split does not open: hold the "
+            "batch in a dict or a NamedTuple (the collate function's return), or split it yourself (split_fn=)."
+        )
     arrays = [leaf.name for leaf in leaves if isinstance(leaf.value, np.ndarray) and leaf.value.ndim > 1]
     if not arrays:
         return ""

@@ -220,3 +220,17 @@ def test_a_one_level_batch_of_another_structure_is_split_by_its_own():
         chunks, plan = split_batch(t, 2)
         assert all(type(c) is tuple and len(c) == len(t) for c in chunks)
         assert torch.equal(torch.cat([c[1] for c in chunks])[torch.argsort(torch.cat(list(plan.point_rows[0])))], t[1])
+
+
+def test_a_dataclass_batch_names_the_containers_the_split_opens():
+    """A dataclass batch raised 'no tensor to split' without saying why: the split does not open dataclasses."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Scans:
+        coordinates: torch.Tensor
+        features: torch.Tensor
+
+    batch = collate_dict(random_samples(4, seed=25))
+    with pytest.raises(BatchLayoutError, match=r"batch is a dataclass \(Scans\), which the split does not open.*NamedTuple"):
+        split_batch(Scans(batch["coordinates"], batch["features"]), 2)
