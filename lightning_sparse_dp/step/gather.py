@@ -85,10 +85,12 @@ def per_sample_nodes(
                     f"output_layout gives step output {_printed(path)} the role 'samples' but its lengths {lengths} "
                     f"are not the chunks' numbers of samples {plan.samples_per_chunk}."
                 )
+            present = [x for x in entries if x is not None]  # a sample with nothing to give (no detection): None
             per_sample = role == "samples" or (
                 role not in OUTPUT_ROLES
                 and lengths == plan.samples_per_chunk
-                and all(_alike(entries[0], x) for x in entries[1:])
+                and bool(present) and all(_alike(present[0], x) for x in present[1:])
+                and (len(present) == len(entries) or all(isinstance(x, (Tensor, Mapping, list, tuple)) for x in present))
             )
             if per_sample:
                 if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:

@@ -451,3 +451,28 @@ def test_the_chunks_own_sample_ids_returned_are_said():
     with pytest.warns(UserWarning, match=r"step output output\['ids'\] holds 0..b-1 in every chunk"):
         [out] = trainer(strategy="sparse_dp", devices=3).predict(_SampleIds(), loader(batch))
     assert torch.equal(out["labels"], batch["labels"])
+
+
+class _Detections(SparseNet):
+    """Per-sample detections, ``None`` for a sample without any (labels 0 here), as detection code returns them."""
+
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        logits = self(ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device))
+        return [None if int(y) == 0 else logits[i : i + 1].repeat(int(y), 1) for i, y in enumerate(batch["labels"])]
+
+
+@pytest.mark.parametrize("samples", [9, 10])
+def test_per_sample_outputs_with_none_for_some_samples_come_back_per_sample(samples):
+    """A None entry was not alike the tensors beside it, so the list was not taken as per-sample: merged position by
+    position (3 entries where one device returns 9) or refused as 'another structure'. It is per-sample now."""
+    batch = collate_dict(random_samples(samples, seed=26))
+    batch["labels"][::3] = 0
+    torch.manual_seed(0)
+    [ours] = trainer(strategy="sparse_dp", devices=3, precision="64-true").predict(_Detections(), loader(batch))
+    torch.manual_seed(0)
+    [one] = trainer(devices=1, precision="64-true").predict(_Detections(), loader(batch))
+    assert len(ours) == len(one) == samples
+    for a, b in zip(ours, one):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-10, atol=0)
