@@ -117,15 +117,18 @@ def _layout_role(path: Sequence[Any], layout: Mapping[Any, str] | None) -> tuple
 def tensor_lists(layout: Mapping[Any, str] | None) -> Callable[[Any], bool]:
     """:func:`leaf_predicate`, and a dict value that is a list / tuple of tensors is one leaf (a per-sample
     list, one tensor per sample) when its key names indices (``correspondences``: each sample's own row
-    numbers) or ``layout`` gives that key the role ``"samples"``."""
+    numbers) or ``layout`` gives that key the role ``"samples"``; so is a list / tuple of dicts (detection targets,
+    ``[{"boxes": [k_i, 7], "labels": [k_i]}, ...]``) that ``layout`` gives the role ``"samples"``."""
     marked: set[int] = set()
     base = leaf_predicate(lambda x: id(x) in marked)
 
     def is_leaf(x: Any) -> bool:
         if isinstance(x, Mapping):
             for key, v in x.items():
-                tensors = type(v) in (list, tuple) and len(v) > 0 and all(isinstance(e, Tensor) for e in v)
-                if tensors and (names_indices(key) or (layout is not None and layout.get(key) == "samples")):
+                listed = type(v) in (list, tuple) and len(v) > 0
+                tensors = listed and all(isinstance(e, Tensor) for e in v)
+                named = layout is not None and layout.get(key) == "samples"
+                if (tensors and (names_indices(key) or named)) or (listed and named and all(isinstance(e, Mapping) for e in v)):
                     marked.add(id(v))
         return base(x)
 

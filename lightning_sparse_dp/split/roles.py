@@ -155,6 +155,14 @@ def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ..
 def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
     """The fix for a tensor whose length matches nothing: the role that fits what it looks like."""
     x, key = leaf.value, key_of(leaf.path)
+    steps = [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
+    for i in range(len(steps) - 1, 0, -1):  # inside a list of dicts under a key: one entry per sample (targets)
+        if isinstance(steps[i], int) and i + 1 < len(steps) and isinstance(steps[i - 1], str):
+            return (
+                f"It sits in the list under {steps[i - 1]!r}, whose entries look like one per sample (detection "
+                f"targets): give the list the role 'samples', SparseDataParallelStrategy(layout={{{steps[i - 1]!r}: "
+                "'samples'}), and each sample's entry goes with its sample. "
+            )
     integer = not x.dtype.is_floating_point and x.dtype != torch.bool
     if x.dim() == 2 and (looks_like_collated_coordinates(x) or _numbers_samples(x, num_samples)):
         samples = int(x[:, 0].max()) + 1

@@ -382,3 +382,18 @@ def test_per_sample_metadata_in_other_containers_is_cut_with_its_samples(form):
         assert len(got) == samples
         seen += got
     assert seen == names
+
+
+def test_detection_targets_as_a_list_of_dicts_are_cut_with_their_samples_when_named():
+    """``targets = [{"boxes": [k_i, 7], "labels": [k_i]}, ...]`` raised a length error on its first entry's boxes that
+    named no fix, and the role 'samples' for the list was refused. The error names it, and with it each sample's
+    entry goes with its sample."""
+    batch = collate_dict(random_samples(5, seed=27))
+    g = torch.Generator().manual_seed(5)
+    batch["targets"] = [{"boxes": torch.randn(k, 7, generator=g), "labels": torch.ones(k, dtype=torch.long)}
+                        for k in (2, 4, 1, 3, 5)]
+    with pytest.raises(BatchLayoutError, match=r"list under 'targets'.*layout=\{'targets': 'samples'\}"):
+        split_batch(batch, 2)
+    chunks, plan = split_batch(batch, 2, layout={"targets": "samples"}, assignment="contiguous")
+    got = [t["boxes"].shape[0] for c in chunks for t in c["targets"]]
+    assert got == [2, 4, 1, 3, 5] and [len(c["targets"]) for c in chunks] == plan.samples_per_chunk
