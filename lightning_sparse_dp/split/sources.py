@@ -195,6 +195,14 @@ def find_sources(
         parents = [p for p in (list_parent(out[i]) for i in candidates) if p is not None]
         if len(parents) != len(set(parents)):  # several in one list: per-sample coordinates, not collated
             raise BatchLayoutError(uncollated_hint(out))
+        samples = _per_sample_entries(out, candidates)
+        if samples is not None:  # batch[k][0] for every k: a list of samples, each with its own coordinates
+            raise BatchLayoutError(
+                f"{samples} looks like a list of samples that were not collated (each entry holds its own coordinates "
+                "[n_i, D], whose first column would be read as a batch index). Collate them into one batch with "
+                "ME.utils.sparse_collate(coordinates, features, labels) as the DataLoader's collate_fn (coordinates "
+                "[N, D+1] with the batch index in column 0), then the step gets them collated as one device's does."
+            )
         integer = [i for i in candidates if not out[i].value.dtype.is_floating_point]
         found = integer or _float_coordinates(out, candidates) or _collated_points(out, candidates)
         for i in found:
@@ -213,6 +221,27 @@ def find_sources(
             if own and x.shape[0] > num_samples and _numbers_samples(batch_index, num_samples):
                 _as_source(out, sources, i, batch_index)
     return tuple(out), tuple(sources)
+
+
+def _per_sample_entries(leaves: list[Leaf], candidates: list[int]) -> str | None:
+    """The name of a list / tuple whose entries each hold a coordinates look-alike at the same place (``batch[k][0]``
+    for every ``k``: samples a ``collate_fn=lambda x: x`` left uncollated), else ``None``."""
+    paths = [leaves[i].path for i in candidates]
+    by_shape: dict[tuple, set[Any]] = {}
+    for path in paths:
+        for j, step in enumerate(path):
+            idx = getattr(step, "idx", None)
+            if isinstance(idx, int):
+                by_shape.setdefault((j, tuple(path[:j]), tuple(path[j + 1 :])), set()).add(idx)
+    for (j, prefix, _), indices in by_shape.items():
+        if len(indices) < 2:
+            continue
+        # an entry's own label (a 0-dim tensor, a number) beside its coordinates: a sample, where two collated point
+        # sets in a list ([(coords0, feats0, labels0), (coords1, ...)]) hold per-sample tensors [B] instead
+        inside = [leaf.value for leaf in leaves if len(leaf.path) > j and tuple(leaf.path[:j]) == prefix]
+        if any((isinstance(v, Tensor) and v.dim() == 0) or isinstance(v, (int, float)) for v in inside):
+            return path_name(prefix)
+    return None
 
 
 def _integer_matrix(x: Any) -> bool:

@@ -234,3 +234,15 @@ def test_a_dataclass_batch_names_the_containers_the_split_opens():
     batch = collate_dict(random_samples(4, seed=25))
     with pytest.raises(BatchLayoutError, match=r"batch is a dataclass \(Scans\), which the split does not open.*NamedTuple"):
         split_batch(Scans(batch["coordinates"], batch["features"]), 2)
+
+
+def test_a_list_of_uncollated_samples_each_with_its_coordinates_is_refused():
+    """``collate_fn=lambda x: x``: each sample's coordinates [n_i, 3] (sorted by x, as torch.unique returns them) were
+    read as collated coordinates with x as the batch index, cutting every sample into slabs, silently. Refused."""
+    samples = [(c[:, 1:], f, torch.tensor(y)) for c, f, y in
+               ((torch.cat([torch.zeros(len(c), 1, dtype=torch.int32), c], 1), f, y) for c, f, y in random_samples(4))]
+    for c, _, _ in samples:
+        c[:, 0] = torch.arange(len(c), dtype=c.dtype) % 3  # x spans 0..2, sorted as a batch column would be
+        c[:] = c[c[:, 0].argsort(stable=True)]
+    with pytest.raises(BatchLayoutError, match=r"batch looks like a list of samples that were not collated"):
+        split_batch(samples, 2)
