@@ -62,6 +62,7 @@ from lightning_sparse_dp.loss.means import (
     scalar_values,
 )
 from lightning_sparse_dp.loss.sites import CallSite, RowStatistics, input_rows, locate, peek_transform, reduces_rows
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
 T = TypeVar("T")
@@ -198,6 +199,18 @@ def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
     return torch.where(keep, value, torch.zeros_like(value)) * factor
 
 
+def _say_input_gradients() -> None:
+    """Once per process: a step without a graph of its own (validation, test, predict) took ``torch.autograd.grad`` of
+    a loss over its chunk: each replica's gradients are of its chunk's mean, not the batch's."""
+    _said.warn(
+        "sparse_dp: an evaluation step (validation, test or predict) calls torch.autograd.grad of a loss over its chunk "
+        "(input gradients, a saliency map): each replica differentiates its own chunk's mean, so the gradients are "
+        "scaled by 1 / (its chunk's samples or points), where one device's are scaled by 1 / (the whole batch's): "
+        "about replicas times one device's. Differentiate the loss's sum (reduction='sum') and divide the gradients by "
+        "the whole batch's count, put in the batch in on_before_batch_transfer."
+    )
+
+
 class TermCapture(StepObserver):
     """The terms and forms of one replica's step (enter it in the replica's thread: :meth:`run`).
 
@@ -266,6 +279,8 @@ class TermCapture(StepObserver):
             self._note_count(kind, args, out)
         if not self.recording:  # no graph to read the chunk's statistics off: followed here
             self._followed().follow(func, args, kwargs, out)
+            if func is torch.autograd.grad and self.forms and self._touches_forms(args[:1]):
+                _say_input_gradients()
         if plain:
             return out
         if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:

@@ -190,3 +190,25 @@ def test_a_sum_over_a_count_of_the_chunk_is_said_also_when_the_counts_are_equal(
     trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3).fit(ours, loader(batch))
     trainer64().fit(reference, loader(batch))
     assert max(state_differences(ours, reference).values()) <= REL
+
+
+class _Saliency(PooledNet):
+    """Input gradients of the loss in a validation step (a saliency map), under ``Trainer(inference_mode=False)``."""
+
+    def validation_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            features = batch["features"].detach().requires_grad_(True)
+            logits = self.head(self.features({**batch, "features": features}))
+            (grad,) = torch.autograd.grad(F.cross_entropy(logits, batch["labels"]), features)
+        self.log("saliency", grad.abs().sum(), batch_size=len(batch["labels"]))
+
+
+def test_input_gradients_of_a_chunks_loss_in_validation_are_said():
+    """Each replica differentiates its chunk's mean: the gradients were about 3x one device's on 3 replicas (a logged
+    saliency 2.0 off), silently. It is said, naming the sum and the whole batch's count."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "calls torch.autograd.grad of a loss over its chunk" in m})
+    with pytest.warns(UserWarning, match=r"calls torch.autograd.grad of a loss over its chunk.*reduction='sum'"):
+        trainer64(strategy="sparse_dp", devices=3, limit_val_batches=None, inference_mode=False).validate(
+            _Saliency(), loader(collate_dict(random_samples(7, seed=28))), verbose=False)
