@@ -62,6 +62,7 @@ from lightning_sparse_dp.loss.means import (
     scalar_values,
 )
 from lightning_sparse_dp.loss.sites import CallSite, RowStatistics, input_rows, locate, peek_transform, reduces_rows
+from lightning_sparse_dp.runtime.process import REPLICA_CALL as _replica_call
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
 
@@ -115,6 +116,8 @@ class StepObserver(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
+            _say_own_generator()
         out = func(*args, **kwargs)
         try:
             kind = _KINDS.get(func)
@@ -199,6 +202,18 @@ def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
     return torch.where(keep, value, torch.zeros_like(value)) * factor
 
 
+def _say_own_generator() -> None:
+    """Once per process: a replica's step drew random numbers from a ``torch.Generator`` it was given
+    (``torch.randn(..., generator=g)``)."""
+    _said.warn(
+        "sparse_dp: the step draws random numbers from a torch.Generator of its own (torch.randn(..., generator=g)): "
+        "a generator made and seeded in the step starts the same stream in every replica, so each chunk gets the "
+        "stream's first rows where one device's batch gets rows 0..B-1 (and one kept on the module is drawn from by "
+        "the replicas in thread order). Draw for the whole batch in on_before_batch_transfer and put the draws in the "
+        "batch (per-sample rows are cut with their samples), or train with sparse_ddp."
+    )
+
+
 def _say_input_gradients() -> None:
     """Once per process: a step without a graph of its own (validation, test, predict) took ``torch.autograd.grad`` of
     a loss over its chunk: each replica's gradients are of its chunk's mean, not the batch's."""
@@ -259,6 +274,8 @@ class TermCapture(StepObserver):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
+            _say_own_generator()
         try:
             kind = _KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
