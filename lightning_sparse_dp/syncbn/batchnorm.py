@@ -68,6 +68,34 @@ class SyncBatchNorm(_BatchNorm):
 #: includes the ``bn`` inside ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``.
 SWAPPED_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
+
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
+    """:class:`SyncBatchNorm` in place of a ``BatchNorm1d``: still one for ``isinstance`` (the user's code that looks for
+    batch norm, e.g. to leave it out of weight decay or to freeze it, finds it as on one device)."""
+
+
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
+    """:class:`SyncBatchNorm` in place of a ``BatchNorm2d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
+    """:class:`SyncBatchNorm` in place of a ``BatchNorm3d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+def _sync_class(layer: nn.Module) -> type[SyncBatchNorm]:
+    """The class a swapped layer gets: a subclass of its own torch class where it is ``BatchNorm1d/2d/3d`` (or of
+    theirs), so that ``isinstance(m, nn.BatchNorm1d)`` holds for the swapped layer; :class:`SyncBatchNorm` for torch's
+    ``SyncBatchNorm``, whose own forward needs a process group."""
+    for torch_class, ours in ((nn.BatchNorm1d, SyncBatchNorm1d), (nn.BatchNorm2d, SyncBatchNorm2d),
+                              (nn.BatchNorm3d, SyncBatchNorm3d)):
+        if isinstance(layer, torch_class):
+            return ours
+    return SyncBatchNorm
+
+
+#: what a layer the user changed during the fit carries besides its tensors, given back at the revert
+_SETTINGS = ("momentum", "eps")
+
 Swap = tuple[nn.Module, str, nn.Module]
 
 
@@ -111,7 +139,7 @@ def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, SWAPPED_TYPES) and not isinstance(child, SyncBatchNorm):
-                new = SyncBatchNorm(
+                new = _sync_class(child)(
                     child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats,
                     device=child.running_mean.device if child.running_mean is not None else None,
                 )
@@ -130,7 +158,12 @@ def revert_sync_batchnorm(swaps: list[Swap]) -> None:
         current = getattr(parent, name)
         _hand_over(current, original)
         original.train(current.training)
+        for setting in _SETTINGS:  # a momentum schedule, a frozen layer's settings: what the fit left
+            setattr(original, setting, getattr(current, setting))
         parent.add_module(name, original)
 
 
-__all__ = ["SWAPPED_TYPES", "Swap", "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = [
+    "SWAPPED_TYPES", "Swap", "SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d",
+    "convert_sync_batchnorm", "revert_sync_batchnorm",
+]
