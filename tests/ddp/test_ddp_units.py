@@ -55,7 +55,7 @@ def test_layer_sync_plugin_swaps_and_reverts_me_batch_norm():
     plugin = ProcessGroupSyncBatchNorm()
     plugin.apply(model)
     layers = [model[0].bn, model[1], model[2].bn]
-    assert all(type(m) is SyncBatchNorm and isinstance(m.collective, ProcessGroupCollective) for m in layers)
+    assert all(isinstance(m, SyncBatchNorm) and isinstance(m.collective, ProcessGroupCollective) for m in layers)
     assert all(m.update_running_stats for m in layers)
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in keys.items()}
     plugin.revert(model)

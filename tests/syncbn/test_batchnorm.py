@@ -265,7 +265,7 @@ def test_convert_and_revert_keep_parameters_buffers_and_state_dict_keys():
     swaps = convert_sync_batchnorm(model)
     assert len(swaps) == 4
     converted = [model[0].bn, model[1].bn, model[2], model[3][0]]
-    assert all(type(m) is SyncBatchNorm for m in converted)
+    assert all(isinstance(m, SyncBatchNorm) for m in converted)  # a BatchNorm1d stays one too (isinstance)
     assert model[0].bn.weight is tensors[0] and model[1].bn.running_mean is tensors[1]
     assert model[2].bias is tensors[2] and model[3][0].num_batches_tracked is tensors[3]
     assert list(model.state_dict()) == list(before)
