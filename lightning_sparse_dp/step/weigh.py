@@ -26,9 +26,18 @@ def weigh(step: StepContext, loss_weighting: Any, held: HeldWeighting) -> tuple[
     assert step.plan is not None
     with step.call.timer.stage("weigh"):
         losses = [loss_of(o) for o in step.outputs]
-        weights = step.weights if step.weights is not None else held.step_weights(
-            step.plan, step.inputs, loss_weighting, step.call.warnings
-        )
+        try:
+            weights = step.weights if step.weights is not None else held.step_weights(
+                step.plan, step.inputs, loss_weighting, step.call.warnings
+            )
+        except Exception as err:  # a callable written for labelled chunks, on a predict batch without labels
+            if step.call.name != "predict_step" or not callable(loss_weighting):
+                raise
+            step.call.warnings.info(
+                f"sparse_dp: the loss_weighting callable failed on a predict step's chunk ({type(err).__name__}: "
+                f"{err}); predict has no loss, so its outputs' means are weighted by the chunks' samples."
+            )
+            weights = held.step_weights(step.plan, step.inputs, "samples", step.call.warnings)
         if step.terms is not None:
             step.terms.weigh(losses, weights)
     return losses, weights

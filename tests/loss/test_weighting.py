@@ -172,3 +172,25 @@ def test_the_suggested_counting_callable_fits_the_batchs_own_structure():
         example = counting_example(plan)
         assert example == f"lambda chunk: ({want} != 255).sum()"
         assert int(eval(example)(chunks[0])) == len(chunks[0][2] if isinstance(batch, tuple) else chunks[0]["seg"])
+
+
+class _Predicts(SparseNet):
+    def predict_step(self, batch, batch_idx):
+        return self(ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device))
+
+
+def test_a_weighting_callable_for_labelled_chunks_does_not_stop_predict(caplog):
+    """The documented ``loss_weighting=lambda chunk: (chunk["labels"] != 255).sum()`` raised a bare KeyError on a
+    predict loader without labels, where one device runs: predict has no loss to weigh. It runs, said once."""
+    from tests.support.helpers import loader, trainer
+
+    batch = collate_dict(random_samples(7, seed=29))
+    del batch["labels"]
+    strategy = SparseDataParallelStrategy(loss_weighting=lambda chunk: (chunk["labels"] != 255).sum())
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO):
+        [ours] = trainer(strategy=strategy, devices=3).predict(_Predicts(), loader(batch))
+    torch.manual_seed(0)
+    [one] = trainer(devices=1).predict(_Predicts(), loader(batch))
+    torch.testing.assert_close(ours, one, rtol=1e-5, atol=0)
+    assert "loss_weighting callable failed on a predict step's chunk (KeyError" in caplog.text
