@@ -21,8 +21,8 @@ from typing import Any
 
 from torch import nn
 
-#: ``id(group) -> (the trainer's group, the replica's copy)``
-Copies = dict[int, tuple[dict[str, Any], dict[str, Any]]]
+#: ``id(group) -> (the trainer's group, the replica's copy, the group's entries when copied)``
+Copies = dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
 
 
 class RankOptimizer:
@@ -32,13 +32,17 @@ class RankOptimizer:
     def __init__(self, optimizer: Any, copies: Copies) -> None:
         self._optimizer, self._copies = optimizer, copies
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(view, torch.optim.SGD) holds, as for the optimizer itself
+        return type(self._optimizer)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         copies, out = self._copies, []
         for group in self._optimizer.param_groups:
             entry = copies.get(id(group))
             if entry is None:
-                entry = copies[id(group)] = (group, dict(group))
+                entry = copies[id(group)] = (group, dict(group), dict(group))
             out.append(entry[1])
         return out
 
@@ -61,9 +65,11 @@ class RankOptimizers:
         return RankOptimizer(found, self.copies)
 
     def write_back(self) -> None:
-        """The copies' hyperparameters (every entry but ``params``) into the trainer's groups; the copies dropped."""
-        for group, copy in self.copies.values():
-            group.update((k, v) for k, v in copy.items() if k != "params")
+        """The hyperparameters the replica changed in its copies (entries but ``params`` that differ from the group's
+        when copied) into the trainer's groups; the copies dropped. What changed the trainer's groups meanwhile (a
+        scheduler stepped in the step) stays where the replica left an entry as it found it."""
+        for group, copy, found in self.copies.values():
+            group.update((k, v) for k, v in copy.items() if k != "params" and (k not in found or found[k] is not v))
         self.copies.clear()
 
 

@@ -189,8 +189,8 @@ def _batch_columns_back(values: list[Tensor], plan: SplitPlan, rows: str, source
     concatenated (``"cat"``), ids in order with every sample present (``x.C[:, 0]`` of a strided or quantized tensor);
     ``values`` as they are otherwise (a per-point class prediction is no such run). Per-sample vectors are left: one
     id per sample, ``0..b_i-1``, cannot be told from per-sample classes."""
-    if rows not in ("points", "cat"):
-        return values
+    if rows not in ("points", "cat") or all(len(samples) < 2 for samples in plan.chunk_samples):
+        return values  # one sample a chunk: its column is all zeros, as a per-point prediction of class 0 is
     out = []
     for v, samples in zip(values, plan.chunk_samples):
         ids = v.long()

@@ -8,6 +8,7 @@ every chunk (``"replicate"``). ``layout=`` settles what lengths cannot (``N == B
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -219,6 +220,13 @@ def _sequence_role(leaf: Leaf, sources: tuple[Source, ...], num_samples: int) ->
     x = leaf.value
     length = len(x) if not isinstance(x, np.ndarray) or x.ndim > 0 else -1
     if length == num_samples:
+        if leaf.role is None and type(x) in (list, tuple) and x and isinstance(x[0], (Mapping, list, tuple)):
+            _warning_cache.info(  # records (dicts, tuples) as many as the samples: per-sample metadata, or a list of
+                f"split_batch: {leaf.name} holds {length} entries, as many as the batch's samples: it is cut with its "
+                "samples, as per-sample metadata (img_metas, targets). If it is not per-sample (augmentation "
+                "configs, per-class entries), give it the role 'replicate': "
+                f"layout={{{key_of(leaf.path)!r}: 'replicate'}} (or 'samples' to silence this)."
+            )  # configs whose count equals B by chance: said, once per name
         return Role.SAMPLES
     if type(x) in (list, tuple) and any(isinstance(e, Tensor) for e in x):
         raise BatchLayoutError(

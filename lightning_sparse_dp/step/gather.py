@@ -90,7 +90,10 @@ def per_sample_nodes(
                 role not in OUTPUT_ROLES
                 and lengths == plan.samples_per_chunk
                 and bool(present) and all(_alike(present[0], x) for x in present[1:])
-                and (len(present) == len(entries) or all(isinstance(x, (Tensor, Mapping, list, tuple)) for x in present))
+                # None beside values: per-sample where every replica's list holds two values or more, or where the
+                # Nones sit at other places in different replicas; a fixed structure such as (logits, None) does neither
+                and (len(present) == len(entries) or all(sum(x is not None for x in v) >= 2 for v in values)
+                     or len({tuple(i for i, x in enumerate(v) if x is None) for v in values}) > 1)
             )
             if per_sample:
                 if role != "samples" and plan.num_chunks > 1 and len(set(lengths)) == 1 and len(entries) > 1:

@@ -145,6 +145,8 @@ def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
                 )
                 _hand_over(child, new)
                 new.train(child.training)
+                for setting in _SETTINGS:  # as swapped: a change the fit makes through the new layer is given back
+                    new.__dict__[f"_lsdp_swapped_{setting}"] = getattr(child, setting)
                 parent.add_module(name, new)
                 swaps.append((parent, name, child))
     return swaps
@@ -158,8 +160,10 @@ def revert_sync_batchnorm(swaps: list[Swap]) -> None:
         current = getattr(parent, name)
         _hand_over(current, original)
         original.train(current.training)
-        for setting in _SETTINGS:  # a momentum schedule, a frozen layer's settings: what the fit left
-            setattr(original, setting, getattr(current, setting))
+        for setting in _SETTINGS:  # a momentum schedule through the swapped layer: what the fit set on it (a change
+            value = getattr(current, setting)  # made through the user's own layer, held elsewhere, stays)
+            if value != current.__dict__.get(f"_lsdp_swapped_{setting}", value):
+                setattr(original, setting, value)
         parent.add_module(name, original)
 
 

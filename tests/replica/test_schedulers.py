@@ -98,3 +98,38 @@ def test_a_failing_once_call_raises_in_every_replica_that_makes_it():
         call_once(effects, 0, 1, fail)
     with pytest.raises(ValueError, match="scheduler failed"):
         call_once(effects, 1, 1, lambda: "not run")
+
+
+class _ReadsThenSteps(_WarmsUpInTheStep):
+    """The rate read through the trainer's optimizers (the replica's copies of the groups are made), then the
+    scheduler stepped by hand: the scheduler's change must stay (the copies were only read)."""
+
+    def step_scheduler(self):
+        assert isinstance(self.trainer.optimizers[0], torch.optim.SGD)  # the replica's view is one for isinstance
+        self.read_lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.lr_schedulers().step()
+
+
+class _ManualReadsThenSteps(ManualOptimization, _ReadsThenSteps):
+    def manual_loss(self, batch, batch_idx):
+        loss = F.cross_entropy(self.head(self.features(batch)), batch["labels"])
+        self.step_scheduler()  # before opt.step(): the optimizer steps with the scheduler's rate
+        return loss
+
+    def after_step(self, loss):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+
+
+@pytest.mark.parametrize("cls", [_ReadsThenSteps, _ManualReadsThenSteps], ids=["automatic", "manual"])
+def test_a_rate_read_from_the_groups_does_not_undo_a_scheduler_stepped_after(cls):
+    """The root replica's copies of the groups, made by the read, were written back whole after the step (automatic)
+    or before opt.step() (manual), undoing the scheduler's change: the rate stayed, the parameters 0.27 / 0.49 off,
+    silently. Only entries the replica changed are written back now."""
+    batches = [collate_dict(random_samples(8, seed=s)) for s in (44, 45, 46)]
+    ours, reference = same_start(cls, seed=0)
+    t = trainer64(strategy="sparse_dp", devices=3, max_steps=3)
+    t.fit(ours, loader(*batches))
+    r = trainer64(max_steps=3)
+    r.fit(reference, loader(*batches))
+    assert t.optimizers[0].param_groups[0]["lr"] == r.optimizers[0].param_groups[0]["lr"]
+    assert_same_states(ours, reference)

@@ -476,3 +476,28 @@ def test_per_sample_outputs_with_none_for_some_samples_come_back_per_sample(samp
     assert len(ours) == len(one) == samples
     for a, b in zip(ours, one):
         assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-10, atol=0)
+
+
+class _FixedWithNone(SparseNet):
+    def predict_step(self, batch, batch_idx):
+        import MinkowskiEngine as ME
+
+        return self(ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)), None
+
+
+class _Background(SparseNet):
+    """Per-point integer predictions that are all 0 (background), with one sample per replica."""
+
+    def predict_step(self, batch, batch_idx):
+        return torch.zeros(len(batch["coordinates"]), dtype=torch.long)
+
+
+def test_a_fixed_pair_with_none_and_zero_predictions_stay_as_they_are():
+    """``(logits, None)`` in chunks of two samples was taken for per-sample entries (a list of 6); all-zero per-point
+    predictions over chunks of one sample looked like each chunk's batch column and came back as sample ids."""
+    batch = collate_dict(random_samples(6, seed=30))
+    [pair] = trainer(strategy="sparse_dp", devices=3).predict(_FixedWithNone(), loader(batch))
+    assert isinstance(pair, tuple) and len(pair) == 2 and pair[1] is None and pair[0].shape[0] == 6
+    one = collate_dict(random_samples(3, seed=31))
+    [pred] = trainer(strategy="sparse_dp", devices=3).predict(_Background(), loader(one))
+    assert pred.shape[0] == len(one["coordinates"]) and not pred.any()

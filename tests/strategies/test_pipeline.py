@@ -19,7 +19,7 @@ from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.ddp.exchange import local_count
 from lightning_sparse_dp.replica.recorder import LogRecorder
 from lightning_sparse_dp.step.context import StepCall, StepContext
-from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm
+from lightning_sparse_dp.syncbn.batchnorm import SyncBatchNorm, SyncBatchNorm1d
 from lightning_sparse_dp.syncbn.layer_sync import SyncBatchNormSwap
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer
 
@@ -99,7 +99,7 @@ def test_trainer_sync_batchnorm_goes_through_the_layer_sync_plugin():
     t = trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, callbacks=[types])
     t.fit(model, loader(_batch()))
     assert type(t.strategy._layer_sync) is SyncBatchNormSwap  # Lightning's TorchSyncBatchNorm was replaced at setup
-    assert types.during == [SyncBatchNorm]  # swapped while fitting
+    assert types.during == [SyncBatchNorm1d]  # swapped while fitting (a BatchNorm1d still, for isinstance)
     assert [type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] == [
         torch.nn.BatchNorm1d
     ]  # and reverted at teardown
@@ -110,7 +110,7 @@ def test_strategy_sync_batchnorm_survives_the_trainer_without_the_flag(option):
     types = _BatchNormTypes()
     t = trainer(strategy=SparseDataParallelStrategy(sync_batchnorm=option), devices=3, callbacks=[types])
     t.fit(SparseNet(batch_norm=True), loader(_batch()))
-    assert types.during == [SyncBatchNorm if option else torch.nn.BatchNorm1d]
+    assert types.during == [SyncBatchNorm1d if option else torch.nn.BatchNorm1d]
     assert type(t.strategy._layer_sync) is (SyncBatchNormSwap if option else type(None))
 
 

@@ -245,3 +245,24 @@ def test_swapped_batch_norm_is_still_the_users_class_for_isinstance():
     trainer(devices=1, max_steps=3).fit(reference, loader(*batches))
     assert_same_states(ours, reference)
     assert type(ours.net[3].bn) is nn.BatchNorm1d and ours.net[3].bn.momentum == 0.125
+
+
+class _MomentumOnTheOriginals(SparseNet):
+    """Batch norm layers kept in a list before the fit (the user's originals), their momentum set through it."""
+
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        self.norms = [m for m in self.modules() if isinstance(m, nn.BatchNorm1d)]
+
+    def on_train_epoch_start(self):
+        for m in self.norms:
+            m.momentum = 0.3
+
+
+def test_a_setting_made_on_the_users_own_layer_during_the_fit_stays_after_the_revert():
+    """The revert gave every layer the swapped layer's momentum, overwriting what the user set on the original layer
+    (held in a list made before the fit). Only what the fit changed through the swapped layer is given back now."""
+    model = _MomentumOnTheOriginals()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=1).fit(
+        model, loader(collate_dict(random_samples(7, seed=37))))
+    assert model.net[3].bn is model.norms[0] and model.norms[0].momentum == 0.3
