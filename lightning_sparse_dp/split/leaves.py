@@ -24,15 +24,20 @@ def _is_atom(x: Any) -> bool:
     return not isinstance(x, (Tensor, Mapping, list, tuple, np.ndarray)) and not is_me_tensor(x)
 
 
+def _plain(v: Any) -> bool:
+    """A plain value, or a list / tuple / dict of plain values (one level)."""
+    if isinstance(v, Mapping):
+        return all(_is_atom(e) for e in v.values())
+    return _is_atom(v) or (type(v) in (list, tuple) and all(_is_atom(e) for e in v))
+
+
 def _record(x: Any) -> bool:
-    """One sample's metadata: a dict of plain values, short tuples / lists of them and tensors of at most one dimension
-    (``img_metas``' entries, ``{"label": tensor(3), "weight": 0.5}``), or a list / tuple of plain values."""
+    """One sample's metadata: a dict of plain values (:func:`_plain`: also lists, tuples and dicts of them) and tensors
+    of at most one dimension (``img_metas``' entries, ``{"label": tensor(3), "aug": {"scale": 0.5}}``), or a list /
+    tuple of plain values (``[name, scale, [k, k]]``)."""
     if isinstance(x, Mapping):
-        return all(
-            _is_atom(v) or (isinstance(v, Tensor) and v.dim() <= 1)
-            or (type(v) in (list, tuple) and all(_is_atom(e) for e in v)) for v in x.values()
-        )
-    return type(x) in (list, tuple) and all(_is_atom(v) for v in x)
+        return all(_plain(v) or (isinstance(v, Tensor) and v.dim() <= 1) for v in x.values())
+    return type(x) in (list, tuple) and all(_plain(v) for v in x)
 
 
 def is_sequence_leaf(x: Any) -> bool:

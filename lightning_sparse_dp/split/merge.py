@@ -155,6 +155,10 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
         return values
     if all(v.dim() == 1 and v.dtype in _INTEGERS for v in values):  # x.C[:, 0]: the batch column alone
         return _batch_columns_back(values, plan, rows, source)
+    if all(v.dim() == 2 and v.shape[1] == 1 and v.dtype in _INTEGERS for v in values):  # x.C[:, :1]
+        columns = [v[:, 0] for v in values]
+        back = _batch_columns_back(columns, plan, rows, source)
+        return values if back is columns else [b[:, None] for b in back]
     if not all(v.dim() == 2 and v.shape[1] in widths and _coordinate_dtype(v) for v in values):
         return values
     for v, samples in zip(values, plan.chunk_samples):

@@ -357,7 +357,7 @@ class _Scenes(NamedTuple):
     names: list
 
 
-@pytest.mark.parametrize("form", ["namedtuple", "dict-and-names", "meta-dicts"])
+@pytest.mark.parametrize("form", ["namedtuple", "dict-and-names", "meta-dicts", "nested-meta-dicts"])
 def test_per_sample_metadata_in_other_containers_is_cut_with_its_samples(form):
     """Scene names in a NamedTuple, the names beside the batch dict (a collate function's ``return batch, names``) and
     per-sample metadata dicts (``img_metas``) went whole to every replica, silently (a per-scene weight looked up from
@@ -368,8 +368,10 @@ def test_per_sample_metadata_in_other_containers_is_cut_with_its_samples(form):
         batch = _Scenes(base["coordinates"], base["features"], base["labels"], names)
     elif form == "dict-and-names":
         batch = (base, names)
-    else:
+    elif form == "meta-dicts":
         batch = {**base, "meta": [{"name": n, "scale": (1.0, 0.5 + i)} for i, n in enumerate(names)]}
+    else:  # a nested dict and a list inside each sample's entry
+        batch = {**base, "meta": [{"name": n, "aug": {"scale": 0.5 + i}, "ids": [i, i]} for i, n in enumerate(names)]}
     chunks, _ = split_batch(batch, 3, assignment="contiguous")
     seen = []
     for chunk in chunks:

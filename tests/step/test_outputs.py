@@ -158,7 +158,7 @@ class ReturnsCoordinates(SparseNet):
             "coordinates": batch["coordinates"], "C": same.C, "F": same.F, "strided_C": strided.C,
             "strided_F": strided.F, "pooled_C": pooled.C, "pooled_F": pooled.F,
             "pairs": torch.stack([batch["labels"], batch["labels"]], 1).int(),
-            "C_long": same.C.long(), "batch_column": same.C[:, 0],
+            "C_long": same.C.long(), "batch_column": same.C[:, 0], "batch_column_2d": same.C[:, :1].long(),
             "float_C": torch.cat([batch["coordinates"][:, :1], batch["coordinates"][:, 1:] + 0.25], 1).double(),
         }
 
@@ -180,7 +180,7 @@ def test_coordinates_a_step_returns_carry_the_batchs_sample_ids():
         results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(module, loader(*batches))
     for one, ours in zip(results["auto"], results["sparse_dp"]):
         assert one["coordinates"][:, 0].unique().numel() == 7
-        for key in ("coordinates", "C", "pooled_C", "pairs", "batch_column"):
+        for key in ("coordinates", "C", "pooled_C", "pairs", "batch_column", "batch_column_2d"):
             assert torch.equal(ours[key], one[key]), key
         for key in ("C_long", "float_C"):  # int64 and float copies, and the batch column alone: the chunk's ids before
             assert torch.equal(ours[key], one[key]), key
