@@ -316,10 +316,10 @@ class TermCapture(StepObserver):
         or one-element tensor computed from a count."""
         if isinstance(out, Tensor):
             if out.numel() == 1 and not out.requires_grad and (
-                kind is _SUM_KIND or any(isinstance(a, Tensor) and self.counts.get(id(a)) is a for a in args)
+                kind is _SUM_KIND or any(isinstance(a, Tensor) and self._is_count(a) for a in args)
             ):
                 self.counts[id(out)] = out
-        elif type(out) in (int, float) and args and isinstance(args[0], Tensor) and self.counts.get(id(args[0])) is args[0]:
+        elif type(out) in (int, float) and args and isinstance(args[0], Tensor) and self._is_count(args[0]):
             self.count_values.add(out)  # int(mask.sum()), mask.sum().item()
 
     def _is_count(self, x: Any) -> bool:

@@ -218,8 +218,7 @@ class ModuleChanges:
         if len(deltas) != 1 or 0 in deltas:
             return
         d = deltas.pop()
-        counts = [plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
-        if any(len(c) == len(values) and all(n == d for n in c) for c in counts):
+        if plan.counts_each_chunk(d):
             warning_cache.warn(
                 f"sparse_dp: {name} grew by {d} in every replica's step, which is also each chunk's number of samples or "
                 "points: the replicas agree, so the module keeps that change, as DDP keeps rank 0's, where one device's "

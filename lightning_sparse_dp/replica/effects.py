@@ -64,11 +64,11 @@ class StepEffects:
         self.count = count
         self.run_none = run_none
         self.calls: list[set[str]] = [set() for _ in range(count)]  # per replica: "self.logger.experiment.add_image"
+        # per replica, its views of the optimizers (replica/optimizers.py), which self.trainer.optimizers shows too
+        self.rank_optimizers: list[Any] | None = None
         # the calls the replicas make once together (replica/schedulers.py call_once): (key, replica) -> calls made,
         # (key, k) -> the k-th call's outcome
         self.once_lock = threading.Lock()
-        # per replica, its views of the optimizers (replica/optimizers.py), which self.trainer.optimizers shows too
-        self.rank_optimizers: list[Any] | None = None
         self.once_counts: dict[tuple[int, int], int] = {}
         self.once_results: dict[tuple[int, int], Future[Any]] = {}
 
@@ -197,8 +197,10 @@ def _trainer_class(cls: type) -> type:
     def optimizers(self: Any) -> list[Any]:
         found = cls.optimizers.fget(self)
         context = _context()
-        views = None if context is None or context[1].rank_optimizers is None else context[1].rank_optimizers
-        view = None if views is None or context[0] >= len(views) else views[context[0]]
+        if context is None or not context[1].rank_optimizers:
+            return found
+        index, effects = context
+        view = effects.rank_optimizers[index] if index < len(effects.rank_optimizers) else None
         return found if view is None else [RankOptimizer(o, view.copies) for o in found]
 
     namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),

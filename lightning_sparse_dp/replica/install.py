@@ -188,9 +188,7 @@ def replica_state(
         yield state
         if marks:
             counted: list[tuple[str, float]] = []
-            counts = [] if plan is None else [
-                plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
-            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas), counts, counted), warning_cache)  # type: ignore[union-attr]
+            say_diverged_buffers(persistent.diverged_buffers(marks, len(replicas), plan, counted), warning_cache)  # type: ignore[union-attr]
             say_counted_buffers(counted, warning_cache)
         if frozen:
             say_written_frozen(persistent.written_frozen(frozen), len(replicas), warning_cache)  # type: ignore[union-attr]

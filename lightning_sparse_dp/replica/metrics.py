@@ -242,7 +242,7 @@ class StepMetrics:
         samples = plan.chunk_samples[index]
         if samples.numel() < 2 or torch.equal(samples.cpu(), torch.arange(samples.numel())):
             return None  # one sample (its column all zeros, as a target may be), or the batch's ids already
-        return torch.repeat_interleave(torch.arange(samples.numel()), plan.sample_points[0][samples].cpu())
+        return plan.batch_column(index)
 
     def copies(self, index: int) -> dict[str, Metric]:
         """``module path -> copy`` of replica ``index``'s installed copies and of the metrics inside them."""

@@ -51,7 +51,7 @@ def is_sequence_leaf(x: Any) -> bool:
         return True
     if type(x) not in (list, tuple):
         return False
-    return all(_is_atom(v) for v in x) or (len(x) > 0 and all(isinstance(v, (Mapping, list, tuple)) and _record(v) for v in x))
+    return all(_is_atom(v) for v in x) or (len(x) > 0 and all(_record(v) for v in x))
 
 
 def leaf_predicate(extra: Callable[[Any], bool] | None = None) -> Callable[[Any], bool]:

@@ -196,12 +196,11 @@ def _batch_columns_back(values: list[Tensor], plan: SplitPlan, rows: str, source
     if rows not in ("points", "cat") or all(len(samples) < 2 for samples in plan.chunk_samples):
         return values  # one sample a chunk: its column is all zeros, as a per-point prediction of class 0 is
     out = []
-    for v, samples in zip(values, plan.chunk_samples):
+    for i, (v, samples) in enumerate(zip(values, plan.chunk_samples)):
         ids = v.long()
         if rows == "points":
-            counts = plan.sample_points[source][samples].to(v.device)
-            runs = v.numel() == int(counts.sum()) and torch.equal(
-                ids, torch.repeat_interleave(torch.arange(len(samples), device=v.device), counts))
+            column = plan.batch_column(i, source)
+            runs = v.numel() == column.numel() and torch.equal(ids, column.to(v.device))
         else:
             runs = v.numel() > 0 and int(ids.min()) >= 0 and int(ids.max()) < len(samples) and bool(
                 (ids[1:] >= ids[:-1]).all()) and bool((torch.bincount(ids, minlength=len(samples)) > 0).all())

@@ -149,6 +149,23 @@ class SplitPlan:
             return self.samples_per_chunk
         return [int(r.numel()) for r in self.point_rows[0]]
 
+    @property
+    def points_per_set(self) -> list[list[int]]:
+        """Per coordinate source, the points of each chunk (``[sources][num_chunks]``; empty for a dense batch)."""
+        return [[int(r.numel()) for r in rows] for rows in self.point_rows]
+
+    def counts_each_chunk(self, count: float) -> bool:
+        """Whether ``count`` is every chunk's number of samples, or every chunk's number of points of one coordinate
+        source: a count of the chunk that chunks of equal sizes make one number in every replica (``len(labels)``)."""
+        return any(all(n == count for n in c) for c in (self.samples_per_chunk, *self.points_per_set))
+
+    def batch_column(self, chunk: int, source: int = 0) -> Tensor:
+        """Chunk ``chunk``'s batch index as the chunk holds it: int64 ``[n_i]`` on the CPU, its points of coordinate
+        source ``source`` numbered by their sample in the chunk, ``0..b_i-1`` in runs (``x.C[:, 0]`` of a stride-1
+        tensor of the chunk)."""
+        samples = self.chunk_samples[chunk]
+        return torch.repeat_interleave(torch.arange(samples.numel()), self.sample_points[source][samples].cpu())
+
 
 @dataclass(frozen=True)
 class Leaf:

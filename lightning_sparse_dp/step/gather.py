@@ -278,9 +278,8 @@ def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: Warnin
     value there, not one per chunk. Equal integers that are each chunk's number of samples or points (``len(y)`` over
     equal chunks) are said too: one device's would be the batch's."""
     if _comparable(values):
-        counts = [] if plan is None or plan.num_chunks < 2 else [
-            plan.samples_per_chunk, *([int(r.numel()) for r in rows] for rows in plan.point_rows)]
-        if say and isinstance(values[0], int) and any(list(c) == values for c in counts):
+        counted = plan is not None and plan.num_chunks > 1 and plan.counts_each_chunk(values[0])
+        if say and isinstance(values[0], int) and counted:
             warning_cache.warn(
                 f"sparse_dp: step output {_printed(path)} is {values[0]} in every replica, which is also each chunk's "
                 "number of samples or points: it is given as that one value, where one device's step counts the "

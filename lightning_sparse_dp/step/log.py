@@ -318,7 +318,7 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
             step.terms.log_value if step.terms is not None else None,
             infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
-            chunk_points=lambda: [[len(r) for r in rows] for rows in step.plan.point_rows],  # when needed
+            chunk_points=lambda: step.plan.points_per_set,  # read where needed
         )
 
 

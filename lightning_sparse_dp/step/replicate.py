@@ -51,6 +51,7 @@ from lightning_sparse_dp.replica.attributes import SubmoduleChanges
 from lightning_sparse_dp.replica.optimizers import RankOptimizers
 from lightning_sparse_dp.replica.snapshot import equal_tensors, tensor_mark
 from lightning_sparse_dp.runtime.devices import check_devices
+from lightning_sparse_dp.split.records import SplitPlan
 from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots
 
 
@@ -200,7 +201,7 @@ class Replicas:
 
     def diverged_buffers(
         self, marks: list[tuple[int, str, str, Tensor | None, int | Tensor | None, Tensor | None]], count: int,
-        counts: Sequence[Sequence[int]] = (), counted: list[tuple[str, float]] | None = None,
+        plan: SplitPlan | None = None, counted: list[tuple[str, float]] | None = None,
     ) -> list[str]:
         """The names of the buffers of ``marks`` that the step's root replica (the module itself) changed, in place or
         by assignment, where one of the other ``count - 1`` replicas holds another value after its step: an update
@@ -209,8 +210,9 @@ class Replicas:
         made one update (a step counter) agree and are not named; each buffer is named once for these replicas. A
         buffer the root replica left as it was is named too where another replica changed it (an update in a branch
         that the root replica's chunk did not take), whose change the module does not keep. ``counted`` gets the
-        0-dim buffers every replica changed by one number ``d`` that is each chunk's count of ``counts`` (its samples,
-        its points: ``self.seen += len(labels)`` over equal chunks), ``(name, d)``, each once."""
+        0-dim buffers every replica changed by one number ``d`` that is each chunk's count in the step's ``plan`` (its
+        samples, its points: ``self.seen += len(labels)`` over equal chunks, :meth:`SplitPlan.counts_each_chunk`),
+        ``(name, d)``, each once."""
         out = []
         for i, key, name, _, _, value in marks:
             now = self._sources[i]._buffers.get(key)
@@ -225,7 +227,7 @@ class Replicas:
             else:
                 if counted is not None and value is not None and now.dim() == 0 and now.dtype != torch.bool:
                     d = float(now) - float(value)
-                    if d != 0 and any(len(c) == count and all(n == d for n in c) for c in counts):
+                    if d != 0 and plan is not None and plan.counts_each_chunk(d):
                         counted.append((name, d))
                         self._diverged.add(name)
         return out

@@ -330,7 +330,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         batch's values, every rank's part in one gather."""
         rows = {key: (call.row, call.batch_size, call.explicit) for key, call in means.calls.items()}
         plan = self._step_plan()
-        points = [int(sets[0].numel()) for sets in plan.point_rows]  # this rank's share, per point set
+        points = [chunks[0] for chunks in plan.points_per_set]  # this rank's share (one chunk), per point set
         ranks = self._gather((ChunkShape.of(plan, 0).samples, rows, points))
         settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls)
         self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
