@@ -22,7 +22,7 @@ replicas behave as Lightning's DDP ranks do, the root replica as rank 0:
 
 - **Optimizers.** The view's ``optimizers`` are the replica's views of the trainer's optimizers, as
   ``self.optimizers()``'s (:mod:`~lightning_sparse_dp.replica.optimizers`): a change of their param groups is the
-  replica's own, the root replica's written back.
+  replica's own, the root replica's written back. So are the view's ``strategy``'s ``optimizers``.
 - **Schedulers.** The view's ``lr_scheduler_configs`` (and so ``self.lr_schedulers()``) show the schedulers so that a
   scheduler stepped by hand in the step is stepped once for the replicas' ``k``-th calls, as each DDP rank steps its
   own (:mod:`~lightning_sparse_dp.replica.schedulers`).
@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.replica.optimizers import RankOptimizer
+from lightning_sparse_dp.replica.optimizers import rank_view
 from lightning_sparse_dp.replica.schedulers import configs_view
 from lightning_sparse_dp.runtime.compat import set_trainer, trainer_of
 from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
@@ -195,21 +195,48 @@ def _trainer_class(cls: type) -> type:
         return configs_view(configs) if _context() is not None and configs else configs
 
     def optimizers(self: Any) -> list[Any]:
-        found = cls.optimizers.fget(self)
-        context = _context()
-        if context is None or not context[1].rank_optimizers:
-            return found
-        index, effects = context
-        view = effects.rank_optimizers[index] if index < len(effects.rank_optimizers) else None
-        return found if view is None else [RankOptimizer(o, view.copies) for o in found]
+        return [rank_view(o) for o in cls.optimizers.fget(self)]
+
+    def strategy(self: Any) -> Any:
+        found = cls.strategy.fget(self)
+        return found if _context() is None else _strategy_view(found)
 
     namespace = {"logger": property(logger, cls.logger.fset), "loggers": property(loggers, cls.loggers.fset),
                  "__module__": cls.__module__, "_lsdp_view": True}
+    if isinstance(getattr(cls, "strategy", None), property):
+        namespace["strategy"] = property(strategy)
     if isinstance(getattr(cls, "lr_scheduler_configs", None), property):
         namespace["lr_scheduler_configs"] = property(lr_scheduler_configs)
     if isinstance(getattr(cls, "optimizers", None), property):
         namespace["optimizers"] = property(optimizers, cls.optimizers.fset)
     return type(cls.__name__, (cls,), namespace)
+
+
+@functools.cache
+def _strategy_class(cls: type) -> type:
+    """A subclass of the strategy class ``cls`` whose ``optimizers`` are the calling replica's views
+    (:func:`~lightning_sparse_dp.replica.optimizers.rank_view`), for views that share a strategy's ``__dict__``."""
+
+    def optimizers(self: Any) -> list[Any]:
+        return [rank_view(o) for o in cls.optimizers.fget(self)]
+
+    return type(cls.__name__, (cls,), {"optimizers": property(optimizers, cls.optimizers.fset),
+                                       "__module__": cls.__module__, "_lsdp_view": True})
+
+
+def _strategy_view(strategy: Any) -> Any:
+    """``self.trainer.strategy`` in a replica's step: ``strategy``'s state, its ``optimizers`` the replica's views
+    (``self.trainer.strategy.optimizers[0].param_groups``, as ``self.optimizers()``'s); ``strategy`` itself when it
+    cannot have such a view."""
+    if (not isinstance(getattr(type(strategy), "optimizers", None), property) or _is_view(strategy)
+            or not hasattr(strategy, "__dict__")):
+        return strategy
+    try:
+        shown = object.__new__(_strategy_class(type(strategy)))
+        shown.__dict__ = strategy.__dict__
+    except (TypeError, AttributeError):
+        return strategy
+    return shown
 
 
 def trainer_view(trainer: Any) -> Any:

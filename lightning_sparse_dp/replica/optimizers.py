@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
+
 #: ``id(group) -> (the trainer's group, the replica's copy, the group's entries when copied)``
 Copies = dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
 
@@ -35,6 +37,11 @@ class RankOptimizer:
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(view, torch.optim.SGD) holds, as for the optimizer itself
         return type(self._optimizer)
+
+    @property
+    def optimizer(self) -> Any:
+        """A ``LightningOptimizer``'s torch optimizer, as the same replica's view (its groups the same copies)."""
+        return RankOptimizer(self._optimizer.optimizer, self._copies)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -73,4 +80,17 @@ class RankOptimizers:
         self.copies.clear()
 
 
-__all__ = ["RankOptimizer", "RankOptimizers"]
+def rank_view(optimizer: Any) -> Any:
+    """``optimizer`` as the calling replica's step sees it: a :class:`RankOptimizer` over the replica's copies, in a
+    step of several replicas (``self.lr_schedulers().optimizer``, ``self.trainer.strategy.optimizers``, a manual
+    step's ``opt.optimizer``); ``optimizer`` itself elsewhere, or when it is a view already."""
+    effects = getattr(_current, "effects", None)
+    views = None if effects is None else effects.rank_optimizers
+    if not views or type(optimizer) is RankOptimizer or optimizer is None:
+        return optimizer
+    index = _current.index
+    view = views[index] if index < len(views) else None
+    return optimizer if view is None else RankOptimizer(optimizer, view.copies)
+
+
+__all__ = ["RankOptimizer", "RankOptimizers", "rank_view"]

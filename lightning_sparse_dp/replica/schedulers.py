@@ -9,7 +9,10 @@ trainer view (:func:`~lightning_sparse_dp.replica.effects.trainer_view`) shows, 
 the same object state (its ``__dict__`` shared, ``isinstance`` checks hold) whose ``step`` makes the replicas'
 ``k``-th calls one call (:func:`call_once`): the first replica to make its ``k``-th call of a scheduler's ``step``
 steps it, the others wait for that call and get what it returned. So every replica, after its ``k``-th call, sees the
-scheduler stepped ``k`` times, as every DDP rank sees its own.
+scheduler stepped ``k`` times, as every DDP rank sees its own. The view's ``optimizer`` is the replica's view of it
+(:func:`~lightning_sparse_dp.replica.optimizers.rank_view`): a change of its param groups in the step
+(``self.lr_schedulers().optimizer.param_groups[0]["lr"] = ...``) is the replica's own, as a DDP rank's, the root
+replica's written back; the scheduler's own ``step`` changes the trainer's groups, once.
 
 A scheduler that steps on a value (``ReduceLROnPlateau.step(metrics)``) is stepped with the value of the replica that
 called first (its chunk's, where one device's is the whole batch's): pass a value of the whole batch, or let Lightning
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from lightning_sparse_dp.replica.optimizers import rank_view
 from lightning_sparse_dp.runtime.process import STEP_EFFECTS as _current
 
 T = TypeVar("T")
@@ -56,11 +60,25 @@ def _once_class(cls: type) -> type:
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         effects = getattr(_current, "effects", None)
+        own = object.__new__(cls)  # the scheduler itself (its optimizer the trainer's, not the replica's view)
+        own.__dict__ = self.__dict__
         if effects is None:
-            return cls.step(self, *args, **kwargs)
-        return call_once(effects, _current.index, id(self.__dict__), lambda: cls.step(self, *args, **kwargs))
+            return cls.step(own, *args, **kwargs)
+        return call_once(effects, _current.index, id(self.__dict__), lambda: cls.step(own, *args, **kwargs))
 
-    return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__, "_lsdp_view": True})
+    def optimizer(self: Any) -> Any:  # what the step changes through it is the replica's, as a DDP rank's own
+        try:
+            return rank_view(self.__dict__["optimizer"])
+        except KeyError:
+            raise AttributeError("optimizer") from None
+
+    def set_optimizer(self: Any, value: Any) -> None:
+        self.__dict__["optimizer"] = value
+
+    namespace = {"step": step, "__module__": cls.__module__, "_lsdp_view": True}
+    if "optimizer" not in dir(cls):
+        namespace["optimizer"] = property(optimizer, set_optimizer)
+    return type(cls.__name__, (cls,), namespace)
 
 
 def once_view(scheduler: Any) -> Any:

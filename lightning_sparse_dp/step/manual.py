@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
-from lightning_sparse_dp.replica.optimizers import RankOptimizer
+from lightning_sparse_dp.replica.optimizers import RankOptimizer, rank_view
 from lightning_sparse_dp.runtime.compat import call_after_backward, trainer_of
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
@@ -228,6 +228,12 @@ class _Once:
         views = self._manual.replicas.rank_optimizers
         view = views[self._rank] if self._name.startswith("optimizer") and self._rank < len(views) else None
         return self._target.param_groups if view is None else RankOptimizer(self._target, view.copies).param_groups
+
+    @property
+    def optimizer(self) -> Any:
+        """An optimizer's torch optimizer, or a scheduler's optimizer, as this replica's view
+        (:func:`~lightning_sparse_dp.replica.optimizers.rank_view`): its param groups the replica's own copies."""
+        return rank_view(self._target.optimizer)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         def run() -> None:

@@ -20,8 +20,8 @@ class SyncBatchNorm(_BatchNorm):
     """Batch norm synchronized through :attr:`collective` (the math: :mod:`lightning_sparse_dp.syncbn._functions`).
 
     Input ``[N, C]`` or ``[N, C, *]`` (ME's batch norm passes the features ``[N, C]``). When
-    :attr:`collective` is ``None`` or has one rank, it is ``torch.nn.BatchNorm`` exactly. Made by
-    :func:`convert_sync_batchnorm` from an existing layer, sharing its parameters and buffers.
+    :attr:`collective` is ``None`` or has one rank, it is ``torch.nn.BatchNorm`` exactly. An existing layer becomes
+    one in place (:func:`convert_sync_batchnorm`).
 
     Attributes:
         collective: the :class:`~lightning_sparse_dp.syncbn.collective.Collective` of this rank, set by the
@@ -93,78 +93,43 @@ def _sync_class(layer: nn.Module) -> type[SyncBatchNorm]:
     return SyncBatchNorm
 
 
-#: what a layer the user changed during the fit carries besides its tensors, given back at the revert
-_SETTINGS = ("momentum", "eps")
+#: a swap: the layer, swapped in place, and the class it had
+Swap = tuple[nn.Module, type]
 
-Swap = tuple[nn.Module, str, nn.Module]
-
-
-def _hand_over(source: nn.Module, target: nn.Module) -> None:
-    """``target``'s own parameters and buffers become ``source``'s: the same tensors, as
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` hands them to the layer it builds, in the same dicts; and its
-    hooks ``source``'s (:data:`SHARED`), so that what a callback registered on the layer in its ``setup``, which
-    Lightning calls before the strategy's (a hook, ``ModelPruning``'s mask), reaches the layer that trains, as on one
-    device, and a hook's handle removes it there (torch's conversion drops hooks)."""
-    for name in SHARED:
-        if name in source.__dict__:
-            target.__dict__[name] = source.__dict__[name]
-
-
-#: what a swap hands over of the layer, the same objects: its parameters and buffers (their dicts, so that what changes
-#: them on either layer, ``torch.nn.utils.prune`` registering ``weight_orig`` and ``weight_mask`` on the layer a
-#: ``ModelPruning`` callback found in its ``setup``, reaches both) and its hook dicts (``register_forward_hook``, ...,
-#: the state-dict hooks)
-SHARED = (
-    "_parameters", "_buffers", "_non_persistent_buffers_set", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks", "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)
+#: what a swap sets on a layer, taken off at the revert
+_SET = ("collective", "update_running_stats")
 
 
 def convert_sync_batchnorm(module: nn.Module) -> list[Swap]:
-    """Swap every batch-norm layer inside ``module`` for a :class:`SyncBatchNorm`, in place.
+    """Swap every batch-norm layer inside ``module`` for a :class:`SyncBatchNorm`, in place: the layer itself.
 
-    Converts torch's ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` wherever they are children, which
-    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. Built as
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` builds its layers (the constructor, the old
-    layer's tensors handed over, ``add_module``): the new layer holds the old one's ``weight``,
-    ``bias`` and buffers (the same tensors), so the state dict keeps its keys and values and the
-    optimizer its parameters. ``module`` itself is not swapped (it has no parent to hold the new layer).
+    Converts torch's ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` wherever they are in ``module.modules()``, which
+    covers the ``.bn`` of ``ME.MinkowskiBatchNorm`` and ``ME.MinkowskiSyncBatchNorm``. Where
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` builds a new layer and hands it the old one's tensors, this
+    gives the layer object itself its synchronized class (``layer.__class__``, :func:`_sync_class`: a subclass of
+    its own torch class): every reference to it (a parent's, a list the module keeps in ``__init__``, a callback's,
+    a hook's, an optimizer's parameters) reaches the layer that trains, as on one device, and what is done to it
+    through any of them (``.eval()``, a momentum schedule, ``torch.nn.utils.prune``) is done to it. The state dict
+    keeps its keys and values.
 
     Returns:
-        ``(parent, name, original)`` for every swap, for :func:`revert_sync_batchnorm`.
+        ``(layer, its class)`` for every swap, for :func:`revert_sync_batchnorm`.
     """
     swaps: list[Swap] = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, SWAPPED_TYPES) and not isinstance(child, SyncBatchNorm):
-                new = _sync_class(child)(
-                    child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats,
-                    device=child.running_mean.device if child.running_mean is not None else None,
-                )
-                _hand_over(child, new)
-                new.train(child.training)
-                for setting in _SETTINGS:  # as swapped: a change the fit makes through the new layer is given back
-                    new.__dict__[f"_lsdp_swapped_{setting}"] = getattr(child, setting)
-                parent.add_module(name, new)
-                swaps.append((parent, name, child))
+    for layer in module.modules():
+        if isinstance(layer, SWAPPED_TYPES) and not isinstance(layer, SyncBatchNorm):
+            swaps.append((layer, type(layer)))
+            layer.__class__ = _sync_class(layer)
     return swaps
 
 
 def revert_sync_batchnorm(swaps: list[Swap]) -> None:
-    """Put the original layers back, holding the tensors the swapped layers end with: the trained values,
-    and the buffers a conversion after the swap replaced (``.to(dtype / device)`` makes new buffer tensors,
-    e.g. a precision plugin's or ``model_to_device`` at setup)."""
-    for parent, name, original in reversed(swaps):
-        current = getattr(parent, name)
-        _hand_over(current, original)
-        original.train(current.training)
-        for setting in _SETTINGS:  # a momentum schedule through the swapped layer: what the fit set on it (a change
-            value = getattr(current, setting)  # made through the user's own layer, held elsewhere, stays)
-            if value != current.__dict__.get(f"_lsdp_swapped_{setting}", value):
-                setattr(original, setting, value)
-        parent.add_module(name, original)
+    """Give the layers their classes back, with what the swap set on them (its collective) taken off: they hold
+    what the fit left them (the trained tensors, a momentum the fit set)."""
+    for layer, cls in reversed(swaps):
+        layer.__class__ = cls
+        for name in _SET:
+            layer.__dict__.pop(name, None)
 
 
 __all__ = [

@@ -7,9 +7,9 @@ strategy: in one process it runs plain batch norm on each replica's chunk, and i
 ("SyncBatchNorm expected input tensor to be on GPU", torch/nn/modules/batchnorm.py). So
 :class:`SyncBatchNormSwap` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (and so the ``.bn`` of
 ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
-:class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers sharing their parameters and buffers
-(state-dict keys unchanged), and both strategies take it (or a subclass) in place of
-``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.strategies.base.SparseStrategyMixin`); a ``LayerSync``
+:class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm`, in place (each layer object given the synchronized
+class, so every reference to it still reaches it; state-dict keys unchanged), and both strategies take it (or a
+subclass) in place of ``TorchSyncBatchNorm`` (:class:`~lightning_sparse_dp.strategies.base.SparseStrategyMixin`); a ``LayerSync``
 plugin of the user's own (``Trainer(plugins=[...])``) is kept. ``sparse_dp`` applies and reverts it
 with :func:`apply_layer_sync` / :func:`revert_layer_sync`, the steps of ``DDPStrategy.setup`` /
 ``teardown``, which ``sparse_ddp`` inherits.
@@ -48,7 +48,7 @@ class SyncBatchNormSwap(LayerSync):
         return model
 
     def revert(self, model: Module) -> Module:
-        """Put the user's layers back (they share every tensor, so they hold the trained values); returns ``model``."""
+        """Give the user's layers their classes back (the same objects: they hold the trained values); returns ``model``."""
         revert_sync_batchnorm(self._swaps)
         self._swaps = []
         return model

@@ -10,8 +10,8 @@ sync_batchnorm=True)`` uses it in place of Lightning's ``TorchSyncBatchNorm`` (w
 torch/nn/modules/batchnorm.py). ``apply`` swaps torch's BatchNorm1d/2d/3d and SyncBatchNorm (so the
 ``.bn`` of ``ME.MinkowskiBatchNorm`` / ``ME.MinkowskiSyncBatchNorm``) for
 :class:`~lightning_sparse_dp.syncbn.batchnorm.SyncBatchNorm` layers holding a :class:`ProcessGroupCollective`,
-sharing parameters and buffers (state-dict keys unchanged; :class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`);
-``revert`` puts the user's layers back.
+in place (:class:`~lightning_sparse_dp.syncbn.layer_sync.SyncBatchNormSwap`); ``revert`` gives the layers their
+classes back.
 Every rank updates its own running statistics with the identical global ones.
 """
 
@@ -77,8 +77,7 @@ class ProcessGroupSyncBatchNorm(SyncBatchNormSwap):
         """Swap ``model``'s batch-norm layers for ones synchronized over :attr:`group`, in place; returns ``model``."""
         super().apply(model)
         collective = ProcessGroupCollective(self.group)
-        for parent, name, _ in self._swaps:
-            layer = getattr(parent, name)
+        for layer, _ in self._swaps:
             assert isinstance(layer, SyncBatchNorm)
             layer.collective = collective
             layer.update_running_stats = True  # every rank keeps its own, identical, running statistics

@@ -266,3 +266,48 @@ def test_a_setting_made_on_the_users_own_layer_during_the_fit_stays_after_the_re
     trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=1).fit(
         model, loader(collate_dict(random_samples(7, seed=37))))
     assert model.net[3].bn is model.norms[0] and model.norms[0].momentum == 0.3
+
+
+class _ScheduleThroughAList(SparseNet):
+    """Batch norm kept in a plain list made in ``__init__`` (not a ModuleList) and changed through it during the fit:
+    a per-batch momentum schedule, or the layers frozen (``.eval()``) at each epoch's start."""
+
+    def __init__(self, how: str):
+        super().__init__(batch_norm=True)
+        self.norms, self.how = [m for m in self.modules() if isinstance(m, nn.BatchNorm1d)], how
+
+    def on_train_epoch_start(self):
+        if self.how == "eval":
+            for m in self.norms:
+                m.eval()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.how == "momentum":
+            for m in self.norms:
+                m.momentum = 0.6 / (batch_idx + 1)
+
+
+@pytest.mark.parametrize("how", ["momentum", "eval"])
+def test_batch_norm_changed_through_a_list_made_in_init_is_the_layer_that_trains(how):
+    """The swap built new layers: a list of the user's layers made in ``__init__`` kept the old ones, and what the fit
+    did through it (a momentum schedule: running statistics 2 to 4 off; ``.eval()``) reached no layer that trains,
+    silently. The swap now changes each layer's class in place, so the list holds the layer that trains."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (40, 41, 42)]
+    ours, reference = same_start(_ScheduleThroughAList, how)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=3).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=3).fit(reference, loader(*batches))
+    assert ours.norms[0] is ours.net[3].bn and type(ours.norms[0]) is nn.BatchNorm1d
+    assert_same_states(ours, reference)
+
+
+def test_the_process_group_swap_is_in_place_too():
+    """``sparse_ddp``'s plugin swaps the same way: the layer a list holds is the synchronized one, its collective taken
+    off at the revert."""
+    from lightning_sparse_dp.syncbn.process_group import ProcessGroupCollective, ProcessGroupSyncBatchNorm
+
+    model, plugin = _ScheduleThroughAList("momentum"), ProcessGroupSyncBatchNorm()
+    plugin.apply(model)
+    assert model.norms[0] is model.net[3].bn and isinstance(model.norms[0], SyncBatchNorm)
+    assert isinstance(model.norms[0].collective, ProcessGroupCollective)
+    plugin.revert(model)
+    assert type(model.norms[0]) is nn.BatchNorm1d and "collective" not in model.norms[0].__dict__
