@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +56,13 @@ TOLERANCE = 1e-8
 #: the tensors named in a warning
 WORST_SHOWN = 5
 
-#: a step's run on a float64 copy: ``run(copy) -> (loss, logged values, how the loss was weighted or None)``
+#: a step's run on a float64 copy: ``run(copy) -> (loss, logged values, how the loss was weighted or None)``; an
+#: evaluation step's logged values hold its output under :data:`OUTPUT_KEY`
 Run = Callable[[nn.Module], tuple[Tensor | None, dict[str, Any], str | None]]
+
+
+#: the key of an evaluation step's output among a run's logged values (compared as returned tensors)
+OUTPUT_KEY = "\0output"
 
 
 class ExactnessError(RuntimeError):
@@ -156,6 +162,11 @@ class ExactnessCheck:
         #: names of the module's frozen parameters the checked step changed in place on one device (an EMA teacher):
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
+        #: the evaluation hooks (``"validation_step"``, ...) whose first step of the run was checked
+        self.evaluated: set[str] = set()
+        #: the keys of the loss call sites of the training steps checked in this fit: a step that calls another (a
+        #: loss term that starts after a warm-up, objectives that alternate) is checked too (:meth:`again`)
+        self.sites: frozenset = frozenset()
 
     def reset(self, count: int = 1, warnings: WarningCache | None = None) -> None:
         """A new fit: its first training step is checked. With the check off and ``count`` (replicas or ranks of the
@@ -164,6 +175,8 @@ class ExactnessCheck:
         the batch's mean inside ``forward``, a contrastive loss across samples)."""
         self._last = None
         self.done = self.mode is None
+        self.evaluated = set()
+        self.sites = frozenset()
         if self.mode is not None or count < 2 or warnings is None:
             return
         strategy, who = self.strategy, "replica" if self.strategy == "sparse_dp" else "rank"
@@ -186,9 +199,23 @@ class ExactnessCheck:
         self.done = self.every_n_steps == 0
         return True
 
+    def again(self, global_step: int) -> None:
+        """The training step at ``global_step`` is checked (again), whatever :meth:`due` says: it calls a loss call
+        site no checked step called."""
+        self._last = global_step
+
+    def eval_due(self, hook: str) -> bool:
+        """Whether this step of the evaluation hook ``hook`` (``"validation_step"``, ``"test_step"``,
+        ``"predict_step"``) is checked: the first of each hook in a run (fit, validate, test, predict; noted as
+        checked)."""
+        if self.mode is None or hook in self.evaluated:
+            return False
+        self.evaluated.add(hook)
+        return True
+
     def run(
         self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, count: int, samples: Callable[[], Any],
-        batch_norm_eval: bool, warnings: WarningCache,
+        batch_norm_eval: bool, warnings: WarningCache, evaluation: tuple[str, int] | None = None,
     ) -> Outcome:
         """Run both steps on float64 copies of ``module``, compare, say the outcome (see the module docstring).
 
@@ -199,6 +226,8 @@ class ExactnessCheck:
                 named in what is said.
             batch_norm_eval: batch norm in eval mode in both copies (not synchronized across replicas).
             warnings: where what is said once goes.
+            evaluation: ``(hook, batch_idx)`` of an evaluation step (``("validation_step", 0)``): its logged values,
+                metrics' states and returned tensors compared, no backward; ``None``: a training step.
 
         Raises:
             ExactnessError: under ``mode="error"``, when the steps differ.
@@ -213,14 +242,16 @@ class ExactnessCheck:
         except Exception as err:  # the check is an observer: training goes on without it
             _log.debug("exactness check failed", exc_info=True)
             outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err})")
-        self._say(outcome, count, samples(), warnings, held_out(module, batch_norm_eval))
+        self._say(outcome, count, samples(), warnings, held_out(module, batch_norm_eval), evaluation)
         return outcome
 
     def _compare(self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, batch_norm_eval: bool) -> Outcome:
         states, groups = RandomStates(), OptimizerGroups(trainer)
         records: list[StepRecord] = []
         reading = None
-        with given_back(states, groups), float64_defaults():  # in this thread and the replicas' only, not set_default_dtype
+        stop = getattr(trainer, "should_stop", None)  # a step that stops the fit stops it once, itself, not in the check
+        # float64 defaults in this thread and the replicas' only, not set_default_dtype
+        with given_back(states, groups), float64_defaults(), _kept_stop(trainer, stop):
             for run in (one_device, replicas):
                 states.restore()
                 groups.restore()
@@ -237,7 +268,9 @@ class ExactnessCheck:
                 if run is one_device:  # what the step changes in place (before the replicas' run builds its replicas)
                     self.frozen_written = {n for n, p in twin.named_parameters() if n in frozen and p._version != frozen[n]}
                 values = self.compare_values
-                records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values))
+                output = logged.pop(OUTPUT_KEY, None)
+                records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values,
+                                           output=output))
                 drawn = states.drawn() if run is one_device else []
                 if drawn:
                     return Outcome([], skipped=f"the step draws random numbers ({', '.join(drawn)}'s generator) beyond "
@@ -246,17 +279,21 @@ class ExactnessCheck:
         found = sorted(differences(records[1], records[0]), key=lambda d: -d[1])
         return Outcome(found, compared=len(found), reading=reading)
 
-    def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache, held: list[str]) -> None:
-        strategy, step = self.strategy, self._last
+    def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache, held: list[str],
+             evaluation: tuple[str, int] | None = None) -> None:
+        strategy = self.strategy
         who = "replicas" if strategy == "sparse_dp" else "ranks"
+        what = f"training step {self._last}" if evaluation is None else (
+            f"{evaluation[0].removesuffix('_step')} step {evaluation[1]}")
         left_out = f", with {' and '.join(held)} in both runs".replace("{who}", who[:-1]) if held else ""
         if outcome.skipped is not None:
-            warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: not compared, "
-                          f"because {outcome.skipped}. Training goes on unchecked; check_exactness=False turns the "
+            goes_on = "Training goes on" if evaluation is None else "The run goes on"
+            warnings.info(f"{strategy}: exactness check of {what} on {count} {who}: not compared, "
+                          f"because {outcome.skipped}. {goes_on} unchecked; check_exactness=False turns the "
                           "check off.")
             return
         if outcome.failure is not None:
-            message = (f"{strategy}: exactness check of training step {step} on {count} {who}: fails on the {who} "
+            message = (f"{strategy}: exactness check of {what} on {count} {who}: fails on the {who} "
                        f"where one device's step runs ({outcome.failure}). The step does something the strategy cannot "
                        "run on replicas or ranks (docs/exactness.md lists the constructs and what to write instead); "
                        "check_exactness=False turns the check off.")
@@ -266,25 +303,48 @@ class ExactnessCheck:
             return
         worst = outcome.worst[0][1] if outcome.worst else 0.0
         if outcome.exact:
-            warnings.info(f"{strategy}: exactness check of training step {step} on {count} {who}: equals one "
+            warnings.info(f"{strategy}: exactness check of {what} on {count} {who}: equals one "
                           f"device's on the same {samples} samples (float64, {outcome.compared} tensors compared, max "
                           f"relative difference {worst:.1e}){left_out}.")
             return
-        shown = [f"{what} {_figure(d)}" for what, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
+        shown = [f"{name} {_figure(d)}" for name, d in outcome.worst[:WORST_SHOWN] if d > TOLERANCE]
         more = sum(d > TOLERANCE for _, d in outcome.worst) - len(shown)
-        message = (
-            f"{strategy}: exactness check of training step {step} on {count} {who}: differs from one device's on "
-            f"the same {samples} samples (float64, relative): {'; '.join(shown)}{f' and {more} more' if more else ''}. "
-            f"{outcome.reading + '. ' if outcome.reading else ''}"
-            "The step does something the strategy does not split exactly (a loss that is not a mean over samples or "
-            "points, a loss coupling the batch's samples, state changed in place in the step, a backward inside the "
-            "step, ...). Fixes: loss_weighting=<callable counting what the loss is a mean over>, layout= for batch "
-            "entries the split cannot tell apart, or the patterns in docs/exactness.md; check_exactness='error' makes "
-            "this an error, False turns the check off."
-        )
+        found = (f"{strategy}: exactness check of {what} on {count} {who}: differs from one device's on the same "
+                 f"{samples} samples (float64, relative): {'; '.join(shown)}{f' and {more} more' if more else ''}. ")
+        if evaluation is None:
+            message = found + (
+                f"{outcome.reading + '. ' if outcome.reading else ''}"
+                "The step does something the strategy does not split exactly (a loss that is not a mean over samples "
+                "or points, a loss coupling the batch's samples, state changed in place in the step, a backward inside "
+                "the step, ...). Fixes: loss_weighting=<callable counting what the loss is a mean over>, layout= for "
+                "batch entries the split cannot tell apart, or the patterns in docs/exactness.md; "
+                "check_exactness='error' makes this an error, False turns the check off."
+            )
+        else:
+            end = f"on_{evaluation[0].removesuffix('_step')}_batch_end"
+            message = found + (
+                f"What each {who[:-1]}'s step logs or returns is its chunk's: a value that couples the batch's samples "
+                "(a contrastive loss or a similarity between samples, a nearest neighbour or a rank in the batch, a "
+                "softmax or a statistic over the batch), that is not a mean over samples or points, or that draws "
+                "random numbers in the step is not the whole batch's, nor is what a step keeps on the module from its "
+                "chunk (self.preds = ...). Fixes: return what it needs per sample and "
+                f"compute it over the whole batch in {end}(outputs, batch, batch_idx), which gets the gathered outputs "
+                "and the whole batch, or the "
+                "patterns in docs/exactness.md; check_exactness='error' makes this an error, False turns the check off."
+            )
         if self.mode == "error":
             raise ExactnessError(message)
         warnings.warn(message)
+
+
+@contextmanager
+def _kept_stop(trainer: Any, stop: Any) -> Iterator[None]:
+    """``trainer.should_stop`` as it was before the block (the check's runs of the step may set it)."""
+    try:
+        yield
+    finally:
+        if stop is not None:
+            trainer.should_stop = stop
 
 
 def hooked_modules(module: nn.Module, shown: int = 3) -> list[str]:
@@ -329,5 +389,6 @@ def _figure(d: float) -> str:
 
 
 __all__ = [
-    "ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "quiet_step", "resolve_mode",
+    "OUTPUT_KEY", "ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "quiet_step",
+    "resolve_mode",
 ]

@@ -53,6 +53,10 @@ class StepRecord:
             concatenated along dim 0).
         logged: ``name -> value`` of the step's ``self.log`` calls (numbers and one-element tensors; a logged
             ``Metric`` is compared through :attr:`metrics`).
+        outputs: ``path -> tensor`` of what the step returned (:func:`output_tensors`; compared for evaluation steps).
+        attributes: ``"name"`` / ``"name[k]"`` -> tensor of the module's own public attributes that are tensors or
+            lists / tuples of tensors (what the step, or a hook in its backward, kept on the module: ``self.preds``,
+            ``self.grad_norms.append(...)``).
     """
 
     loss: Tensor | None
@@ -60,11 +64,15 @@ class StepRecord:
     state: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, Tensor] = field(default_factory=dict)
     logged: dict[str, Tensor] = field(default_factory=dict)
+    outputs: dict[str, Tensor] = field(default_factory=dict)
+    attributes: dict[str, Tensor] = field(default_factory=dict)
 
 
-def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any], metrics: bool = True) -> StepRecord:
+def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any], metrics: bool = True,
+                output: Any = None) -> StepRecord:
     """A :class:`StepRecord` of ``module`` after a step's backward pass (tensors detached and cloned to the CPU);
-    ``metrics=False``: without the metrics' states."""
+    ``metrics=False``: without the metrics' states; ``output``: the step's output, whose tensors are recorded
+    (:func:`output_tensors`)."""
     def keep(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().to("cpu", copy=True)
 
@@ -87,7 +95,52 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
         state={n: keep(t) for n, t in module.state_dict().items() if isinstance(t, Tensor)},  # type: ignore[misc]
         metrics=states,
         logged=values,
+        outputs={name: keep(t) for name, t in output_tensors(output).items()},  # type: ignore[misc]
+        attributes={name: keep(t) for name, t in _attribute_tensors(module).items()},  # type: ignore[misc]
     )
+
+
+def _attribute_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The module's own public attributes (its ``__dict__``, not parameters, buffers or submodules) that are tensors,
+    or lists / tuples of tensors, by name (``"preds[2]"``)."""
+    out: dict[str, Tensor] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, Tensor):
+            out[name] = value
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
+            out.update((f"{name}[{k}]", v) for k, v in enumerate(value))
+    return out
+
+
+def output_tensors(output: Any, path: str = "output") -> dict[str, Tensor]:
+    """``path -> tensor`` of a step's output: tensors and numbers in dicts, lists and tuples (``output['logits']``,
+    ``output[0]``), an ME ``SparseTensor`` / ``TensorField`` as its features and coordinates (``.F`` / ``.C``), its
+    rows sorted (:func:`_row_order`: ME's row order differs between a chunk's tensor and the batch's)."""
+    if isinstance(output, Tensor):
+        return {path: output}
+    if isinstance(output, numbers.Number) and not isinstance(output, bool):
+        return {path: torch.tensor(float(output), dtype=torch.float64)}  # type: ignore[arg-type]
+    if isinstance(output, Mapping):
+        return {k: v for key, value in output.items() for k, v in output_tensors(value, f"{path}[{key!r}]").items()}
+    if isinstance(output, (list, tuple)):
+        return {k: v for i, value in enumerate(output) for k, v in output_tensors(value, f"{path}[{i}]").items()}
+    features, coordinates = getattr(output, "F", None), getattr(output, "C", None)
+    if isinstance(features, Tensor) and isinstance(coordinates, Tensor):
+        order = _row_order(coordinates, features)  # ME orders a tensor's rows by its coordinate map: compared as sets
+        return {f"{path}.F": features[order], f"{path}.C": coordinates[order]}
+    return {}
+
+
+def _row_order(coordinates: Tensor, features: Tensor) -> Tensor:
+    """The rows of ``[coordinates, features]`` in lexicographic order (stable sorts from the last column to the first):
+    an ME tensor's rows as a set, whatever order its coordinate map gave them."""
+    rows = torch.cat([coordinates.detach().double(), features.detach().double().reshape(len(features), -1)], 1).cpu()
+    order = torch.arange(len(rows))
+    for c in reversed(range(rows.shape[1])):
+        order = order[torch.argsort(rows[order, c], stable=True)]
+    return order.to(features.device)
 
 
 def _state_tensor(value: Any) -> Tensor | None:
@@ -135,7 +188,8 @@ def differences(actual: StepRecord, expected: StepRecord) -> Iterator[tuple[str,
     largest = max((s for s in sizes if math.isfinite(s)), default=0.0)
     parts = (("grad of", actual.grads, expected.grads, GRADIENT_FLOOR * largest),
              ("state", actual.state, expected.state, 0.0), ("metric state", actual.metrics, expected.metrics, 0.0),
-             ("logged", actual.logged, expected.logged, 0.0))
+             ("logged", actual.logged, expected.logged, 0.0), ("returned", actual.outputs, expected.outputs, 0.0),
+             ("attribute", actual.attributes, expected.attributes, 0.0))
     for label, mine, theirs, floor in parts:
         for name in list(theirs) + [n for n in mine if n not in theirs]:
             if name not in mine or name not in theirs:
@@ -152,4 +206,7 @@ def _rounding(a: Tensor | None, b: Tensor | None) -> float:
     return LOW_PRECISION_ULPS * eps if eps > torch.finfo(torch.float64).eps else 0.0
 
 
-__all__ = ["GRADIENT_FLOOR", "LOW_PRECISION_ULPS", "StepRecord", "differences", "record_step", "relative_difference"]
+__all__ = [
+    "GRADIENT_FLOOR", "LOW_PRECISION_ULPS", "StepRecord", "differences", "output_tensors", "record_step",
+    "relative_difference",
+]

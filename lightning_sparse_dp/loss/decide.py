@@ -46,6 +46,7 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -249,6 +250,10 @@ class Decision:
     notes: list[str] = field(default_factory=list)
     count: float = 0.0  # replicas or ranks
     n: float = 0.0  # sum of the n_i (the "auto" counts)
+    sites: frozenset = frozenset()  # the keys of the loss call sites the first replica's step called
+
+
+_SITE_KEY = attrgetter("key")
 
 
 def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: str = "replica") -> Decision:
@@ -260,7 +265,8 @@ def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: 
         who: ``"replica"`` or ``"rank"``, for the reasons and notes.
     """
     memory = SiteMemory() if memory is None else memory
-    out = Decision(None, count=float(len(summaries)), n=sum(s.n for s in summaries))
+    out = Decision(None, count=float(len(summaries)), n=sum(s.n for s in summaries),
+                   sites=frozenset(map(_SITE_KEY, summaries[0].sites)) if summaries else frozenset())
     reason = next((s.reason for s in summaries if s.reason is not None), None)
     calls = sorted({c for s in summaries for c in s.collectives})
     if reason is None and calls:  # a value the step normalized across ranks itself: its terms are not the batch's

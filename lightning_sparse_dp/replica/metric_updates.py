@@ -68,7 +68,8 @@ class BatchColumns:
                         "different chunks meet in the metric's state (a retrieval metric's indexes= group them as one "
                         "query), where one device's are the batch's 0..B-1. Pass ids of the whole batch: put them in "
                         "the batch in on_before_batch_transfer (batch['point_sample_ids'] = coordinates[:, 0]), which "
-                        "the split cuts with the points and leaves as they are."
+                        "the split cuts with the points and leaves as they are (under a key naming a batch, e.g. "
+                        "'batch_ids', it is taken for a batch vector and renumbered; layout={key: 'points'} keeps it)."
                     )
                     break
         return self.update(*args, **kwargs)

@@ -135,6 +135,15 @@ def _loops_call_before_transfer() -> bool:
 LOOPS_CALL_BEFORE_TRANSFER = _loops_call_before_transfer()
 
 
+def call_before_backward(trainer: Any, loss: Any) -> None:
+    """The callbacks' and the module's ``on_before_backward(loss)``, as Lightning's strategy calls them before a
+    backward (``Strategy.pre_backward`` -> ``precision_plugin.pre_backward``)."""
+    from lightning.pytorch.trainer import call
+
+    call._call_callback_hooks(trainer, "on_before_backward", loss)
+    call._call_lightning_module_hook(trainer, "on_before_backward", loss)
+
+
 def call_after_backward(trainer: Any) -> None:
     """The callbacks' and the module's ``on_after_backward``, as Lightning's automatic optimization calls them."""
     from lightning.pytorch.trainer import call

@@ -16,6 +16,11 @@ first is the batch column; one source -> every column indexes it.
 
 Indices that are each sample's own row numbers (not offset) need no re-basing: pass them as a
 per-sample list of tensors, which travel with their samples unchanged.
+
+A batch vector ``[K]`` (each row the batch index of its sample: ``x.C[:, 0].long()`` kept in the batch, PyG's
+``batch``) is an index tensor whose one column is the batch column, ``layout={"batch": "indices:batch"}``; a 1-D
+integer tensor under a key that names a batch (not a scene or sample id, which a dataset's indices can equal by chance),
+equal to a point set's batch column, is taken for one.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
     names = _source_names(leaves, sources)
     columns = _columns(leaf, values.shape[1], sources, names)
     if all(s < 0 for s in columns):
+        if values.shape[1] == 1 and sources:  # a batch vector (PyG's ``batch``): each row's sample, renumbered per chunk
+            return _batch_vector(leaf, values[:, 0], sources)
         raise BatchLayoutError(f"{leaf.name} has the role 'indices' but no column indexes a coordinate source.")
     samples: Tensor | None = None
     first = -1
@@ -153,6 +160,24 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
                 f"points of sample {int(samples[k])}. {_OFFSET_HINT}" + _column_hint(leaf, columns, names)
             )
     return replace(leaf, columns=columns, row_samples=samples)
+
+
+def _batch_vector(leaf: Leaf, samples: Tensor, sources: Sequence[Source]) -> Leaf:
+    """``leaf`` (``[K]``, the role ``"indices:batch"``) as a batch vector: each row the sample it belongs to, cut with
+    that sample and renumbered to its position in the chunk (``x.C[:, 0].long()`` kept in the batch, PyG's ``batch``).
+
+    Raises:
+        BatchLayoutError: a value that is no sample of the batch (``0..B-1``).
+    """
+    num_samples = int(sources[0].batch_index.max()) + 1 if sources[0].num_points else 0
+    bad = ((samples < 0) | (samples >= num_samples)).nonzero().flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise BatchLayoutError(
+            f"{leaf.name}[{k}] = {int(samples[k])} is not a sample of the batch (0..{num_samples - 1}); the role "
+            "'indices:batch' takes a batch vector: each row the batch index of the sample it belongs to."
+        )
+    return replace(leaf, columns=(-1,), row_samples=samples)
 
 
 def check_sample_lists(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source]) -> None:

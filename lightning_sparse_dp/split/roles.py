@@ -104,8 +104,9 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"{leaf.name} has length {length} in dim 0, which matches neither the number of samples "
             f"({num_samples}) nor the number of points "
             f"({', '.join(f'{s.name}: {s.num_points}' for s in sources) or 'no coordinates'}). "
-            + ("" if _numbers_samples(x, num_samples) else _empty_sample_hint(sources, length, num_samples))
-            + _unmatched_hint(leaf, num_samples)
+            + (_sample_list_hint(leaf, leaves, num_samples) or (
+                ("" if _numbers_samples(x, num_samples) else _empty_sample_hint(sources, length, num_samples))
+                + _unmatched_hint(leaf, num_samples, leaves)))
         )
     first = sources[matches[0]].batch_index
     if any(not torch.equal(first, sources[n].batch_index) for n in matches[1:]):
@@ -119,6 +120,12 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"belongs to cannot be told. Name it: SparseDataParallelStrategy(layout={{{key_of(leaf.path)!r}: "
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
+    if (  # a point set's batch column under a name for one (``original_batch``, PyG's ``batch``): a batch vector
+        num_chunks > 1 and role is None and x.dim() == 1 and not x.dtype.is_floating_point and x.dtype != torch.bool
+        and _NAMES_BATCH.search(str(key_of(leaf.path)))
+        and torch.equal(x.long().cpu(), sources[matches[0]].batch_index.cpu())
+    ):
+        return resolve_indices(replace(leaf, role=Role.INDICES, refs=("batch",)), leaves, sources)
     if (
         num_chunks > 1
         and role is None
@@ -139,6 +146,8 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
     return replace(leaf, role=Role.POINTS, source=matches[0])
 
 
+#: keys that name a batch vector (each point's sample), taken for one where it equals a point set's batch column
+_NAMES_BATCH = re.compile(r"batch", re.IGNORECASE)  # not scene / sample ids: a dataset's indices can equal 0..B-1
 #: keys that name indices but are not taken for them without ``layout`` (``corr``, ``match``, ``pair`` are: records.py)
 _NAMES_INDICES_TOO = re.compile(  # sparse_quantize's maps too: inverse_map, unique_map
     r"neg|idx|index|indices|neighbo|knn|anchor|inverse|unique|(^|_)maps?$|(^|_)pos(itive)?s?(_|$|\d)", re.IGNORECASE
@@ -153,9 +162,36 @@ def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ..
     return same if len(same) == 1 else matches
 
 
-def _unmatched_hint(leaf: Leaf, num_samples: int) -> str:
-    """The fix for a tensor whose length matches nothing: the role that fits what it looks like."""
+def _sample_list_hint(leaf: Leaf, leaves: tuple[Leaf, ...], num_samples: int) -> str:
+    """The fix for a tensor that is an entry of a list with one entry per sample (each sample's own inverse map, its
+    labels: ``batch["inverse_maps"][b]``), else ``""``."""
+    steps = [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
+    if len(steps) < 2 or not isinstance(steps[-1], int) or not isinstance(steps[-2], str):
+        return ""
+    siblings = sum(1 for other in leaves if other.path[:-1] == leaf.path[:-1])
+    if siblings != num_samples:
+        return ""
+    return (
+        f"It is entry {steps[-1]} of the list under {steps[-2]!r}, which has one entry per sample ({num_samples}): if "
+        f"each entry is its sample's own (its inverse map, its labels, in its own rows), give the list the role "
+        f"'samples', SparseDataParallelStrategy(layout={{{steps[-2]!r}: 'samples'}}), and each entry goes with its "
+        "sample as it is. "
+    )
+
+
+def _unmatched_hint(leaf: Leaf, num_samples: int, leaves: tuple[Leaf, ...] = ()) -> str:
+    """The fix for a tensor whose length matches nothing: the role that fits what it looks like, or the coordinates
+    of its point set where the batch holds them under a key that names no coordinates."""
     x, key = leaf.value, key_of(leaf.path)
+    for other in leaves:
+        y = other.value
+        if (other is not leaf and other.role is None and isinstance(y, Tensor) and y.dim() == 2
+                and y.shape[0] == x.shape[0] and _numbers_samples(y, num_samples)):
+            return (
+                f"{other.name} has as many rows and looks like the coordinates of its point set (column 0 numbering "
+                f"the batch's samples): give it the role 'coordinates', SparseDataParallelStrategy(layout="
+                f"{{{key_of(other.path)!r}: 'coordinates'}}), and {leaf.name} is cut with that set's points. "
+            )
     steps = [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
     for i in range(len(steps) - 1, 0, -1):  # inside a list of dicts under a key: one entry per sample (targets)
         if isinstance(steps[i], int) and i + 1 < len(steps) and isinstance(steps[i - 1], str):

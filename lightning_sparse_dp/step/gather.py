@@ -30,6 +30,7 @@ from lightning_sparse_dp.runtime.process import SAID_ONCE as _warning_cache
 from lightning_sparse_dp.split import SparseSpec, SplitPlan, merge_chunks, merge_rows
 from lightning_sparse_dp.split.leaves import key_of, layout_entry, leaf_predicate, path_name
 from lightning_sparse_dp.split.merge import coordinates_back, point_sources, points_back
+from lightning_sparse_dp.step.returned import merged_entry, returned_entries
 from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
 
@@ -137,7 +138,8 @@ def rows_of_chunks(values: list[Any], plan: SplitPlan) -> bool:
 
 def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> Any:
     """The replicas' ``ME.SparseTensor`` outputs (a predict step's ``return self(x)``) as one SparseTensor of the whole
-    batch on ``device``, as one device returns it; ``None`` where their rows cannot be placed (tensor strides that
+    batch on ``device``, as one device returns it (``ME.TensorField`` outputs, ``out.slice(field)``, as one TensorField
+    likewise); ``None`` where their rows cannot be placed (tensor strides that
     differ, coordinates that are not their chunks', see :func:`coordinates_back`).
 
     Its coordinates carry the batch's sample ids in column 0; its rows are in the batch's point order where each
@@ -147,8 +149,9 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
     :func:`~lightning_sparse_dp.step.scatter.build_sparse` (a coordinate manager of its own on ``device``, with the
     replicas' ``tensor_stride``); features keep their autograd graph.
     """
-    strides = {tuple(v.tensor_stride) for v in values}
-    if len(strides) != 1:
+    cls = type(values[0])
+    strides = {tuple(v.tensor_stride) for v in values} if cls is ME.SparseTensor else {()}
+    if len(strides) != 1 or any(type(v) is not cls for v in values):
         return None
     coordinates, features = [v.C for v in values], [v.F for v in values]
     lengths = [c.shape[0] for c in coordinates]
@@ -164,8 +167,8 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
         merged = [torch.cat([c.to(first) for c in restored]), torch.cat([f.to(first) for f in features])]
     if restored is coordinates:
         return None
-    stride = {"tensor_stride": list(strides.pop())}
-    spec = SparseSpec(cls=ME.SparseTensor, features=merged[1], coordinates=merged[0], kwargs=stride)
+    stride = {"tensor_stride": list(strides.pop())} if cls is ME.SparseTensor else {}
+    spec = SparseSpec(cls=cls, features=merged[1], coordinates=merged[0], kwargs=stride)
     return build_sparse(spec, device)
 
 
@@ -304,6 +307,12 @@ def _gather_leaf(
     if role == "sequence":  # one entry per sample: the chunks' entries in sample order, on the root device
         moved = [apply_to_collection(v, Tensor, lambda t: t.to(device)) for v in values]
         return merge_rows(moved, plan.chunk_samples)
+    if role not in ("list", "first") and any(type(v) in (ME.SparseTensor, ME.TensorField) for v in values):
+        raise ValueError(
+            f"step output {_printed(path)} is an ME {type(values[0]).__name__}, which the role {role!r} cannot combine. "
+            "Without an output_layout entry the replicas' tensors come back as one of the whole batch (its rows in the "
+            f"batch's order); 'list' gives the replicas' tensors; or return its .F / .C to combine them as tensors."
+        )
     tensors = [isinstance(v, Tensor) for v in values]
     if any(tensors) and not all(tensors):
         raise TypeError(
@@ -314,9 +323,17 @@ def _gather_leaf(
         )
     on_device = [v.to(device) for v in values] if all(tensors) else values
     if role in ("samples", "points", "cat") and all(tensors) and len({v.shape[1:] for v in values}) > 1:
+        shapes = ', '.join(str(tuple(v.shape)) for v in values)
+        if all(v.dim() == 2 and v.shape[0] == v.shape[1] == n for v, n in zip(values, plan.samples_per_chunk)):
+            raise ValueError(  # [b, b]: between the chunk's samples (a similarity), which no merge makes the batch's
+                f"step output {_printed(path)} is a [samples, samples] matrix of each replica's chunk ({shapes}): "
+                "one device's step returns it between every two samples of the whole batch (a similarity, a distance "
+                "matrix), which the chunks' do not hold. Return what it is computed from per sample (the embeddings) "
+                "and compute it in on_*_batch_end(outputs, batch, batch_idx), which gets the gathered outputs."
+            )
         raise ValueError(
             f"step output {_printed(path)} has rows of different shapes in the replicas' chunks "
-            f"({', '.join(str(tuple(v.shape)) for v in values)}): one device's step returns one tensor of the whole "
+            f"({shapes}): one device's step returns one tensor of the whole "
             "batch's shape, which no merge of the chunks' gives (x.dense() sizes its grid by the chunk's coordinates). "
             "Give it a fixed shape (x.dense(shape=..., min_coordinate=...)), or name its role 'list' to get the "
             f"replicas' tensors: SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'list'}})."
@@ -406,6 +423,8 @@ def gather_outputs(
     say_lists: bool = True,
     value_of: Callable[[list[Tensor]], Tensor | None] | None = None,
     exact_loss: bool = True,
+    inputs: Sequence[Any] | None = None,
+    layout: Mapping[Any, str] | None = None,
 ) -> Any:
     """One step output from the replicas' outputs.
 
@@ -446,6 +465,10 @@ def gather_outputs(
     ``False`` for values that are not the step's output (what a step appended to a list of the module), whose
     ``"loss"`` is a leaf like any other.
 
+    ``inputs`` (the replicas' chunks, made) and ``layout`` (the split's): a leaf that is, in every replica, its
+    chunk's tensor at one place of the batch (an entry the step returns) is merged by the role the split cut that
+    place by (:mod:`~lightning_sparse_dp.step.returned`), unless ``output_layout`` names its role.
+
     Raises:
         ValueError: some replicas returned ``None`` and others an output (the message says what
             skipping a step means with replicas); outputs of different structure; an unknown role,
@@ -472,10 +495,14 @@ def gather_outputs(
                 f"replica {i} returned an output of another structure than replica 0 ({s} vs {spec}); every replica's "
                 "step must return the same kind of output."
             )
+    places = returned_entries(inputs, plan, layout) if inputs is not None and plan.roles else None
     leaves = []
     for n, (path, _) in enumerate(flat[0][0]):
         values = [f[0][n][1] for f in flat]
-        leaves.append(combine(path, values, id(values[0]) in sequences))
+        entry = None
+        if places is not None and _output_role(path, output_layout) is None:
+            entry = merged_entry(values, places, plan)
+        leaves.append(combine(path, values, id(values[0]) in sequences) if entry is None else entry.to(device))
     return pytree.tree_unflatten(leaves, spec)
 
 
@@ -488,7 +515,7 @@ def _combine(
     ``output_layout``'s, else :func:`_guess_role`'s), :func:`_gather_leaf`; a 0-dim value other than the loss (with
     ``exact_loss``) as :func:`gather_outputs` says for ``value_of``."""
     role = "sequence" if sequence else _output_role(path, output_layout)
-    if role is None and all(type(v) is ME.SparseTensor for v in values):
+    if role is None and all(type(v) in (ME.SparseTensor, ME.TensorField) for v in values):
         merged = merge_sparse(values, plan, device)
         if merged is not None:
             return merged

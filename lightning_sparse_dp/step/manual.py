@@ -35,15 +35,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
 from lightning_sparse_dp.replica.optimizers import RankOptimizer, rank_view
-from lightning_sparse_dp.runtime.compat import call_after_backward, trainer_of
+from lightning_sparse_dp.runtime.compat import call_after_backward, call_before_backward, trainer_of
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
+#: ``LightningModule.backward`` as Lightning defines it (``loss.backward()``): a module that overrides it gets its own
+_DEFAULT_BACKWARD = LightningModule.backward
 
 class ManualStep:
     """What the replicas of one manual-optimization step share.
@@ -76,7 +79,11 @@ class ManualStep:
         for param in self.replicas.parameters[rank]:  # the reduced gradients an earlier backward exposed: not its own
             param.grad = None
         if loss.requires_grad:
-            torch.autograd.backward(loss if weight != 0 else zeroed(loss), torch.full_like(loss, weight))
+            backward = type(self.module).backward
+            if backward is _DEFAULT_BACKWARD:
+                torch.autograd.backward(loss if weight != 0 else zeroed(loss), torch.full_like(loss, weight))
+            else:  # the module's own backward (LightningModule.backward overridden), on the replica's weighted loss
+                backward(self.replicas.modules[rank], (loss if weight != 0 else zeroed(loss)) * weight)
         self.group.all_gather_apply(rank, None, ("reduce",), lambda _: self._reduce())
 
     def once(self, rank: int, name: str, fn: Callable[[], Any]) -> Any:
@@ -96,6 +103,11 @@ class ManualStep:
     def _decide(self, losses: list[Tensor]) -> list[float]:
         if self.terms is not None:
             self.terms.scale_terms(losses, self.weights)
+        trainer = trainer_of(self.module)
+        if trainer is not None:  # on_before_backward once, with the whole batch's loss (its value), as one device's
+            root = self.replicas.devices[0]
+            whole = sum(float(w) * loss.detach().to(root) for w, loss in zip(self.weights, losses))
+            call_before_backward(trainer, whole)
         scale = self._loss_scale()
         return [w * scale for w in self.weights]
 

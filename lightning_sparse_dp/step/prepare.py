@@ -60,7 +60,9 @@ class PlacedChunks:
 
 def _tensor_marks(batch: Any) -> list[tuple[int, int]]:
     marks: list[tuple[int, int]] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: marks.append((id(t), t._version)))
+    # an inference tensor (made under Lightning's inference mode in evaluation) has no version counter: 0, as it
+    # cannot be changed in place outside that mode
+    apply_to_collection(batch, torch.Tensor, lambda t: marks.append((id(t), 0 if t.is_inference() else t._version)))
     return marks
 
 

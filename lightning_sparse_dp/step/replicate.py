@@ -84,6 +84,9 @@ class Replicas:
         check_devices(devices)
         self.own_frozen = frozenset(own_frozen)
         self.frozen_written: set[str] = set()
+        #: a step changed what the replicas were built from through them (``requires_grad_()`` on a replica's
+        #: parameters, given to the module's): the next step builds new ones
+        self.stale = False
         # Built outside inference mode even in a validation / predict step (Lightning runs them in
         # torch.inference_mode): tensors made there are inference tensors, which the training steps that
         # later refresh the same replicas could not update in place.
@@ -238,10 +241,11 @@ class Replicas:
         return self.serve(module, devices) and self.unchanged()
 
     def serve(self, module: nn.Module, devices: Sequence[torch.device]) -> bool:
-        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (no walk of the module), and no
-        step changed in place a frozen parameter they share (:meth:`written_frozen`: then they are rebuilt)."""
+        """Whether these are ``module``'s replicas and ``devices`` the first of theirs (no walk of the module), no
+        step changed in place a frozen parameter they share (:meth:`written_frozen`: then they are rebuilt), and none
+        made them :attr:`stale`."""
         return (
-            module is self.root and not self.frozen_written and len(devices) <= len(self.devices)
+            module is self.root and not self.frozen_written and not self.stale and len(devices) <= len(self.devices)
             and list(devices) == self.devices[: len(devices)]
         )
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
-from lightning_sparse_dp.exactness.check import backward, one_device_step, quiet_step
+from lightning_sparse_dp.exactness.check import OUTPUT_KEY, backward, one_device_step, quiet_step
 from lightning_sparse_dp.exactness.probe import float64_batch
 from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.reweight import scaled
@@ -83,15 +83,18 @@ def apart(strategy: SparseDataParallelStrategy) -> Iterator[None]:
             setattr(strategy, name, value)
 
 
-def _due(owner: Any, count: int, args: tuple) -> Any:
+def _due(owner: Any, count: int, args: tuple, again: bool = False) -> Any:
     """The trainer when the strategy's exactness check runs before this training step (``count`` replicas or ranks,
-    two or more; automatic optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`), else
-    ``None``; a manual step is said once not to be checked."""
+    two or more; automatic optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`; ``again``:
+    after it, for a step that called a loss call site no checked step called), else ``None``; a manual step is said
+    once not to be checked."""
     module, check = owner.lightning_module, owner._exactness
     trainer = trainer_of(module)
     if check.mode is None or module is None or trainer is None or count < 2 or not args:
         return None
-    if not check.due(trainer.global_step):
+    if again:
+        check.again(trainer.global_step)
+    elif not check.due(trainer.global_step):
         return None
     if not module.automatic_optimization:
         strategy = owner.strategy_name
@@ -103,14 +106,16 @@ def _due(owner: Any, count: int, args: tuple) -> Any:
     return trainer
 
 
-def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwargs: dict) -> None:
+def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwargs: dict, again: bool = False) -> bool:
     """Run the strategy's exactness check before this training step when it is due (several replicas, automatic
     optimization; :meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.due`); say once why a step is not
-    checked otherwise."""
+    checked otherwise. ``again``: run it now, after the step's forward (the module's parameters as the step found
+    them; what its forward updated, running statistics or a metric's state, the start of both runs), for a step that
+    called a loss call site no checked step called. Returns whether it ran."""
     module, check, devices = strategy.lightning_module, strategy._exactness, strategy.parallel_devices or []
-    trainer = _due(strategy, len(devices), args)
+    trainer = _due(strategy, len(devices), args, again)
     if trainer is None:
-        return
+        return False
     batch, root = args[0], strategy.root_device
     whole = batch.batch if isinstance(batch, PreSplitBatch) else batch
     if whole is None:
@@ -118,7 +123,7 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
             "sparse_dp: exactness check: not run, because the batch was split without keeping the whole batch "
             "(a PreSplitBatch without .batch). Training goes on unchecked."
         )
-        return
+        return False
     dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
 
     def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
@@ -144,6 +149,48 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
     synchronized = strategy._layer_sync is not None
     check.run(module, trainer, on_one_device, on_replicas, len(devices), lambda: samples[-1] if samples else "batch's",
               batch_norm_eval=not synchronized and has_batch_norm(module.modules()), warnings=strategy._warning_cache)
+    return True
+
+
+def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple, kwargs: dict) -> None:
+    """Run the strategy's exactness check on the first step of the evaluation hook ``name`` (``"validation_step"``,
+    ``"test_step"``, ``"predict_step"``) in a run, with several replicas: the module's own step on one device over the
+    whole batch and the strategy's stages over the same batch, each on a float64 copy, no backward; what they logged,
+    their metrics' states and the tensors they returned compared
+    (:meth:`~lightning_sparse_dp.exactness.check.ExactnessCheck.run`). A value that couples the batch's samples (a
+    similarity between samples, a nearest neighbour in the batch) is each chunk's on the replicas, which only such a
+    measurement sees."""
+    module, check, devices = strategy.lightning_module, strategy._exactness, strategy.parallel_devices or []
+    trainer = trainer_of(module)
+    if module is None or trainer is None or len(devices) < 2 or not args or not check.eval_due(name):
+        return
+    batch, root = args[0], strategy.root_device
+    whole = batch.batch if isinstance(batch, PreSplitBatch) else batch
+    if whole is None:
+        return  # said at the training step's check; an evaluation without a whole batch has nothing to compare
+    dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+    samples: list[int] = []
+
+    def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
+        probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
+        probe = lightning_transfer(twin, dataloader_idx)(probe, root)
+        output, logged = quiet_step(twin, lambda: getattr(twin, name)(probe, *args[1:], **kwargs))
+        return None, {**logged, OUTPUT_KEY: output}, None
+
+    def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
+        twin.print = no_print
+        with apart(strategy):
+            step, _ = strategy._context(name, (float64_batch(batch), *args[1:]), kwargs, twin)
+            assert step is not None  # several devices: the stages run
+            output, calls = strategy._through_stages(step)
+        samples.append(step.plan.num_samples if step.plan is not None else 0)
+        return None, {**{call.name: call.value for call in calls}, OUTPUT_KEY: output}, None
+
+    # the copies made outside Lightning's inference mode (the replicas' parameters are built from them), without grad
+    with torch.inference_mode(False), torch.no_grad():
+        check.run(module, trainer, on_one_device, on_replicas, len(devices),
+                  lambda: samples[-1] if samples else "batch's", batch_norm_eval=False, warnings=strategy._warning_cache,
+                  evaluation=(name, args[1] if len(args) > 1 else 0))
 
 
 def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> None:
@@ -246,4 +293,4 @@ def loss_reading(step: StepContext, loss_weighting: Any) -> str:
     return f"The strategy weighted each replica's loss by loss_weighting={loss_weighting!r} (weights {weights})"
 
 
-__all__ = ["agreed", "apart", "check_rank_step", "check_training_step", "loss_reading"]
+__all__ = ["agreed", "apart", "check_eval_step", "check_rank_step", "check_training_step", "loss_reading"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from typing_extensions import override
 from lightning_sparse_dp.loss.weights import HeldWeighting
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.runtime.threads import check_pin, check_prepare_in_threads
 from lightning_sparse_dp.runtime.timing import StageTimes, StepTimer
 from lightning_sparse_dp.split import HeldLayouts, SplitPlan
@@ -43,11 +45,13 @@ from lightning_sparse_dp.strategies.checks import (
     warn_eval_batchnorm,
     warn_unsynchronized_batchnorm,
 )
-from lightning_sparse_dp.strategies.exactness import check_training_step
+from lightning_sparse_dp.strategies.exactness import check_eval_step, check_training_step
 from lightning_sparse_dp.strategies.single_process import SingleProcessParallelStrategy
 from lightning_sparse_dp.strategies.stages import ReplicaStages
 from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, eval_batch_statistics, revert_layer_sync
 
+#: a parameter's ``requires_grad`` (read in C over a list of parameters)
+_GRAD_FLAG = attrgetter("requires_grad")
 
 class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
@@ -158,6 +162,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._timer = StepTimer(self.stage_times, prefix="[sparse_dp]")
         self._warning_cache = WarningCache()  # one-time warnings and infos of this strategy
         self._replicas: Replicas | None = None
+        self._step_sites: frozenset | None = None  # the last step's loss call sites (loss/decide.py Decision.sites)
         self._replica_sync_layers, self._replica_metrics = [], ReplicaMetrics()  # their sync BN layers, metric copies
         self._loader_batch_sizes: set[int] = set()  # the batch_size of every DataLoader Lightning handed over
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
@@ -214,23 +219,43 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
     # --- the step: Lightning's four step hooks, each through the stages below --------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._exactness.done:  # when due: this step on one device and on the replicas, compared
-            check_training_step(self, args, kwargs)
+        check = self._exactness
+        trainer = trainer_of(self.lightning_module)
+        stopping = trainer is None or trainer.should_stop
+        checked = not check.done and check_training_step(self, args, kwargs)  # when due: one device's and ours compared
         with self.precision_plugin.train_step_context():
-            return self._step("training_step", args, kwargs)
+            output = self._step("training_step", args, kwargs)
+        if not stopping and trainer.should_stop:  # set in a replica's step, from its chunk
+            self._warning_cache.info(
+                "sparse_dp: the training step set self.trainer.should_stop from a replica's chunk: as with Lightning's "
+                "DDP ranks, any replica's stop ends the fit, where one device decides on the whole batch. Decide it in "
+                "on_train_batch_end(outputs, batch, batch_idx), which gets the gathered outputs and the whole batch."
+            )
+        sites, self._step_sites = self._step_sites, None
+        if sites is not None and check.mode is not None and not sites <= check.sites:  # a loss call site not checked
+            check.sites |= sites
+            if not checked:  # a term after a warm-up, alternating objectives: this step checked too, after its forward
+                check_training_step(self, args, kwargs, again=True)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._exactness.mode is not None and "validation_step" not in self._exactness.evaluated:  # its first step
+            check_eval_step(self, "validation_step", args, kwargs)
         with self.precision_plugin.val_step_context():
             return self._step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._exactness.mode is not None and "test_step" not in self._exactness.evaluated:  # its first step
+            check_eval_step(self, "test_step", args, kwargs)
         with self.precision_plugin.test_step_context():
             return self._step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._exactness.mode is not None and "predict_step" not in self._exactness.evaluated:  # its first step
+            check_eval_step(self, "predict_step", args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", args, kwargs)
 
@@ -251,8 +276,15 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         step.inputs, step.plan = self.scatter(step.call.source, step)
         step.outputs = self._run_replicas(step)  # replicate -> the replicas' step state -> parallel_apply
         step.losses, step.weights = weigh(step, self.loss_weighting, self._weighting)
+        decision = step.terms.decision if step.terms is not None else None
+        self._step_sites = decision.sites if decision is not None else None  # for the exactness check (training_step)
         root = step.call.parallel_devices[0]  # the root device, as the step started (_context)
         merge_into_module(step, root, self.output_layout)  # what the replicas set on it, as one device's
+        replicas = self._replicas
+        if replicas is not None and list(map(_GRAD_FLAG, replicas.parameters[0])) != list(map(_GRAD_FLAG, replicas.trainable)):
+            for source, own in zip(replicas.trainable, replicas.parameters[0]):  # requires_grad_() in the step: the
+                source.requires_grad_(own.requires_grad)  # root replica's, as rank 0's
+            replicas.stale = True  # the next step's replicas built from the module's flags
         groups = self._replicas.rank_optimizers[0] if self._replicas is not None else None
         if groups is not None and groups.copies:  # the optimizers' groups the root replica changed, as rank 0's
             groups.write_back()

@@ -184,7 +184,8 @@ class ReplicaStages:
             value_of = None if step.terms is None else step.terms.output_value
             with_loss = step.terms is None or step.terms.with_loss  # a predict step's 0-dim output is no loss
             return gather_outputs(outputs, step.plan, step.weights, self.root_device, self.output_layout,
-                                  self._warning_cache, value_of=value_of, exact_loss=with_loss)
+                                  self._warning_cache, value_of=value_of, exact_loss=with_loss, inputs=step.inputs,
+                                  layout=self.layout)
 
     def _in_threads(self) -> bool:  # prepare_in_threads: None is True
         return self.prepare_in_threads is not False

@@ -9,6 +9,8 @@ those of every rank's input together, exchanged through whatever
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -83,14 +85,22 @@ class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
 
 
 def _sync_class(layer: nn.Module) -> type[SyncBatchNorm]:
-    """The class a swapped layer gets: a subclass of its own torch class where it is ``BatchNorm1d/2d/3d`` (or of
-    theirs), so that ``isinstance(m, nn.BatchNorm1d)`` holds for the swapped layer; :class:`SyncBatchNorm` for torch's
-    ``SyncBatchNorm``, whose own forward needs a process group."""
+    """The class a swapped layer gets: a subclass of its own torch class where it is ``BatchNorm1d/2d/3d``, so that
+    ``isinstance(m, nn.BatchNorm1d)`` holds for the swapped layer; for a class of the user's derived from one of them,
+    a subclass of both (:func:`_user_sync_class`: its own ``forward``, which calls ``super().forward``, runs the
+    synchronized one); :class:`SyncBatchNorm` for torch's ``SyncBatchNorm``, whose own forward needs a process group."""
     for torch_class, ours in ((nn.BatchNorm1d, SyncBatchNorm1d), (nn.BatchNorm2d, SyncBatchNorm2d),
                               (nn.BatchNorm3d, SyncBatchNorm3d)):
         if isinstance(layer, torch_class):
-            return ours
+            return ours if type(layer) is torch_class else _user_sync_class(type(layer), ours)
     return SyncBatchNorm
+
+
+@functools.cache
+def _user_sync_class(cls: type, ours: type[SyncBatchNorm]) -> type[SyncBatchNorm]:
+    """``cls`` (the user's subclass of a torch batch norm) before ``ours`` in the method order: what ``cls`` defines
+    (a ``forward`` of its own around ``super().forward``) runs, its torch base's forward is the synchronized one."""
+    return type(cls.__name__, (cls, ours), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 #: a swap: the layer, swapped in place, and the class it had

@@ -323,8 +323,10 @@ def test_a_tensor_of_the_module_changed_in_place_in_the_step_is_said():
     with pytest.warns(UserWarning, match=r"self\.ema \(a tensor of the module\) was changed in place") as record:
         trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
     trainer(max_steps=3).fit(reference, loader(*batches))
-    said = [str(w.message) for w in record if "changed in place in the step" in str(w.message)]
+    said = [str(w.message) for w in record if "(a tensor of the module) was changed in place" in str(w.message)]
     assert len(said) == 2 and any("self.stats['ema']" in m for m in said)  # each named once
+    checked = [str(w.message) for w in record if "exactness check of training step 0" in str(w.message)]
+    assert len(checked) == 1 and "attribute 'ema'" in checked[0]  # the check measures it too
     assert float(reference.ema) == 1 - 0.5**3 and float(ours.ema) != pytest.approx(1 - 0.5**3)
     assert float(ours.replaced) == float(reference.replaced) == 1 - 0.5**3  # replaced, merged: one device's
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_sparse_dp.split import BatchLayoutError, balanced_assignment, merge_batch, split_batch
-from tests.support.helpers import collate_dict, grid_points, random_samples
+from tests.support.helpers import collate_dict, grid_points, random_samples, voxelized_batch
 
 
 def pair_batch(sizes0, sizes1, pairs, seed=0, batch_column=False) -> dict:
@@ -202,25 +202,6 @@ def test_an_index_tensor_left_to_its_length_is_named_with_the_indices_role():
         assert torch.equal(chunk["sinput1_C"][chunk["negatives"]][:, 1:], whole)
 
 
-def voxelized_batch(num_samples: int = 9, seed: int = 3) -> dict:
-    """ME's voxelization with an inverse map (``sparse_quantize(..., return_inverse=True)``): voxels' coordinates and
-    features, the original points' coordinates, each original point's voxel (offset by the voxels of the samples
-    before) and its label, float64."""
-    g = torch.Generator().manual_seed(seed)
-    voxels, features, originals, inverse, labels, before = [], [], [], [], [], 0
-    for _ in range(num_samples):
-        n = int(torch.randint(10, 40, (1,), generator=g))
-        points = torch.rand(n, 3, generator=g, dtype=torch.float64) * 6
-        c, f, _, inv = ME.utils.sparse_quantize(points, torch.randn(n, 3, generator=g, dtype=torch.float64),
-                                                quantization_size=2.0, return_index=True, return_inverse=True)
-        voxels.append(c), features.append(f), originals.append(points.float()), inverse.append(inv + before)
-        labels.append(torch.randint(0, 4, (n,), generator=g))
-        before += c.shape[0]
-    coordinates, features = ME.utils.sparse_collate(voxels, features)
-    return {"coordinates": coordinates, "features": features.double(), "inverse": torch.cat(inverse).long(),
-            "point_labels": torch.cat(labels), "original_coordinates": ME.utils.batched_coordinates(originals)}
-
-
 def test_labels_of_the_original_points_split_with_their_coordinates_as_one_device():
     """Labels of the original points an inverse map sends to voxels match neither the samples nor the voxels: the
     error names the fix, the original points' coordinates in the batch; with them, and the inverse map as indices
@@ -273,6 +254,22 @@ def test_a_float_copy_of_the_coordinates_under_another_key_is_renumbered_with_th
         moved[:, 1:] += 1.25
         assert torch.equal(chunk["gt"], moved), j
         assert torch.equal(chunk["feats"], feats[plan.point_rows[0][j]]), j
+
+
+@pytest.mark.parametrize("key,layout", [("original_batch", None), ("scene", {"scene": "indices:batch"})])
+def test_a_batch_vector_is_renumbered_with_its_samples(key, layout):
+    """Each point's sample kept as a vector (``x.C[:, 0].long()``, PyG's ``batch``) was cut as per-point values, so each
+    chunk's held the whole batch's sample ids beside coordinates numbered 0..b-1: a per-sample mean over it 0.6 off,
+    silently. Under a key naming a batch (or with ``"indices:batch"``) it is renumbered with its samples, and merged
+    back to the whole batch's ids; an integer per-point label under another key is cut as it is."""
+    batch = collate_dict(random_samples(7, seed=24))
+    coords = batch["coordinates"]
+    labels = torch.randint(0, 5, (len(coords),), generator=torch.Generator().manual_seed(4))
+    chunks, plan = split_batch({"coords": coords, key: coords[:, 0].long(), "point_labels": labels}, 3, layout=layout)
+    for j, chunk in enumerate(chunks):
+        assert torch.equal(chunk[key], chunk["coords"][:, 0].long()), j
+        assert torch.equal(chunk["point_labels"], labels[plan.point_rows[0][j]]), j
+    assert torch.equal(merge_batch(chunks, plan)[key], coords[:, 0].long())
 
 
 def test_an_unnamed_inverse_map_is_said_with_the_set_its_values_index():

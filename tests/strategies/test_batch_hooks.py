@@ -272,3 +272,21 @@ def test_a_batch_changed_at_batch_start_after_the_transfer_hooks_cut_it_is_said(
     batches = [collate_dict(random_samples(7, seed=s)) for s in (33, 34)]
     with pytest.warns(UserWarning, match=r"given to training_step was changed after .* in on_train_batch_start"):
         trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(_ScalesAtBatchStart(), loader(*batches))
+
+
+class _OwnAfterTransfer(SparseNet):
+    """A transfer hook of the module's own that changes nothing."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+def test_evaluation_in_float64_with_the_modules_own_transfer_hook_runs():
+    """In float64 the converted batch is made under Lightning's inference mode, whose tensors have no version counter:
+    the marks taken to see a hook change the batch raised 'Inference tensors do not track version counter'."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (61, 62)]
+    ours, reference = same_start(_OwnAfterTransfer, seed=0)
+    kwargs = dict(precision="64-true", limit_val_batches=None)
+    got = trainer(strategy="sparse_dp", devices=3, **kwargs).validate(ours, loader(*batches), verbose=False)
+    want = trainer(**kwargs).validate(reference, loader(*batches), verbose=False)
+    assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-10)

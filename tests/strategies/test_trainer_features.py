@@ -21,6 +21,7 @@ from lightning_sparse_dp.runtime.randomness import shared_generators
 from tests.support.exact import REL, assert_same_states, same_start
 from tests.support.exact import trainer64 as trainer
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, run_isolated, unchecked
+from tests.support.step_forms import PooledNet
 
 
 def _close_states(ours, reference, rtol, atol):
@@ -323,3 +324,54 @@ def test_validate_then_fit_then_validate_with_metrics_equals_one_device():
     assert abs(ours[2] - theirs[2]) <= metric_rel * abs(theirs[2])
     assert ours[2] != ours[0]  # the model trained in between
     assert_same_states(ours[3], theirs[3])  # float64 throughout
+
+
+class _FrozenInTheStep(PooledNet):
+    """The body frozen inside the step for the rest of the first epoch (a head-only warm-up), unfrozen at each epoch's
+    start by the module's hook."""
+
+    def on_train_epoch_start(self):
+        self.body.requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx >= 1:
+            self.body.requires_grad_(False)
+        return super().training_step(batch, batch_idx)
+
+
+def test_requires_grad_changed_in_the_step_is_the_modules():
+    """requires_grad_() in the step changed the replicas' own parameters only: the module's stayed, and the hook that
+    unfroze the module's changed nothing the replicas had, so the body stayed frozen for the rest of the fit (6.9e-3
+    off one device), silently. The root replica's flags are the module's after the step now, and the next step's
+    replicas are built from them."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (63, 64)]
+    ours, reference = same_start(_FrozenInTheStep, seed=0)
+    trainer(strategy="sparse_dp", devices=3, max_epochs=2, max_steps=-1).fit(ours, loader(*batches))
+    trainer(max_epochs=2, max_steps=-1).fit(reference, loader(*batches))
+    assert [p.requires_grad for p in ours.parameters()] == [p.requires_grad for p in reference.parameters()]
+    assert_same_states(ours, reference)
+
+
+class _StopsInTheStep(PooledNet):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
+def test_should_stop_set_in_the_step_is_said_and_the_check_leaves_it_unset(caplog):
+    """A stop decided in the step is each replica's, from its chunk (any replica's stops the fit, as any DDP rank's):
+    said once. The exactness check's runs of the first step no longer leave the trainer stopping."""
+    import logging
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (68, 69, 70)]
+    ours, reference = same_start(_StopsInTheStep, seed=0)
+    with caplog.at_level(logging.INFO):
+        t = trainer(strategy="sparse_dp", devices=3, max_steps=3)
+        t.fit(ours, loader(*batches))
+    r = trainer(max_steps=3)
+    r.fit(reference, loader(*batches))
+    assert t.global_step == r.global_step == 2
+    said = [m.getMessage() for m in caplog.records if "set self.trainer.should_stop" in m.getMessage()]
+    assert len(said) == 1
+    assert_same_states(ours, reference)

@@ -243,3 +243,22 @@ def run_ranks(group: ThreadGroup, fn, phase: bool = True) -> list:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a rank hangs"
     return results
+
+
+def voxelized_batch(num_samples: int = 9, seed: int = 3) -> dict:
+    """ME's voxelization with an inverse map (``sparse_quantize(..., return_inverse=True)``): voxels' coordinates and
+    features, the original points' coordinates, each original point's voxel (offset by the voxels of the samples
+    before) and its label, float64."""
+    g = torch.Generator().manual_seed(seed)
+    voxels, features, originals, inverse, labels, before = [], [], [], [], [], 0
+    for _ in range(num_samples):
+        n = int(torch.randint(10, 40, (1,), generator=g))
+        points = torch.rand(n, 3, generator=g, dtype=torch.float64) * 6
+        c, f, _, inv = ME.utils.sparse_quantize(points, torch.randn(n, 3, generator=g, dtype=torch.float64),
+                                                quantization_size=2.0, return_index=True, return_inverse=True)
+        voxels.append(c), features.append(f), originals.append(points.float()), inverse.append(inv + before)
+        labels.append(torch.randint(0, 4, (n,), generator=g))
+        before += c.shape[0]
+    coordinates, features = ME.utils.sparse_collate(voxels, features)
+    return {"coordinates": coordinates, "features": features.double(), "inverse": torch.cat(inverse).long(),
+            "point_labels": torch.cat(labels), "original_coordinates": ME.utils.batched_coordinates(originals)}

@@ -311,3 +311,30 @@ def test_the_process_group_swap_is_in_place_too():
     assert isinstance(model.norms[0].collective, ProcessGroupCollective)
     plugin.revert(model)
     assert type(model.norms[0]) is nn.BatchNorm1d and "collective" not in model.norms[0].__dict__
+
+
+class _ScaledNorm(nn.BatchNorm1d):
+    """A batch norm of the user's own class, with its own forward around torch's."""
+
+    def forward(self, x):
+        return super().forward(x * 2) + 1
+
+
+class _OwnNormClass(SparseNet):
+    def __init__(self):
+        super().__init__(batch_norm=True)
+        own = _ScaledNorm(16)
+        own.load_state_dict(self.net[3].bn.state_dict())
+        self.net[3].bn = own
+
+
+def test_a_batch_norm_class_of_the_users_own_keeps_its_forward():
+    """The swap gave a subclass of BatchNorm1d with a forward of its own the synchronized class, whose forward replaced
+    the user's (parameters 0.83 off one device's; the check compared two swapped copies and said 'equals'). The layer
+    now gets a class of both, the user's first: its forward runs, around the synchronized batch norm."""
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (43, 44, 45)]
+    ours, reference = same_start(_OwnNormClass)
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=3).fit(ours, loader(*batches))
+    trainer(devices=1, max_steps=3).fit(reference, loader(*batches))
+    assert type(ours.net[3].bn) is _ScaledNorm
+    assert_same_states(ours, reference)

@@ -1,0 +1,133 @@
+"""The exactness check on evaluation steps and on training steps after the first: what the code reading cannot see
+(values that couple the batch's samples) is measured, one device's step against the replicas', and said.
+
+The reference is the same module's step on one device with the whole batch (plain Lightning), run here too: each
+"differs" the check says is a real difference from it, each "equals" a real equality.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_sparse_dp import SparseDataParallelStrategy
+from tests.support.exact import same_start, trainer64
+from tests.support.helpers import collate_dict, loader, random_samples
+from tests.support.step_forms import PooledNet
+
+
+def _info_nce(z: torch.Tensor) -> torch.Tensor:
+    """InfoNCE between the batch's samples: each sample's embedding against every other sample's."""
+    z = F.normalize(z, dim=1)
+    return F.cross_entropy(z @ z.T / 0.5, torch.arange(z.shape[0], device=z.device))
+
+
+class _CoupledValidation(PooledNet):
+    """A validation step logging a loss between the batch's samples, beside a plain one."""
+
+    def validation_step(self, batch, batch_idx):
+        z = self.features(batch)
+        self.log("val_ce", F.cross_entropy(self.head(z), batch["labels"]), batch_size=z.shape[0])
+        self.log("val_nce", _info_nce(z), batch_size=z.shape[0])
+
+
+class _PlainValidation(PooledNet):
+    def validation_step(self, batch, batch_idx):
+        z = self.features(batch)
+        self.log("val_ce", F.cross_entropy(self.head(z), batch["labels"]), batch_size=z.shape[0])
+
+
+class _NearestNeighbour(PooledNet):
+    """Predictions that depend on the batch's other samples: each sample's nearest neighbour among them."""
+
+    def predict_step(self, batch, batch_idx):
+        z = self.features(batch)
+        d = torch.cdist(z, z) + torch.eye(z.shape[0], dtype=z.dtype) * 1e9
+        return {"logits": self.head(z), "nn_distance": d.min(1).values}
+
+
+class _WarmedUp(PooledNet):
+    """A contrastive term added after a warm-up of one step."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.features(batch)
+        loss = F.cross_entropy(self.head(z), batch["labels"])
+        if self.global_step >= 1:
+            loss = loss + _info_nce(z)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _said(caplog, recwarn) -> list[str]:
+    return [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
+
+
+def _checks(said: list[str]) -> list[str]:
+    return [m.split(" on ")[0] + (": differs" if "differs" in m else ": equals" if "equals" in m else "")
+            for m in said if "exactness check of" in m]
+
+
+BATCHES = [collate_dict(random_samples(7, seed=s)) for s in (51, 52)]
+
+
+def test_a_validation_value_coupling_the_samples_is_measured_and_said(caplog, recwarn):
+    """InfoNCE between samples logged in validation: each replica's is its chunk's (0.55 off one device's), which no
+    reading of the code saw: silent. The first validation step is now run on one device and on the replicas, and the
+    difference is said, naming the logged value."""
+    ours, reference = same_start(_CoupledValidation, seed=0)
+    with caplog.at_level(logging.INFO):
+        t = trainer64(strategy="sparse_dp", devices=3, limit_val_batches=None)
+        t.validate(ours, loader(*BATCHES), verbose=False)
+    r = trainer64(limit_val_batches=None)
+    r.validate(reference, loader(*BATCHES), verbose=False)
+    nce = abs(float(t.callback_metrics["val_nce"]) - float(r.callback_metrics["val_nce"]))
+    assert nce > 1e-3 * abs(float(r.callback_metrics["val_nce"]))  # the difference the check is about is real
+    assert float(t.callback_metrics["val_ce"]) == pytest.approx(float(r.callback_metrics["val_ce"]), rel=1e-10)
+    said = [m for m in _said(caplog, recwarn) if "exactness check of validation step 0" in m]
+    assert len(said) == 1 and "differs" in said[0] and "'val_nce'" in said[0] and "'val_ce'" not in said[0], said
+    assert "on_validation_batch_end" in said[0]
+
+
+def test_an_exact_validation_step_is_said_equal_once(caplog, recwarn):
+    ours, _ = same_start(_PlainValidation, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy="sparse_dp", devices=3, limit_val_batches=None).validate(ours, loader(*BATCHES), verbose=False)
+    assert _checks(_said(caplog, recwarn)) == ["sparse_dp: exactness check of validation step 0: equals"]
+
+
+def test_predictions_coupling_the_samples_are_measured_and_said(caplog, recwarn):
+    ours, reference = same_start(_NearestNeighbour, seed=0)
+    with caplog.at_level(logging.INFO):
+        got = trainer64(strategy="sparse_dp", devices=3).predict(ours, loader(*BATCHES))
+    want = trainer64().predict(reference, loader(*BATCHES))
+    assert torch.allclose(got[0]["logits"], want[0]["logits"], rtol=1e-10, atol=0)
+    assert not torch.allclose(got[0]["nn_distance"], want[0]["nn_distance"], rtol=1e-3)
+    said = [m for m in _said(caplog, recwarn) if "exactness check of predict step 0" in m]
+    assert len(said) == 1 and "\"output['nn_distance']\"" in said[0] and "logits" not in said[0], said
+
+
+def test_the_check_off_checks_no_evaluation_step(caplog, recwarn):
+    ours, _ = same_start(_CoupledValidation, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy=SparseDataParallelStrategy(check_exactness=False), devices=3, limit_val_batches=None).validate(
+            ours, loader(*BATCHES), verbose=False)
+    assert not _checks(_said(caplog, recwarn))
+
+
+def test_a_loss_term_that_starts_after_the_checked_step_is_checked_when_it_starts(caplog, recwarn):
+    """A contrastive term added after a warm-up: the first step (checked) is exact, the term's steps are not (0.23 off
+    in the loss), and only 'equals' was said. A step that calls a loss call site no checked step called is checked
+    too now."""
+    ours, reference = same_start(_WarmedUp, seed=0)
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (53, 54, 55)]
+    with caplog.at_level(logging.INFO):
+        t = trainer64(strategy="sparse_dp", devices=3, max_steps=3)
+        t.fit(ours, loader(*batches))
+    r = trainer64(max_steps=3)
+    r.fit(reference, loader(*batches))
+    assert abs(float(t.callback_metrics["train_loss"]) - float(r.callback_metrics["train_loss"])) > 1e-3
+    assert _checks(_said(caplog, recwarn)) == ["sparse_dp: exactness check of training step 0: equals",
+                                               "sparse_dp: exactness check of training step 1: differs"]
