@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from tests.support.exact import REL, same_start, state_differences, trainer64
+from tests.support.exact import REL, fit_pair, same_start, state_differences, trainer64
 from tests.support.helpers import collate_dict, loader, random_samples
 from tests.support.step_forms import CustomFunctionLoss, PooledNet
 
@@ -42,10 +42,7 @@ def test_a_loss_logged_under_no_grad_beside_the_step_loss_changes_nothing(caplog
     batches = [collate_dict(random_samples(8, seed=s)) for s in (3, 4)]
     ours, reference = same_start(LogsUnderNoGrad, seed=0)
     with caplog.at_level(logging.INFO):
-        t = trainer64(strategy="sparse_dp", devices=3, max_steps=2)
-        t.fit(ours, loader(*batches))
-    r = trainer64(max_steps=2)
-    r.fit(reference, loader(*batches))
+        t, r = fit_pair(ours, reference, batches, max_steps=2)
     assert "cannot weight" not in caplog.text
     assert max(state_differences(ours, reference).values()) <= REL
     want = float(r.logged_metrics["smoothed"])

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torchmetrics import MeanMetric
 
 from lightning_sparse_dp.runtime.randomness import shared_generators
-from tests.support.exact import REL, assert_same_states, same_start
+from tests.support.exact import REL, assert_same_states, fit_pair, same_start
 from tests.support.exact import trainer64 as trainer
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, run_isolated, unchecked
 from tests.support.step_forms import PooledNet
@@ -367,10 +367,7 @@ def test_should_stop_set_in_the_step_is_said_and_the_check_leaves_it_unset(caplo
     batches = [collate_dict(random_samples(7, seed=s)) for s in (68, 69, 70)]
     ours, reference = same_start(_StopsInTheStep, seed=0)
     with caplog.at_level(logging.INFO):
-        t = trainer(strategy="sparse_dp", devices=3, max_steps=3)
-        t.fit(ours, loader(*batches))
-    r = trainer(max_steps=3)
-    r.fit(reference, loader(*batches))
+        t, r = fit_pair(ours, reference, batches, max_steps=3)
     assert t.global_step == r.global_step == 2
     said = [m.getMessage() for m in caplog.records if "set self.trainer.should_stop" in m.getMessage()]
     assert len(said) == 1

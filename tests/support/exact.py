@@ -74,6 +74,16 @@ def assert_same_states(ours, reference, rel: float = 1e-10, trained: bool = True
         assert moved, "no parameter of `ours` moved from its start: the comparison says nothing about training"
 
 
+def fit_pair(ours, reference, batches, max_steps: int, strategy="sparse_dp", devices: int = 3):
+    """``ours`` fit under ``strategy`` on ``devices`` CPU replicas and ``reference`` on one device, in float64, on the
+    same ``batches``; the two trainers."""
+    t = trainer64(strategy=strategy, devices=devices, max_steps=max_steps)
+    t.fit(ours, loader(*batches))
+    r = trainer64(max_steps=max_steps)
+    r.fit(reference, loader(*batches))
+    return t, r
+
+
 def epoch_pair(cls, seeds):
     """One epoch of two float64 batches (7 samples each, one per seed), validated on them too: ``cls`` under sparse_dp
     on 3 CPU replicas and on one device, from the same start."""
