@@ -241,7 +241,9 @@ class ExactnessCheck:
                 outcome = self._compare(module, trainer, one_device, replicas, batch_norm_eval)
         except Exception as err:  # the check is an observer: training goes on without it
             _log.debug("exactness check failed", exc_info=True)
-            outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err})")
+            hint = ("; a tensor the module keeps from a step with its graph (self.x = logits) cannot be copied: keep "
+                    "it detached (self.x = logits.detach())") if "deepcopy protocol" in str(err) else ""
+            outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err}){hint}")
         self._say(outcome, count, samples(), warnings, held_out(module, batch_norm_eval), evaluation)
         return outcome
 

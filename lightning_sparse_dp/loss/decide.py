@@ -215,7 +215,9 @@ class SiteMemory(dict):
     ``torch.sum`` divided by different numbers at some step: a count of the chunk, said at every step after) or
     ``"constant"`` (one coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
     ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
-    :data:`RECALLED`, the oldest dropped first).
+    :data:`RECALLED`, the oldest dropped first). ``last_sites``: the call sites of ``sparse_ddp``'s last decision on a
+    step's loss (:attr:`Decision.sites`, set by :func:`~lightning_sparse_dp.loss.step.rank_scale`; its exactness
+    check reads them), ``None`` once read.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -223,6 +225,7 @@ class SiteMemory(dict):
         self.loops: dict[int, int] = {}
         self.sums: dict[int, str] = {}
         self.recalled: dict[tuple, tuple[list[Reading], list[str]]] = {}
+        self.last_sites: frozenset | None = None
 
     def recall(self, key: tuple, readings: list[Reading], notes: list[str]) -> None:
         """Keep the ``readings`` and ``notes`` of a decision of structure ``key`` (read without the values)."""

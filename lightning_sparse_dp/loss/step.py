@@ -110,6 +110,7 @@ def rank_scale(
         warning_cache.info(collective_message(calls))
         return 1.0
     decision = decide(summaries, memory, who="rank")
+    memory.last_sites = decision.sites
     say(decision, "sparse_ddp", warning_cache)
     if decision.value is None:
         if decision.reason is not None and summaries[rank].reason != "nothing was captured":

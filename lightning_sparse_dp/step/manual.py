@@ -42,6 +42,7 @@ from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
 from lightning_sparse_dp.replica.optimizers import RankOptimizer, rank_view
 from lightning_sparse_dp.runtime.compat import call_after_backward, call_before_backward, trainer_of
+from lightning_sparse_dp.runtime.process import SAID_ONCE as _OVERRIDE_SAID
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
@@ -83,6 +84,13 @@ class ManualStep:
             if backward is _DEFAULT_BACKWARD:
                 torch.autograd.backward(loss if weight != 0 else zeroed(loss), torch.full_like(loss, weight))
             else:  # the module's own backward (LightningModule.backward overridden), on the replica's weighted loss
+                if rank == 0:
+                    _OVERRIDE_SAID.info(
+                        "sparse_dp: the module's own backward(loss) runs on each replica's weighted loss under manual "
+                        "optimization (weight * the chunk's loss): the whole batch's gradient where it is linear in the "
+                        "loss ((0.25 * loss).backward()), not where it is not (loss.pow(2).backward()); write such a "
+                        "transform in the step, on the loss given to manual_backward."
+                    )
                 backward(self.replicas.modules[rank], (loss if weight != 0 else zeroed(loss)) * weight)
         self.group.all_gather_apply(rank, None, ("reduce",), lambda _: self._reduce())
 
@@ -101,12 +109,14 @@ class ManualStep:
 
     # --- run once, by the replica that completes the rendezvous ------------------------------------
     def _decide(self, losses: list[Tensor]) -> list[float]:
-        if self.terms is not None:
-            self.terms.scale_terms(losses, self.weights)
+        decision = self.terms.scale_terms(losses, self.weights) if self.terms is not None else None
         trainer = trainer_of(self.module)
         if trainer is not None:  # on_before_backward once, with the whole batch's loss (its value), as one device's
             root = self.replicas.devices[0]
-            whole = sum(float(w) * loss.detach().to(root) for w, loss in zip(self.weights, losses))
+            if decision is not None and decision.value is not None:  # the terms' whole-batch value
+                whole = torch.tensor(decision.value, dtype=losses[0].dtype, device=root)
+            else:
+                whole = sum(float(w) * loss.detach().to(root) for w, loss in zip(self.weights, losses))
             call_before_backward(trainer, whole)
         scale = self._loss_scale()
         return [w * scale for w in self.weights]

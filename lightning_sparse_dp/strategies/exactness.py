@@ -193,13 +193,15 @@ def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple
                   evaluation=(name, args[1] if len(args) > 1 else 0))
 
 
-def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> None:
+def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict, again: bool = False) -> bool:
     """Run ``sparse_ddp``'s exactness check before this training step when it is due (every rank at once: the
-    decision reads ``global_step`` only); say once, on rank 0, why a step is not checked otherwise."""
+    decision reads ``global_step`` only); say once, on rank 0, why a step is not checked otherwise. ``again``: run it
+    now, after the step's forward, for a step that called a loss call site no checked step called (every rank at once:
+    the sites are decided from every rank's summaries). Returns whether it ran."""
     module, check, world = strategy.lightning_module, strategy._exactness, strategy.world_size
-    trainer = _due(strategy, world if dist.is_initialized() else 1, args)
+    trainer = _due(strategy, world if dist.is_initialized() else 1, args, again)
     if trainer is None:
-        return
+        return False
     root = strategy.root_device
     sent = [move_data_to_device(as_specs(args[0]), "cpu") if strategy.global_rank == 0 else None]
     dist.broadcast_object_list(sent, src=0)  # rank 0's batch: the probe, the same on every rank
@@ -210,7 +212,7 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
             f"sparse_ddp: exactness check of training step {trainer.global_step}: not run, because rank 0's batch has "
             f"fewer samples ({plan.num_samples}) than there are ranks ({world}). Training goes on unchecked."
         )
-        return
+        return False
 
     def on_device(batch: Any) -> Any:
         built = apply_to_collection(float64_batch(batch), SparseSpec, lambda s: build_sparse(s, root))
@@ -254,6 +256,7 @@ def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict) -> N
     sync = strategy._layer_sync is not None
     check.run(module, trainer, on_one_device, on_ranks, world, lambda: plan.num_samples,
               batch_norm_eval=not sync and has_batch_norm(module.modules()), warnings=said)
+    return True
 
 
 def agreed(step: Callable[[], Any], world: int) -> Any:

@@ -272,9 +272,16 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if "training_step" not in self._iterating and not self._exactness.done:
-            check_rank_step(self, args, kwargs)  # when due: this step on one device and on the ranks, compared
-        return self._weighted("training_step", args, kwargs)
+        check, iterating = self._exactness, "training_step" in self._iterating
+        checked = not iterating and not check.done and check_rank_step(self, args, kwargs)  # when due: compared
+        output = self._weighted("training_step", args, kwargs)
+        memory = self._site_memory
+        sites, memory.last_sites = memory.last_sites, None  # every rank's: decided from every rank's summaries
+        if sites is not None and check.mode is not None and not iterating and not sites <= check.sites:
+            check.sites |= sites
+            if not checked:  # a loss call site no checked step called: this step checked too, after its forward
+                check_rank_step(self, args, kwargs, again=True)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -225,7 +225,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         checked = not check.done and check_training_step(self, args, kwargs)  # when due: one device's and ours compared
         with self.precision_plugin.train_step_context():
             output = self._step("training_step", args, kwargs)
-        if not stopping and trainer.should_stop:  # set in a replica's step, from its chunk
+        if not stopping and trainer.should_stop and self.lightning_module.automatic_optimization:  # by a replica's step
+            # (under manual optimization the hooks of manual_backward and opt.step run in the step, once: not said)
             self._warning_cache.info(
                 "sparse_dp: the training step set self.trainer.should_stop from a replica's chunk: as with Lightning's "
                 "DDP ranks, any replica's stop ends the fit, where one device decides on the whole batch. Decide it in "
@@ -281,7 +282,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         root = step.call.parallel_devices[0]  # the root device, as the step started (_context)
         merge_into_module(step, root, self.output_layout)  # what the replicas set on it, as one device's
         replicas = self._replicas
-        if replicas is not None and list(map(_GRAD_FLAG, replicas.parameters[0])) != list(map(_GRAD_FLAG, replicas.trainable)):
+        if (replicas is not None and not step.call.manual  # manual: toggles are given to the replicas as they happen
+                and list(map(_GRAD_FLAG, replicas.parameters[0])) != list(map(_GRAD_FLAG, replicas.trainable))):
             for source, own in zip(replicas.trainable, replicas.parameters[0]):  # requires_grad_() in the step: the
                 source.requires_grad_(own.requires_grad)  # root replica's, as rank 0's
             replicas.stale = True  # the next step's replicas built from the module's flags

@@ -9,7 +9,9 @@ those of every rank's input together, exchanged through whatever
 
 from __future__ import annotations
 
+import copy
 import functools
+from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -99,8 +101,28 @@ def _sync_class(layer: nn.Module) -> type[SyncBatchNorm]:
 @functools.cache
 def _user_sync_class(cls: type, ours: type[SyncBatchNorm]) -> type[SyncBatchNorm]:
     """``cls`` (the user's subclass of a torch batch norm) before ``ours`` in the method order: what ``cls`` defines
-    (a ``forward`` of its own around ``super().forward``) runs, its torch base's forward is the synchronized one."""
-    return type(cls.__name__, (cls, ours), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    (a ``forward`` of its own around ``super().forward``) runs, its torch base's forward is the synchronized one. A
+    layer of it pickles as a layer of ``cls`` (``torch.save`` of the module during the fit: the class is found by its
+    name), and deep-copies as itself."""
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:  # pickled as the user's class (found by its name)
+        return _as_class, (cls, self.__dict__)
+
+    def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:  # a copy keeps the synchronized class (the check's)
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__,
+                 "__deepcopy__": __deepcopy__}
+    return type(cls.__name__, (cls, ours), namespace)
+
+
+def _as_class(cls: type, state: dict[str, Any]) -> Any:
+    """A layer of class ``cls`` with ``state`` as its ``__dict__`` (unpickling a swapped layer of a user's class)."""
+    layer = object.__new__(cls)
+    layer.__dict__.update(state)
+    return layer
 
 
 #: a swap: the layer, swapped in place, and the class it had

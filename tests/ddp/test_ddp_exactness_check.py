@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.ddp.test_ddp import RTOL, _load, _reference, _run
-from tests.support.ddp_helpers import FORM_SCENARIOS
+from tests.support.ddp_helpers import FORM_SCENARIOS, WARMUP_SCENARIO
 from tests.support.exact import relative_difference
 
 EQUAL = "exactness check of training step 0 on 2 ranks: equals one device's"
@@ -19,7 +19,8 @@ DIFFERS = "exactness check of training step 0 on 2 ranks: differs from one devic
 @pytest.fixture(scope="module")
 def ddp_form_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sparse_ddp_forms")
-    _run([[sys.executable, "-m", "tests.support.ddp_script", str(out), ",".join(FORM_SCENARIOS)]], timeout=400)
+    names = ",".join([*FORM_SCENARIOS, WARMUP_SCENARIO.name])
+    _run([[sys.executable, "-m", "tests.support.ddp_script", str(out), names]], timeout=400)
     return out
 
 
@@ -37,3 +38,13 @@ def test_the_check_on_ranks_says_a_difference_exactly_when_training_differs(ddp_
     else:
         assert DIFFERS in said[0] and "Fixes:" in said[0], (name, worst, said)
     assert not [m for m in ranks[1]["messages"] if "exactness check" in m]  # rank 0 says it
+
+
+def test_a_loss_coupling_the_samples_after_a_warm_up_is_checked_where_it_starts(ddp_form_runs):
+    """The term starts at the second step: the check at step 0 said 'equals' and nothing looked again (the ranks then
+    trained unlike one device, silently). A step that calls a loss call site no checked step called is checked too."""
+    ranks = [_load(ddp_form_runs, WARMUP_SCENARIO.name, r) for r in range(2)]
+    said = [m for m in ranks[0]["messages"] if "exactness check" in m]
+    assert len(said) == 2 and EQUAL in said[0], said
+    assert "exactness check of training step 1 on 2 ranks: differs from one device's" in said[1], said
+    assert not [m for m in ranks[1]["messages"] if "exactness check" in m]

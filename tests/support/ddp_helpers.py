@@ -243,8 +243,10 @@ FORM_SCENARIOS = {
     f"form_{name}": Scenario(f"form_{name}", f"form:{name}", loss_weighting="terms", epochs=1)
     for name in ("PooledNet", "CustomFunctionLoss", "TeacherInPlace", "CoupledSamples", "HandMadeSum", "CheckpointedLoss")
 }
+#: a loss coupling the samples added after the first step: checked again where it starts
+WARMUP_SCENARIO = Scenario("form_WarmedUpCoupling", "form:WarmedUpCoupling", loss_weighting="terms", epochs=1)
 #: every scenario, by name
-ALL_SCENARIOS = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS, **FORM_SCENARIOS}
+ALL_SCENARIOS = {**SCENARIOS, **TERM_SCENARIOS, **SAID_SCENARIOS, **FORM_SCENARIOS, WARMUP_SCENARIO.name: WARMUP_SCENARIO}
 
 #: the loss shapes whose distance to one device sparse_ddp keeps at most plain DDP's (equal weights, same batches)
 SIDE_BY_SIDE = (

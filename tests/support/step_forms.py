@@ -204,8 +204,21 @@ class HandMadeSum(PooledNet):
         return self.head(self.features(batch)).sum()
 
 
+class WarmedUpCoupling(PooledNet):
+    """A plain cross-entropy, with a loss coupling the batch's samples (InfoNCE) added from the second optimizer step
+    on (a warm-up): the first step is exact, the later ones are not."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.features(batch)
+        loss = F.cross_entropy(self.head(z), batch["labels"])
+        if self.global_step >= 1:
+            h = F.normalize(self.head(z), dim=1)
+            loss = loss + F.cross_entropy(h @ h.T / 0.5, torch.arange(len(h), device=h.device))
+        return loss
+
+
 #: every form above, by name
 FORMS = {cls.__name__: cls for cls in (
     CheckpointedLoss, CheckpointedLossNonReentrant, BackwardInside, CustomFunctionLoss, TeacherInPlace, CoupledSamples,
-    HandMadeSum,
+    HandMadeSum, WarmedUpCoupling,
 )}

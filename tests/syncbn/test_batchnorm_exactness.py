@@ -338,3 +338,19 @@ def test_a_batch_norm_class_of_the_users_own_keeps_its_forward():
     trainer(devices=1, max_steps=3).fit(reference, loader(*batches))
     assert type(ours.net[3].bn) is _ScaledNorm
     assert_same_states(ours, reference)
+
+
+def test_a_module_with_a_batch_norm_class_of_the_users_own_pickles_during_the_fit(tmp_path):
+    """torch.save of the module during the fit failed ('not the same object as ...ScaledNorm'): the swapped layer's
+    class was made for the swap under the user's class's name. It pickles as the user's class now."""
+    saved = tmp_path / "module.pt"
+
+    class Saves(Callback):
+        def on_train_end(self, trainer, pl_module):
+            torch.save(pl_module.net, saved)
+
+    model = _OwnNormClass()
+    trainer(strategy="sparse_dp", devices=3, sync_batchnorm=True, max_steps=1, callbacks=[Saves()]).fit(
+        model, loader(collate_dict(random_samples(7, seed=46))))
+    loaded = torch.load(saved, weights_only=False)
+    assert type(loaded[3].bn) is _ScaledNorm
