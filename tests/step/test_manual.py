@@ -215,16 +215,23 @@ class _ManualWithBackwardHooks(ManualOptimization, SparseNet):
         (0.25 * loss).backward(*args, **kwargs)
 
 
-def test_manual_backward_calls_on_before_backward_and_the_modules_backward():
+def test_manual_backward_calls_on_before_backward_and_the_modules_backward(caplog):
     """manual_backward ran the replicas' backward passes itself: on_before_backward was never called, nor a backward
     the module overrides (0.18 off one device, silently). on_before_backward runs once with the whole batch's loss, and
-    the module's backward runs on each replica's weighted loss."""
+    the module's backward runs on each replica's weighted loss, said once (exact where it is linear in the loss)."""
+    import logging
+
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "the module's own backward(loss)" in m})
     batches = [collate_dict(random_samples(7, seed=s)) for s in (65, 66, 67)]
     torch.manual_seed(0)
     ours = _ManualWithBackwardHooks()
     reference = _ManualWithBackwardHooks()
     reference.load_state_dict(ours.state_dict())
-    trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    with caplog.at_level(logging.INFO):
+        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    assert sum("the module's own backward(loss) runs on each replica" in r.getMessage() for r in caplog.records) == 1
     trainer(max_steps=3).fit(reference, loader(*batches))
     assert len(ours.before) == len(reference.before) == 3
     assert ours.before == pytest.approx(reference.before, rel=1e-10)
