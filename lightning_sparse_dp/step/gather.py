@@ -35,8 +35,9 @@ from lightning_sparse_dp.step.scatter import build_sparse
 from lightning_sparse_dp.step.skipped import SKIPPED_STEP_HELP
 
 #: Roles for step outputs in ``output_layout`` (see :func:`gather_outputs`); ``"fixed"`` names a list /
-#: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample.
-OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list", "fixed")
+#: tuple of fixed structure (e.g. ``(loss, logits)``) that is not one entry per sample; ``"first"`` the root replica's
+#: value (a constant every replica returns).
+OUTPUT_ROLES: tuple[str, ...] = ("samples", "points", "sum", "mean", "cat", "list", "fixed", "first")
 
 
 def _alike(a: Any, b: Any) -> bool:
@@ -278,16 +279,20 @@ def _chunk_ids(values: list[Any]) -> bool:
 def _first_or_list(path: Sequence[Any], values: list[Any], warning_cache: WarningCache, say: bool,
                    plan: SplitPlan | None = None) -> str:
     """``"first"`` for equal non-tensor values, else ``"list"``, said once (``say``): one device's step returns one
-    value there, not one per chunk. Equal integers that are each chunk's number of samples or points (``len(y)`` over
-    equal chunks) are said too: one device's would be the batch's."""
+    value there, not one per chunk. Equal nonzero integers are said too (a count of each chunk's, ``int(mask.sum())``
+    or ``len(y)`` over equal chunks, cannot be told from a constant): one device's count would be the batch's."""
     if _comparable(values):
-        counted = plan is not None and plan.num_chunks > 1 and plan.counts_each_chunk(values[0])
-        if say and isinstance(values[0], int) and counted:
+        value = values[0]
+        several = plan is not None and plan.num_chunks > 1
+        if say and several and type(value) is int and value != 0:  # a count of each chunk's, or a constant
+            counted = plan.counts_each_chunk(value)  # type: ignore[union-attr]
+            also = ", which is also each chunk's number of samples or points" if counted else ""
             warning_cache.warn(
-                f"sparse_dp: step output {_printed(path)} is {values[0]} in every replica, which is also each chunk's "
-                "number of samples or points: it is given as that one value, where one device's step counts the "
-                "whole batch if it is a count. If it is, say so: SparseDataParallelStrategy(output_layout="
-                f"{{{_output_key(path)!r}: 'sum'}}); name it 'first' to silence this warning."
+                f"sparse_dp: step output {_printed(path)} is {value} in every replica{also}: it is given as that one "
+                "value, where one device's step counts the whole batch if it is a count (of the chunk's samples, "
+                "points, hits: then 3 chunks of 1 hit each are 3). If it is, say so: "
+                f"SparseDataParallelStrategy(output_layout={{{_output_key(path)!r}: 'sum'}}); name it 'first' to "
+                "silence this warning."
             )
         return "first"
     if say:  # the message names the output only, so that it is said once, whatever the values
@@ -437,7 +442,7 @@ def gather_outputs(
     - ``"sum"``: ``sum_i x_i`` (e.g. a histogram or a count over the chunk);
     - ``"samples"`` / ``"points"``: per-sample / per-point rows, merged in the original order;
     - ``"cat"``: concatenated along dim 0 in chunk order;
-    - ``"list"``: the list of the replicas' values, in chunk order;
+    - ``"list"``: the list of the replicas' values, in chunk order; ``"first"``: the root replica's value (a constant);
     - ``"fixed"`` (a list / tuple): a fixed structure, combined entry by entry, never per-sample.
 
     First, lists and tuples with one entry per sample of their chunk (:func:`per_sample_nodes` gives the

@@ -326,7 +326,12 @@ def _schedulers(manual: ManualStep, rank: int, module: Any) -> Callable[[], Any]
 def _clip(manual: ManualStep, rank: int, module: Any) -> Callable[..., None]:
     def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
         target = optimizer._target if isinstance(optimizer, _Once) else optimizer
-        manual.once(rank, "clip_gradients", lambda: type(module).clip_gradients(module, target, *args, **kwargs))
+
+        def clip() -> None:
+            type(module).clip_gradients(module, target, *args, **kwargs)
+            manual.expose()  # every replica's .grad the clipped gradients, as each DDP rank's after its clipping
+
+        manual.once(rank, "clip_gradients", clip)
 
     return clip_gradients
 

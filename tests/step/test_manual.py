@@ -257,18 +257,32 @@ class _TogglesTheHead(ManualSeg):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("cls", [_SegHookValues, _TogglesTheHead])
+class _LogsTheClippedNorm(ManualSeg):
+    """The gradient norm logged after self.clip_gradients."""
+
+    def before_step(self, opt):
+        self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")  # below every step's norm
+        self.log("clipped_norm", torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None]).norm())
+
+
+@pytest.mark.parametrize("cls", [_SegHookValues, _TogglesTheHead, _LogsTheClippedNorm])
 def test_manual_steps_with_hook_values_and_frozen_layers_are_the_one_device_step(cls):
     """on_before_backward got the chunks' weighted mean where the loss is a per-point mean (3% off); a head frozen on
     every other step by hand trained unlike one device from the fifth step (0.16 off): the step's flags were given
-    to the module and its replicas rebuilt, losing a parameter's gradients. The hook gets the whole batch's loss, and
-    flags a manual step sets stay the replicas' own."""
+    to the module and its replicas rebuilt, losing a parameter's gradients; a gradient norm logged after
+    self.clip_gradients was 4x off (the root replica's gradients clipped, the others' copies not). The hook gets the
+    whole batch's loss, flags a manual step sets stay the replicas' own, and every replica sees the clipped
+    gradients."""
     batches = [seg_batch(7, seed=s, fractions=(0.0, 0.3, 0.6)) for s in (115, 116, 117, 118, 119, 120)]
     torch.manual_seed(0)
     ours, reference = cls(), cls()
     reference.load_state_dict(ours.state_dict())
-    trainer(strategy="sparse_dp", devices=3, max_steps=6, sync_batchnorm=True).fit(ours, fresh_loader(batches))
-    trainer(max_steps=6).fit(reference, fresh_loader(batches))
+    t = trainer(strategy="sparse_dp", devices=3, max_steps=6, sync_batchnorm=True)
+    t.fit(ours, fresh_loader(batches))
+    r = trainer(max_steps=6)
+    r.fit(reference, fresh_loader(batches))
     assert max(state_differences(ours, reference).values()) < 1e-10
+    if cls is _LogsTheClippedNorm:
+        assert relative_difference(t.logged_metrics["clipped_norm"], r.logged_metrics["clipped_norm"]) <= 1e-10
     if cls is _SegHookValues:
         assert ours.before == pytest.approx(reference.before, rel=1e-10)

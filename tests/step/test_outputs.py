@@ -71,20 +71,29 @@ def test_a_number_output_that_differs_between_chunks_is_said_and_named_roles_giv
 
 def test_a_count_output_equal_in_every_chunk_is_said():
     """``len(labels)`` over equal chunks (6 samples: 2, 2, 2) is one number in every replica, which was given as the
-    batch's silently (2 where one device returns 6). It is said, naming the role that gives one device's count."""
+    batch's silently (2 where one device returns 6). It is said, naming the role that gives one device's count; so is
+    any other nonzero integer all replicas agree on (a count of hits, 1 in each chunk where one device counts 3)."""
     batch = collate_dict(random_samples(6, seed=3, min_points=10, max_points=10))
 
     class Counts(SparseNet):
         def predict_step(self, batch, batch_idx):
-            return {"n": int(batch["labels"].shape[0]), "points": int(batch["coordinates"].shape[0]), "k": 5}
+            hits = int((batch["labels"] == int(batch["labels"][0])).sum())  # 1 in every chunk here: a count all the same
+            return {"n": int(batch["labels"].shape[0]), "points": int(batch["coordinates"].shape[0]), "k": 5,
+                    "hits": hits, "none": 0}
 
-    with pytest.warns(UserWarning, match=r"step output output\['n'\] is 2 in every replica.*output_layout=\{'n': 'sum'\}"):
+    batch["labels"] = torch.tensor([0, 1, 1, 2, 2, 0])  # chunks (0, 1), (2, 3), (4, 5): one hit of its first each
+    with pytest.warns(UserWarning, match=r"step output output\['n'\] is 2 in every replica, which is also.*"
+                                         r"output_layout=\{'n': 'sum'\}") as record:
         [out] = trainer(strategy="sparse_dp", devices=3).predict(Counts(), loader(batch))
-    assert out == {"n": 2, "points": 20, "k": 5}
-    strategy = SparseDataParallelStrategy(output_layout={"n": "sum", "points": "sum"})
+    assert out == {"n": 2, "points": 20, "k": 5, "hits": 1, "none": 0}
+    said = [str(w.message) for w in record]
+    assert any("output['hits'] is 1 in every replica: it is given as that one value" in m for m in said)
+    assert not any("output['none']" in m for m in said)  # 0: a count and a constant alike
+    strategy = SparseDataParallelStrategy(output_layout={"n": "sum", "points": "sum", "hits": "sum", "k": "first"})
     [out] = trainer(strategy=strategy, devices=3).predict(Counts(), loader(batch))
     [ref] = trainer(devices=1).predict(Counts(), loader(batch))
-    assert out == ref == {"n": 6, "points": 60, "k": 5}
+    assert out == {"n": 6, "points": 60, "k": 5, "hits": 3, "none": 0}
+    assert ref["n"] == 6 and ref["points"] == 60
 
 
 def test_output_roles_directly():
