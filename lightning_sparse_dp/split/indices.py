@@ -17,7 +17,7 @@ first is the batch column; one source -> every column indexes it.
 Indices that are each sample's own row numbers (not offset) need no re-basing: pass them as a
 per-sample list of tensors, which travel with their samples unchanged.
 
-A batch vector ``[K]`` (each row the batch index of its sample: ``x.C[:, 0].long()`` kept in the batch, PyG's
+A batch vector ``[K]`` or ``[K, 1]`` (each row the batch index of its sample: ``x.C[:, 0].long()`` kept in the batch, PyG's
 ``batch``) is an index tensor whose one column is the batch column, ``layout={"batch": "indices:batch"}``; a 1-D
 integer tensor under a key that names a batch (not a scene or sample id, which a dataset's indices can equal by chance),
 equal to a point set's batch column, is taken for one.
@@ -120,6 +120,13 @@ def resolve_indices(leaf: Leaf, leaves: Sequence[Leaf], sources: Sequence[Source
     values = (x if x.dim() == 2 else x[:, None]).long().cpu()
     names = _source_names(leaves, sources)
     columns = _columns(leaf, values.shape[1], sources, names)
+    if values.shape[1] == 1 and columns[0] >= 0 and any(  # a batch vector named as row indices
+            s.num_points == len(values) and torch.equal(values[:, 0], s.batch_index.cpu()) for s in sources):
+        raise BatchLayoutError(
+            f"{leaf.name} has the role 'indices', but its values are each point's sample (a point set's batch column), "
+            f"not rows of a point set: give it the role 'indices:batch', layout={{{key_of(leaf.path)!r}: "
+            "'indices:batch'}, which renumbers it to each chunk's samples."
+        )
     if all(s < 0 for s in columns):
         if values.shape[1] == 1 and sources:  # a batch vector (PyG's ``batch``): each row's sample, renumbered per chunk
             return _batch_vector(leaf, values[:, 0], sources)

@@ -121,9 +121,9 @@ def _resolve(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ...], 
             f"'points:{key_of(leaves[sources[matches[0]].leaf].path)}'}}) (or split_batch(..., layout=...))."
         )
     if (  # a point set's batch column under a name for one (``original_batch``, PyG's ``batch``): a batch vector
-        num_chunks > 1 and role is None and x.dim() == 1 and not x.dtype.is_floating_point and x.dtype != torch.bool
-        and _NAMES_BATCH.search(str(key_of(leaf.path)))
-        and torch.equal(x.long().cpu(), sources[matches[0]].batch_index.cpu())
+        num_chunks > 1 and role is None and (x.dim() == 1 or (x.dim() == 2 and x.shape[1] == 1))
+        and not x.dtype.is_floating_point and x.dtype != torch.bool and _NAMES_BATCH.search(str(key_of(leaf.path)))
+        and torch.equal(x.reshape(-1).long().cpu(), sources[matches[0]].batch_index.cpu())
     ):
         return resolve_indices(replace(leaf, role=Role.INDICES, refs=("batch",)), leaves, sources)
     if (

@@ -77,7 +77,9 @@ def explain_replica_error(err: BaseException, plan: SplitPlan) -> BaseException:
             f"sparse_dp: {', '.join(names)} {'was' if len(names) == 1 else 'were'} cut as one row per point (each "
             "chunk got its own points' rows). If one holds row indices into a point set, a chunk's rows are not the "
             f"batch's: give it the role 'indices' in the strategy's layout= (e.g. {{{names[0]!r}: 'indices'}}), which "
-            "cuts it with its samples and re-bases it to the chunk's rows."
+            "cuts it with its samples and re-bases it to the chunk's rows; if it holds each point's sample id (a batch "
+            f"vector, coordinates[:, 0]), the role 'indices:batch' (e.g. {{{names[0]!r}: 'indices:batch'}}) renumbers "
+            "it to the chunk's samples."
         )
         if note not in getattr(err, "__notes__", ()):
             err.add_note(note)

@@ -76,6 +76,7 @@ def test_an_index_error_after_a_tensor_cut_as_points_names_it_and_the_layout():
         trainer(strategy="sparse_dp", devices=3).fit(Gathers(), loader(batch))
     notes = "\n".join(getattr(info.value, "__notes__", ()))
     assert "batch['order'] was cut as one row per point" in notes and "{\"batch['order']\": 'indices'}" in notes
+    assert "{\"batch['order']\": 'indices:batch'}" in notes  # a batch vector's role, named too
 
 
 def _literal_parts(node: ast.expr) -> list[str]:

@@ -256,8 +256,9 @@ def test_a_float_copy_of_the_coordinates_under_another_key_is_renumbered_with_th
         assert torch.equal(chunk["feats"], feats[plan.point_rows[0][j]]), j
 
 
-@pytest.mark.parametrize("key,layout", [("original_batch", None), ("scene", {"scene": "indices:batch"})])
-def test_a_batch_vector_is_renumbered_with_its_samples(key, layout):
+@pytest.mark.parametrize("key,layout,column", [("original_batch", None, False), ("scene", {"scene": "indices:batch"}, False),
+                                               ("batch", None, True)])
+def test_a_batch_vector_is_renumbered_with_its_samples(key, layout, column):
     """Each point's sample kept as a vector (``x.C[:, 0].long()``, PyG's ``batch``) was cut as per-point values, so each
     chunk's held the whole batch's sample ids beside coordinates numbered 0..b-1: a per-sample mean over it 0.6 off,
     silently. Under a key naming a batch (or with ``"indices:batch"``) it is renumbered with its samples, and merged
@@ -265,11 +266,12 @@ def test_a_batch_vector_is_renumbered_with_its_samples(key, layout):
     batch = collate_dict(random_samples(7, seed=24))
     coords = batch["coordinates"]
     labels = torch.randint(0, 5, (len(coords),), generator=torch.Generator().manual_seed(4))
-    chunks, plan = split_batch({"coords": coords, key: coords[:, 0].long(), "point_labels": labels}, 3, layout=layout)
+    vector = coords[:, :1].long() if column else coords[:, 0].long()  # [N, 1] (coords[:, :1]) or [N]
+    chunks, plan = split_batch({"coords": coords, key: vector, "point_labels": labels}, 3, layout=layout)
     for j, chunk in enumerate(chunks):
-        assert torch.equal(chunk[key], chunk["coords"][:, 0].long()), j
+        assert torch.equal(chunk[key].reshape(-1), chunk["coords"][:, 0].long()), j
         assert torch.equal(chunk["point_labels"], labels[plan.point_rows[0][j]]), j
-    assert torch.equal(merge_batch(chunks, plan)[key], coords[:, 0].long())
+    assert torch.equal(merge_batch(chunks, plan)[key], vector)
 
 
 def test_an_unnamed_inverse_map_is_said_with_the_set_its_values_index():

@@ -277,3 +277,12 @@ def test_labels_of_a_point_set_whose_coordinates_are_in_the_batch_name_those_coo
     chunks, plan = split_batch({**batch, "original_points": originals, "point_labels": labels}, 2,
                                layout={"original_points": "coordinates"})
     assert sum(len(c["point_labels"]) for c in chunks) == len(labels)
+
+
+def test_a_batch_vector_given_the_indices_role_is_refused_naming_indices_batch():
+    """Each point's sample id given the role 'indices' was read as rows of the point set (all of the first samples),
+    giving chunks empty pieces and a bare error inside a replica; it is refused, naming 'indices:batch'."""
+    batch = collate_dict(random_samples(5, seed=10))
+    vector = batch["coordinates"][:, 0].long()
+    with pytest.raises(BatchLayoutError, match=r"each point's sample.*layout=\{'point_sample': 'indices:batch'\}"):
+        split_batch({**batch, "point_sample": vector}, 2, layout={"point_sample": "indices"})
