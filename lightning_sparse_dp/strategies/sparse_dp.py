@@ -53,6 +53,7 @@ from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync, eval_batch_s
 #: a parameter's ``requires_grad`` (read in C over a list of parameters)
 _GRAD_FLAG = attrgetter("requires_grad")
 
+
 class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProcessParallelStrategy):
     """Data parallelism in one process for MinkowskiEngine sparse batches, registered as ``"sparse_dp"``.
 
