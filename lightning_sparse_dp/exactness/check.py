@@ -251,9 +251,9 @@ class ExactnessCheck:
         states, groups = RandomStates(), OptimizerGroups(trainer)
         records: list[StepRecord] = []
         reading = None
-        stop = getattr(trainer, "should_stop", None)  # a step that stops the fit stops it once, itself, not in the check
-        # float64 defaults in this thread and the replicas' only, not set_default_dtype
-        with given_back(states, groups), float64_defaults(), _kept_stop(trainer, stop):
+        # float64 defaults in this thread and the replicas' only, not set_default_dtype; a step that stops the fit
+        # stops it once, itself, not in the check
+        with given_back(states, groups), float64_defaults(), _kept_stop(trainer):
             for run in (one_device, replicas):
                 states.restore()
                 groups.restore()
@@ -341,8 +341,9 @@ class ExactnessCheck:
 
 
 @contextmanager
-def _kept_stop(trainer: Any, stop: Any) -> Iterator[None]:
+def _kept_stop(trainer: Any) -> Iterator[None]:
     """``trainer.should_stop`` as it was before the block (the check's runs of the step may set it)."""
+    stop = getattr(trainer, "should_stop", None)
     try:
         yield
     finally:

@@ -143,6 +143,18 @@ def _is_view(obj: Any) -> bool:
     return type(obj).__dict__.get("_lsdp_view", False) is True
 
 
+def _sharing(obj: Any, view_class: Callable[[], type]) -> Any:
+    """An instance of ``view_class()`` (a subclass of ``obj``'s class) whose ``__dict__`` is ``obj``'s: what is set on
+    either is set on both, ``isinstance`` checks hold; ``obj`` itself where that cannot be made (slots, a C type, a
+    ``__new__`` of its own)."""
+    try:
+        shown = object.__new__(view_class())
+        shown.__dict__ = obj.__dict__
+    except (TypeError, AttributeError):
+        return obj
+    return shown
+
+
 @functools.cache
 def _view_class(cls: type, path: str) -> type:
     """A subclass of ``cls`` whose public methods (and ``experiment``, for a logger) behave as this module says,
@@ -173,13 +185,7 @@ def view(obj: Any, path: str) -> Any:
     shares its state; ``obj`` itself when it cannot have one (no ``__dict__``, ``None``)."""
     if obj is None or not hasattr(obj, "__dict__") or type(obj).__module__ == "builtins" or _is_view(obj):
         return obj
-    try:
-        cls = _view_class(type(obj), path)
-        shown = object.__new__(cls)
-        shown.__dict__ = obj.__dict__
-    except (TypeError, AttributeError):  # slots, a C type, a __new__ of its own: left as it is
-        return obj
-    return shown
+    return _sharing(obj, lambda: _view_class(type(obj), path))
 
 
 @functools.cache
@@ -231,12 +237,7 @@ def _strategy_view(strategy: Any) -> Any:
     if (not isinstance(getattr(type(strategy), "optimizers", None), property) or _is_view(strategy)
             or not hasattr(strategy, "__dict__")):
         return strategy
-    try:
-        shown = object.__new__(_strategy_class(type(strategy)))
-        shown.__dict__ = strategy.__dict__
-    except (TypeError, AttributeError):
-        return strategy
-    return shown
+    return _sharing(strategy, lambda: _strategy_class(type(strategy)))
 
 
 def trainer_view(trainer: Any) -> Any:
@@ -248,12 +249,7 @@ def trainer_view(trainer: Any) -> Any:
     cls = type(trainer)
     if not isinstance(getattr(cls, "logger", None), property) or not isinstance(getattr(cls, "loggers", None), property):
         return trainer
-    try:
-        shown = object.__new__(_trainer_class(cls))
-        shown.__dict__ = trainer.__dict__
-    except (TypeError, AttributeError):  # a trainer without a __dict__ of its own: left as it is
-        return trainer
-    return shown
+    return _sharing(trainer, lambda: _trainer_class(cls))
 
 
 def give_view(replica: Any, views: list[tuple[Any, type, Any] | None] | None = None, index: int = 0) -> None:

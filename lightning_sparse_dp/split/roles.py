@@ -162,10 +162,15 @@ def _same_number(leaf: Leaf, leaves: tuple[Leaf, ...], sources: tuple[Source, ..
     return same if len(same) == 1 else matches
 
 
+def _steps(leaf: Leaf) -> list[Any]:
+    """``leaf``'s path as its keys and indices (``["inverse_maps", 0]``)."""
+    return [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
+
+
 def _sample_list_hint(leaf: Leaf, leaves: tuple[Leaf, ...], num_samples: int) -> str:
     """The fix for a tensor that is an entry of a list with one entry per sample (each sample's own inverse map, its
     labels: ``batch["inverse_maps"][b]``), else ``""``."""
-    steps = [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
+    steps = _steps(leaf)
     if len(steps) < 2 or not isinstance(steps[-1], int) or not isinstance(steps[-2], str):
         return ""
     siblings = sum(1 for other in leaves if other.path[:-1] == leaf.path[:-1])
@@ -192,7 +197,7 @@ def _unmatched_hint(leaf: Leaf, num_samples: int, leaves: tuple[Leaf, ...] = ())
                 f"the batch's samples): give it the role 'coordinates', SparseDataParallelStrategy(layout="
                 f"{{{key_of(other.path)!r}: 'coordinates'}}), and {leaf.name} is cut with that set's points. "
             )
-    steps = [getattr(k, "key", getattr(k, "idx", None)) for k in leaf.path]
+    steps = _steps(leaf)
     for i in range(len(steps) - 1, 0, -1):  # inside a list of dicts under a key: one entry per sample (targets)
         if isinstance(steps[i], int) and i + 1 < len(steps) and isinstance(steps[i - 1], str):
             return (

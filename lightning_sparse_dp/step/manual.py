@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
-from lightning_sparse_dp.replica.optimizers import RankOptimizer, rank_view
+from lightning_sparse_dp.replica.optimizers import rank_view
 from lightning_sparse_dp.runtime.compat import call_after_backward, call_before_backward, trainer_of
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _OVERRIDE_SAID
 from lightning_sparse_dp.step.replicate import Replicas
@@ -247,9 +247,7 @@ class _Once:
     def param_groups(self) -> list[dict[str, Any]]:
         """An optimizer's groups as this replica's own copies (:class:`~lightning_sparse_dp.replica.optimizers.RankOptimizer`),
         as each DDP rank changes its own optimizer's; a scheduler's target's groups as they are."""
-        views = self._manual.replicas.rank_optimizers
-        view = views[self._rank] if self._name.startswith("optimizer") and self._rank < len(views) else None
-        return self._target.param_groups if view is None else RankOptimizer(self._target, view.copies).param_groups
+        return (rank_view(self._target) if self._name.startswith("optimizer") else self._target).param_groups
 
     @property
     def optimizer(self) -> Any:

@@ -124,32 +124,45 @@ def check_training_step(strategy: SparseDataParallelStrategy, args: tuple, kwarg
             "(a PreSplitBatch without .batch). Training goes on unchecked."
         )
         return False
-    dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
 
     def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
-        probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
-        probe = lightning_transfer(twin, dataloader_idx)(probe, root)  # built on root: the hooks move the rest
-        return one_device_step(twin, probe, args[1:], kwargs)
+        return one_device_step(twin, _whole_probe(twin, whole, root, args, kwargs), args[1:], kwargs)
 
     samples: list[int] = []
 
     def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], str | None]:
-        twin.print = no_print  # every replica's copy prints nothing (replica 0's would print once)
         strategy._frozen_written |= check.frozen_written  # changed in place by the step: each replica owns a copy
-        with apart(strategy):
-            step, _ = strategy._context("training_step", (float64_batch(batch), *args[1:]), kwargs, twin)
-            assert step is not None  # several devices: the stages run
-            output, calls = strategy._through_stages(step)
-        samples.append(step.plan.num_samples if step.plan is not None else 0)
+        step, output, logged = _stages_on(strategy, twin, "training_step", args, kwargs, samples)
         loss = loss_of(output)
         backward(twin, loss)
-        logged = {call.name: call.value for call in calls}
         return loss, logged, loss_reading(step, strategy.loss_weighting)
 
     synchronized = strategy._layer_sync is not None
     check.run(module, trainer, on_one_device, on_replicas, len(devices), lambda: samples[-1] if samples else "batch's",
               batch_norm_eval=not synchronized and has_batch_norm(module.modules()), warnings=strategy._warning_cache)
     return True
+
+
+def _whole_probe(twin: nn.Module, whole: Any, root: torch.device, args: tuple, kwargs: dict) -> Any:
+    """The whole batch as one device's step on ``twin`` gets it: float64, its ME tensors built on ``root``, then the
+    module's own transfer hooks (which move the rest)."""
+    probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
+    return lightning_transfer(twin, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))(probe, root)
+
+
+def _stages_on(
+    strategy: SparseDataParallelStrategy, twin: nn.Module, name: str, args: tuple, kwargs: dict, samples: list[int],
+) -> tuple[StepContext, Any, dict[str, Any]]:
+    """The strategy's stages for hook ``name`` on the check's copy ``twin`` over the step's batch in float64, apart
+    from the run's own state (:func:`apart`; every replica's copy prints nothing): the step's context, its gathered
+    output and ``name -> value`` of what it logged; the batch's samples appended to ``samples``."""
+    twin.print = no_print
+    with apart(strategy):
+        step, _ = strategy._context(name, (float64_batch(args[0]), *args[1:]), kwargs, twin)
+        assert step is not None  # several devices: the stages run
+        output, calls = strategy._through_stages(step)
+    samples.append(step.plan.num_samples if step.plan is not None else 0)
+    return step, output, {call.name: call.value for call in calls}
 
 
 def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple, kwargs: dict) -> None:
@@ -168,23 +181,16 @@ def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple
     whole = batch.batch if isinstance(batch, PreSplitBatch) else batch
     if whole is None:
         return  # said at the training step's check; an evaluation without a whole batch has nothing to compare
-    dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
     samples: list[int] = []
 
     def on_one_device(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
-        probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
-        probe = lightning_transfer(twin, dataloader_idx)(probe, root)
+        probe = _whole_probe(twin, whole, root, args, kwargs)
         output, logged = quiet_step(twin, lambda: getattr(twin, name)(probe, *args[1:], **kwargs))
         return None, {**logged, OUTPUT_KEY: output}, None
 
     def on_replicas(twin: nn.Module) -> tuple[Any, dict[str, Any], None]:
-        twin.print = no_print
-        with apart(strategy):
-            step, _ = strategy._context(name, (float64_batch(batch), *args[1:]), kwargs, twin)
-            assert step is not None  # several devices: the stages run
-            output, calls = strategy._through_stages(step)
-        samples.append(step.plan.num_samples if step.plan is not None else 0)
-        return None, {**{call.name: call.value for call in calls}, OUTPUT_KEY: output}, None
+        _, output, logged = _stages_on(strategy, twin, name, args, kwargs, samples)
+        return None, {**logged, OUTPUT_KEY: output}, None
 
     # the copies made outside Lightning's inference mode (the replicas' parameters are built from them), without grad
     with torch.inference_mode(False), torch.no_grad():
