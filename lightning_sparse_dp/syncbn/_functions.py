@@ -29,9 +29,10 @@ afterwards, as any data-parallel gradient is).
 
 Precision. Computed in the input's dtype, at least float32 (float16 / bfloat16 inputs are computed in
 float32 and the output cast back); float64 stays float64. The native kernels accumulate in the
-compute dtype; on the per-rank path, below float64, the input is first centered on its own (compute-dtype) mean and the
-statistics taken again from the centered values (the shifted-data algorithm), so a large ``|mean|``
-against the deviation costs no digits, and the layer normalizes and saves the centered values (no
+compute dtype; on the per-rank path, below float64, input whose mean outweighs its deviation (on the CPU where a
+channel's ``|mean|`` is over 8 standard deviations, :data:`CANCELLATION`; on other devices always) is centered on a
+shift and the statistics taken from the centered values (the shifted-data algorithm, :func:`_local_statistics`), so a
+large ``|mean|`` against the deviation costs no digits, and the layer normalizes and saves the centered values (no
 further copy of the features). The gathered statistics are float64 on every device, so counts stay
 exact and the ranks' partial sums are combined without further rounding.
 
@@ -194,6 +195,18 @@ def _sum_ranks(gathered: list[Tensor]) -> Values:
 #: Rows of the first-row sample whose mean centers float32 input before its statistics (see :func:`_local_statistics`).
 SHIFT_ROWS = 32
 
+#: CPU float32 input is centered where a channel's ``mean^2 > CANCELLATION * variance`` (``|mean| > 8 std``): below
+#: that the rounding of the mean, of the normalization's ``x * a + b`` and of the input gradient's ``a dy + b x + c``
+#: costs at most some ``8 * 2^-24`` of a value's deviation, torch's own float32 batch norm's precision.
+CANCELLATION = 64.0
+
+
+def _center(x: Tensor) -> tuple[Tensor, Values]:
+    """``(x - shift, shift)``: ``x`` centered on the mean of its first :data:`SHIFT_ROWS` rows (per channel), and that
+    shift's float64 values."""
+    shift = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
+    return x - _expand(shift, x), _values(shift)
+
 
 def _local_statistics(x: Tensor) -> tuple[Values | None, Tensor, Tensor]:
     """``(shift, centered, stats)``: this rank's statistics of ``x`` ``[N, C, *]`` (compute dtype), from a native kernel.
@@ -205,23 +218,32 @@ def _local_statistics(x: Tensor) -> tuple[Values | None, Tensor, Tensor]:
     first centered on a shift, the mean of its first :data:`SHIFT_ROWS` rows (``centered = x - shift``, the
     shifted-data algorithm: the kernel then sums small values), and the statistics are those of
     ``centered`` plus the shift. ``centered`` is what the layer normalizes and saves, so the centering is
-    not a further copy of the features. float64 input is used as it is (``shift`` is ``None``; else the
-    shift's float64 values).
+    not a further copy of the features. Which input is centered: on the CPU, float32 input whose own statistics
+    show a channel with ``mean^2 > CANCELLATION * variance`` (the statistics are then taken again, from the
+    centered values; input that needs none, most of a network's, costs one pass); on other devices, where
+    reading that test would wait for the device, all float32 input. float64 input is used as it is (``shift`` is
+    ``None``; else the shift's float64 values).
     """
     count = x.numel() // x.shape[1]
     shift = None
     if count == 0:  # an empty rank contributes nothing
         return shift, x, torch.zeros(3, x.shape[1], dtype=torch.float64, device=x.device)
-    if x.dtype != torch.float64:
-        shift_t = x[:SHIFT_ROWS].mean(dim=[d for d in range(x.dim()) if d != 1])
-        x = x - _expand(shift_t, x)
-        shift = _values(shift_t)
+    host, below64 = x.device.type in HOST_DEVICE_TYPES, x.dtype != torch.float64
+    if below64 and not host:
+        x, shift = _center(x)
     mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # var: biased
-    mean64, m2 = _values(mean), _values(var) * count  # M2 = N * biased variance
+    mean64, var64 = _values(mean), _values(var)
+    if below64 and host and bool((mean64 * mean64 > CANCELLATION * var64).any()):
+        x, shift = _center(x)
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        mean64, var64 = _values(mean), _values(var)
     if shift is not None:  # shift + mean(centered), added in float64: the mean's digits beyond float32
         mean64 = mean64 + shift
+    m2 = var64 * count  # M2 = N * biased variance
     if isinstance(mean64, np.ndarray):
-        return shift, x, torch.from_numpy(np.stack([np.full_like(mean64, count), mean64, m2]))
+        stats = np.empty((3, mean64.shape[0]))
+        stats[0], stats[1], stats[2] = count, mean64, m2
+        return shift, x, torch.from_numpy(stats)
     return shift, x, torch.stack([torch.full_like(mean64, count), mean64, m2])
 
 
@@ -280,6 +302,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.total, ctx.eps, ctx.invstd, ctx.scale = total, eps, invstd, scale
         ctx.frame_mean = frame_mean
         ctx.has_weight = weight is not None
+        ctx.weight_c = weight_c  # any defined weight serves the backward's sums (their values do not enter them)
         if running is not None:
             _update_running(running, moments[0], moments[2])
         ctx.layer = _record(collective, None, time.perf_counter() - start)
@@ -303,11 +326,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
             # torch's native eval-mode backward: sum(dy) and sum(dy * (x - mean)) * invstd, one fused pass. What
             # the CPU kernel takes as None its CUDA twin does not (torch's Normalization.cu): the saved statistics
             # are given empty (asserted defined; empty means "use the running ones", here the frame), and a weight
-            # of ones (without a weight it returns both sums empty); the sums do not depend on the weight's values.
+            # (the layer's, or ones: without one it returns both sums empty), whose values the sums do not depend on.
             unsaved = frame_c.new_empty(0)
+            weight_c = ctx.weight_c if ctx.weight_c is not None else torch.ones_like(frame_c)
             _, dot_invstd, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, centered, torch.ones_like(frame_c), frame_c, var_c, unsaved, unsaved, False, ctx.eps,
-                [False, True, True],
+                dy, centered, weight_c, frame_c, var_c, unsaved, unsaved, False, ctx.eps, [False, True, True],
             )
         else:
             dot_invstd = sum_dy = torch.zeros(centered.shape[1], dtype=cdt, device=centered.device)
@@ -334,14 +357,20 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-@torch.no_grad()
 def _update_running(running: tuple[Tensor | None, Tensor | None, float], mean: Values, unbiased_var: Values) -> None:
     """``running_mean`` / ``running_var`` moved towards the global ``mean`` / ``unbiased_var`` by ``factor``, in
-    place, as ``torch.nn.functional.batch_norm`` updates them (``(1 - factor) * running + factor * value``)."""
+    place, as ``torch.nn.functional.batch_norm`` updates them (``momentum * value + (1 - momentum) * running``),
+    computed in float64 (numpy for CPU buffers numpy can read) and copied into the buffer."""
     running_mean, running_var, factor = running
-    for buffer, value in ((running_mean, mean), (running_var, unbiased_var)):
-        if buffer is not None:
-            buffer.mul_(1 - factor).add_(_tensor(value, torch.float64).to(buffer), alpha=factor)
+    with torch.no_grad():
+        for buffer, value in ((running_mean, mean), (running_var, unbiased_var)):
+            if buffer is None:
+                continue
+            if isinstance(value, np.ndarray) and buffer.dtype in _NUMPY_DTYPES and buffer.device.type == "cpu":
+                buffer.copy_(torch.from_numpy(factor * value + (1 - factor) * buffer.numpy().astype(np.float64)))
+            else:
+                old = buffer.to(torch.float64)
+                buffer.copy_(factor * _tensor(value, torch.float64).to(old.device) + (1 - factor) * old)
 
 
 def _record(collective: Collective, layer: int | None, seconds: float) -> int | None:

@@ -27,7 +27,7 @@ for bit where the kernels split their sums alike (the same number of intra-op th
 enough for one). Which replica completes the rendezvous changes nothing: every replica thread runs with the
 same intra-op thread count (:mod:`lightning_sparse_dp.runtime.threads`), so runs repeat as the per-rank path's do. In
 float32 the precision is then torch's own: input whose mean is thousands of times its deviation loses digits
-here as on one device (the per-rank path centers each rank's input first). At the cost
+here as on one device (the per-rank path centers such input first). At the cost
 of a copy of the layer's input and output gradient (at most :data:`GATHER_MAX_BYTES` bytes each) and of
 running the layer's arithmetic in one thread while the other replicas wait, which on a small layer is less
 than the Python it saves. Larger layers, replicas on accelerators and process groups take the per-rank path; on CPU

@@ -107,8 +107,11 @@ def test_equals_batch_norm_of_the_concatenated_input_float64(rows, tail, path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_per_channel_values_as_tensors_give_what_numpy_gives(monkeypatch, dtype):
-    """The per-channel arithmetic of CUDA input (tensors, no numpy) is the CPU's (numpy): forced here on CPU."""
+    """The per-channel arithmetic of CUDA input (tensors, no numpy) is the CPU's (numpy): forced here on CPU. CUDA
+    input below float64 is always centered (the CPU's test of whether to center would wait for the device): the CPU
+    is made to center too (``CANCELLATION = 0``), so the two differ in their arithmetic only."""
     monkeypatch.setattr(_gathered, "GATHER_MAX_BYTES", 0)  # the per-rank path, which CUDA replicas take
+    monkeypatch.setattr(_functions, "CANCELLATION", 0.0)
     cpu, _, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
     monkeypatch.setattr(_functions, "HOST_DEVICE_TYPES", ())
     tensors, want, _ = sync_step([5, 3, 8], channels=6, shape_tail=(2, 3), dtype=dtype)
@@ -181,6 +184,23 @@ def test_float32_statistics_accumulate_in_float64_on_cpu(monkeypatch):
     outs = run_ranks(group, lambda rank, member: layers[rank](parts[rank]).detach())
     expected = F.batch_norm(x.double(), None, None, training=True).float()
     assert relative_difference(torch.cat(outs), expected) < 1e-6
+
+
+@pytest.mark.parametrize("offset, centered", [(0.5, False), (3.0, False), (20.0, True), (1000.0, True)])
+def test_cpu_float32_input_is_centered_only_where_its_mean_outweighs_its_deviation(offset, centered):
+    """The per-rank path's statistics of CPU float32 input: centered (a copy, then statistics again) only where a
+    channel's mean is over 8 of its standard deviations, where float32 sums would lose the mean's digits; either
+    way the statistics are the float64 ones to float32's precision (the mean to 1e-5 of a deviation of 1)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 4, generator=g)
+    x[:, 2] += offset  # one channel's mean, against a deviation of about 1
+    shift, used, stats = _functions._local_statistics(x)
+    assert (shift is not None) == centered
+    assert (used is x) == (not centered)
+    reference = x.double()
+    assert stats[0].eq(3000).all()
+    assert (stats[1] - reference.mean(0)).abs().max() < 1e-5
+    assert relative_difference(stats[2], reference.var(0, unbiased=False) * 3000) < 1e-6
 
 
 def test_combine_statistics_refuses_a_single_value_per_channel():
