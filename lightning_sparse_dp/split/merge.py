@@ -132,7 +132,7 @@ def point_sources(plan: SplitPlan, lengths: list[int]) -> list[int]:
     return found
 
 
-def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int = 0) -> list[Tensor]:
+def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: int = 0, known: bool = False) -> list[Tensor]:
     """The replicas' tensor outputs with the batch's sample ids in column 0 where they are coordinates of their chunks;
     ``values`` as they are otherwise.
 
@@ -147,6 +147,8 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
     chunk order, each row still beside its features). Mapped through ``plan.chunk_samples[i]``
     (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`). A per-point integer vector that is the batch
     column alone (``x.C[:, 0]``) is mapped too where it holds the chunk's points' ids as the chunk orders them.
+    ``known``: the values are an ME tensor's ``.C`` (coordinates by construction), so ``"cat"`` takes them with any
+    sample missing too (a pruned tensor with no rows left of a sample), their column 0 in ``0..b_i-1``.
     """
     widths = set(plan.coordinate_columns) if rows != "points" else set(plan.coordinate_columns[source : source + 1])
     if len(values) != len(plan.chunk_samples):
@@ -173,7 +175,7 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
         elif rows == "samples":
             expected = torch.ones_like(found)
         else:
-            expected = found.clamp(min=1)
+            expected = found if known else found.clamp(min=1)
         if not torch.equal(found, expected):
             return values
     return [restore_batch_indices(v, samples) for v, samples in zip(values, plan.chunk_samples)]

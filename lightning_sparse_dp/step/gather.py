@@ -163,7 +163,7 @@ def merge_sparse(values: list[Any], plan: SplitPlan, device: torch.device) -> An
         restored = coordinates_back(coordinates, plan, "samples")
         merged = [merge_chunks(restored, plan.chunk_samples), merge_chunks(features, plan.chunk_samples)]
     else:
-        restored = coordinates_back(coordinates, plan, "cat")
+        restored = coordinates_back(coordinates, plan, "cat", known=True)  # a sample may have no rows left (pruned)
         first = features[0].device
         merged = [torch.cat([c.to(first) for c in restored]), torch.cat([f.to(first) for f in features])]
     if restored is coordinates:

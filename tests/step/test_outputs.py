@@ -248,6 +248,36 @@ def test_sparse_tensors_a_step_returns_come_back_as_one_sparse_tensor_of_the_bat
         trainer(strategy=strategy, devices=3, precision="64-true").predict(ReturnsSparseTensors(), loader(batches[0]))
 
 
+class ReturnsPruned(SparseNet):
+    """A predict step that returns its input pruned by a feature threshold, which leaves one sample no rows."""
+
+    def predict_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        return ME.MinkowskiPruning()(x, x.F[:, 0] > -4)
+
+
+def test_a_pruned_sparse_tensor_with_a_sample_left_without_rows_comes_back_as_one_of_the_batch():
+    """A SparseTensor in which a sample has no rows left (pruned away) came back as the replicas' list, with a false
+    'differs' line: its coordinates were taken for the batch's only with every sample present. An ME tensor's ``.C``
+    is coordinates by construction: it comes back as one SparseTensor with one device's (coordinate, feature) rows
+    (row order aside, as a strided tensor's), the empty sample absent as on one device."""
+    samples = random_samples(7, seed=5)
+    coords, feats, label = samples[4]
+    samples[4] = (coords, torch.full_like(feats, -5.0), label)  # pruned away whole
+    batch = collate_dict(samples)
+    results = {}
+    for strategy, devices in (("auto", 1), ("sparse_dp", 3)):
+        results[strategy] = trainer(strategy=strategy, devices=devices, precision="64-true").predict(
+            ReturnsPruned(), loader(batch)
+        )
+    one, ours = results["auto"][0], results["sparse_dp"][0]
+    assert type(ours) is ME.SparseTensor and 4 not in ours.C[:, 0].tolist()
+    rows_one, rows_ours = _by_coordinates(one.C, one.F), _by_coordinates(ours.C, ours.F)
+    assert rows_ours.keys() == rows_one.keys()
+    for c in rows_one:
+        torch.testing.assert_close(rows_ours[c], rows_one[c], rtol=1e-10, atol=0)
+
+
 def test_only_tensors_shaped_as_the_batchs_coordinates_are_taken_for_coordinates():
     """An int32 per-sample output whose column 0 numbers the chunk's samples is taken for coordinates (a pooled
     tensor's ``.C``: the batch's sample ids given back) only when it has the batch's coordinate columns (``D+1``); an
