@@ -302,7 +302,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.total, ctx.eps, ctx.invstd, ctx.scale = total, eps, invstd, scale
         ctx.frame_mean = frame_mean
         ctx.has_weight = weight is not None
-        ctx.weight_c = weight_c  # any defined weight serves the backward's sums (their values do not enter them)
+        # any defined weight serves the backward's sums (their values do not enter them); detached: no graph through it
+        ctx.weight_c = None if weight_c is None else weight_c.detach()
         if running is not None:
             _update_running(running, moments[0], moments[2])
         ctx.layer = _record(collective, None, time.perf_counter() - start)
