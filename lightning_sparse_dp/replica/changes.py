@@ -82,6 +82,9 @@ class ModuleChanges:
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
+        # the module's lists and dicts the module's own hooks grew during the step (once_on_module): id -> what the
+        # replicas' copies were made from (a list's length, a dict's keys)
+        self.grown: dict[int, Any] = {}
         if not self.active:
             return
         # what the step follows of the module's entries: held by the persistent replicas while the module's __dict__
@@ -121,6 +124,31 @@ class ModuleChanges:
             for j, key in self.sub_containers:  # after the replica's refresh (which gave it the module's objects)
                 copied = snapshot.copy_nested(found.sources[j].__dict__[key])
                 given[(j, key)] = found.copies[i][j].__dict__[key] = copied  # type: ignore[union-attr]
+
+    def once_on_module(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``: code the strategy runs once on the module itself during the step, as one device's step runs it
+        (under manual optimization, Lightning's ``on_before_backward`` / ``on_after_backward`` hooks). What it changes
+        in the module's lists, dicts, tensors and objects is one device's change, not a replica's: the marks still as
+        the step found them before ``fn`` move with it, so :meth:`merge` says only what the replicas' steps changed
+        there (a mark a replica moved already stays, and is said)."""
+        if not self.active or not (self.sizes or self.versions or self.objects):
+            return fn()
+        sizes = {name: [len(c) for c, _ in marks] for name, marks in self.sizes.items()}
+        keys = {id(c): set(c) for marks in self.sizes.values() for c, _ in marks if isinstance(c, dict)}
+        held = [not snapshot.changed_in_place(t, mark) for _, t, mark in self.versions]
+        states = [snapshot.public_state(obj) for _, obj, _ in self.objects]
+        try:
+            return fn()
+        finally:
+            for name, marks in self.sizes.items():
+                for (c, n), now in zip(marks, sizes[name]):
+                    if n == now and len(c) != n:  # grown by the hook alone: the replicas' copies are of what it was
+                        self.grown.setdefault(id(c), keys[id(c)] if isinstance(c, dict) else n)
+                self.sizes[name] = [(c, len(c) if n == now else n) for (c, n), now in zip(marks, sizes[name])]
+            self.versions = [(n, t, snapshot.tensor_mark(t) if ok else mark)
+                             for (n, t, mark), ok in zip(self.versions, held)]
+            self.objects = [(k, obj, snapshot.public_state(obj) if not snapshot.changed_keys(state, now) else state)
+                            for (k, obj, state), now in zip(self.objects, states)]
 
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
         """After the step: set on the module what the replicas left (see the module docstring).
@@ -351,8 +379,8 @@ class ModuleChanges:
                 self._merge_container(entry, mine, theirs, combine, warning_cache, depth + 1)
                 continue
             setters = [v for v in theirs if v is not mine]
-            if not setters:
-                continue
+            if not setters or (key not in self.grown.get(id(before), (key,)) and all(v is _MISSING for v in theirs)):
+                continue  # unchanged, or added by the module's own hooks (once_on_module) and left by the replicas
             if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
                 value = self._combined(entry, theirs, combine, warning_cache)
             elif mine is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
@@ -378,20 +406,23 @@ class ModuleChanges:
         """A list: the ``j``-th entry every replica appended merged into one appended entry (:meth:`_combined`); the
         lists and dicts in a short list (:data:`SHORT`) merged likewise, in place."""
         lists = [v for v in values if type(v) is type(before)]
-        kept = len(lists) == len(values) and all(len(v) >= len(before) for v in lists)
-        for j, mine in enumerate(before if kept else ()):
+        base = self.grown.get(id(before), len(before))  # the copies' length at entry (the module's hooks appended after)
+        kept = len(lists) == len(values) and all(len(v) >= base for v in lists)
+        for j, mine in enumerate(before[:base] if kept else ()):
             theirs = [v[j] for v in lists]
             if len(before) <= snapshot.SHORT and self._nested(mine, theirs, depth + 1):
                 self._merge_container(f"{name}[{j}]", mine, theirs, combine, warning_cache, depth + 1)
             elif any(v is not mine for v in theirs):
                 kept = False
+        added = [v[base:] if type(v) is type(before) else [] for v in values]
+        counts = {len(a) for a in added}
+        if base != len(before) and counts != {0}:  # appended to by the step and the module's hooks: in which order?
+            kept = False
         if not kept:
             warning_cache.warn(
                 f"sparse_dp: {name} (a list) was replaced or changed in place by the replicas' steps: only entries "
                 "appended to it are merged back into the module's list."
             )
-        added = [v[len(before):] if type(v) is type(before) else [] for v in values]
-        counts = {len(a) for a in added}
         if counts == {0}:
             return
         if len(counts) > 1:

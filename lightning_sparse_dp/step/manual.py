@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,10 +65,12 @@ class ManualStep:
 
     def __init__(
         self, module: nn.Module, replicas: Replicas, count: int, group: ThreadGroup, weights: Sequence[float],
-        terms: StepTerms | None,
+        terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> None:
         self.module, self.replicas, self.count, self.group = module, replicas, count, group
         self.weights, self.terms = list(weights), terms
+        # the module's own hooks, run once: what they change on it is one device's (ModuleChanges.once_on_module)
+        self.on_module = on_module if on_module is not None else (lambda fn: fn())
 
     # --- the stand-ins, called in replica threads ------------------------------------------------
     def manual_backward(self, rank: int, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -117,7 +120,7 @@ class ManualStep:
                 whole = torch.tensor(decision.value, dtype=losses[0].dtype, device=root)
             else:
                 whole = sum(float(w) * loss.detach().to(root) for w, loss in zip(self.weights, losses))
-            call_before_backward(trainer, whole)
+            self.on_module(partial(call_before_backward, trainer, whole))
         scale = self._loss_scale()
         return [w * scale for w in self.weights]
 
@@ -142,7 +145,7 @@ class ManualStep:
         self.expose()
         trainer = trainer_of(self.module)
         if trainer is not None:
-            call_after_backward(trainer)
+            self.on_module(partial(call_after_backward, trainer))
 
     def expose(self) -> None:
         """The module's gradients as the replicas' ``.grad``: the root replica's the module's own tensors (on the root
@@ -345,16 +348,17 @@ def _toggle(manual: ManualStep, rank: int, module: Any, name: str) -> Callable[[
 @contextmanager
 def manual_step(
     module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
-    weights: Sequence[float], terms: StepTerms | None,
+    weights: Sequence[float], terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> Iterator[ThreadGroup]:
     """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
     (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
-    ``weights``, needed inside the step, so computed before it; yields the group."""
+    ``weights``, needed inside the step, so computed before it; yields the group. ``on_module(fn)`` runs the module's
+    own hooks the step calls once (:meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.once_on_module`)."""
     group = group if group is not None else ThreadGroup(len(step_replicas))
     trainer = trainer_of(module)
     hooks = [o.register_step_pre_hook(_refuse_direct_step) for o in getattr(trainer, "optimizers", None) or ()]
     try:
-        with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms), step_replicas):
+        with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms, on_module), step_replicas):
             yield group
     finally:
         for hook in hooks:

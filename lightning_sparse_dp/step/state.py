@@ -118,14 +118,21 @@ def install_step(
         if step.call.manual and n > 1:  # the replicas' manual_backward and optimizer calls met once, weights needed inside
             assert persistent is not None and step.plan is not None
             out.weights = step_weights(step.plan, step.inputs, loss_weighting, step.call.warnings)
-            out.group = stack.enter_context(
-                manual_step(step.call.module, persistent, step.replicas, out.group, out.weights, out.terms)
-            )
+            out.group = stack.enter_context(manual_step(
+                step.call.module, persistent, step.replicas, out.group, out.weights, out.terms, partial(_on_module, out, step)
+            ))
         yield out
         if step.check is not None:
             out.replica_state = step.check.prepared
         with step.call.timer.stage("state"):  # ... and undone (metrics merged into the root's)
             stack.close()
+
+
+def _on_module(out: InstalledStep, step: StepContext, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on the module itself once in the step, through the step's replica state when it has one
+    (:meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.once_on_module`: what it changes is one device's)."""
+    state = out.replica_state if out.replica_state is not None else (step.check.prepared if step.check else None)
+    return state.left.once_on_module(fn) if state is not None else fn()
 
 
 def merge_into_module(step: StepContext, root: torch.device, output_layout: Mapping[str, str] | None) -> None:

@@ -3,6 +3,9 @@ optimizer calls met once per step, against one device with the whole batch, floa
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import pytest
 import torch
 
@@ -236,6 +239,55 @@ def test_manual_backward_calls_on_before_backward_and_the_modules_backward(caplo
     assert len(ours.before) == len(reference.before) == 3
     assert ours.before == pytest.approx(reference.before, rel=1e-10)
     assert max(state_differences(ours, reference).values()) < 1e-10
+
+
+class _KeepsHookValues(ManualOptimization, SparseNet):
+    """Manual optimization whose ``on_before_backward`` / ``on_after_backward`` append to lists of the module, bump a
+    counter tensor in place and update a plain object, as a one-device module keeps a history."""
+
+    def __init__(self):
+        super().__init__()
+        self.before: list[float] = []
+        self.after: list[int] = []
+        self.count = torch.zeros(())
+        self.meter = types.SimpleNamespace(last=0.0)
+        self.by_step: dict[str, float] = {}
+
+    def on_before_backward(self, loss):
+        self.before.append(float(loss))
+        self.by_step[f"step{len(self.before)}"] = float(loss)
+        self.count.add_(1)
+        self.meter.last = float(loss)
+
+    def on_after_backward(self):
+        self.after.append(len(self.before))
+
+
+def test_the_modules_own_hooks_run_once_in_a_manual_step_change_it_as_one_devices_step_without_a_warning():
+    """The hooks a manual step's manual_backward runs once on the module itself (on_before_backward with the whole
+    batch's loss, on_after_backward) changed the module's lists, tensors and objects as one device's step does, yet
+    each change got a false line ('changed in the step through the module itself', 'changed in place', 'was changed
+    in the step'). They are one device's changes now, said by nothing; the values equal one device's."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "self.before" in m or "self.count" in m or "self.meter" in m})
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
+    torch.manual_seed(0)
+    ours, reference = _KeepsHookValues(), _KeepsHookValues()
+    reference.load_state_dict(ours.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    said = [str(w.message) for w in caught if "self.before" in str(w.message) or "self.count" in str(w.message)
+            or "self.meter" in str(w.message) or "self.after" in str(w.message) or "self.by_step" in str(w.message)]
+    assert said == [], said
+    trainer(max_steps=3).fit(reference, loader(*batches))
+    assert ours.before == pytest.approx(reference.before, rel=1e-10) and len(ours.before) == 3
+    assert ours.after == reference.after == [1, 2, 3]
+    assert float(ours.count) == float(reference.count) == 3.0
+    assert ours.meter.last == pytest.approx(reference.meter.last, rel=1e-10)
+    assert ours.by_step.keys() == reference.by_step.keys() == {"step1", "step2", "step3"}
+    assert list(ours.by_step.values()) == pytest.approx(list(reference.by_step.values()), rel=1e-10)
 
 
 class _SegHookValues(ManualSeg):
