@@ -82,8 +82,8 @@ class ModuleChanges:
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
-        # the module's lists and dicts the module's own hooks grew during the step (once_on_module): id -> what the
-        # replicas' copies were made from (a list's length, a dict's keys)
+        # the module's lists the module's own hooks changed during the step (once_on_module): id -> the length the
+        # replicas' copies were made from
         self.grown: dict[int, Any] = {}
         if not self.active:
             return
@@ -128,23 +128,24 @@ class ModuleChanges:
     def once_on_module(self, fn: Callable[[], Any]) -> Any:
         """``fn()``: code the strategy runs once on the module itself during the step, as one device's step runs it
         (under manual optimization, Lightning's ``on_before_backward`` / ``on_after_backward`` hooks). What it changes
-        in the module's lists, dicts, tensors and objects is one device's change, not a replica's: the marks still as
-        the step found them before ``fn`` move with it, so :meth:`merge` says only what the replicas' steps changed
-        there (a mark a replica moved already stays, and is said)."""
+        in the module's tensors (in place), plain objects and lists (of no nested lists or dicts) is one device's
+        change, not a replica's: the marks still as the step found them before ``fn`` move with it, so :meth:`merge`
+        says only what the replicas' steps changed there (a mark a replica moved already stays, and is said), and a
+        list keeps the entries ``fn`` appended. A dict, or a list holding lists or dicts, that ``fn`` changes is said
+        as before: a key the step and the hook both set, or one the hook removes, cannot be told from the replicas'."""
         if not self.active or not (self.sizes or self.versions or self.objects):
             return fn()
-        sizes = {name: [len(c) for c, _ in marks] for name, marks in self.sizes.items()}
-        keys = {id(c): set(c) for marks in self.sizes.values() for c, _ in marks if isinstance(c, dict)}
+        lists = {name: (marks[0][0], marks[0][1], len(marks[0][0])) for name, marks in self.sizes.items()
+                 if len(marks) == 1 and type(marks[0][0]) is list}
         held = [not snapshot.changed_in_place(t, mark) for _, t, mark in self.versions]
         states = [snapshot.public_state(obj) for _, obj, _ in self.objects]
         try:
             return fn()
         finally:
-            for name, marks in self.sizes.items():
-                for (c, n), now in zip(marks, sizes[name]):
-                    if n == now and len(c) != n:  # grown by the hook alone: the replicas' copies are of what it was
-                        self.grown.setdefault(id(c), keys[id(c)] if isinstance(c, dict) else n)
-                self.sizes[name] = [(c, len(c) if n == now else n) for (c, n), now in zip(marks, sizes[name])]
+            for name, (c, n, now) in lists.items():
+                if n == now and len(c) != n:  # changed by the hook alone: the replicas' copies are of what it was
+                    self.grown.setdefault(id(c), n)
+                    self.sizes[name] = [(c, len(c))]
             self.versions = [(n, t, snapshot.tensor_mark(t) if ok else mark)
                              for (n, t, mark), ok in zip(self.versions, held)]
             self.objects = [(k, obj, snapshot.public_state(obj) if not snapshot.changed_keys(state, now) else state)
@@ -379,8 +380,8 @@ class ModuleChanges:
                 self._merge_container(entry, mine, theirs, combine, warning_cache, depth + 1)
                 continue
             setters = [v for v in theirs if v is not mine]
-            if not setters or (key not in self.grown.get(id(before), (key,)) and all(v is _MISSING for v in theirs)):
-                continue  # unchanged, or added by the module's own hooks (once_on_module) and left by the replicas
+            if not setters:
+                continue
             if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
                 value = self._combined(entry, theirs, combine, warning_cache)
             elif mine is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
