@@ -148,7 +148,8 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
     (:func:`~lightning_sparse_dp.split.merge.restore_batch_indices`). A per-point integer vector that is the batch
     column alone (``x.C[:, 0]``) is mapped too where it holds the chunk's points' ids as the chunk orders them.
     ``known``: the values are an ME tensor's ``.C`` (coordinates by construction), so ``"cat"`` takes them with any
-    sample missing too (a pruned tensor with no rows left of a sample), their column 0 in ``0..b_i-1``.
+    sample missing too (a pruned tensor with no rows left of a sample, or of a whole chunk), their column 0 in
+    ``0..b_i-1``.
     """
     widths = set(plan.coordinate_columns) if rows != "points" else set(plan.coordinate_columns[source : source + 1])
     if len(values) != len(plan.chunk_samples):
@@ -167,6 +168,8 @@ def coordinates_back(values: list[Tensor], plan: SplitPlan, rows: str, source: i
         if v.is_floating_point() and v.numel() and not bool((v[:, 0] == v[:, 0].round()).all()):
             return values  # a TensorField's continuous coordinates keep an integral batch column
         column = v[:, 0].long()
+        if column.numel() == 0 and known:  # a chunk with no rows left: nothing of it to map
+            continue
         if column.numel() == 0 or int(column.min()) < 0 or int(column.max()) >= samples.numel():
             return values
         found = torch.bincount(column, minlength=samples.numel()).cpu()
