@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -89,11 +90,12 @@ LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "tor
 
 def is_plain_object(value: Any) -> bool:
     """Whether ``value`` is an object of a class of the user's (or another library's than torch's, Lightning's, ME's,
-    NumPy's) with a ``__dict__``, such as an ``AverageMeter``: not a tensor, module, container, function or class."""
+    NumPy's) with a ``__dict__``, such as an ``AverageMeter``, or a ``types.SimpleNamespace``: not a tensor, module,
+    container, function, module object or class."""
     kind = type(value)
     plain = PLAIN.get(kind)
     if plain is None:
-        plain = PLAIN[kind] = (
+        plain = PLAIN[kind] = kind is SimpleNamespace or (
             hasattr(value, "__dict__") and kind.__module__ not in ("builtins", "types", "functools")
             and not kind.__module__.startswith(LIBRARIES)
             and not isinstance(value, (Tensor, nn.Module, list, dict, tuple, set, type))

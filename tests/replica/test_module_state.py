@@ -342,6 +342,27 @@ class AverageMeter:
         self.history.append(val)
 
 
+def test_a_simple_namespace_of_the_module_the_step_changes_is_said():
+    """``self.stats = types.SimpleNamespace(seen=0)`` updated in the step (``self.stats.seen += n``) was changed by each
+    replica with its chunk, silently: 3 times one device's count over 3 replicas, since a SimpleNamespace (module
+    ``types``) was not taken for a plain object. It is said now, as an AverageMeter is."""
+    import types
+
+    class Counts(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.stats = types.SimpleNamespace(seen=0)
+
+        def training_step(self, batch, batch_idx):
+            self.stats.seen += 10
+            return super().training_step(batch, batch_idx)
+
+    batches = [collate_dict(random_samples(7, seed=97 + i)) for i in range(2)]
+    with pytest.warns(UserWarning, match=r"self\.stats \(a SimpleNamespace\) was changed in the step \(seen\)"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=2, precision="64-true").fit(ours := Counts(), loader(*batches))
+    assert ours.stats.seen == 60  # what is said: each replica's step added its 10
+
+
 def test_a_plain_object_of_the_module_the_step_changes_is_said():
     """An object of the module that is neither a tensor, a module, a metric nor a container (an AverageMeter) is the
     replicas' shared object: each replica's step updates it with its chunk, so its last value is the last replica's
