@@ -297,6 +297,9 @@ PYEOF
     #  14 CUDA global max pooling of a one-sample batch: patch 10's defect in global_pooling_gpu.cu.
     #  15 CPU origin maps (global pooling, decomposed_features) asserted more points than samples: a
     #     tensor whose samples have one point each failed. Equal counts are now accepted.
+    #  16 A convolution, pooling or global pooling of an empty SparseTensor (a chunk pruned away whole)
+    #     crashed: the kernel map of an empty map was a reference to a temporary, and the CPU origin
+    #     map walked an empty hash table. The empty kernel map is cached; an empty origin map has no pairs.
     # Found with tests/project/test_me_invariance.py, tests/project/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do

@@ -2,7 +2,9 @@
 original computes, MinkowskiSyncBatchNorm.convert_sync_batchnorm converts, and building a coordinate
 map leaves other Python threads (the other replicas) running.
 
-ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04, 05 and 13 fix them).
+A convolution or pooling of an empty SparseTensor (a chunk pruned away whole) runs and gives no rows.
+
+ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04, 05, 13 and 16 fix them).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -221,3 +225,44 @@ def test_building_a_coordinate_map_lets_other_python_threads_run(build):
         f"the main thread stood still for {longest * 1e3:.1f} ms of the {total * 1e3:.1f} ms build: ME held the GIL "
         "while hashing coordinates (scripts/minkowski_patches/13-build-coordinate-maps-without-the-gil.patch not applied?)"
     )
+
+
+#: layers applied to an empty tensor, as a chunk whose samples were all pruned away meets them (run in a child process:
+#: ME as released crashes the process there)
+_EMPTY_INPUT = r"""
+import sys, torch, MinkowskiEngine as ME
+D = 3
+layers = {
+    "conv stride 2": ME.MinkowskiConvolution(3, 4, kernel_size=2, stride=2, dimension=D),
+    "conv stride 1": ME.MinkowskiConvolution(3, 4, kernel_size=3, dimension=D),
+    "max pooling": ME.MinkowskiMaxPooling(kernel_size=2, stride=2, dimension=D),
+    "average pooling": ME.MinkowskiAvgPooling(kernel_size=2, stride=2, dimension=D),
+    "transposed conv": torch.nn.Sequential(
+        ME.MinkowskiConvolution(3, 4, kernel_size=2, stride=2, dimension=D),
+        ME.MinkowskiConvolutionTranspose(4, 2, kernel_size=2, stride=2, dimension=D)),
+    "global max pooling": ME.MinkowskiGlobalMaxPooling(),
+    "global average pooling": torch.nn.Sequential(
+        ME.MinkowskiConvolution(3, 4, kernel_size=2, stride=2, dimension=D), ME.MinkowskiGlobalAvgPooling()),
+}
+coordinates = torch.tensor([[0, 0, 0, 0], [0, 1, 0, 0], [0, 2, 2, 2], [1, 0, 0, 0], [1, 3, 3, 3]], dtype=torch.int32)
+features = torch.randn(5, 3, requires_grad=True)
+x = ME.SparseTensor(features, coordinates)
+empty = ME.MinkowskiPruning()(x, torch.zeros(5, dtype=torch.bool))
+out = layers[sys.argv[1]](empty)
+out.F.sum().backward()
+print("ROWS", out.F.shape[0], "ZERO" if not out.F.abs().sum() else "NONZERO", tuple(features.grad.shape))
+"""
+
+
+@pytest.mark.parametrize("layer, rows", [("conv stride 2", 0), ("conv stride 1", 0), ("max pooling", 0),
+                                         ("average pooling", 0), ("transposed conv", 5), ("global max pooling", 0),
+                                         ("global average pooling", 0)])
+def test_a_layer_of_an_empty_sparse_tensor_gives_no_rows(layer, rows):
+    """A convolution, pooling or global pooling of a SparseTensor with no rows (a chunk whose samples were all pruned
+    away, where one device's batch still has rows) crashed the process: ME's kernel map of an empty map was a reference
+    to a temporary, and its CPU origin map walked an empty hash table (scripts/minkowski_patches/16). It gives no rows
+    now, forward and backward; a transposed convolution back to stride 1 gives the rows of the stride-1 map the batch
+    already has (as ME gives them whatever the input), all zero."""
+    done = subprocess.run([sys.executable, "-c", _EMPTY_INPUT, layer], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
+    assert f"ROWS {rows} ZERO (5, 3)" in done.stdout, done.stdout
