@@ -44,6 +44,7 @@ GPU_PATCHES = {
     "05": "ME layers cannot be pickled or deep-copied (AveragedModel / SWA, checkpoints of whole modules)",
     "13": "each replica builds its coordinate maps while holding the GIL, so replicas build them one at a time",
     "14": "global max pooling of a one-sample chunk sends its gradient to the wrong elements (CUDA)",
+    "16": "a convolution or pooling of a chunk with no rows (its samples pruned away whole) crashes the process",
 }
 
 
