@@ -84,7 +84,7 @@ class ModuleChanges:
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
         # the module's lists the module's own hooks changed during the step (once_on_module): id -> the length the
         # replicas' copies were made from
-        self.grown: dict[int, Any] = {}
+        self.grown: dict[int, int] = {}
         if not self.active:
             return
         # what the step follows of the module's entries: held by the persistent replicas while the module's __dict__

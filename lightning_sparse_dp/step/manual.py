@@ -65,12 +65,12 @@ class ManualStep:
 
     def __init__(
         self, module: nn.Module, replicas: Replicas, count: int, group: ThreadGroup, weights: Sequence[float],
-        terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any] | None = None,
+        terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any],
     ) -> None:
         self.module, self.replicas, self.count, self.group = module, replicas, count, group
         self.weights, self.terms = list(weights), terms
         # the module's own hooks, run once: what they change on it is one device's (ModuleChanges.once_on_module)
-        self.on_module = on_module if on_module is not None else (lambda fn: fn())
+        self.on_module = on_module
 
     # --- the stand-ins, called in replica threads ------------------------------------------------
     def manual_backward(self, rank: int, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -348,7 +348,7 @@ def _toggle(manual: ManualStep, rank: int, module: Any, name: str) -> Callable[[
 @contextmanager
 def manual_step(
     module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
-    weights: Sequence[float], terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any] | None = None,
+    weights: Sequence[float], terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any],
 ) -> Iterator[ThreadGroup]:
     """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
     (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
