@@ -29,7 +29,9 @@ of the user's own class (an ``AverageMeter``: :func:`~lightning_sparse_dp.replic
 attributes the step changed, and a list or dict
 of the module (one the replicas got copies of) that changed during the step: only code holding the module itself, not
 the replica, reaches it (a forward hook whose closure holds ``self``), once per replica, in thread order; its copies
-are not merged then.
+are not merged then. The module's own hooks that a manual step runs once on the module itself
+(:meth:`ModuleChanges.once_on_module`) change it as one device's step does: the merge compares the replicas' copies with
+what they were made from, so the hooks' changes stand (an entry the hooks and the replicas both changed is said).
 
 Plain attributes of the module object itself are followed (not Lightning's and torch's own), and, with ``attributes``
 (:class:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges`), those a step sets, replaces or removes on its
@@ -82,9 +84,10 @@ class ModuleChanges:
         self.entered: list[dict[str, Any]] = [{} for _ in self.replicas]  # each replica's attributes as its step found them
         self.sub_containers: list[tuple[int, str]] = []  # (module index, key): the submodules' lists and short dicts
         self.sub_given: list[dict[tuple[int, str], Any]] = [{} for _ in self.replicas]  # each replica's copies of them
-        # the module's lists the module's own hooks changed during the step (once_on_module): id -> the length the
-        # replicas' copies were made from
-        self.grown: dict[int, int] = {}
+        # the module's lists and dicts as the replicas' copies were made from them, kept where the module's own hooks
+        # ran during the step (once_on_module): id -> (container, its shallow copy), what the merge compares the
+        # replicas' copies with, so that the hooks' own changes stand
+        self.bases: dict[int, tuple[Any, Any]] = {}
         if not self.active:
             return
         # what the step follows of the module's entries: held by the persistent replicas while the module's __dict__
@@ -128,28 +131,53 @@ class ModuleChanges:
     def once_on_module(self, fn: Callable[[], Any]) -> Any:
         """``fn()``: code the strategy runs once on the module itself during the step, as one device's step runs it
         (under manual optimization, Lightning's ``on_before_backward`` / ``on_after_backward`` hooks). What it changes
-        in the module's tensors (in place), plain objects and lists (of no nested lists or dicts) is one device's
-        change, not a replica's: the marks still as the step found them before ``fn`` move with it, so :meth:`merge`
-        says only what the replicas' steps changed there (a mark a replica moved already stays, and is said), and a
-        list keeps the entries ``fn`` appended. A dict, or a list holding lists or dicts, that ``fn`` changes is said
-        as before: a key the step and the hook both set, or one the hook removes, cannot be told from the replicas'."""
+        in the module's tensors (in place), plain objects, lists and dicts is one device's change, not a replica's: the
+        marks still as the step found them before ``fn`` move with it, so :meth:`merge` says only what the replicas'
+        steps changed there (a mark a replica moved already stays, and is said), and the lists and dicts are kept as
+        the replicas' copies were made from them (:attr:`bases`), so the merge sets only what the replicas changed in
+        their copies and keeps what ``fn`` set, appended or removed (an entry both changed is said)."""
         if not self.active or not (self.sizes or self.versions or self.objects):
             return fn()
-        lists = {name: (marks[0][0], marks[0][1], len(marks[0][0])) for name, marks in self.sizes.items()
-                 if len(marks) == 1 and type(marks[0][0]) is list}
-        held = [not snapshot.changed_in_place(t, mark) for _, t, mark in self.versions]
+        held = {name for name, marks in self.sizes.items() if all(len(c) == n for c, n in marks)}
+        for name in held:
+            for c, _ in self.sizes[name]:
+                self.bases.setdefault(id(c), (c, dict(c) if isinstance(c, dict) else list(c)))
+        versions = [not snapshot.changed_in_place(t, mark) for _, t, mark in self.versions]
         states = [snapshot.public_state(obj) for _, obj, _ in self.objects]
         try:
             return fn()
         finally:
-            for name, (c, n, now) in lists.items():
-                if n == now and len(c) != n:  # changed by the hook alone: the replicas' copies are of what it was
-                    self.grown.setdefault(id(c), n)
-                    self.sizes[name] = [(c, len(c))]
+            for name in held:
+                self.sizes[name] = [(c, len(c)) for c, _ in self.sizes[name]]
             self.versions = [(n, t, snapshot.tensor_mark(t) if ok else mark)
-                             for (n, t, mark), ok in zip(self.versions, held)]
+                             for (n, t, mark), ok in zip(self.versions, versions)]
             self.objects = [(k, obj, snapshot.public_state(obj) if not snapshot.changed_keys(state, now) else state)
                             for (k, obj, state), now in zip(self.objects, states)]
+
+    def _base(self, container: Any) -> Any:
+        """The shallow copy of the module's ``container`` the replicas' copies were made from, where the module's own
+        hooks ran in the step (:meth:`once_on_module`); else ``None`` (the container is as they found it)."""
+        kept = self.bases.get(id(container))
+        return kept[1] if kept is not None and kept[0] is container else None
+
+    def _untouched(self, value: Any, given: Any, depth: int = 0) -> bool:
+        """Whether a replica's ``value`` of an entry is what it was given, ``given`` (the module's entry as its copy
+        was made): the same object, or its copy (:func:`~.snapshot.copy_nested`) with every entry untouched."""
+        if value is given:
+            return True
+        base = self._base(given)
+        if base is None or type(value) is not type(given) or depth > snapshot.DEPTH or len(value) != len(base):
+            return False
+        if isinstance(base, dict):
+            return all(k in value and self._untouched(dict.__getitem__(value, k), v, depth + 1) for k, v in base.items())
+        return all(self._untouched(v, g, depth + 1) for v, g in zip(value, base))
+
+    def _say_both_changed(self, entry: str, warning_cache: WarningCache) -> None:
+        warning_cache.warn(
+            f"sparse_dp: {entry} was changed both by the module's own hooks (on_before_backward / on_after_backward, "
+            "run once on the module in a manual step) and by the replicas' steps: the module gets the replicas' "
+            "change, merged, which one device's step may have ordered otherwise. Change it in one of the two."
+        )
 
     def merge(self, combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache) -> None:
         """After the step: set on the module what the replicas left (see the module docstring).
@@ -371,20 +399,26 @@ class ModuleChanges:
         """A dict: each key the replicas set or removed, as attributes are (:meth:`merge`); a key some replicas added
         (a per-sample key: its replica's) added with their value; the lists and dicts in it merged likewise, in
         place."""
-        keys = list(dict.fromkeys([*before, *(k for v in values for k in v)]))
+        base = self._base(before)  # where the module's hooks ran: the dict the copies were made from
+        keys = list(dict.fromkeys([*before, *(base or ()), *(k for v in values for k in v)]))
         for key in keys:
             mine = dict.get(before, key, _MISSING)  # dict.get: a defaultdict makes no entry
+            given = mine if base is None else dict.get(base, key, _MISSING)
             theirs = [dict.get(v, key, _MISSING) for v in values]
             entry = f"{name}[{key!r}]"
+            if given is not mine:  # the module's hooks set, added or removed it: theirs stands unless a replica's step
+                if all(self._untouched(v, given) for v in theirs):  # changed it too
+                    continue
+                self._say_both_changed(entry, warning_cache)
             if self._nested(mine, theirs, depth + 1):
                 self._merge_container(entry, mine, theirs, combine, warning_cache, depth + 1)
                 continue
-            setters = [v for v in theirs if v is not mine]
+            setters = [v for v in theirs if v is not given]
             if not setters:
                 continue
             if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
                 value = self._combined(entry, theirs, combine, warning_cache)
-            elif mine is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
+            elif given is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
                 value = setters[0]
             elif all(v is _MISSING for v in theirs):  # removed by every replica
                 value = _MISSING
@@ -407,13 +441,17 @@ class ModuleChanges:
         """A list: the ``j``-th entry every replica appended merged into one appended entry (:meth:`_combined`); the
         lists and dicts in a short list (:data:`SHORT`) merged likewise, in place."""
         lists = [v for v in values if type(v) is type(before)]
-        base = self.grown.get(id(before), len(before))  # the copies' length at entry (the module's hooks appended after)
+        given = self._base(before)  # where the module's hooks ran: the list the copies were made from
+        base = len(before) if given is None else len(given)
         kept = len(lists) == len(values) and all(len(v) >= base for v in lists)
-        for j, mine in enumerate(before[:base] if kept else ()):
+        for j, mine in enumerate(before[:base] if kept and len(before) >= base else ()):
+            was = mine if given is None else given[j]
             theirs = [v[j] for v in lists]
-            if len(before) <= snapshot.SHORT and self._nested(mine, theirs, depth + 1):
+            if was is not mine and all(self._untouched(v, was) for v in theirs):
+                continue  # set by the module's hooks alone
+            if was is mine and len(before) <= snapshot.SHORT and self._nested(mine, theirs, depth + 1):
                 self._merge_container(f"{name}[{j}]", mine, theirs, combine, warning_cache, depth + 1)
-            elif any(v is not mine for v in theirs):
+            elif any(v is not was for v in theirs):
                 kept = False
         added = [v[base:] if type(v) is type(before) else [] for v in values]
         counts = {len(a) for a in added}

@@ -243,8 +243,7 @@ def test_manual_backward_calls_on_before_backward_and_the_modules_backward(caplo
 
 class _KeepsHookValues(ManualOptimization, SparseNet):
     """Manual optimization whose ``on_before_backward`` / ``on_after_backward`` append to lists of the module, bump a
-    counter tensor in place and update a plain object, as a one-device module keeps a history (a dict the hooks change
-    is still said: the step's and the hook's keys cannot be told apart)."""
+    counter tensor in place and update a plain object, as a one-device module keeps a history (dicts: below)."""
 
     def __init__(self):
         super().__init__()
@@ -285,6 +284,80 @@ def test_the_modules_own_hooks_run_once_in_a_manual_step_change_it_as_one_device
     assert ours.after == reference.after == [1, 2, 3]
     assert float(ours.count) == float(reference.count) == 3.0
     assert ours.meter.last == pytest.approx(reference.meter.last, rel=1e-10)
+
+
+class _HooksChangeDicts(ManualOptimization, SparseNet):
+    """The hooks manual_backward runs once on the module change its dicts and nested containers without changing
+    their sizes (a counter in a dict, one in a nested dict, an entry of a list in a list), replace a nested dict, add
+    and remove keys, while the step sets another key of the same dict from the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"backward": 0, "gone": 1, "step": -1}
+        self.nested = {"a": {"c": 0}, "b": {"e": 1}}
+        self.rows = [[0], 5]
+
+    def training_step(self, batch, batch_idx):
+        self.counts["step"] = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        self.counts["backward"] += 1
+        self.counts.pop("gone", None)
+        self.counts["added"] = self.counts.get("added", 0) + 2
+        self.nested["a"]["c"] += 1
+        self.nested["b"] = {"e": self.nested["b"]["e"] + 1}
+        self.rows[0][0] += 1
+        self.rows[1] += 1
+
+
+def test_what_the_modules_own_hooks_change_in_its_dicts_in_a_manual_step_is_kept_as_on_one_device():
+    """A counter the hooks bumped in a dict (``self.counts["backward"] += 1``) or in a nested dict read 0 after three
+    steps where one device's read 3, said by nothing: the replicas' copies, made before the hook ran, were merged over
+    it. The merge now compares the copies with what they were made from, so the hooks' changes stand, beside the
+    step's own change of the same dict, as one device's; nothing is said."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "self.counts" in m or "self.nested" in m or "self.rows" in m})
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
+    torch.manual_seed(0)
+    ours, reference = _HooksChangeDicts(), _HooksChangeDicts()
+    reference.load_state_dict(ours.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    said = [str(w.message) for w in caught if any(f"self.{k}" in str(w.message) for k in ("counts", "nested", "rows"))]
+    assert said == [], said
+    trainer(max_steps=3).fit(reference, loader(*batches))
+    assert reference.counts == {"backward": 3, "step": 2, "added": 6}
+    assert (ours.counts, ours.nested, ours.rows) == (reference.counts, reference.nested, reference.rows)
+
+
+class _HookAndStepSetOneKey(ManualOptimization, SparseNet):
+    """The step and on_after_backward both set one key of a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = {"where": "init"}
+
+    def training_step(self, batch, batch_idx):
+        self.last["where"] = "step"
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        self.last["where"] = "hook"
+
+
+def test_a_dict_entry_both_the_hooks_and_the_replicas_set_is_said():
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "self.last" in m})
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, max_steps=2).fit(_HookAndStepSetOneKey(), loader(*batches))
+    said = [str(w.message) for w in caught if "self.last['where']" in str(w.message)]
+    assert len(said) == 1 and "changed both by the module's own hooks" in said[0], said
 
 
 class _SegHookValues(ManualSeg):
