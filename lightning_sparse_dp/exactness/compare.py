@@ -2,7 +2,8 @@
 
 A run of the step (one device's, or the strategy's on its replicas) is summed up as a :class:`StepRecord`: the loss,
 every parameter's gradient, the module's state after the step (``state_dict``: parameters and buffers, frozen ones and
-teacher / EMA copies included), the states of its ``torchmetrics`` metrics and the values the step logged.
+teacher / EMA copies included), the states of its ``torchmetrics`` metrics (those kept in plain lists and dicts too),
+the values the step logged and the numbers and tensors the module keeps in its own attributes.
 :func:`differences` lines two records up, name by name.
 
 The measure is the max-norm relative difference of a tensor, ``max|a - b| / max|b|`` (``b`` the one-device run's;
@@ -54,9 +55,9 @@ class StepRecord:
         logged: ``name -> value`` of the step's ``self.log`` calls (numbers and one-element tensors; a logged
             ``Metric`` is compared through :attr:`metrics`).
         outputs: ``path -> tensor`` of what the step returned (:func:`output_tensors`; compared for evaluation steps).
-        attributes: ``"name"`` / ``"name[k]"`` -> tensor of the module's own public attributes that are tensors or
-            lists / tuples of tensors (what the step, or a hook in its backward, kept on the module: ``self.preds``,
-            ``self.grad_norms.append(...)``).
+        attributes: ``"name"`` / ``"name[k]"`` -> tensor of the module's own public attributes (and ``hparams``) that
+            are tensors or numbers, or hold them in lists, tuples and dicts (what the step, or a hook in its backward,
+            kept on the module: ``self.preds``, ``self.grad_norms.append(...)``, ``self.counts["pos"] += n``).
     """
 
     loss: Tensor | None
@@ -77,7 +78,8 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
         return None if t is None else t.detach().to("cpu", copy=True)
 
     states = {}
-    for path, m in module.named_modules() if metrics else ():
+    found = list(module.named_modules()) + list(_attribute_metrics(module)) if metrics else []
+    for path, m in found:
         if isinstance(m, Metric):
             for name, value in m.metric_state.items():
                 tensor = _state_tensor(value)
@@ -100,18 +102,54 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
     )
 
 
+#: nesting levels of lists, tuples and dicts read in the module's attributes (:func:`_attribute_tensors`)
+ATTRIBUTE_DEPTH = 4
+
+
 def _attribute_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """The module's own public attributes (its ``__dict__``, not parameters, buffers or submodules) that are tensors,
-    or lists / tuples of tensors, by name (``"preds[2]"``)."""
+    """The module's own public attributes (its ``__dict__``, not parameters, buffers or submodules) and Lightning's
+    ``hparams`` that are tensors or numbers (a count kept on the module, ``self.num_pos += int((y == 1).sum())``; as
+    float64 0-dim tensors), or hold them in lists, tuples and dicts (to :data:`ATTRIBUTE_DEPTH` levels), by path
+    (``"preds[2]"``, ``"counts['pos']"``, ``"hparams['n_steps']"``)."""
     out: dict[str, Tensor] = {}
-    for name, value in vars(module).items():
-        if name.startswith("_"):
-            continue
+
+    def read(name: str, value: Any, depth: int) -> None:
         if isinstance(value, Tensor):
             out[name] = value
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
-            out.update((f"{name}[{k}]", v) for k, v in enumerate(value))
+        elif isinstance(value, numbers.Real):
+            out[name] = torch.tensor(float(value), dtype=torch.float64)
+        elif depth < ATTRIBUTE_DEPTH and isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                read(f"{name}[{k}]", v, depth + 1)
+        elif depth < ATTRIBUTE_DEPTH and isinstance(value, Mapping):
+            for k, v in value.items():
+                read(f"{name}[{k!r}]", v, depth + 1)
+
+    for name, value in vars(module).items():
+        if not name.startswith("_"):
+            read(name, value, 0)
+    hparams = vars(module).get("_hparams")
+    if isinstance(hparams, Mapping):
+        read("hparams", dict(hparams), 0)
     return out
+
+
+def _attribute_metrics(module: nn.Module) -> Iterator[tuple[str, Metric]]:
+    """``(path, metric)`` of the ``torchmetrics`` metrics the module keeps in plain lists, tuples and dicts of its public
+    attributes (``self.meters = {"loss": MeanMetric()}``, not an ``nn.ModuleDict``: no submodule of the module)."""
+    def read(name: str, value: Any, depth: int) -> Iterator[tuple[str, Metric]]:
+        if isinstance(value, Metric):
+            yield name, value
+        elif depth < ATTRIBUTE_DEPTH and isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                yield from read(f"{name}[{k}]", v, depth + 1)
+        elif depth < ATTRIBUTE_DEPTH and isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from read(f"{name}[{k!r}]", v, depth + 1)
+
+    for name, value in vars(module).items():
+        if not name.startswith("_") and isinstance(value, (list, tuple, Mapping)):
+            yield from read(name, value, 0)
 
 
 def output_tensors(output: Any, path: str = "output") -> dict[str, Tensor]:

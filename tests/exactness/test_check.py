@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 
 from lightning_sparse_dp.exactness.check import TOLERANCE, ExactnessError
 from lightning_sparse_dp.exactness.compare import StepRecord, differences, relative_difference
@@ -193,3 +194,56 @@ def test_values_held_below_float64_are_compared_at_their_precision(caplog):
     expected = StepRecord(loss=None, metrics={"m.s": state})
     off = dict(differences(StepRecord(loss=None, metrics={"m.s": state * (1 + 1e-3)}), expected))
     assert off["metric state 'm.s'"] > TOLERANCE
+
+
+class _KeepsCounts(SparseNet):
+    """State a step keeps on the module besides tensors: a count of its chunk's labels (an int, an appended int, a dict
+    entry), ``hparams`` changed, a torchmetrics metric kept in a plain dict (no submodule), and a step counter, which is
+    one device's on the replicas too."""
+
+    def __init__(self, keep: str):
+        super().__init__()
+        self.keep, self.steps = keep, 0
+        self.save_hyperparameters()
+        self.num_labeled, self.per_batch, self.counts = 0, [], {"labeled": 0}
+        self.meters = {"loss": torchmetrics.MeanMetric()}
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.steps += 1
+        n = int((batch["labels"] >= 0).sum())
+        if self.keep == "count":
+            self.num_labeled += n
+        elif self.keep == "appended":
+            self.per_batch.append(n)
+        elif self.keep == "dict":
+            self.counts["labeled"] += n
+        elif self.keep == "hparams":
+            self.hparams.steps = self.hparams.get("steps", 0) + 1  # shared by the replicas: each adds its 1
+        elif self.keep == "metric":
+            self.meters["loss"].update(loss.detach())
+        return loss
+
+
+@pytest.mark.parametrize(("keep", "named"), [
+    ("count", "attribute 'num_labeled'"), ("appended", "attribute 'per_batch[0]'"),
+    ("dict", "attribute \"counts['labeled']\""), ("hparams", "attribute \"hparams['steps']\""),
+    ("metric", "metric state \"meters['loss']."), ("steps", None),
+])
+def test_numbers_and_metrics_the_module_keeps_are_compared(keep, named, caplog):
+    """A count of the chunk kept on the module as a Python int (every replica's chunk counting the same, 2 of 6 on 3
+    replicas: nothing tells it from a step counter), in a list or dict, a step count in ``hparams`` (one object the
+    replicas share), or a MeanMetric kept in a plain dict (each replica updating the shared metric with its chunk's
+    loss) left the module unlike one device's, and the check said 'equals': it compared tensors only. It names them
+    now; a step counter, one device's, still equals."""
+    batch = collate_dict(random_samples(6, seed=3))
+    caplog.clear()
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer64(strategy="sparse_dp", devices=3, max_steps=1).fit(_KeepsCounts(keep), loader(batch))
+    infos = [r.getMessage() for r in caplog.records if "exactness check" in r.getMessage()]
+    said = [str(w.message) for w in caught if "exactness check" in str(w.message)]
+    if named is None:
+        assert any(EQUAL in m for m in infos) and not said, (infos, said)
+    else:
+        assert len(said) == 1 and DIFFERS in said[0] and named in said[0], said
