@@ -212,7 +212,8 @@ class SiteMemory(dict):
     ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
     replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
     ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows), ``"counted"`` (a
-    ``torch.sum`` divided by different numbers at some step: a count of the chunk, said at every step after) or
+    ``torch.sum`` divided by different numbers at some step, or any site whose coefficients differed between the
+    replicas at some step: a count of the chunk, said at every step after) or
     ``"constant"`` (one coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
     ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
     :data:`RECALLED`, the oldest dropped first). ``last_sites``: the call sites of ``sparse_ddp``'s last decision on a

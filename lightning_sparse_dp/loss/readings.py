@@ -192,7 +192,15 @@ def _matched_reading(
             "on_before_batch_transfer (batch['num_pos'] = (labels == 1).sum()), which every replica gets alike, and "
             "divide by that: exact"
         )
+    if not differ and not divided and memory.sums.get(site.key) == "counted":
+        raise NotExact(
+            f"the {who}s' steps combined {site.name} at {site.where} with different coefficients at an earlier step "
+            f"(with equal ones at this step, whose chunks are alike): a coefficient that follows the chunk (e.g. "
+            "reduction='sum' divided by the chunk's number of samples), which chunks of equal sizes hide; divide by "
+            "the whole batch's count, put in the batch in on_before_batch_transfer, which every replica gets alike: exact"
+        )
     if differ and not divided:
+        memory.sums[site.key] = "counted"  # a coefficient of the chunk, which later chunks of equal sizes hide
         raise NotExact(
             f"the {who}s' steps combined {site.name} at {site.where} with different coefficients (e.g. divided by a "
             f"count of the chunk, or a random number each {who} draws: mixup's lam = torch.rand(()), which one device "

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import MinkowskiEngine as ME
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from tests.support.exact import REL, same_start, state_differences, trainer64
-from tests.support.helpers import collate_dict, loader, random_samples
+from tests.support.helpers import NUM_CLASSES, collate_dict, loader, random_samples
 from tests.support.step_forms import PooledNet
 from tests.support.term_models import ScanNetSeg, seg_batch
 
@@ -212,3 +213,33 @@ def test_input_gradients_of_a_chunks_loss_in_validation_are_said():
     with pytest.warns(UserWarning, match=r"calls torch.autograd.grad of a loss over its chunk.*reduction='sum'"):
         trainer64(strategy="sparse_dp", devices=3, limit_val_batches=None, inference_mode=False).validate(
             _Saliency(), loader(collate_dict(random_samples(7, seed=28))), verbose=False)
+
+
+class _SumPerScene(PooledNet):
+    """A per-point loss "per scene": ``reduction="sum"`` over the points divided by the number of samples the step got."""
+
+    def training_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
+        logits = self.head(self.body[0](x).F.repeat(1, 2))
+        return F.cross_entropy(logits, batch["point_labels"], reduction="sum") / len(batch["labels"])
+
+
+def _with_point_labels(batch: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {**batch, "point_labels": torch.randint(0, NUM_CLASSES, (len(batch["coordinates"]),), generator=g)}
+
+
+def test_a_coefficient_of_the_chunk_is_said_also_at_later_steps_of_equal_chunks(caplog):
+    """A per-point sum divided by the chunk's number of samples: 7 samples (chunks of 2, 2, 3) give different
+    coefficients, said and weighted as "auto" (exact here); at the next steps 6 samples (chunks of 2) gave every replica
+    1/2, read as a constant coefficient, so the loss was the replicas' sum, 3x one device's, silently (the hand-written
+    form, ``l.sum() / n``, was remembered already). The site is remembered now: weighted as "auto", said."""
+    batches = [_with_point_labels(collate_dict(random_samples(n, seed=s)), s)
+               for n, s in ((7, 30), (6, 31), (6, 32))]
+    ours, reference = same_start(_SumPerScene, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    trainer64(max_steps=3).fit(reference, loader(*batches))
+    said = [r.getMessage() for r in caplog.records if "different coefficients at an earlier step" in r.getMessage()]
+    assert len(said) == 1 and "on_before_batch_transfer" in said[0], said
+    assert max(state_differences(ours, reference).values()) <= REL
