@@ -164,8 +164,9 @@ class ExactnessCheck:
         self.frozen_written: set[str] = set()
         #: the evaluation hooks (``"validation_step"``, ...) whose first step of the run was checked
         self.evaluated: set[str] = set()
-        #: the keys of the loss call sites of the training steps checked in this fit: a step that calls another (a
-        #: loss term that starts after a warm-up, objectives that alternate) is checked too (:meth:`again`)
+        #: the loss call sites of the training steps checked in this fit (each with whether a call entered the value
+        #: and how many times it was called): a step that calls another, or a checked one otherwise (a loss term that
+        #: starts after a warm-up, from 0 or from none; objectives that alternate), is checked too (:meth:`again`)
         self.sites: frozenset = frozenset()
 
     def reset(self, count: int = 1, warnings: WarningCache | None = None) -> None:

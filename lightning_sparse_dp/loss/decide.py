@@ -46,7 +46,6 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -254,10 +253,14 @@ class Decision:
     notes: list[str] = field(default_factory=list)
     count: float = 0.0  # replicas or ranks
     n: float = 0.0  # sum of the n_i (the "auto" counts)
-    sites: frozenset = frozenset()  # the keys of the loss call sites the first replica's step called
+    sites: frozenset = frozenset()  # the loss call sites the first replica's step called (their _signature)
 
 
-_SITE_KEY = attrgetter("key")
+def _signature(site: SiteTerms) -> tuple:
+    """A loss call site as the exactness check tells checked steps from others: its key, whether a call of it enters the
+    value (a coefficient not 0: a term after a warm-up from 0) and how many times the step called it (a helper called
+    from a second place; in a loop, once or more: a loop over the chunk's samples calls it as many times as they are)."""
+    return site.key, any(c != 0.0 for c in site.coeffs), min(len(site.coeffs), 2) if site.in_loop else len(site.coeffs)
 
 
 def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: str = "replica") -> Decision:
@@ -270,7 +273,7 @@ def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: 
     """
     memory = SiteMemory() if memory is None else memory
     out = Decision(None, count=float(len(summaries)), n=sum(s.n for s in summaries),
-                   sites=frozenset(map(_SITE_KEY, summaries[0].sites)) if summaries else frozenset())
+                   sites=frozenset(map(_signature, summaries[0].sites)) if summaries else frozenset())
     reason = next((s.reason for s in summaries if s.reason is not None), None)
     calls = sorted({c for s in summaries for c in s.collectives})
     if reason is None and calls:  # a value the step normalized across ranks itself: its terms are not the batch's

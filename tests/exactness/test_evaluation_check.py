@@ -61,6 +61,39 @@ class _WarmedUp(PooledNet):
         return loss
 
 
+class _WarmedUpFromZero(PooledNet):
+    """The contrastive term there from the first step, its coefficient 0 there (a linear warm-up)."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.features(batch)
+        loss = F.cross_entropy(self.head(z), batch["labels"]) + min(1.0, self.global_step / 2) * _info_nce(z)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+class _WarmedUpThroughAHelper(PooledNet):
+    """Both terms through one helper (one call site), the contrastive one after a warm-up of one step: or in a loop."""
+
+    loop = False
+
+    def training_step(self, batch, batch_idx):
+        z = self.features(batch)
+        pairs = [(self.head(z), batch["labels"])]
+        if self.global_step >= 1:
+            pairs.append((z @ z.T / 0.5, torch.arange(len(z))))
+        loss = sum(F.cross_entropy(a, b) for a, b in pairs) if self.loop else sum(_ce(a, b) for a, b in pairs)
+        self.log("train_loss", loss)
+        return loss
+
+
+class _WarmedUpInALoop(_WarmedUpThroughAHelper):
+    loop = True
+
+
 def _said(caplog, recwarn) -> list[str]:
     return [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
 
@@ -117,11 +150,13 @@ def test_the_check_off_checks_no_evaluation_step(caplog, recwarn):
     assert not _checks(_said(caplog, recwarn))
 
 
-def test_a_loss_term_that_starts_after_the_checked_step_is_checked_when_it_starts(caplog, recwarn):
+@pytest.mark.parametrize("cls", [_WarmedUp, _WarmedUpFromZero, _WarmedUpThroughAHelper, _WarmedUpInALoop])
+def test_a_loss_term_that_starts_after_the_checked_step_is_checked_when_it_starts(cls, caplog, recwarn):
     """A contrastive term added after a warm-up: the first step (checked) is exact, the term's steps are not (0.23 off
     in the loss), and only 'equals' was said. A step that calls a loss call site no checked step called is checked
-    too now."""
-    ours, reference = same_start(_WarmedUp, seed=0)
+    too now; and so is one whose term was there with coefficient 0 at the checked step, or that calls a checked site
+    more times (a helper both terms go through, a loop over them), which were not ('equals' only)."""
+    ours, reference = same_start(cls, seed=0)
     batches = [collate_dict(random_samples(7, seed=s)) for s in (53, 54, 55)]
     with caplog.at_level(logging.INFO):
         t = trainer64(strategy="sparse_dp", devices=3, max_steps=3)
