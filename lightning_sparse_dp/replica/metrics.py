@@ -91,16 +91,16 @@ def reset_metric(metric: Metric) -> None:
 class ReplicaMetrics:
     """Empty copies of a module's metrics for the replicas of each step.
 
-    Each root metric gets one copy per replica index and device, made on first use (``Metric.clone`` of
-    an empty template, so the root's accumulated state is never copied) and kept for the run; every
+    Each root metric gets one copy per replica index, device and the root's ``dtype`` (``set_dtype``), made on first
+    use (``Metric.clone`` of an empty template, so the root's accumulated state is never copied) and kept for the run; every
     step resets it (:func:`reset_metric`, far cheaper than a new copy) before handing it to the replica,
     unless no ``update``, ``forward`` or ``compute`` ran on it since its last reset (the validation metric
     in a training step): torchmetrics counts every ``update`` in ``_update_count``.
     """
 
     def __init__(self) -> None:
-        self._templates: dict[int, Metric] = {}
-        self._copies: dict[tuple[int, int, torch.device], Metric] = {}
+        self._templates: dict[tuple[int, torch.dtype], Metric] = {}
+        self._copies: dict[tuple[int, int, torch.device, torch.dtype], Metric] = {}
         # (structure, the root's metrics, each replica's (parent module, attribute) per metric by id(replica))
         self._found: tuple[object, list[tuple[str, Metric]], dict[int, list[tuple[nn.Module, str]]]] | None = None
         self.none = StepMetrics(self, [], {}, [], [])  # the copies of a step without metrics: none
@@ -109,15 +109,15 @@ class ReplicaMetrics:
         self.empty_for: object = None
 
     def _template(self, metric: Metric) -> Metric:
-        template = self._templates.get(id(metric))
+        template = self._templates.get((id(metric), metric.dtype))
         if template is None:
             template = metric.clone()
             template.reset()
-            self._templates[id(metric)] = template
+            self._templates[(id(metric), metric.dtype)] = template
         return template
 
     def _copy(self, metric: Metric, index: int, device: torch.device) -> Metric:
-        key = (id(metric), index, device)
+        key = (id(metric), index, device, metric.dtype)  # set_dtype on the root (in setup, a callback) makes new copies
         copy = self._copies.get(key)
         if copy is None:
             copy = self._template(metric).clone()

@@ -283,3 +283,38 @@ def test_reset_metric_of_inference_tensors_outside_inference_mode_makes_normal_o
     ours.update(torch.tensor([0.5, 2.0]))  # and the metric works on outside inference mode
     theirs.update(torch.tensor([0.5, 2.0]))
     assert torch.equal(ours.compute(), theirs.compute())
+
+
+def test_a_metric_whose_dtype_is_set_after_the_first_step_gets_copies_of_that_dtype():
+    """``MeanMetric.set_dtype(torch.float64)`` on the module after the replicas' copies were made (a hook, a callback,
+    ``setup`` before a second fit) left the copies, kept for the run, in float32: each update rounded to float32 where
+    one device's metric accumulated in float64 (the logged mean 1e-9 to 1e-8 relative off, silently). The copies follow
+    the root's dtype now."""
+    from tests.support.exact import trainer64
+    from tests.support.helpers import SparseNet, collate_dict, loader, random_samples
+
+    class Tracks(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.loss_m, self.means = MeanMetric(), []
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == 1:  # on the module, after the replicas' copies were made
+                self.loss_m.set_dtype(torch.float64)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.loss_m(loss)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.means.append(self.loss_m.mean_value.clone())
+
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (0, 1, 2)]
+    torch.manual_seed(0)
+    ours, reference = Tracks(), Tracks()
+    reference.load_state_dict(ours.state_dict())
+    trainer64(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    trainer64(max_steps=3).fit(reference, loader(*batches))
+    assert reference.means[-1].dtype == ours.means[-1].dtype == torch.float64
+    assert [float(m) for m in ours.means] == pytest.approx([float(m) for m in reference.means], rel=1e-12, abs=0)
