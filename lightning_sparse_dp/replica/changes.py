@@ -283,6 +283,20 @@ class ModuleChanges:
                 "on_train_batch_end (or keep the count in a torchmetrics SumMetric, merged across the replicas)."
             )
 
+    def _say_chunk_value(self, name: str, values: list[Any], warning_cache: WarningCache) -> None:
+        """Said once: a Python int every replica's step appended alike that is each chunk's number of samples or points
+        (``self.sizes.append(len(labels))`` over equal chunks), where one device's step appends the batch's count."""
+        plan = self.plan
+        if plan is None or len(values) < 2 or not all(type(v) is int for v in values) or len(set(values)) != 1:
+            return
+        if values[0] and plan.counts_each_chunk(values[0]):
+            warning_cache.warn(
+                f"sparse_dp: {name} is one number in every replica's step, which is also each chunk's number of samples "
+                "or points: the replicas agree, so the module gets that value, as DDP keeps rank 0's, where one device's "
+                "step, if it counts the batch, appends the whole batch's count. Count from the whole batch in "
+                "on_*_batch_end (or return the count from the step with output_layout={key: 'sum'})."
+            )
+
     def _merge_submodules(
         self, changes: list[list[tuple[int, str]]], combine: Callable[[list[Any]], tuple[Any, bool]],
         warning_cache: WarningCache, reached: set[str],
@@ -417,6 +431,7 @@ class ModuleChanges:
             if not setters:
                 continue
             if len(setters) == len(theirs) and _MISSING not in setters:  # set by every replica
+                self._say_chunk_count(entry, theirs, [given] * len(theirs), warning_cache)
                 value = self._combined(entry, theirs, combine, warning_cache)
             elif given is _MISSING and (len(setters) == 1 or snapshot.all_same(setters)):  # added by some: theirs
                 value = setters[0]
@@ -474,6 +489,8 @@ class ModuleChanges:
                 before.extend(self._to_root(a))
             return
         entry = f"the entry appended to {name}"
+        for j in range(next(iter(counts))):
+            self._say_chunk_value(entry, [a[j] for a in added], warning_cache)
         before.extend([self._combined(entry, [a[j] for a in added], combine, warning_cache, appended=True)
                        for j in range(counts.pop())])
 

@@ -142,16 +142,21 @@ class _CountsSamples(SparseNet):
         super().__init__()
         self.register_buffer("samples_seen", torch.zeros((), dtype=torch.long))
         self.points_seen = 0
+        self.seen = {"samples": 0}
+        self.sizes: list[int] = []
 
     def training_step(self, batch, batch_idx):
         self.samples_seen += batch["labels"].numel()
         self.points_seen += int(batch["coordinates"].shape[0])
+        self.seen["samples"] += len(batch["labels"])
+        self.sizes.append(len(batch["labels"]))
         return self.loss(batch)
 
 
 def test_a_count_of_equal_chunks_the_replicas_agree_on_is_said():
     """Over chunks of equal sizes every replica adds the same count, so the replicas agree and nothing was said, while
-    the module kept a third of one device's count (4 samples where it counts 12). Both are said now."""
+    the module kept a third of one device's count (4 samples where it counts 12). Both are said now, and so are such a
+    count in a dict of the module and one appended to its list (they were not)."""
     samples = random_samples(6, seed=74, min_points=10, max_points=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -161,4 +166,7 @@ def test_a_count_of_equal_chunks_the_replicas_agree_on_is_said():
     said = [str(w.message) for w in caught]
     assert any("buffer 'samples_seen' by 2 in every replica" in m for m in said), said
     assert any("self.points_seen grew by 20 in every replica's step" in m for m in said), said
+    assert any("self.seen['samples'] grew by 2 in every replica's step" in m for m in said), said
+    assert any("the entry appended to self.sizes is one number in every replica's step" in m for m in said), said
+    assert (ours.seen, ours.sizes) == ({"samples": 2}, [2])  # the replicas' value, as the lines say (one device's: 6)
     assert int(ours.samples_seen) == 2  # the root replica's change, as the warning says (one device's: 6)
