@@ -200,7 +200,8 @@ def plan_split(
     if held is not None:
         point_targets, sample_tensors = held.point_targets, held.sample_tensors
     else:
-        leaves = resolve_roles(leaves, sources, num_samples, k)
+        resolved = resolve_roles(leaves, sources, num_samples, k)
+        leaves = resolved if layouts is None or k < 2 else layouts.keep_whole(leaves, resolved, num_samples)
         point_targets, sample_tensors = targets(leaves, sources)
         if layouts is not None and k > 1:
             layouts.hold(batch, layout, flat, leaves, spec, sources, num_samples, (point_targets, sample_tensors))

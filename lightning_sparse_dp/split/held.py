@@ -29,12 +29,16 @@ no leaf holds row indices (``"indices"``, per-sample index lists: their checks r
 leaf's length matched several sources, and the batch was cut into several chunks (no role left ``"replicate"``
 for one chunk). Any failing premise, or a batch whose check raises, takes the full derivation for that batch,
 which raises the same errors as without a held layout.
+
+One decision is kept across batches rather than per batch: a list or tuple passed whole at a batch whose samples it
+did not number (class names) stays whole at a later batch whose samples it happens to number, a short last batch
+(:meth:`HeldLayouts.keep_whole`, said once), as one device's step gets it whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_sparse_dp.runtime.me import is_me_tensor
+from lightning_sparse_dp.runtime.process import SAID_ONCE
 from lightning_sparse_dp.split.leaves import key_of, tensor_lists
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
@@ -118,6 +123,35 @@ class HeldLayouts:
         self._held: dict[Any, Held] = {}
         self._layout: dict[Any, str] | None = None
         self.derived = 0
+        #: lists and tuples passed whole at a batch whose samples they did not number (a constant list: class names),
+        #: by name: ``(their length, the batch's samples)`` then (:meth:`keep_whole`)
+        self.whole: dict[str, tuple[int, int]] = {}
+
+    def keep_whole(self, flat: tuple[Leaf, ...], leaves: tuple[Leaf, ...], num_samples: int) -> tuple[Leaf, ...]:
+        """``leaves`` (roles resolved; ``flat``: their roles from ``layout`` only), where a list or tuple the derivation
+        made per-sample because it has as many entries as this batch's samples, and that was passed whole at an earlier
+        batch whose samples it did not number, is passed whole again (said once): a constant list (class names) whose
+        length a batch's size happens to equal (a short last batch) is no per-sample list, and one device's step gets it
+        whole. Lists passed whole are noted."""
+        out = []
+        for given, leaf in zip(flat, leaves):
+            x = leaf.value
+            if given.role is not None or type(x) not in (list, tuple):
+                out.append(leaf)
+                continue
+            if leaf.role == Role.REPLICATE:
+                self.whole.setdefault(leaf.name, (len(x), num_samples))
+            elif leaf.role == Role.SAMPLES and leaf.name in self.whole:
+                length, samples = self.whole[leaf.name]
+                SAID_ONCE.info(
+                    f"split_batch: {leaf.name} has as many entries as this batch's samples ({num_samples}), but it had "
+                    f"{length} where a batch had {samples}: it is passed whole again, a list that is not per-sample "
+                    "(class names). If it is per-sample, give it the role 'samples': "
+                    f"layout={{{key_of(leaf.path)!r}: 'samples'}}; if it is constant, 'replicate' silences this."
+                )
+                leaf = replace(leaf, role=Role.REPLICATE)
+            out.append(leaf)
+        return tuple(out)
 
     def _key(self, batch: Any, layout: Mapping[Any, str] | None) -> tuple[Any, list[Any]]:
         """The batch's key (structure and leaf kinds) and its leaves' values."""

@@ -220,3 +220,31 @@ def test_sources_found_by_their_look_are_read_again():
     assert layouts.derived == 1
     with pytest.raises(BatchLayoutError, match="could be collated points"):
         _held_split(batch, 2, layouts, batch_sizes={rows})
+
+
+def test_a_list_passed_whole_stays_whole_when_a_batch_has_as_many_samples(caplog):
+    """Class names (4) beside batches of 7 samples are passed whole; a short last batch of 4 samples made them
+    per-sample, each chunk getting one or two names where one device's step gets all 4 (8e-2 off in a batch norm's
+    bias after the step, silently). The strategy's held layouts remember the list went whole: it goes whole again,
+    said once; a list that always numbers the samples (file names) is still cut."""
+    import logging
+
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "batch['class_names']" in m})
+    names = ["chair", "table", "sofa", "bed"]
+    batches = []
+    for b, seed in ((7, 1), (4, 2)):
+        batch = collate_dict(random_samples(b, seed=seed))
+        batch["class_names"], batch["files"] = names, [f"scene{i}" for i in range(b)]
+        batches.append(batch)
+    layouts = HeldLayouts()
+    with caplog.at_level(logging.INFO):
+        _held_split(batches[0], 3, layouts)
+        chunks, _ = _held_split(batches[1], 3, layouts)
+    assert [c["class_names"] for c in chunks] == [names] * 3
+    assert sorted(sum((c["files"] for c in chunks), [])) == batches[1]["files"]  # per-sample: cut among the chunks
+    said = [r.getMessage() for r in caplog.records if "batch['class_names'] has as many entries" in r.getMessage()]
+    assert len(said) == 1 and "it had 4 where a batch had 7" in said[0], said
+    cut, _ = split_batch(batches[1], 3)  # the batch alone (no earlier batch): its samples' entries, as before
+    assert [len(c["class_names"]) for c in cut] != [4, 4, 4]
