@@ -55,6 +55,7 @@ from lightning_sparse_dp.replica import snapshot
 from lightning_sparse_dp.replica.attributes import SubmoduleChanges
 from lightning_sparse_dp.replica.watch import MISSING as _MISSING
 from lightning_sparse_dp.replica.watch import container_marks, list_entries, untouched_copies
+from lightning_sparse_dp.runtime.compat import update_count
 
 
 class ModuleChanges:
@@ -88,6 +89,7 @@ class ModuleChanges:
         # ran during the step (once_on_module): id -> (container, its shallow copy), what the merge compares the
         # replicas' copies with, so that the hooks' own changes stand
         self.bases: dict[int, tuple[Any, Any]] = {}
+        self.metrics: list[tuple[str, Any, int]] = []
         if not self.active:
             return
         # what the step follows of the module's entries: held by the persistent replicas while the module's __dict__
@@ -107,6 +109,9 @@ class ModuleChanges:
             )
         # and its plain objects (an AverageMeter): one the step changed was changed by each replica (said in merge)
         self.objects = [(k, self.before[k], snapshot.public_state(self.before[k])) for k in self._objects]
+        # and the torchmetrics metrics in its lists and dicts: shared too, one the step updated was updated by each
+        # replica (said in merge)
+        self.metrics = [(name, m, update_count(m)) for name, m in snapshot.container_metrics(self.before, self.containers)]
         if not deferred:
             for i in range(len(self.replicas)):
                 self.enter(i)
@@ -136,7 +141,7 @@ class ModuleChanges:
         steps changed there (a mark a replica moved already stays, and is said), and the lists and dicts are kept as
         the replicas' copies were made from them (:attr:`bases`), so the merge sets only what the replicas changed in
         their copies and keeps what ``fn`` set, appended or removed (an entry both changed is said)."""
-        if not self.active or not (self.sizes or self.versions or self.objects):
+        if not self.active or not (self.sizes or self.versions or self.objects or self.metrics):
             return fn()
         held = {name for name, marks in self.sizes.items() if all(len(c) == n for c, n in marks)}
         for name in held:
@@ -144,9 +149,12 @@ class ModuleChanges:
                 self.bases.setdefault(id(c), (c, dict(c) if isinstance(c, dict) else list(c)))
         versions = [not snapshot.changed_in_place(t, mark) for _, t, mark in self.versions]
         states = [snapshot.public_state(obj) for _, obj, _ in self.objects]
+        counts = [update_count(m) == n for _, m, n in self.metrics]
         try:
             return fn()
         finally:
+            self.metrics = [(name, m, update_count(m) if held_count else n)
+                            for (name, m, n), held_count in zip(self.metrics, counts)]
             for name in held:
                 self.sizes[name] = [(c, len(c)) for c, _ in self.sizes[name]]
             self.versions = [(n, t, snapshot.tensor_mark(t) if ok else mark)
@@ -188,8 +196,8 @@ class ModuleChanges:
         if not self.active:
             return
         reached = (  # what no merge can undo, said
-            snapshot.say_shared_changes(self.versions, self.objects, self.sizes, warning_cache)
-            if self.versions or self.objects or self.sizes else set()
+            snapshot.say_shared_changes(self.versions, self.objects, self.sizes, warning_cache, self.metrics)
+            if self.versions or self.objects or self.sizes or self.metrics else set()
         )
         skip = {k for k in self.containers if f"self.{k}" in reached}  # not merged: the module's object holds the step's
         keys = [k for k in self.containers if k not in skip]  # what the step set (or may have changed: its copies)

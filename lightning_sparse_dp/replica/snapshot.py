@@ -21,7 +21,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
+from torchmetrics import Metric
 
+from lightning_sparse_dp.runtime.compat import update_count
 from lightning_sparse_dp.runtime.process import PLAIN_TYPES as PLAIN
 
 
@@ -197,6 +199,24 @@ def nested_sizes(value: Any, depth: int = 0) -> Iterator[tuple[Any, int]]:
             yield from nested_sizes(entry, depth + 1)
 
 
+def container_metrics(entries: dict[str, Any], keys: Iterable[str]) -> list[tuple[str, Metric]]:
+    """``(name, metric)`` of the ``torchmetrics`` metrics in the module's lists and dicts ``entries[k]`` for ``k`` in
+    ``keys``, and in the lists and dicts :func:`copy_nested` copies in them (``self.meters = {"loss": MeanMetric()}``:
+    no submodule of the module, so no replica gets a copy of its own)."""
+    found: list[tuple[str, Metric]] = []
+
+    def read(name: str, value: Any, depth: int) -> None:
+        for key, entry in nested_entries(value, depth):
+            if isinstance(entry, Metric):
+                found.append((f"{name}[{key!r}]", entry))
+            else:
+                read(f"{name}[{key!r}]", entry, depth + 1)
+
+    for k in keys:
+        read(f"self.{k}", entries[k], 0)
+    return found
+
+
 def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
     """The tensors in ``value`` (itself, or in the dicts and lists :func:`copy_nested` copies with their entries), with their
     paths from ``name``."""
@@ -209,11 +229,13 @@ def nested_tensors(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str,
 def say_shared_changes(
     versions: list[tuple[str, Tensor, int | Tensor | None]], objects: list[tuple[str, Any, dict[str, tuple[Any, int]]]],
     sizes: dict[str, list[tuple[Any, int]]], warning_cache: WarningCache,
+    metrics: Sequence[tuple[str, Metric, int]] = (),
 ) -> set[str]:
     """After a step, what its replicas changed in what they share with the module, which no merge can undo, said once
     each: a tensor changed in place (``versions``: ``(name, tensor, its mark before)``, :func:`tensor_mark`), a plain
     object's public attributes (``objects``: ``(key, object, its public_state before)``), a list or dict the replicas
-    got copies of that changed through the module itself (``sizes``: ``self.<path> -> nested_sizes before``). Returns
+    got copies of that changed through the module itself (``sizes``: ``self.<path> -> nested_sizes before``), a metric
+    kept in one of them that the step updated (``metrics``: ``(name, metric, its update count before)``). Returns
     the names of those containers (not merged: the module's object holds what the step did)."""
     for name, tensor, version in versions:
         if changed_in_place(tensor, version):
@@ -236,6 +258,15 @@ def say_shared_changes(
                 "such state in a torchmetrics metric (merged across the replicas as one device's: MeanMetric, "
                 "SumMetric), or change it from the whole batch in on_train_batch_end(outputs, batch, batch_idx) "
                 "(outputs['loss'] is the batch's loss)."
+            )
+    for name, metric, count in metrics:
+        if update_count(metric) != count:
+            warning_cache.warn(
+                f"sparse_dp: {name} (a torchmetrics {type(metric).__name__} in a plain list or dict of the module, not "
+                "an nn.ModuleList / nn.ModuleDict) was updated in the step: the replicas share it, so each updated it "
+                "with its own chunk (one update per replica, a mean over the chunks' values), where one device's metric "
+                "is updated once with the whole batch. Keep metrics in an nn.ModuleDict / nn.ModuleList (or as "
+                "attributes): each replica then updates its own copy, merged into the module's as one device's."
             )
     reached = {name for name, marks in sizes.items() if any(len(c) != n for c, n in marks)}
     for name in reached:
