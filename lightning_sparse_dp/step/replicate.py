@@ -43,6 +43,7 @@ from operator import itemgetter
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
@@ -99,6 +100,7 @@ class Replicas:
         return None
 
     def _build(self, module: nn.Module, devices: Sequence[torch.device]) -> None:
+        refuse_uninitialized(module)
         self.root = module
         self.devices = list(devices)
         named = list(module.named_modules())
@@ -367,6 +369,25 @@ class Replicas:
                     total = g if total is None else total + g
             out.append(total)
         return out
+
+
+def refuse_uninitialized(module: nn.Module) -> None:
+    """Refuse a module with parameters or buffers of a lazy module (``nn.LazyLinear``) not yet built: replicas are
+    copies of its tensors, which it does not have before its first forward (torch's ``DistributedDataParallel``
+    refuses such a module too).
+
+    Raises:
+        MisconfigurationException: naming the tensors and the fix.
+    """
+    lazy = [name for name, t in chain(module.named_parameters(), module.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise MisconfigurationException(
+            f"sparse_dp: the module has uninitialized parameters or buffers ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}: a lazy module such as nn.LazyLinear, built at its first forward), "
+            "which replicas cannot copy, as DDP cannot. Build them before the fit: run one forward of a small batch in "
+            "the module's __init__ or configure_model(), or give the layer its input size (nn.Linear)."
+        )
 
 
 def _structure_key(dicts: list[dict[str, Any]]) -> tuple:

@@ -277,3 +277,27 @@ def test_replica_gradients_are_added_in_replica_order(missing):
     reduced = replicas.reduce_gradients()
     assert all(torch.equal(a, b) for a, b in zip(reduced, expected))  # bit for bit
     assert all(leaf.grad is None for leaves in replicas.parameters for leaf in leaves)
+
+
+def test_a_module_with_an_unbuilt_lazy_layer_is_refused_naming_the_fix():
+    """A ``nn.LazyLinear`` head not yet built failed deep in the replicas' build with torch's 'uninitialized parameter'
+    error; the refusal names the layer's tensors and how to build them (DDP refuses such a module too). Once built by a
+    forward, the module replicates."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from tests.support.helpers import NUM_CLASSES, loader, trainer
+
+    class LazyHead(SparseNet):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.LazyLinear(NUM_CLASSES)
+
+        def forward(self, x):
+            return self.head(super().forward(x))
+
+    batch = collate_dict(random_samples(6, seed=5))
+    with pytest.raises(MisconfigurationException, match=r"uninitialized parameters.*head\.weight.*configure_model"):
+        trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(LazyHead(), loader(batch))
+    built = LazyHead()
+    built(ME.SparseTensor(batch["features"], batch["coordinates"]))
+    trainer(strategy="sparse_dp", devices=3, max_steps=1).fit(built, loader(batch))
