@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_sparse_dp.loss.weights import HeldWeighting
@@ -169,6 +170,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
+        self._batch_norm_seen: set[int] = set()  # ids of the batch-norm layers setup (or a rebuild) synchronized or said
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
         self._refresh: tuple[DeferredCheck | None, bool] = (None, False)  # how replicate left the replicas' refresh
@@ -189,6 +191,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         elif self._layer_sync is None:  # validate / test / predict: batch norm that keeps the batch's statistics in eval
             warn_eval_batchnorm(eval_batch_statistics(module), len(self.parallel_devices))
         apply_layer_sync(self)  # as DDPStrategy.setup: swap batch norm when fitting (or used in eval), before precision
+        self._batch_norm_seen = {id(m) for m in module.modules() if isinstance(m, _BatchNorm)}  # layers added later:
+        # ReplicaStages._new_batch_norm
         super().setup(trainer)
         self._timer.profiler = trainer.profiler
         fitting = trainer.state.fn == TrainerFn.FITTING

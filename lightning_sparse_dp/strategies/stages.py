@@ -14,9 +14,12 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_sparse_dp.replica.effects import StepEffects
+from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.split import SplitPlan, balanced_assignment
 from lightning_sparse_dp.step.apply import replica_steps
 from lightning_sparse_dp.step.check import DeferredCheck
@@ -26,7 +29,8 @@ from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.prepare import PlacedChunks
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import pending_chunks, place_chunks, say_idle, step_cutters
-from lightning_sparse_dp.strategies.checks import min_points_per_chunk
+from lightning_sparse_dp.strategies.checks import min_points_per_chunk, warn_unsynchronized_batchnorm
+from lightning_sparse_dp.syncbn.layer_sync import apply_layer_sync
 from lightning_sparse_dp.syncbn.replicas import sync_layers
 
 
@@ -99,6 +103,7 @@ class ReplicaStages:
                     assert self.parallel_devices is not None
                     if built is not None:  # frozen parameters a step changed in place: the new replicas own copies
                         self._frozen_written |= built.frozen_written | built.own_frozen
+                    self._new_batch_norm(module)
                     built = self._replicas = Replicas(module, self.parallel_devices, own_frozen=self._frozen_written)
                     self._replica_sync_layers = [sync_layers(r) for r in built.modules]
                 if not in_threads:
@@ -106,6 +111,24 @@ class ReplicaStages:
                 built.refresh_tensors(len(devices), buffers=not built.buffers_in_threads)
                 self._refresh = (None, True)
             return built.modules[: len(devices)]
+
+    def _new_batch_norm(self, module: nn.Module) -> None:
+        """Before the replicas are built (again: the module changed since they were, a layer added in a hook of the
+        fit): while fitting, batch norm the module got since setup is synchronized as setup's was (``sync_batchnorm``:
+        :func:`~lightning_sparse_dp.syncbn.layer_sync.apply_layer_sync`, which swaps only the new layers), or said to
+        normalize each chunk with its own statistics (without it), as setup says of the layers it finds."""
+        trainer = trainer_of(module)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        seen = self._batch_norm_seen
+        new = [m for m in module.modules() if isinstance(m, _BatchNorm) and id(m) not in seen]
+        if not new:
+            return
+        seen.update(id(m) for m in new)
+        if self._layer_sync is not None:
+            apply_layer_sync(self)
+        else:
+            warn_unsynchronized_batchnorm(nn.ModuleList(new), len(self.parallel_devices or ()))
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], step: StepContext | None = None, *,

@@ -354,3 +354,34 @@ def test_a_module_with_a_batch_norm_class_of_the_users_own_pickles_during_the_fi
         model, loader(collate_dict(random_samples(7, seed=46))))
     loaded = torch.load(saved, weights_only=False)
     assert type(loaded[3].bn) is _ScaledNorm
+
+
+class _BatchNormFromEpochOne(SparseNet):
+    """A batch-norm block switched in at the second epoch (after setup, after the checked first step)."""
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            torch.manual_seed(5)
+            layers = list(self.net)
+            layers.insert(3, ME.MinkowskiBatchNorm(16).to(self.device, self.dtype))
+            self.net = torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_batch_norm_layer_added_during_the_fit_is_synchronized_or_said(sync, caplog):
+    """Setup swaps (or, without sync_batchnorm, names) the batch-norm layers it finds; one added in a hook of the fit ran
+    per chunk, unsynchronized with sync_batchnorm=True and said by nothing (its running mean 0.29 off after two
+    epochs). The replicas' rebuild swaps it now, or says it runs per chunk."""
+    import logging
+
+    batches = [collate_dict(random_samples(7, seed=400 + i)) for i in range(2)]
+    ours, reference = same_start(_BatchNormFromEpochOne, seed=0)
+    with caplog.at_level(logging.INFO):
+        trainer(strategy="sparse_dp", devices=3, sync_batchnorm=sync, max_steps=-1, max_epochs=2).fit(
+            ours, loader(*batches))
+    trainer(max_steps=-1, max_epochs=2).fit(reference, loader(*batches))
+    said = [r.getMessage() for r in caplog.records if "1 batch-norm layer (e.g. ME.MinkowskiBatchNorm)" in r.getMessage()]
+    if sync:
+        assert said == [] and max(state_differences(ours, reference).values()) <= REL
+    else:
+        assert len(said) == 1 and "sync_batchnorm=True" in said[0]
