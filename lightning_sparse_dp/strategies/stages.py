@@ -118,7 +118,7 @@ class ReplicaStages:
         :func:`~lightning_sparse_dp.syncbn.layer_sync.apply_layer_sync`, which swaps only the new layers), or said to
         normalize each chunk with its own statistics (without it), as setup says of the layers it finds."""
         trainer = trainer_of(module)
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        if self._checking or trainer is None or trainer.state.fn != TrainerFn.FITTING:  # not the check's copies
             return
         seen = self._batch_norm_seen
         new = [m for m in module.modules() if isinstance(m, _BatchNorm) and id(m) not in seen]
