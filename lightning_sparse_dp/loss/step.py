@@ -244,7 +244,8 @@ class StepTerms:
         if total == 0:
             return None
         means = scalar_values([f[0] for f in found])  # type: ignore[index]
-        return torch.tensor(sum(n * m for n, m in zip(counts, means)) / total, dtype=values[0].dtype)
+        # a chunk with nothing to average (its mean NaN) adds nothing, as one device's mean over the batch's elements
+        return torch.tensor(sum(n * m for n, m in zip(counts, means) if n) / total, dtype=values[0].dtype)
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""

@@ -532,8 +532,9 @@ def _combine(
     if guessed and role == "mean" and value_of is not None and not the_loss and merged.is_floating_point():
         if not _comparable(values):
             value = value_of(values)
-            if value is not None:  # the whole batch's value, the weighted mean's gradient
-                return merged + (value.to(merged) - merged).detach()
+            if value is not None:  # the whole batch's value, the weighted mean's gradient (none from a chunk whose
+                value = value.to(merged)  # mean is over nothing, NaN: the batch's value without it)
+                return torch.where(torch.isnan(merged), value, merged + (value - merged).detach())
             cache.warn(
                 f"sparse_dp: step output {_printed(path)} differs between the replicas and is not a combination of the means the "
                 "step computed with torch.mean / .mean() or torch's losses (e.g. a maximum, a hand-made ratio): it is "

@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from lightning_sparse_dp.loss.weights import chunk_weights
 from lightning_sparse_dp.step.gather import gather_outputs
-from tests.support.exact import fit_float64, same_start
+from tests.support.exact import fit_float64, same_start, trainer64
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
@@ -553,3 +553,39 @@ def test_a_fixed_pair_with_none_and_zero_predictions_stay_as_they_are():
     one = collate_dict(random_samples(3, seed=31))
     [pred] = trainer(strategy="sparse_dp", devices=3).predict(_Background(), loader(one))
     assert pred.shape[0] == len(one["coordinates"]) and not pred.any()
+
+
+class _MeanOfClassZero(SparseNet):
+    """Returns, and feeds a MeanMetric with, the mean feature of the points of label-0 samples: a selection that is
+    empty in a chunk without such a sample (its mean NaN there)."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.zero_mean = torchmetrics.MeanMetric()
+        self.returned: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        points = (batch["labels"] == 0)[batch["coordinates"][:, 0].long()]
+        value = batch["features"][points, 0].mean()
+        self.zero_mean.update(value)
+        return {"loss": self.loss(batch), "zero_mean": value}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.returned.append(float(outputs["zero_mean"]))
+
+
+def test_a_mean_over_nothing_in_one_chunk_leaves_the_batchs_mean_returned_and_in_a_metric():
+    """A mean the step computes over a selection empty in one chunk is NaN there; the whole batch's value weighted the
+    replicas' means by their element counts, 0 * NaN making it NaN: the returned value was NaN and the MeanMetric fed
+    with it skipped the update (torchmetrics drops NaN), where one device's are the mean over the batch's points. A
+    chunk with nothing to average adds nothing now."""
+    batch = collate_dict(random_samples(6, seed=12, min_points=10, max_points=10))
+    batch["labels"] = torch.tensor([0, 1, 1, 2, 0, 3])  # contiguous chunks of 2: the second has no label 0
+    ours, reference = same_start(_MeanOfClassZero, seed=0)
+    trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, max_steps=2).fit(
+        ours, loader(batch, batch))
+    trainer64(max_steps=2).fit(reference, loader(batch, batch))
+    assert len(ours.returned) == 2 and ours.returned == pytest.approx(reference.returned, rel=1e-12)
+    assert float(ours.zero_mean.compute()) == pytest.approx(float(reference.zero_mean.compute()), rel=1e-6)
