@@ -168,6 +168,20 @@ class ExactnessCheck:
         #: and how many times it was called): a step that calls another, or a checked one otherwise (a loss term that
         #: starts after a warm-up, from 0 or from none; objectives that alternate), is checked too (:meth:`again`)
         self.sites: frozenset = frozenset()
+        #: the sets of sites the training steps checked in this fit called (a step calling a set none called is checked
+        #: too: :meth:`new_sites`)
+        self.site_sets: set[frozenset] = set()
+
+    def new_sites(self, sites: frozenset) -> bool:
+        """Whether a training step whose loss call sites are ``sites`` (:attr:`~lightning_sparse_dp.loss.decide.Decision.sites`)
+        calls a site, or a set of sites, that no step seen in this fit called (a term that starts after a warm-up, or
+        one dropped under a condition on the batch, ``if (y == k).sum() >= n``, which each chunk meets otherwise than
+        the whole batch): then it is checked too. Notes them."""
+        if sites in self.site_sets:
+            return False
+        self.site_sets.add(sites)
+        self.sites |= sites
+        return True
 
     def reset(self, count: int = 1, warnings: WarningCache | None = None) -> None:
         """A new fit: its first training step is checked. With the check off and ``count`` (replicas or ranks of the
@@ -178,6 +192,7 @@ class ExactnessCheck:
         self.done = self.mode is None
         self.evaluated = set()
         self.sites = frozenset()
+        self.site_sets = set()
         if self.mode is not None or count < 2 or warnings is None:
             return
         strategy, who = self.strategy, "replica" if self.strategy == "sparse_dp" else "rank"

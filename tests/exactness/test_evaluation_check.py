@@ -166,3 +166,38 @@ def test_a_loss_term_that_starts_after_the_checked_step_is_checked_when_it_start
     assert abs(float(t.callback_metrics["train_loss"]) - float(r.callback_metrics["train_loss"])) > 1e-3
     assert _checks(_said(caplog, recwarn)) == ["sparse_dp: exactness check of training step 0: equals",
                                                "sparse_dp: exactness check of training step 1: differs"]
+
+
+class _TermUnderACountOfTheBatch(PooledNet):
+    """An auxiliary term only where the step's batch has at least two samples of label 0."""
+
+    def training_step(self, batch, batch_idx):
+        z = self.features(batch)
+        logits = self.head(z)
+        loss = F.cross_entropy(logits, batch["labels"])
+        if int((batch["labels"] == 0).sum()) >= 2:
+            loss = loss + F.mse_loss(logits[:, 0], torch.ones_like(logits[:, 0]))
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_step_that_drops_a_checked_term_under_a_condition_on_the_batch_is_checked(caplog, recwarn):
+    """Two samples of label 0 in every chunk at the checked step: every replica and one device add the term. At the
+    next step the batch has three, one per chunk: one device adds it, no replica does (a third of the loss off),
+    and nothing was said, the step calling no site the checked one had not. A step calling a set of sites no step
+    called is checked too now."""
+    from lightning_sparse_dp import SparseDataParallelStrategy
+
+    first = collate_dict(random_samples(6, seed=60, min_points=10, max_points=10))
+    first["labels"] = torch.tensor([0, 0, 0, 0, 0, 0])
+    second = collate_dict(random_samples(6, seed=61, min_points=10, max_points=10))
+    second["labels"] = torch.tensor([0, 1, 0, 1, 0, 1])  # contiguous chunks of 2: one 0 each
+    ours, reference = same_start(_TermUnderACountOfTheBatch, seed=0)
+    with caplog.at_level(logging.INFO):
+        t = trainer64(strategy=SparseDataParallelStrategy(split="contiguous"), devices=3, max_steps=2)
+        t.fit(ours, loader(first, second))
+    r = trainer64(max_steps=2)
+    r.fit(reference, loader(first, second))
+    assert abs(float(t.callback_metrics["train_loss"]) - float(r.callback_metrics["train_loss"])) > 1e-3
+    assert _checks(_said(caplog, recwarn)) == ["sparse_dp: exactness check of training step 0: equals",
+                                               "sparse_dp: exactness check of training step 1: differs"]
