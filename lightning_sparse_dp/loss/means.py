@@ -69,17 +69,17 @@ def counting() -> Iterator[dict[int, tuple[Tensor, int]]]:
 
 def count_of(value: Any) -> int | None:
     """The element count of ``value`` when the calling thread's step computed it as a mean: the tensor itself,
-    or a Python float equal to one such mean's value (its ``.item()``; the latest such mean); else ``None``."""
+    or a Python float equal to such means' value (its ``.item()``) when they all have one count; else ``None``."""
     counts = getattr(_local, "counts", None)
     if not counts:
         return None
     if isinstance(value, Tensor):
         entry = counts.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
-    if isinstance(value, float):
+    if isinstance(value, float):  # means of other counts holding the same value (two fractions at 0.0): none of them
         entries = [(mean, count) for mean, count in counts.values() if mean.numel() == 1]
-        i = last_holding([mean for mean, _ in entries], value)
-        return None if i is None else entries[i][1]
+        found = {count for (_, count), v in zip(entries, scalar_values([mean for mean, _ in entries])) if v == value}
+        return found.pop() if len(found) == 1 else None
     return None
 
 

@@ -226,3 +226,43 @@ def test_integer_counts_logged_with_log_dict_are_the_batchs():
             t.validate(Counts(), loader(batch), verbose=False)
             metrics.append({k: float(v) for k, v in t.callback_metrics.items()})
         assert metrics[0] == metrics[1] and metrics[1]["n"] == samples
+
+
+class _TwoFractions(SparseNet):
+    """Two fractions logged as ``.item()``: of the samples with label 0, over all samples and over those not of label 3."""
+
+    def training_step(self, batch, batch_idx):
+        y = batch["labels"]
+        zero_all, zero_kept = (y == 0).double().mean().item(), (y[y != 3] == 0).double().mean().item()
+        self.log("zero_all", zero_all)
+        self.log("zero_kept", zero_kept)
+        return self.loss(batch)
+
+
+def test_fractions_logged_as_item_that_are_equal_in_a_chunk_are_not_weighted_by_each_others_count(caplog):
+    """A logged ``.item()`` is matched to the mean it came from by its value, for its element count. Where a chunk had no
+    sample of label 0, both fractions were 0.0 there and ``zero_all`` took ``zero_first``'s count (the latest mean of
+    that value, ``zero_kept``'s): 0.4 where one device logs 1/3, silently. A value that means of different counts hold is no longer
+    matched: the logged value is one device's, or said."""
+    import logging
+    import warnings
+
+    from tests.support.exact import trainer64
+
+    batch = collate_dict(random_samples(6, seed=13, min_points=10, max_points=10))
+    batch["labels"] = torch.tensor([0, 1, 2, 3, 0, 1])  # contiguous chunks of 2: the second has no label 0
+    from lightning_sparse_dp import SparseDataParallelStrategy
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "zero_all" in m})
+    ours, reference = same_start(_TwoFractions, seed=0)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer64(strategy=SparseDataParallelStrategy(split="contiguous", check_exactness=False), devices=3,
+                      max_steps=1)
+        t.fit(ours, loader(batch))
+    r = trainer64(max_steps=1)
+    r.fit(reference, loader(batch))
+    said = [str(w.message) for w in caught] + [rec.getMessage() for rec in caplog.records]
+    exact = float(t.callback_metrics["zero_all"]) == pytest.approx(float(r.callback_metrics["zero_all"]), rel=1e-10)
+    assert exact or any("self.log('zero_all'" in m for m in said), (float(t.callback_metrics["zero_all"]), said)
