@@ -241,8 +241,8 @@ class _TwoFractions(SparseNet):
 
 def test_fractions_logged_as_item_that_are_equal_in_a_chunk_are_not_weighted_by_each_others_count(caplog):
     """A logged ``.item()`` is matched to the mean it came from by its value, for its element count. Where a chunk had no
-    sample of label 0, both fractions were 0.0 there and ``zero_all`` took ``zero_first``'s count (the latest mean of
-    that value, ``zero_kept``'s): 0.4 where one device logs 1/3, silently. A value that means of different counts hold is no longer
+    sample of label 0, both fractions were 0.0 there and ``zero_all`` took the latest such mean's count,
+    ``zero_kept``'s: 0.4 where one device logs 1/3, silently. A value that means of different counts hold is no longer
     matched: the logged value is one device's, or said."""
     import logging
     import warnings
