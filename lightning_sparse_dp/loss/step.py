@@ -64,7 +64,10 @@ def empty_message(strategy: str, names: Sequence[str]) -> str:
     """The one warning of a term with nothing to average over in the whole batch."""
     return (
         f"{strategy}: {', '.join(sorted(set(names)))} has nothing to average over in the whole batch (denominator 0, "
-        "e.g. every label is ignore_index): the step's loss is NaN, as on one device."
+        "e.g. every label is ignore_index): the step's loss is NaN, as on one device, unless the step skips the term "
+        "when it is NaN (if not torch.isnan(l): ...): a term over nothing reads 0.0 on each replica, so the replicas "
+        "add it where one device skips it. Test what the term averages over instead (if mask.sum() > 0, on a count "
+        "taken on the whole batch in on_before_batch_transfer)."
     )
 
 
