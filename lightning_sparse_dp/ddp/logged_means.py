@@ -65,9 +65,13 @@ class HeldMeans:
     held value. A name logged twice in a step keeps its last value, as Lightning's on-step value does.
     """
 
-    def __init__(self, results: Any, row: Callable[[Tensor], Any]) -> None:
+    def __init__(self, results: Any, row: Callable[[Tensor], Any], all_ranks: Callable[[bool], bool] | None = None) -> None:
         self.results = results
         self.row = row
+        #: ``all_ranks(flag)``: whether ``flag`` holds on every rank (a collective): a summed, maximal or minimal value
+        #: is held only where every rank holds it, so that the ranks' collectives stay in step (one rank holding a value
+        #: for the step's gather while another lets Lightning reduce it at once deadlocked both)
+        self.all_ranks = all_ranks
         self.calls: dict[str, HeldCall] = {}
         self._shadow = shadow_result_updates(results, self._hold)
 
@@ -78,9 +82,15 @@ class HeldMeans:
             return
         value = value.detach()
         row = self.row(value)
-        if reduction != "mean" and row[0] is None and row[2] is None:  # the ranks' own sum / max / min (a count,
-            update(key, value, batch_size)  # logits.max()), which Lightning's reduction across ranks makes one device's
-            return
+        if reduction != "mean":  # the ranks' own sum / max / min (a count, logits.max()), which Lightning's reduction
+            # across ranks makes one device's, unless every rank reads it as a loss or a mean of the step (read off its
+            # value, which may match on one rank only: an accuracy of 1.0 and a count of 1)
+            held = row[0] is not None or row[2] is not None
+            if self.all_ranks is not None:
+                held = self.all_ranks(held)
+            if not held:
+                update(key, value, batch_size)
+                return
         inferred = inferred_batch_size(self.results)
         explicit = inferred is None or batch_size != inferred
         self.calls[key] = HeldCall(value, row, int(batch_size), explicit, reduction)

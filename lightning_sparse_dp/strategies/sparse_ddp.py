@@ -222,7 +222,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
             self._loss_scale = PartWeight.rank(self.world_size, n / total if total > 0 else 0.0).loss_factor
         self._count = n
         results = results_of(trainer_of(self.lightning_module)) if run is None else None
-        means = HeldMeans(results, self._log_row) if results is not None and self.loss_weighting != "equal" else None
+        means = (HeldMeans(results, self._log_row, self._on_all_ranks)
+                 if results is not None and self.loss_weighting != "equal" else None)
         self._batch, self._plan, self._collectives = batch, plan, []
         self._capture = TermCapture(self._collectives) if terms else None
         observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
@@ -252,6 +253,14 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         """This rank's :class:`Summary` of ``value`` (its loss, or a logged value) on its share of the batch."""
         assert self._capture is not None
         return summarize(self._capture, value, ChunkShape.of(self._step_plan(), 0), self._count or 0.0, self._collectives)
+
+    def _on_all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce of a flag; ``flag`` without a process group of several)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        found = torch.tensor([int(flag)], device=self.root_device)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        return bool(found.item())
 
     def _gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (:func:`~lightning_sparse_dp.ddp.exchange.gather_objects`); ``[obj]``

@@ -120,3 +120,30 @@ def test_an_integer_count_logged_as_a_mean_is_the_ranks_sum(caplog):
     with caplog.at_level(logging.INFO):
         value = whole_value(rows, torch.tensor(37), None, "count", WarningCache())
     assert value.dtype == torch.int64 and int(value) == 74 and "differs between ranks" not in caplog.text
+
+
+def test_a_summed_value_is_held_only_where_every_rank_holds_it():
+    """A count logged with reduce_fx="sum" whose value a mean of the step also holds on one rank (an accuracy of 1.0
+    beside a count of 1) was held there for the step's gather while the other rank let Lightning reduce it at once: the
+    ranks' collectives no longer matched and both waited until the process group timed out. The hold is agreed on by
+    every rank now (``all_ranks``, one all-reduce of a flag): held where every rank reads it as a mean, else reduced by
+    Lightning on every rank."""
+    asked = []
+
+    def on_other_rank_not(flag: bool) -> bool:  # the other rank's row of the count matched no mean
+        asked.append(flag)
+        return False
+
+    def counted(value):
+        return (None, [float(value)], 1 if float(value) == 1.0 else None, 1.0)  # 1.0 matched to a mean's count
+
+    results = _ResultCollection(training=True)
+    with HeldMeans(results, row=counted, all_ranks=on_other_rank_not) as means:
+        _log(results, "acc", 1.0, on_step=False, on_epoch=True, sync_dist=True)  # a mean: held, no agreement asked
+        _log(results, "n_seen", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+    assert asked == [True] and list(means.calls) == ["training_step.acc"]
+    assert float(results["training_step.n_seen"].value) == 1.0  # reduced by Lightning, as on the other rank
+    results = _ResultCollection(training=True)
+    with HeldMeans(results, row=counted, all_ranks=lambda flag: flag) as means:  # every rank reads it as a mean
+        _log(results, "n_seen", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+    assert list(means.calls) == ["training_step.n_seen"]
