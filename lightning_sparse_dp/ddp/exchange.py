@@ -117,7 +117,15 @@ def gather_step_outputs(
     mine = (apply_to_collection(output, Tensor, lambda t: t.detach().cpu()), share_points(batch, layout))
     dist.all_gather_object(gathered, mine)
     plan = global_plan(len(ids), shares, [points for _, points in gathered])
-    return gather_outputs([out for out, _ in gathered], plan, chunk_weights(plan, "samples"), device, output_layout, _said)
+    return gather_outputs([out for out, _ in gathered], plan, chunk_weights(plan, "samples"), device, output_layout, _said,
+                          value_of=_no_whole_value)  # a 0-dim value that differs between the ranks is said
+
+
+def _no_whole_value(values: list[Tensor]) -> None:
+    """The ranks' 0-dim predict outputs have no whole-batch value here (a predict step's means are not captured across
+    ranks): :func:`~lightning_sparse_dp.step.gather.gather_outputs` then says the weighted mean it gives is one device's
+    only for a mean over the samples."""
+    return None
 
 
 def share_points(batch: Any, layout: Mapping[Any, str] | None = None) -> tuple[list[list[int]], list[int]] | None:

@@ -257,3 +257,41 @@ def test_the_merge_s_lines_under_sparse_ddp_name_it():
 
     line = "sparse_dp: step output x ... SparseDataParallelStrategy(output_layout={'x': 'fixed'})"
     assert _SaidBySparseDDP._renamed(line) == "sparse_ddp: step output x ... SparseDDPStrategy(output_layout={'x': 'fixed'})"
+
+
+def _scalar_worker(rank: int, port: int, out: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    from lightning_sparse_dp.ddp.exchange import gather_step_outputs
+    from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    sampler = PointBalancedBatchSampler(None, 4, num_replicas=2, rank=rank, num_samples=4, shuffle=False,
+                                        split="contiguous")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = gather_step_outputs({"max_logit": torch.tensor(float(rank + 1))}, sampler, 0, torch.device("cpu"))
+    torch.save({"value": float(merged["max_logit"]), "said": [str(w.message) for w in caught]}, f"{out}/scalar-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_0_dim_predict_output_that_differs_between_ranks_is_said():
+    """A predict step's 0-dim output (a maximum, a sum of the share's features) came back as the ranks' values weighted
+    by their samples, on every rank, silently (1.04 off for a sum). No rank knows the batch's value: it is said now."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_scalar_worker, args=(port, out), nprocs=2)
+        for rank in range(2):
+            got = torch.load(f"{out}/scalar-{rank}.pt")
+            assert got["value"] == 1.5  # the ranks' values weighted by their 2 samples each, as the line says
+            said = [m for m in got["said"] if "step output output['max_logit'] differs" in m]
+            assert len(said) == 1 and said[0].startswith("sparse_ddp:"), got["said"]
