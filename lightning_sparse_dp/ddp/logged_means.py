@@ -169,6 +169,8 @@ def settle(
     ranks: Sequence[tuple[int, dict[str, tuple[Any, int, bool]]]],
     value_of: Callable[[list[Any], Tensor, str], Tensor],
     mine: dict[str, HeldCall],
+    constants: dict[str, bool] | None = None,
+    warnings: WarningCache | None = None,
 ) -> dict[str, tuple[Tensor, int]]:
     """Every held name's global value and one device's batch size, read alike on every rank.
 
@@ -179,6 +181,12 @@ def settle(
         value_of: ``value_of(rows of the ranks that logged the name, this rank's value, name=the name) -> value``: the
             global batch's value, shaped and typed like this rank's (the strategy's :func:`whole_value`).
         mine: this rank's held calls (the names it settles).
+        constants: per name logged with one ``batch_size=`` on every rank, whether it was read as one constant at some
+            step (``True``; else each share's count) (the strategy's, kept for the run): one equal to every share's
+            samples at a later step (the loader's per-rank ``batch_size``, passed as ``self.hparams.batch_size``) is that
+            constant still, not each share's count. A name first read as each share's count and then found constant
+            is said once (``warnings``): the epoch's mean weighed those earlier steps by the ranks' sum.
+        warnings: where that is said.
 
     Returns:
         ``{name: (value, batch_size)}`` for the names in ``mine``.
@@ -193,6 +201,22 @@ def settle(
         constant = None
         if all(ranks[r][1][key][2] for r in present):  # explicit everywhere: a count per rank, or one constant
             constant = constant_batch_size(sizes, present, sum(samples), samples, lambda: points)
+            alike = all(size == sizes[0] for size in sizes)
+            if constants is not None and alike:
+                if constant is None and constants.get(key):
+                    constant = sizes[0]
+                elif constant is not None and constant != sum(samples):  # neither the batch's count nor the shares'
+                    if constants.get(key) is False and warnings is not None:
+                        warnings.info(
+                            f"sparse_ddp: self.log({key.split('.', 1)[-1]!r}, ..., batch_size={constant}) is one "
+                            f"constant: it was read as each rank's own count at earlier steps where every rank's share "
+                            f"had {constant} samples, which weighed those steps by the ranks' sum in the epoch's mean; it "
+                            "is read as the constant from now on. Pass batch_size=len(...) of the step's own samples, or "
+                            "the global batch's size, to be read alike at every step."
+                        )
+                    constants[key] = True
+                elif constant is None:
+                    constants.setdefault(key, False)
         name = key.split(".", 1)[-1]  # Lightning's results key: "<hook>.<name>"
         value = value_of([ranks[r][1][key][0] for r in present], call.value, name=name)
         if call.reduction == "sum":  # Lightning sums it over the ranks: each accumulates its part of the batch's value

@@ -73,6 +73,7 @@ class SparseStrategyMixin:
         self.split = split
         self.layout = dict(layout) if layout else None
         self._site_memory = SiteMemory()  # how the step's loss call sites were read (term_weights), for the run
+        self._constant_sizes: dict[str, bool] = {}  # logged names' batch_size= read as a constant (ddp/logged_means.py)
         self.allow_unpatched_me = allow_unpatched_me
         #: the exactness check of training steps (:mod:`~lightning_sparse_dp.exactness.check`)
         self._exactness = ExactnessCheck(resolve_mode(check_exactness), check_exactness_every_n_steps, self.strategy_name)

@@ -347,7 +347,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         plan = self._step_plan()
         points = [chunks[0] for chunks in plan.points_per_set]  # this rank's share (one chunk), per point set
         ranks = self._gather((ChunkShape.of(plan, 0).samples, rows, points))
-        settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls)
+        settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls,
+                         self._constant_sizes, self._warning_cache)
         self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
         try:
             means.release(settled)

@@ -147,3 +147,21 @@ def test_a_summed_value_is_held_only_where_every_rank_holds_it():
     with HeldMeans(results, row=counted, all_ranks=lambda flag: flag) as means:  # every rank reads it as a mean
         _log(results, "n_seen", 1.0, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
     assert list(means.calls) == ["training_step.n_seen"]
+
+
+def test_a_constant_batch_size_equal_to_every_share_is_the_constant_once_seen_as_one(caplog):
+    """``batch_size=self.hparams.batch_size`` (3, the loader's per-rank batch size): at steps where both ranks' shares had
+    3 samples it was read as each share's count (6 for the step), at a step of shares of 4 and 3 as the constant 3, so
+    the epoch's mean weighed the steps unlike one device (6.2e-3 off), silently. Once read as a constant it stays one,
+    and the earlier steps' reading is said."""
+    constants: dict[str, bool] = {}
+    mine = {"c": _Call(1.0)}
+    equal = _ranks((3, {"c": (1.0, 3, True)}), (3, {"c": (1.0, 3, True)}))
+    uneven = _ranks((4, {"c": (1.0, 3, True)}), (3, {"c": (1.0, 3, True)}))
+    cache = WarningCache()
+    assert settle(equal, _mean_of_rows, mine, constants, cache)["c"][1] == 6  # no step told it from the shares' count
+    with caplog.at_level(logging.INFO):
+        assert settle(uneven, _mean_of_rows, mine, constants, cache)["c"][1] == 3
+    said = [r.getMessage() for r in caplog.records if "is one constant" in r.getMessage()]
+    assert len(said) == 1 and "batch_size=3" in said[0], said
+    assert settle(equal, _mean_of_rows, mine, constants, cache)["c"][1] == 3  # the constant from now on
