@@ -261,25 +261,34 @@ class _KeepsHookValues(ManualOptimization, SparseNet):
         self.after.append(len(self.before))
 
 
+def _fit_three_steps(cls, names: tuple[str, ...]):
+    """``cls`` fit three steps on 3 replicas and on one device from the same start: ``(ours, reference, lines)``, the
+    lines the replicas' fit said naming ``self.<name>`` for one of ``names`` (said afresh: the process's said-once
+    cache forgets them first)."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    def named(message: str) -> bool:
+        return any(f"self.{name}" in message for name in names)
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if named(m)})
+    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
+    torch.manual_seed(0)
+    ours, reference = cls(), cls()
+    reference.load_state_dict(ours.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
+    trainer(max_steps=3).fit(reference, loader(*batches))
+    return ours, reference, [str(w.message) for w in caught if named(str(w.message))]
+
+
 def test_the_modules_own_hooks_run_once_in_a_manual_step_change_it_as_one_devices_step_without_a_warning():
     """The hooks a manual step's manual_backward runs once on the module itself (on_before_backward with the whole
     batch's loss, on_after_backward) changed the module's lists, tensors and objects as one device's step does, yet
     each change got a false line ('changed in the step through the module itself', 'changed in place', 'was changed
     in the step'). They are one device's changes now, said by nothing; the values equal one device's."""
-    from lightning_sparse_dp.runtime.process import SAID_ONCE
-
-    SAID_ONCE.difference_update({m for m in SAID_ONCE if "self.before" in m or "self.count" in m or "self.meter" in m})
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
-    torch.manual_seed(0)
-    ours, reference = _KeepsHookValues(), _KeepsHookValues()
-    reference.load_state_dict(ours.state_dict())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
-    said = [str(w.message) for w in caught if "self.before" in str(w.message) or "self.count" in str(w.message)
-            or "self.meter" in str(w.message) or "self.after" in str(w.message)]
+    ours, reference, said = _fit_three_steps(_KeepsHookValues, ("before", "count", "meter", "after"))
     assert said == [], said
-    trainer(max_steps=3).fit(reference, loader(*batches))
     assert ours.before == pytest.approx(reference.before, rel=1e-10) and len(ours.before) == 3
     assert ours.after == reference.after == [1, 2, 3]
     assert float(ours.count) == float(reference.count) == 3.0
@@ -316,19 +325,8 @@ def test_what_the_modules_own_hooks_change_in_its_dicts_in_a_manual_step_is_kept
     steps where one device's read 3, said by nothing: the replicas' copies, made before the hook ran, were merged over
     it. The merge now compares the copies with what they were made from, so the hooks' changes stand, beside the
     step's own change of the same dict, as one device's; nothing is said."""
-    from lightning_sparse_dp.runtime.process import SAID_ONCE
-
-    SAID_ONCE.difference_update({m for m in SAID_ONCE if "self.counts" in m or "self.nested" in m or "self.rows" in m})
-    batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
-    torch.manual_seed(0)
-    ours, reference = _HooksChangeDicts(), _HooksChangeDicts()
-    reference.load_state_dict(ours.state_dict())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(strategy="sparse_dp", devices=3, max_steps=3).fit(ours, loader(*batches))
-    said = [str(w.message) for w in caught if any(f"self.{k}" in str(w.message) for k in ("counts", "nested", "rows"))]
+    ours, reference, said = _fit_three_steps(_HooksChangeDicts, ("counts", "nested", "rows"))
     assert said == [], said
-    trainer(max_steps=3).fit(reference, loader(*batches))
     assert reference.counts == {"backward": 3, "step": 2, "added": 6}
     assert (ours.counts, ours.nested, ours.rows) == (reference.counts, reference.nested, reference.rows)
 
