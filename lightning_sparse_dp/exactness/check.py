@@ -162,6 +162,8 @@ class ExactnessCheck:
         #: names of the module's frozen parameters the checked step changed in place on one device (an EMA teacher):
         #: the strategy's replicas own copies of them (:class:`~lightning_sparse_dp.step.replicate.Replicas`)
         self.frozen_written: set[str] = set()
+        #: names of the module's parameters that require grad and that the checked step changed in place (said)
+        self.trainable_written: list[str] = []
         #: the evaluation hooks (``"validation_step"``, ...) whose first step of the run was checked
         self.evaluated: set[str] = set()
         #: the loss call sites of the training steps checked in this fit (each with whether a call entered the value
@@ -261,6 +263,16 @@ class ExactnessCheck:
                     "it detached (self.x = logits.detach())") if "deepcopy protocol" in str(err) else ""
             outcome = Outcome([], skipped=f"it failed on its float64 copies ({type(err).__name__}: {err}){hint}")
         self._say(outcome, count, samples(), warnings, held_out(module, batch_norm_eval), evaluation)
+        on_cpu = any(p.device.type == "cpu" for p in module.parameters())  # CPU replicas share the module's storage
+        if self.trainable_written and self.strategy == "sparse_dp" and on_cpu:  # DDP's ranks own their parameters
+            names = ", ".join(self.trainable_written[:3]) + (", ..." if len(self.trainable_written) > 3 else "")
+            warnings.warn(
+                f"sparse_dp: the training step changed parameters that require grad in place ({names}: an EMA "
+                "teacher's update_parameters, t.mul_(m).add_(s, alpha=1 - m)): CPU replicas share the module's "
+                "parameters, so each replica applies the change, once per replica, which the checked step may not "
+                "show (a first update that copies). Freeze them (teacher.requires_grad_(False)): the replicas then own "
+                "copies, one device's; or update them in on_train_batch_end."
+            )
         return outcome
 
     def _compare(self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, batch_norm_eval: bool) -> Outcome:
@@ -274,7 +286,7 @@ class ExactnessCheck:
                 states.restore()
                 groups.restore()
                 twin = float64_copy(module, trainer, batch_norm_eval, one_device=run is one_device)
-                frozen = {n: p._version for n, p in twin.named_parameters() if not p.requires_grad}
+                versions = {n: (p._version, p.requires_grad) for n, p in twin.named_parameters()}
                 try:
                     loss, logged, how = run(twin)
                 except Exception as err:
@@ -284,7 +296,9 @@ class ExactnessCheck:
                     return Outcome([], failure=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
                 reading = how or reading
                 if run is one_device:  # what the step changes in place (before the replicas' run builds its replicas)
-                    self.frozen_written = {n for n, p in twin.named_parameters() if n in frozen and p._version != frozen[n]}
+                    written = {n for n, p in twin.named_parameters() if n in versions and p._version != versions[n][0]}
+                    self.frozen_written = {n for n in written if not versions[n][1]}
+                    self.trainable_written = sorted(n for n in written if versions[n][1])
                 values = self.compare_values
                 output = logged.pop(OUTPUT_KEY, None)
                 records.append(record_step(twin, loss if values else None, logged if values else {}, metrics=values,
