@@ -137,11 +137,19 @@ class ManualStep:
 
     def _reduce(self) -> None:
         grads = self.replicas.reduce_gradients(self.count)
-        for parameter, grad in zip(self.replicas.trainable, grads):
+        leaves, sums = [], []  # accumulated by autograd, as one device's backward does: the parameters' own hooks
+        for parameter, grad in zip(self.replicas.trainable, grads):  # (p.register_hook) run on the batch's gradient
             if grad is None:
                 continue
             grad = grad.to(parameter.device)
-            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+            if parameter.requires_grad:
+                leaves.append(parameter)
+                sums.append(grad)
+            else:  # a parameter frozen since the replicas were built (toggle_optimizer): as the replicas gave it
+                parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+        if leaves:
+            with torch.autograd.set_multithreading_enabled(False):
+                torch.autograd.backward(leaves, sums)
         self.expose()
         trainer = trainer_of(self.module)
         if trainer is not None:
