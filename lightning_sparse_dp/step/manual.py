@@ -182,10 +182,17 @@ class ManualStep:
 
     def write_back(self) -> None:
         """Before an optimizer's step: the param groups the root replica changed in the step (its copies) into the
-        trainer's optimizers, as rank 0's optimizer steps with its own groups (run once, while every replica waits)."""
+        trainer's optimizers, as rank 0's optimizer steps with its own groups, and the gradients the root replica's step
+        gave its parameters in place of those it was given (``p.grad = p.grad.clamp(-c, c)``) into the module's, as
+        rank 0's optimizer steps with its own gradients (run once, while every replica waits)."""
         root = self.replicas.rank_optimizers[0] if self.replicas.rank_optimizers else None
         if root is not None and root.copies:
             root.write_back()
+        if self.replicas.parameters:  # the root replica was given the module's own gradient tensors (expose)
+            for param, source in zip(self.replicas.parameters[0], self.replicas.trainable):
+                grad = param.grad
+                if grad is not None and grad is not source.grad and grad.device == source.device:
+                    source.grad = grad
 
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""

@@ -423,3 +423,20 @@ def test_a_parameters_own_hook_runs_on_the_batchs_gradient_in_a_manual_step():
     accumulates them now, as one device's backward does: the hook runs once, on the batch's gradient."""
     ours, reference, _ = _fit_three_steps(_ScalesItsGradients, ())
     assert max(state_differences(ours, reference).values()) <= 1e-10
+
+
+class _ClampsByRebinding(ManualOptimization, SparseNet):
+    """Clamps the gradients between manual_backward and the optimizer's step by giving ``.grad`` a new tensor."""
+
+    def before_step(self, opt):
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.clamp(-0.01, 0.01)
+
+
+def test_gradients_the_step_rebinds_before_the_optimizers_step_are_the_ones_it_steps_with():
+    """``p.grad = p.grad.clamp(...)`` gave the replica's parameter a new tensor, which the module's optimizer never saw:
+    it stepped with the unclamped gradients (6.8e-2 off in a bias, silently). The root replica's rebound gradients are
+    the module's before the step now, as rank 0's optimizer steps with its own."""
+    ours, reference, _ = _fit_three_steps(_ClampsByRebinding, ())
+    assert max(state_differences(ours, reference).values()) <= 1e-10
