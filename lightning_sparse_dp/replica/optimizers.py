@@ -31,8 +31,8 @@ class RankOptimizer:
     """An optimizer (a ``LightningOptimizer`` or torch's) as a replica sees it in a step: ``param_groups`` its own copies
     (``copies``, shared by the replica's views), the rest the optimizer's."""
 
-    def __init__(self, optimizer: Any, copies: Copies) -> None:
-        self._optimizer, self._copies = optimizer, copies
+    def __init__(self, optimizer: Any, copies: Copies, params: dict[int, Any] | None = None) -> None:
+        self._optimizer, self._copies, self._params = optimizer, copies, params or {}
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(view, torch.optim.SGD) holds, as for the optimizer itself
@@ -41,7 +41,7 @@ class RankOptimizer:
     @property
     def optimizer(self) -> Any:
         """A ``LightningOptimizer``'s torch optimizer, as the same replica's view (its groups the same copies)."""
-        return RankOptimizer(self._optimizer.optimizer, self._copies)
+        return RankOptimizer(self._optimizer.optimizer, self._copies, self._params)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -49,7 +49,9 @@ class RankOptimizer:
         for group in self._optimizer.param_groups:
             entry = copies.get(id(group))
             if entry is None:
-                entry = copies[id(group)] = (group, dict(group), dict(group))
+                mine = dict(group)  # its parameters the replica's own (their .grad the replica's), as a DDP rank's are
+                mine["params"] = [self._params.get(id(p), p) for p in group["params"]]
+                entry = copies[id(group)] = (group, mine, dict(group))
             out.append(entry[1])
         return out
 
@@ -64,12 +66,14 @@ class RankOptimizers:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.copies: Copies = {}
+        #: ``id(module's parameter) -> the replica's``: the params of the replica's group copies (set by the replicas)
+        self.params: dict[int, Any] = {}
 
     def __call__(self, use_pl_optimizer: bool = True) -> Any:
         found = type(self.module).optimizers(self.module, use_pl_optimizer)  # type: ignore[attr-defined]
         if isinstance(found, list):
-            return [RankOptimizer(o, self.copies) for o in found]
-        return RankOptimizer(found, self.copies)
+            return [RankOptimizer(o, self.copies, self.params) for o in found]
+        return RankOptimizer(found, self.copies, self.params)
 
     def write_back(self) -> None:
         """The hyperparameters the replica changed in its copies (entries but ``params`` that differ from the group's
@@ -90,7 +94,7 @@ def rank_view(optimizer: Any) -> Any:
         return optimizer
     index = _current.index
     view = views[index] if index < len(views) else None
-    return optimizer if view is None else RankOptimizer(optimizer, view.copies)
+    return optimizer if view is None else RankOptimizer(optimizer, view.copies, view.params)
 
 
 __all__ = ["RankOptimizer", "RankOptimizers", "rank_view"]

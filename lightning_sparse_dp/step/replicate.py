@@ -183,6 +183,7 @@ class Replicas:
         for r, view in enumerate(self.rank_optimizers):
             if view is not None:
                 self._dicts[r * len(self._sources)][2]["optimizers"] = view
+                view.params = {id(source): own for source, own in zip(self.trainable, self.parameters[r])}
         # the first replica whose parameters a refresh copies (frozen ones it owns, or all on another GPU), else the
         # replica count: a refresh of the replicas before it has no parameter to copy (refresh_tensors)
         self._copied_from = next(
