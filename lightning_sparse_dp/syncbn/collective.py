@@ -331,9 +331,11 @@ class ThreadGroup:
                 if any(s is not None and s[0] == phase for s in slot):
                     self._error = (
                         f"replica {done_rank} finished after {done_calls} collective call(s) while other replicas "
-                        f"wait in call #{call}: the replicas reach different numbers of batch-norm calls "
-                        "(data-dependent control flow), which synchronized batch norm cannot pair up. Make every "
-                        "replica run the same batch-norm layers, or train without sync_batchnorm"
+                        f"wait in call #{call}: the replicas reach different numbers of batch-norm calls, or of a "
+                        "manual step's manual_backward / optimizer calls (data-dependent control flow: a branch on "
+                        "the chunk's values), which the replicas cannot pair up. Make every replica run the same "
+                        "batch-norm layers and the same manual_backward and optimizer calls (decide from the whole "
+                        "batch, e.g. in on_train_batch_start), or train without sync_batchnorm"
                     )
                     return
 
