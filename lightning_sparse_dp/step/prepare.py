@@ -91,6 +91,15 @@ class PreparedBatch:
     batch: Any
     source: Any
     whole: Any = None
+    marks: list[tuple[int, int]] | None = None  # a PreSplitBatch's: the hooks' batch's tensors when prepared
+
+    def split_source(self, batch: Any) -> Any:
+        """What the step splits, given ``batch``, the hooks' batch the step got: the DataLoader workers' chunks, unless
+        an ``on_*_batch_start`` hook changed that batch since (other tensors, or tensors changed in place), which the
+        chunks cut in the workers do not have: then ``batch`` itself, split in the step as one device's step gets it."""
+        if self.marks is not None and _tensor_marks(batch) != self.marks:
+            return batch
+        return self.source
 
 
 def lightning_transfer(module: Any, dataloader_idx: int) -> Transfer:
@@ -142,8 +151,9 @@ def prepare_batch(
     if one_device and not isinstance(batch, PreSplitBatch) and not me_tensors_elsewhere(batch, devices[0]):
         whole = lightning_transfer(module, dataloader_idx)(batch, devices[0])  # plain Lightning's batch_to_device
         return PreparedBatch(batch=whole, source=None, whole=whole)
-    if not transfer_hooks_overridden(module):
-        return PreparedBatch(batch=hooks_batch, source=batch)  # cut and placed in the step (in the replicas' threads)
+    if not transfer_hooks_overridden(module):  # cut and placed in the step (in the replicas' threads)
+        kept = isinstance(batch, PreSplitBatch) and hooks_batch is not batch
+        return PreparedBatch(batch=hooks_batch, source=batch, marks=_tensor_marks(hooks_batch) if kept else None)
     _cache.info(  # what the hooks' batch is, once per process (WarningCache): the transfer hooks' changes are the chunks'
         "sparse_dp: the module's (or its datamodule's) own batch-transfer hooks (transfer_batch_to_device, "
         "on_after_batch_transfer) run on each replica's chunk, as on each DDP rank's batch; the hooks and callbacks "

@@ -320,7 +320,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._timer.new_step()
         manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
         in_threads = self._in_threads() and not manual
-        call = StepCall(name=name, batch=args[0], source=prepared.source, module=module, args=args[1:], kwargs=kwargs,
+        call = StepCall(name=name, batch=args[0], source=prepared.split_source(args[0]), module=module, args=args[1:],
+                        kwargs=kwargs,
                         manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache,
                         parallel_devices=devices)
         return StepContext(call), None

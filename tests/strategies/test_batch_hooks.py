@@ -290,3 +290,26 @@ def test_evaluation_in_float64_with_the_modules_own_transfer_hook_runs():
     got = trainer(strategy="sparse_dp", devices=3, **kwargs).validate(ours, loader(*batches), verbose=False)
     want = trainer(**kwargs).validate(reference, loader(*batches), verbose=False)
     assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-10)
+
+
+class _ChangesTheBatch(L.Callback):
+    """An augmentation callback: the features scaled and the labels remapped in ``on_train_batch_start``."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["features"] = batch["features"] * 3.0 + 1.0
+        batch["labels"].fill_(2)
+
+
+def test_a_batch_changed_at_batch_start_reaches_the_step_when_workers_split_it():
+    """With DataLoader workers the chunks are cut in the workers (presplit); a callback changing the batch in
+    on_train_batch_start changed the hooks' batch only, and the replicas trained on the workers' chunks without it (0.5
+    off one device after an epoch, the check saying 'equals'). A batch the hooks changed is split in the step now, as
+    without workers."""
+    from tests.support.exact import state_differences, trainer64
+
+    samples = random_samples(14, seed=5)
+    ours, reference = same_start()
+    trainer64(strategy="sparse_dp", devices=3, max_steps=2, callbacks=[_ChangesTheBatch()]).fit(
+        ours, sample_loader(samples, num_workers=2))
+    trainer64(max_steps=2, callbacks=[_ChangesTheBatch()]).fit(reference, sample_loader(samples))
+    assert max(state_differences(ours, reference).values()) <= 1e-10
