@@ -223,10 +223,12 @@ class SingleProcessParallelStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._say_in_replica("strategy.broadcast")
         return obj
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        self._say_in_replica("strategy.reduce_boolean_decision")
         return decision
 
     @override

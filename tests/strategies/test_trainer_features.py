@@ -191,26 +191,43 @@ def test_the_generators_replicas_share():
 
 
 class _GathersInTheStep(SparseNet):
-    """DDP-style code: ``self.all_gather`` in the step (a contrastive loss over every rank's batch)."""
+    """DDP-style code: ``self.all_gather`` in the step (a contrastive loss over every rank's batch), or another of the
+    strategy's collectives (a threshold broadcast from rank 0, a decision agreed on by every rank)."""
+
+    def __init__(self, call: str = "self.all_gather"):
+        super().__init__()
+        self.call = call
 
     def training_step(self, batch, batch_idx):
         x = ME.SparseTensor(batch["features"], batch["coordinates"], device=self.device)
         logits = self(x)
-        self.gathered_rows = self.all_gather(logits.detach()).shape[-2]
+        strategy = self.trainer.strategy
+        if self.call == "self.all_gather":
+            self.gathered_rows = self.all_gather(logits.detach()).shape[-2]
+        elif self.call == "strategy.broadcast":
+            self.threshold = strategy.broadcast(float(logits.detach().max()))
+        else:
+            self.decided = strategy.reduce_boolean_decision(bool(logits.detach().max() > 0))
         return F.cross_entropy(logits, batch["labels"])
 
 
+@pytest.mark.parametrize("call", ["self.all_gather", "strategy.broadcast", "strategy.reduce_boolean_decision"])
 @pytest.mark.parametrize(("devices", "said"), [(3, True), (1, False)])
-def test_a_collective_in_a_replicas_step_is_said(devices, said):
-    # a replica's all_gather returns its chunk's rows (no collective between the replica threads), said once
+def test_a_collective_in_a_replicas_step_is_said(devices, said, call):
+    """A replica's all_gather returns its chunk's rows (no collective between the replica threads), said once; so do
+    broadcast and reduce_boolean_decision (each replica's own value, where DDP's ranks get rank 0's or agree: they
+    said nothing)."""
+    from lightning_sparse_dp.runtime.process import SAID_ONCE
+
+    SAID_ONCE.difference_update({m for m in SAID_ONCE if "in a replica's step returns" in m})
     batches = [collate_dict(random_samples(9, seed=80 + i)) for i in range(2)]
-    module = _GathersInTheStep()
+    module = _GathersInTheStep(call)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(strategy="sparse_dp", devices=devices, max_steps=2).fit(module, loader(*batches))
     messages = [str(w.message) for w in caught if "in a replica's step returns" in str(w.message)]
     assert len(messages) == int(said), messages
-    assert not said or "self.all_gather" in messages[0]
+    assert not said or call in messages[0]
 
 
 class _Scheduled(SparseNet):
