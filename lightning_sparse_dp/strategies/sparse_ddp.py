@@ -286,7 +286,8 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         output = self._weighted("training_step", args, kwargs)
         memory = self._site_memory
         sites, memory.last_sites = memory.last_sites, None  # every rank's: decided from every rank's summaries
-        if sites is not None and check.mode is not None and not iterating and check.new_sites(sites):
+        if (sites is not None and check.mode is not None and not iterating and sites not in check.site_sets
+                and check.new_sites(sites)):
             if not checked:  # a loss call site no checked step called: this step checked too, after its forward
                 check_rank_step(self, args, kwargs, again=True)
         return output

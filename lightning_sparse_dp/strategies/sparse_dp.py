@@ -238,7 +238,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
                 "on_train_batch_end(outputs, batch, batch_idx), which gets the gathered outputs and the whole batch."
             )
         sites, self._step_sites = self._step_sites, None
-        if sites is not None and check.mode is not None and check.new_sites(sites):  # loss call sites not checked
+        if sites is not None and check.mode is not None and sites not in check.site_sets and check.new_sites(sites):
             if not checked:  # a term after a warm-up, alternating objectives: this step checked too, after its forward
                 check_training_step(self, args, kwargs, again=True)
         return output
