@@ -71,6 +71,7 @@ class ManualStep:
         self.weights, self.terms = list(weights), terms
         # the module's own hooks, run once: what they change on it is one device's (ModuleChanges.once_on_module)
         self.on_module = on_module
+        self._versions = self._marks()  # the module's parameters as the step (or its last optimizer step) left them
 
     # --- the stand-ins, called in replica threads ------------------------------------------------
     def manual_backward(self, rank: int, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -166,7 +167,9 @@ class ManualStep:
                 param.grad = grad
 
     def hide(self) -> None:
-        """The replicas' ``.grad`` cleared (when the step ends)."""
+        """The replicas' ``.grad`` cleared (when the step ends); parameters the step changed in place after its last
+        optimizer step (an update by hand, without an optimizer) said."""
+        self._say_changed_in_place()
         for params in self.replicas.parameters[: self.count]:
             for param in params:
                 param.grad = None
@@ -180,11 +183,32 @@ class ManualStep:
                 param.requires_grad_(source.requires_grad)
         return out
 
+    def _marks(self) -> list[int]:
+        return [p._version for p in self.replicas.trainable]
+
+    def _say_changed_in_place(self) -> None:
+        """Said once, before an optimizer's step: the step changed the module's trainable parameters in place since the
+        step began (or since the last optimizer step): CPU replicas share them (their version counters too), so every
+        replica made the change, where one device's step makes it once."""
+        if self.count < 2 or self.replicas.devices[0].type != "cpu":
+            return
+        changed = [p for p, before, now in zip(self.replicas.trainable, self._versions, self._marks()) if before != now]
+        if changed:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            shown = ", ".join(names.get(id(p), "?") for p in changed[:3]) + (", ..." if len(changed) > 3 else "")
+            _OVERRIDE_SAID.warn(
+                f"sparse_dp: the manual step changed the module's parameters in place outside the optimizer's step "
+                f"({shown}: a decay or update by hand, p.mul_(0.95)): CPU replicas share them, so every replica made "
+                "the change, once per replica, where one device's step makes it once. Make it through the optimizer "
+                "(weight_decay=), or once per step in on_train_batch_end or an optimizer_step override."
+            )
+
     def write_back(self) -> None:
         """Before an optimizer's step: the param groups the root replica changed in the step (its copies) into the
         trainer's optimizers, as rank 0's optimizer steps with its own groups, and the gradients the root replica's step
         gave its parameters in place of those it was given (``p.grad = p.grad.clamp(-c, c)``) into the module's, as
         rank 0's optimizer steps with its own gradients (run once, while every replica waits)."""
+        self._say_changed_in_place()
         root = self.replicas.rank_optimizers[0] if self.replicas.rank_optimizers else None
         if root is not None and root.copies:
             root.write_back()
@@ -197,6 +221,7 @@ class ManualStep:
     def stepped(self) -> None:
         """After an optimizer step: CUDA replicas on other devices get the module's new parameters."""
         self.replicas._copy_parameters(self.count)
+        self._versions = self._marks()
 
 
 #: ``inside``: whether the calling thread runs a call the replicas make once (:meth:`ManualStep.once`)

@@ -263,12 +263,12 @@ class _KeepsHookValues(ManualOptimization, SparseNet):
 
 def _fit_three_steps(cls, names: tuple[str, ...]):
     """``cls`` fit three steps on 3 replicas and on one device from the same start: ``(ours, reference, lines)``, the
-    lines the replicas' fit said naming ``self.<name>`` for one of ``names`` (said afresh: the process's said-once
-    cache forgets them first)."""
+    lines the replicas' fit said holding one of ``names`` (said afresh: the process's said-once cache forgets them
+    first)."""
     from lightning_sparse_dp.runtime.process import SAID_ONCE
 
     def named(message: str) -> bool:
-        return any(f"self.{name}" in message for name in names)
+        return any(name in message for name in names)
 
     SAID_ONCE.difference_update({m for m in SAID_ONCE if named(m)})
     batches = [collate_dict(random_samples(7, seed=s)) for s in (91, 92, 93)]
@@ -287,7 +287,7 @@ def test_the_modules_own_hooks_run_once_in_a_manual_step_change_it_as_one_device
     batch's loss, on_after_backward) changed the module's lists, tensors and objects as one device's step does, yet
     each change got a false line ('changed in the step through the module itself', 'changed in place', 'was changed
     in the step'). They are one device's changes now, said by nothing; the values equal one device's."""
-    ours, reference, said = _fit_three_steps(_KeepsHookValues, ("before", "count", "meter", "after"))
+    ours, reference, said = _fit_three_steps(_KeepsHookValues, ("self.before", "self.count", "self.meter", "self.after"))
     assert said == [], said
     assert ours.before == pytest.approx(reference.before, rel=1e-10) and len(ours.before) == 3
     assert ours.after == reference.after == [1, 2, 3]
@@ -325,7 +325,7 @@ def test_what_the_modules_own_hooks_change_in_its_dicts_in_a_manual_step_is_kept
     steps where one device's read 3, said by nothing: the replicas' copies, made before the hook ran, were merged over
     it. The merge now compares the copies with what they were made from, so the hooks' changes stand, beside the
     step's own change of the same dict, as one device's; nothing is said."""
-    ours, reference, said = _fit_three_steps(_HooksChangeDicts, ("counts", "nested", "rows"))
+    ours, reference, said = _fit_three_steps(_HooksChangeDicts, ("self.counts", "self.nested", "self.rows"))
     assert said == [], said
     assert reference.counts == {"backward": 3, "step": 2, "added": 6}
     assert (ours.counts, ours.nested, ours.rows) == (reference.counts, reference.nested, reference.rows)
@@ -456,3 +456,21 @@ def test_clipping_over_the_optimizers_param_groups_clips_each_replicas_own_gradi
     copies of the groups hold its own parameters now, as a DDP rank's optimizer holds its own."""
     ours, reference, _ = _fit_three_steps(_ClipsOverTheGroups, ())
     assert max(state_differences(ours, reference).values()) <= 1e-10
+
+
+class _DecaysByHand(ManualOptimization, SparseNet):
+    """A weight decay by hand before the optimizer's step: ``p.mul_(0.95)`` over the module's parameters."""
+
+    def before_step(self, opt):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(0.95)
+
+
+def test_parameters_a_manual_step_changes_in_place_are_said_on_cpu_replicas():
+    """CPU replicas share the module's parameters (and their version counters), so a decay by hand in the step was made
+    by every replica, 0.95**3 a step where one device's makes 0.95 (0.27 off after 3 steps), silently (manual steps
+    have no exactness check). It is said now, naming the optimizer's weight_decay."""
+    ours, reference, said = _fit_three_steps(_DecaysByHand, ("in place outside the optimizer's step",))
+    assert len(said) == 1 and "weight_decay=" in said[0], said
+    assert max(state_differences(ours, reference).values()) > 1e-3  # what the line is about
