@@ -132,6 +132,12 @@ def backward(module: nn.Module, loss: Tensor | None) -> None:
             module.backward(loss)  # type: ignore[operator]
 
 
+def eval_key(hook: str, dataloader_idx: int = 0) -> str:
+    """What :attr:`ExactnessCheck.evaluated` notes of an evaluation step: its hook, and its dataloader after the first
+    (a second validation loader's values are checked at its own first step)."""
+    return hook if not dataloader_idx else f"{hook}[{dataloader_idx}]"
+
+
 class ExactnessCheck:
     """When to check, and the check itself, for one strategy.
 
@@ -222,18 +228,19 @@ class ExactnessCheck:
         site no checked step called."""
         self._last = global_step
 
-    def eval_due(self, hook: str) -> bool:
+    def eval_due(self, hook: str, dataloader_idx: int = 0) -> bool:
         """Whether this step of the evaluation hook ``hook`` (``"validation_step"``, ``"test_step"``,
-        ``"predict_step"``) is checked: the first of each hook in a run (fit, validate, test, predict; noted as
-        checked)."""
-        if self.mode is None or hook in self.evaluated:
+        ``"predict_step"``) is checked: the first of each hook and dataloader in a run (fit, validate, test, predict;
+        noted as checked: :func:`eval_key`)."""
+        key = eval_key(hook, dataloader_idx)
+        if self.mode is None or key in self.evaluated:
             return False
-        self.evaluated.add(hook)
+        self.evaluated.add(key)
         return True
 
     def run(
         self, module: nn.Module, trainer: Any, one_device: Run, replicas: Run, count: int, samples: Callable[[], Any],
-        batch_norm_eval: bool, warnings: WarningCache, evaluation: tuple[str, int] | None = None,
+        batch_norm_eval: bool, warnings: WarningCache, evaluation: tuple[Any, ...] | None = None,
     ) -> Outcome:
         """Run both steps on float64 copies of ``module``, compare, say the outcome (see the module docstring).
 
@@ -244,8 +251,8 @@ class ExactnessCheck:
                 named in what is said.
             batch_norm_eval: batch norm in eval mode in both copies (not synchronized across replicas).
             warnings: where what is said once goes.
-            evaluation: ``(hook, batch_idx)`` of an evaluation step (``("validation_step", 0)``): its logged values,
-                metrics' states and returned tensors compared, no backward; ``None``: a training step.
+            evaluation: ``(hook, batch_idx, dataloader_idx)`` of an evaluation step (``("validation_step", 0, 0)``):
+                its logged values, metrics' states and returned tensors compared, no backward; ``None``: a training step.
 
         Raises:
             ExactnessError: under ``mode="error"``, when the steps differ.
@@ -312,11 +319,12 @@ class ExactnessCheck:
         return Outcome(found, compared=len(found), reading=reading)
 
     def _say(self, outcome: Outcome, count: int, samples: Any, warnings: WarningCache, held: list[str],
-             evaluation: tuple[str, int] | None = None) -> None:
+             evaluation: tuple[Any, ...] | None = None) -> None:
         strategy = self.strategy
         who = "replicas" if strategy == "sparse_dp" else "ranks"
         what = f"training step {self._last}" if evaluation is None else (
-            f"{evaluation[0].removesuffix('_step')} step {evaluation[1]}")
+            f"{evaluation[0].removesuffix('_step')} step {evaluation[1]}"
+            + (f" of dataloader {evaluation[2]}" if len(evaluation) > 2 and evaluation[2] else ""))
         left_out = f", with {' and '.join(held)} in both runs".replace("{who}", who[:-1]) if held else ""
         if outcome.skipped is not None:
             goes_on = "Training goes on" if evaluation is None else "The run goes on"
@@ -423,6 +431,6 @@ def _figure(d: float) -> str:
 
 
 __all__ = [
-    "OUTPUT_KEY", "ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "one_device_step", "quiet_step",
-    "resolve_mode",
+    "OUTPUT_KEY", "ExactnessCheck", "ExactnessError", "Outcome", "TOLERANCE", "backward", "eval_key", "one_device_step",
+    "quiet_step", "resolve_mode",
 ]

@@ -175,7 +175,8 @@ def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple
     measurement sees."""
     module, check, devices = strategy.lightning_module, strategy._exactness, strategy.parallel_devices or []
     trainer = trainer_of(module)
-    if module is None or trainer is None or len(devices) < 2 or not args or not check.eval_due(name):
+    dataloader_idx = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+    if module is None or trainer is None or len(devices) < 2 or not args or not check.eval_due(name, dataloader_idx):
         return
     batch, root = args[0], strategy.root_device
     whole = batch.batch if isinstance(batch, PreSplitBatch) else batch
@@ -196,7 +197,7 @@ def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple
     with torch.inference_mode(False), torch.no_grad():
         check.run(module, trainer, on_one_device, on_replicas, len(devices),
                   lambda: samples[-1] if samples else "batch's", batch_norm_eval=False, warnings=strategy._warning_cache,
-                  evaluation=(name, args[1] if len(args) > 1 else 0))
+                  evaluation=(name, args[1] if len(args) > 1 else 0, dataloader_idx))
 
 
 def check_rank_step(strategy: SparseDDPStrategy, args: tuple, kwargs: dict, again: bool = False) -> bool:

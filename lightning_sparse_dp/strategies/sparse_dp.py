@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from lightning_sparse_dp.exactness.check import eval_key
 from lightning_sparse_dp.loss.weights import HeldWeighting
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
@@ -245,24 +246,28 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._exactness.mode is not None and "validation_step" not in self._exactness.evaluated:  # its first step
-            check_eval_step(self, "validation_step", args, kwargs)
+        self._check_first_eval_step("validation_step", args, kwargs)
         with self.precision_plugin.val_step_context():
             return self._step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._exactness.mode is not None and "test_step" not in self._exactness.evaluated:  # its first step
-            check_eval_step(self, "test_step", args, kwargs)
+        self._check_first_eval_step("test_step", args, kwargs)
         with self.precision_plugin.test_step_context():
             return self._step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._exactness.mode is not None and "predict_step" not in self._exactness.evaluated:  # its first step
-            check_eval_step(self, "predict_step", args, kwargs)
+        self._check_first_eval_step("predict_step", args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", args, kwargs)
+
+    def _check_first_eval_step(self, hook: str, args: tuple, kwargs: dict) -> None:
+        """The exactness check of the first step of each evaluation hook and dataloader in a run (the set lookup first:
+        every later step passes it)."""
+        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        if self._exactness.mode is not None and eval_key(hook, index) not in self._exactness.evaluated:
+            check_eval_step(self, hook, args, kwargs)
 
     def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
         """One step through the stages (:meth:`_through_stages`), the replicas' ``self.log`` calls then logged once
