@@ -47,6 +47,8 @@ class StepCall:
         parallel_devices: the strategy's devices, one per replica, root device first, read once when the step starts
             (the hub's stages read them here, not from the strategy's property); empty for a context made outside the
             hub (``parallel_apply`` without a step).
+        logged: the strategy's reading of logged names across steps (:class:`~lightning_sparse_dp.step.log.LogMemory`),
+            ``None`` outside the hub.
     """
 
     name: str
@@ -60,6 +62,7 @@ class StepCall:
     timer: StepTimer
     warnings: WarningCache
     parallel_devices: tuple[torch.device, ...] = ()
+    logged: Any = None
 
 
 @dataclass(eq=False)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,6 +88,33 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
             raise ValueError(f"reduce_fx={reduce_fx!r} is not supported; use 'mean', 'sum', 'max', 'min' or a callable.")
         reduce_fx = _NAMED[reduce_fx]
     return reduce_fx(stacked)
+
+
+@dataclass
+class LogMemory:
+    """What a strategy's steps showed of its logged names, kept for the run: values that equal each other in every
+    replica at one step by chance are read as earlier steps showed them.
+
+    Attributes:
+        counts: names logged as integers that differed between the replicas at some step (each chunk's count, summed),
+            summed also where every replica counts the same (one correct prediction each), not taken as one value.
+        own_sizes: names whose ``batch_size=`` differed between the replicas at some step (each chunk's count, summed),
+            summed also where the replicas' counts are equal (10 labeled points each), not taken as one constant.
+    """
+
+    counts: set[str] = field(default_factory=set)
+    own_sizes: set[str] = field(default_factory=set)
+
+    def constant(self, name: str, sizes: Sequence[Any], replicas: Sequence[int], num_samples: int,
+                 chunk_samples: Sequence[int] | None, chunk_points: Callable[[], Sequence[Sequence[int]]]) -> Any:
+        """:func:`constant_batch_size`, where this name's sizes differed between the replicas before: ``None``
+        (each chunk's count) unless the size is the whole batch's."""
+        if len(sizes) > 1 and any(s != sizes[0] for s in sizes[1:]):
+            self.own_sizes.add(name)
+        constant = constant_batch_size(sizes, replicas, num_samples, chunk_samples, chunk_points)
+        if constant is not None and name in self.own_sizes and constant != num_samples:
+            return None
+        return constant
 
 
 def constant_batch_size(
@@ -141,6 +169,7 @@ def reduce_log_calls(
     infer_batch_size: bool = False,
     chunk_samples: Sequence[int] | None = None,
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
+    memory: LogMemory | None = None,
 ) -> list[LogCall]:
     """Merge the calls of every replica into one call per name, in the order names were first logged.
 
@@ -161,8 +190,10 @@ def reduce_log_calls(
             ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
         chunk_points: gives, per point set, each replica's points (a ``batch_size=`` that is each chunk's point
             count); called only where needed.
+        memory: the strategy's :class:`LogMemory` (a fresh one when not given: this step alone).
     """
     warning_cache = _WARNINGS if warning_cache is None else warning_cache
+    memory = LogMemory() if memory is None else memory
     names: list[str] = []
     for rec in recorders:
         names.extend(n for n in rec.calls if n not in names)
@@ -188,12 +219,12 @@ def reduce_log_calls(
             value = exact([i for i, _ in present], [c.value for _, c in present])
         if value is None:
             value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples,
-                                   chunk_samples, chunk_points)
+                                   chunk_samples, chunk_points, memory)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(s is not None for s in sizes):  # one size passed by every replica (the batch's, a constant) counts once
-            constant = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points)
+            constant = memory.constant(name, sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points)
             kwargs["batch_size"] = constant if constant is not None else sum(sizes)
         elif infer_batch_size:  # Lightning infers it from the step's whole batch (its warning included), as on one device
             kwargs.pop("batch_size", None)
@@ -241,8 +272,10 @@ def _reduce_values(
     num_samples: int = 0,
     chunk_samples: Sequence[int] | None = None,
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
+    memory: LogMemory | None = None,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
+    memory = LogMemory() if memory is None else memory
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
     w = [weights[i] for i, _ in present]
     keep = [j for j, v in enumerate(values) if w[j] != 0 or bool(torch.isfinite(v).all())]
@@ -257,7 +290,10 @@ def _reduce_values(
         reduce_fx = "mean"  # the loss (or its .item()) is a weighted mean, whatever Lightning reduces it by over an epoch
     elif all(_is_integer(c.value) for _, c in present) and (
             "reduce_fx" not in kwargs or (reduce_fx in (*MEAN_NAMES, torch.mean) and (
-                not _all_equal(values) or _chunk_counts(values, present, chunk_samples, chunk_points)))):
+                name in memory.counts or not _all_equal(values)
+                or _chunk_counts(values, present, chunk_samples, chunk_points)))):
+        if not _all_equal(values):
+            memory.counts.add(name)
         # a count of each chunk (log_dict passes reduce_fx="mean" for every value): the whole batch's is their sum
         warning_cache.warn(
             f"sparse_dp: self.log({name!r}, <integer>) from several replicas is logged as the sum over the replicas "
@@ -279,7 +315,7 @@ def _reduce_values(
         sizes = [c.kwargs.get("batch_size") for _, c in present]
         if all(n is not None for n in counts):  # means the step computed: weighted by their own element counts
             return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
-        per_chunk = constant_batch_size(sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points) is None
+        per_chunk = memory.constant(name, sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points) is None
         if all(isinstance(s, numbers.Number) for s in sizes) and per_chunk:
             warning_cache.info(
                 f"sparse_dp: self.log({name!r}, ..., batch_size=<each chunk's count>) differs between replicas and is "
@@ -319,7 +355,8 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
             infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
             chunk_points=lambda: step.plan.points_per_set,  # read where needed
+            memory=step.call.logged,
         )
 
 
-__all__ = ["constant_batch_size", "log_step", "emit", "reduce_log_calls"]
+__all__ = ["LogMemory", "constant_batch_size", "log_step", "emit", "reduce_log_calls"]

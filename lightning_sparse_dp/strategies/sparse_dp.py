@@ -32,7 +32,7 @@ from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepCall, StepContext
-from lightning_sparse_dp.step.log import emit, log_step
+from lightning_sparse_dp.step.log import LogMemory, emit, log_step
 from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch, say_changed_after_cut
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import step_cutters
@@ -171,6 +171,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._said_idle = False  # replicas left idle by a batch of fewer chunks, said once (step.scatter.say_idle)
         self._checking = False  # the exactness check's run of the stages (strategies/exactness.py)
         self._frozen_written: set[str] = set()  # frozen parameters steps change in place (step.replicate.Replicas)
+        self._log_memory = LogMemory()  # what the steps showed of the logged names (step/log.py), for the run
         self._batch_norm_seen: set[int] = set()  # ids of the batch-norm layers setup (or a rebuild) synchronized or said
         self._prepared: PreparedBatch | None = None  # the last batch batch_to_device prepared, for its step
         self._backward_scope = ExitStack()  # Lightning's backward, from pre_backward to post_backward
@@ -328,7 +329,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         call = StepCall(name=name, batch=args[0], source=prepared.split_source(args[0]), module=module, args=args[1:],
                         kwargs=kwargs,
                         manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache,
-                        parallel_devices=devices)
+                        parallel_devices=devices, logged=self._log_memory)
         return StepContext(call), None
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
