@@ -73,6 +73,9 @@ class SparseStrategyMixin:
         self.split = split
         self.layout = dict(layout) if layout else None
         self._site_memory = SiteMemory()  # how the step's loss call sites were read (term_weights), for the run
+        # the evaluation steps' own (validation inside a fit reads its losses as a validate() run does, not by what the
+        # training steps showed of the same call sites: a loop whose count changed between training steps)
+        self._eval_site_memory = SiteMemory()
         self._constant_sizes: dict[str, bool] = {}  # logged names' batch_size= read as a constant (ddp/logged_means.py)
         self.allow_unpatched_me = allow_unpatched_me
         #: the exactness check of training steps (:mod:`~lightning_sparse_dp.exactness.check`)

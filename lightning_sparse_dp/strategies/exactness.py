@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from lightning_sparse_dp.strategies.sparse_dp import SparseDataParallelStrategy
 
 #: the strategy's attributes that hold per-run state of its steps, swapped for fresh values while the check runs
-_PER_RUN = ("_replicas", "_replica_sync_layers", "_replica_metrics", "_site_memory", "_said_idle", "_timer",
-            "_warning_cache")
+_PER_RUN = ("_replicas", "_replica_sync_layers", "_replica_metrics", "_site_memory", "_eval_site_memory", "_said_idle",
+            "_timer", "_warning_cache")
 
 
 class _Unsaid(WarningCache):
@@ -70,7 +70,8 @@ def apart(strategy: SparseDataParallelStrategy) -> Iterator[None]:
     is left for the step itself to say), its own back after it."""
     kept = {name: getattr(strategy, name) for name in _PER_RUN}
     fresh = {"_replicas": None, "_replica_sync_layers": [], "_replica_metrics": ReplicaMetrics(),
-             "_site_memory": SiteMemory(), "_said_idle": True, "_timer": StepTimer(None, prefix="[sparse_dp check]"),
+             "_site_memory": SiteMemory(), "_eval_site_memory": SiteMemory(), "_said_idle": True,
+             "_timer": StepTimer(None, prefix="[sparse_dp check]"),
              "_warning_cache": _Unsaid()}
     for name, value in fresh.items():
         setattr(strategy, name, value)
