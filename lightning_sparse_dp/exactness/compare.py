@@ -78,7 +78,9 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
         return None if t is None else t.detach().to("cpu", copy=True)
 
     states = {}
-    found = list(module.named_modules()) + list(_attribute_metrics(module)) if metrics else []
+    leaves = list(_attribute_leaves(module))
+    # the module's metrics, and those it keeps in plain lists and dicts (no submodule: ``{"loss": MeanMetric()}``)
+    found = [*module.named_modules(), *((n, v) for n, v in leaves if isinstance(v, Metric))] if metrics else []
     for path, m in found:
         if isinstance(m, Metric):
             for name, value in m.metric_state.items():
@@ -98,58 +100,41 @@ def record_step(module: nn.Module, loss: Tensor | None, logged: Mapping[str, Any
         metrics=states,
         logged=values,
         outputs={name: keep(t) for name, t in output_tensors(output).items()},  # type: ignore[misc]
-        attributes={name: keep(t) for name, t in _attribute_tensors(module).items()},  # type: ignore[misc]
+        attributes={name: keep(t) for name, t in _attribute_tensors(leaves).items()},  # type: ignore[misc]
     )
 
 
-#: nesting levels of lists, tuples and dicts read in the module's attributes (:func:`_attribute_tensors`)
+#: nesting levels of lists, tuples and dicts read in the module's attributes (:func:`_attribute_leaves`)
 ATTRIBUTE_DEPTH = 4
 
 
-def _attribute_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """The module's own public attributes (its ``__dict__``, not parameters, buffers or submodules) and Lightning's
-    ``hparams`` that are tensors or numbers (a count kept on the module, ``self.num_pos += int((y == 1).sum())``; as
-    float64 0-dim tensors), or hold them in lists, tuples and dicts (to :data:`ATTRIBUTE_DEPTH` levels), by path
-    (``"preds[2]"``, ``"counts['pos']"``, ``"hparams['n_steps']"``)."""
-    out: dict[str, Tensor] = {}
-
-    def read(name: str, value: Any, depth: int) -> None:
-        if isinstance(value, Tensor):
-            out[name] = value
-        elif isinstance(value, numbers.Real):
-            out[name] = torch.tensor(float(value), dtype=torch.float64)
-        elif depth < ATTRIBUTE_DEPTH and isinstance(value, (list, tuple)):
-            for k, v in enumerate(value):
-                read(f"{name}[{k}]", v, depth + 1)
-        elif depth < ATTRIBUTE_DEPTH and isinstance(value, Mapping):
-            for k, v in value.items():
-                read(f"{name}[{k!r}]", v, depth + 1)
-
-    for name, value in vars(module).items():
-        if not name.startswith("_"):
-            read(name, value, 0)
-    hparams = vars(module).get("_hparams")
-    if isinstance(hparams, Mapping):
-        read("hparams", dict(hparams), 0)
-    return out
-
-
-def _attribute_metrics(module: nn.Module) -> Iterator[tuple[str, Metric]]:
-    """``(path, metric)`` of the ``torchmetrics`` metrics the module keeps in plain lists, tuples and dicts of its public
-    attributes (``self.meters = {"loss": MeanMetric()}``, not an ``nn.ModuleDict``: no submodule of the module)."""
-    def read(name: str, value: Any, depth: int) -> Iterator[tuple[str, Metric]]:
-        if isinstance(value, Metric):
-            yield name, value
-        elif depth < ATTRIBUTE_DEPTH and isinstance(value, (list, tuple)):
+def _attribute_leaves(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, value)`` of what the module's own public attributes (its ``__dict__``, not parameters, buffers or
+    submodules) and Lightning's ``hparams`` hold, the lists, tuples and dicts among them read through (to
+    :data:`ATTRIBUTE_DEPTH` levels) by path (``"preds[2]"``, ``"counts['pos']"``, ``"hparams['n_steps']"``)."""
+    def read(name: str, value: Any, depth: int) -> Iterator[tuple[str, Any]]:
+        if depth < ATTRIBUTE_DEPTH and isinstance(value, (list, tuple)):
             for k, v in enumerate(value):
                 yield from read(f"{name}[{k}]", v, depth + 1)
         elif depth < ATTRIBUTE_DEPTH and isinstance(value, Mapping):
             for k, v in value.items():
                 yield from read(f"{name}[{k!r}]", v, depth + 1)
+        else:
+            yield name, value
 
     for name, value in vars(module).items():
-        if not name.startswith("_") and isinstance(value, (list, tuple, Mapping)):
+        if not name.startswith("_"):
             yield from read(name, value, 0)
+    hparams = vars(module).get("_hparams")
+    if isinstance(hparams, Mapping):
+        yield from read("hparams", dict(hparams), 0)
+
+
+def _attribute_tensors(leaves: list[tuple[str, Any]]) -> dict[str, Tensor]:
+    """Of the module's attribute ``leaves`` (:func:`_attribute_leaves`), the tensors and numbers (a count kept on the
+    module, ``self.num_pos += int((y == 1).sum())``; as float64 0-dim tensors), by path."""
+    return {name: v if isinstance(v, Tensor) else torch.tensor(float(v), dtype=torch.float64)
+            for name, v in leaves if isinstance(v, (Tensor, numbers.Real))}
 
 
 def output_tensors(output: Any, path: str = "output") -> dict[str, Tensor]:

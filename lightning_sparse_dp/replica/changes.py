@@ -272,37 +272,30 @@ class ModuleChanges:
         self._say_chunk_count(name, values, copies, warning_cache)
         setattr(target, key, self._combined(name, values, combine, warning_cache))
 
-    def _say_chunk_count(self, name: str, values: list[Any], copies: list[Any], warning_cache: WarningCache) -> None:
-        """Said once: a Python int every replica's step grew by one number ``d`` that is each chunk's number of samples
-        or points (``self.seen += len(labels)`` over equal chunks), which the replicas agree on, so the module keeps
-        it, where one device's step grows it by the batch's count."""
+    def _chunk_count(self, values: list[Any], copies: list[Any]) -> int | None:
+        """``d`` when every replica's Python int in ``values`` differs from its ``copies`` entry by one nonzero number
+        ``d`` that is each chunk's number of samples or points (a count of the chunk over equal chunks, which the
+        replicas agree on), else ``None``."""
         plan = self.plan
         if plan is None or len(values) < 2 or not all(type(v) is int and type(c) is int for v, c in zip(values, copies)):
-            return
+            return None
         deltas = {v - c for v, c in zip(values, copies)}
         if len(deltas) != 1 or 0 in deltas:
-            return
+            return None
         d = deltas.pop()
-        if plan.counts_each_chunk(d):
+        return d if plan.counts_each_chunk(d) else None
+
+    def _say_chunk_count(self, name: str, values: list[Any], copies: list[Any], warning_cache: WarningCache) -> None:
+        """Said once: a Python int every replica's step grew by one number ``d`` that is each chunk's number of samples
+        or points (``self.seen += len(labels)`` over equal chunks, :meth:`_chunk_count`), which the replicas agree on,
+        so the module keeps it, where one device's step grows it by the batch's count."""
+        d = self._chunk_count(values, copies)
+        if d is not None:
             warning_cache.warn(
                 f"sparse_dp: {name} grew by {d} in every replica's step, which is also each chunk's number of samples or "
                 "points: the replicas agree, so the module keeps that change, as DDP keeps rank 0's, where one device's "
                 "step, if it counts the batch, grows it by the whole batch's count. Count from the whole batch in "
                 "on_train_batch_end (or keep the count in a torchmetrics SumMetric, merged across the replicas)."
-            )
-
-    def _say_chunk_value(self, name: str, values: list[Any], warning_cache: WarningCache) -> None:
-        """Said once: a Python int every replica's step appended alike that is each chunk's number of samples or points
-        (``self.sizes.append(len(labels))`` over equal chunks), where one device's step appends the batch's count."""
-        plan = self.plan
-        if plan is None or len(values) < 2 or not all(type(v) is int for v in values) or len(set(values)) != 1:
-            return
-        if values[0] and plan.counts_each_chunk(values[0]):
-            warning_cache.warn(
-                f"sparse_dp: {name} is one number in every replica's step, which is also each chunk's number of samples "
-                "or points: the replicas agree, so the module gets that value, as DDP keeps rank 0's, where one device's "
-                "step, if it counts the batch, appends the whole batch's count. Count from the whole batch in "
-                "on_*_batch_end (or return the count from the step with output_layout={key: 'sum'})."
             )
 
     def _merge_submodules(
@@ -497,10 +490,16 @@ class ModuleChanges:
                 before.extend(self._to_root(a))
             return
         entry = f"the entry appended to {name}"
-        for j in range(next(iter(counts))):
-            self._say_chunk_value(entry, [a[j] for a in added], warning_cache)
-        before.extend([self._combined(entry, [a[j] for a in added], combine, warning_cache, appended=True)
-                       for j in range(counts.pop())])
+        for j in range(counts.pop()):
+            appended = [a[j] for a in added]
+            if self._chunk_count(appended, [0] * len(appended)) is not None:  # len(labels) over equal chunks
+                warning_cache.warn(
+                    f"sparse_dp: {entry} is one number in every replica's step, which is also each chunk's number of "
+                    "samples or points: the replicas agree, so the module gets that value, as DDP keeps rank 0's, where "
+                    "one device's step, if it counts the batch, appends the whole batch's count. Count from the whole "
+                    "batch in on_*_batch_end (or return the count from the step with output_layout={key: 'sum'})."
+                )
+            before.append(self._combined(entry, appended, combine, warning_cache, appended=True))
 
 
 __all__ = ["ModuleChanges"]

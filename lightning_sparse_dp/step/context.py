@@ -65,6 +65,12 @@ class StepCall:
     logged: Any = None
 
 
+def dataloader_index(args: tuple, kwargs: dict) -> int:
+    """The ``dataloader_idx`` of a step hook's call (``validation_step(batch, batch_idx, dataloader_idx)``, positional
+    or by keyword), 0 when it has none (one dataloader)."""
+    return int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+
+
 @dataclass(eq=False)
 class StepContext:
     """One ``sparse_dp`` step: its :class:`StepCall` and, in the order the hub writes them, its stages' results.
@@ -105,4 +111,4 @@ class StepContext:
     weights: list[float] | None = None
 
 
-__all__ = ["StepCall", "StepContext"]
+__all__ = ["StepCall", "StepContext", "dataloader_index"]

@@ -274,8 +274,9 @@ def _reduce_values(
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
     memory: LogMemory | None = None,
 ) -> Tensor:
-    """One logged value from the replicas' values of ``name`` (see the module docstring for the rules)."""
-    memory = LogMemory() if memory is None else memory
+    """One logged value from the replicas' values of ``name`` (see the module docstring for the rules; ``memory``: the
+    step's :class:`LogMemory`, given by :func:`reduce_log_calls`, its one caller)."""
+    assert memory is not None
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
     w = [weights[i] for i, _ in present]
     keep = [j for j, v in enumerate(values) if w[j] != 0 or bool(torch.isfinite(v).all())]
@@ -286,13 +287,13 @@ def _reduce_values(
         return values[0].reshape(())
     reduce_fx = kwargs.get("reduce_fx", "mean")
     is_loss = losses is not None and all(is_loss_value(c.value, losses[i]) for i, c in present)
+    equal = _all_equal(values)  # read once: on a GPU each comparison waits for the device
     if is_loss:
         reduce_fx = "mean"  # the loss (or its .item()) is a weighted mean, whatever Lightning reduces it by over an epoch
     elif all(_is_integer(c.value) for _, c in present) and (
             "reduce_fx" not in kwargs or (reduce_fx in (*MEAN_NAMES, torch.mean) and (
-                name in memory.counts or not _all_equal(values)
-                or _chunk_counts(values, present, chunk_samples, chunk_points)))):
-        if not _all_equal(values):
+                name in memory.counts or not equal or _chunk_counts(values, present, chunk_samples, chunk_points)))):
+        if not equal:
             memory.counts.add(name)
         # a count of each chunk (log_dict passes reduce_fx="mean" for every value): the whole batch's is their sum
         warning_cache.warn(
@@ -308,7 +309,7 @@ def _reduce_values(
             "chunk's samples or points. For a mean (e.g. a loss), log it with reduce_fx='mean' or log the loss "
             "tensor the step returns."
         )
-    if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and _all_equal(values):
+    if reduce_fx in (*MEAN_NAMES, "max", "min", torch.mean, torch.max, torch.min) and equal:
         return values[0].reshape(())  # the mean, max or min of equal values, without rounding
     if reduce_fx in (*MEAN_NAMES, torch.mean) and not is_loss:
         counts = [c.count for _, c in present]

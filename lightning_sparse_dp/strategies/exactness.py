@@ -37,7 +37,7 @@ from lightning_sparse_dp.runtime.compat import trainer_of
 from lightning_sparse_dp.runtime.timing import StepTimer
 from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
-from lightning_sparse_dp.step.context import StepContext
+from lightning_sparse_dp.step.context import StepContext, dataloader_index
 from lightning_sparse_dp.step.prepare import lightning_transfer
 from lightning_sparse_dp.step.replicate import has_batch_norm
 from lightning_sparse_dp.step.scatter import build_sparse
@@ -148,7 +148,7 @@ def _whole_probe(twin: nn.Module, whole: Any, root: torch.device, args: tuple, k
     """The whole batch as one device's step on ``twin`` gets it: float64, its ME tensors built on ``root``, then the
     module's own transfer hooks (which move the rest)."""
     probe = apply_to_collection(float64_batch(whole), SparseSpec, lambda s: build_sparse(s, root))
-    return lightning_transfer(twin, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))(probe, root)
+    return lightning_transfer(twin, dataloader_index(args, kwargs))(probe, root)
 
 
 def _stages_on(
@@ -176,7 +176,7 @@ def check_eval_step(strategy: SparseDataParallelStrategy, name: str, args: tuple
     measurement sees."""
     module, check, devices = strategy.lightning_module, strategy._exactness, strategy.parallel_devices or []
     trainer = trainer_of(module)
-    dataloader_idx = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+    dataloader_idx = dataloader_index(args, kwargs)
     if module is None or trainer is None or len(devices) < 2 or not args or not check.eval_due(name, dataloader_idx):
         return
     batch, root = args[0], strategy.root_device

@@ -65,6 +65,7 @@ from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.runtime.compat import results_of, trainer_of, uses_distributed_sampler
 from lightning_sparse_dp.runtime.threads import ThreadSplit, follow_omp_num_threads
 from lightning_sparse_dp.split import BatchLayoutError, SplitPlan, split_batch
+from lightning_sparse_dp.step.context import dataloader_index
 from lightning_sparse_dp.step.scatter import check_me_devices, place_batch
 from lightning_sparse_dp.strategies.base import SparseStrategyMixin, dataloader_iter_steps
 from lightning_sparse_dp.strategies.checks import warn_eval_batchnorm, warn_unsynchronized_batchnorm
@@ -371,7 +372,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         batch's order (:func:`~lightning_sparse_dp.ddp.exchange.gather_step_outputs`), so each rank returns one device's
         predictions."""
         output = super().predict_step(*args, **kwargs)
-        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        index = dataloader_index(args, kwargs)
         if self.world_size == 1 or not dist.is_initialized() or index >= len(self._predict_samplers):
             return output
         batch_idx = int(args[1] if len(args) > 1 else kwargs["batch_idx"])

@@ -32,7 +32,7 @@ from lightning_sparse_dp.split import HeldLayouts, SplitPlan
 from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
-from lightning_sparse_dp.step.context import StepCall, StepContext
+from lightning_sparse_dp.step.context import StepCall, StepContext, dataloader_index
 from lightning_sparse_dp.step.log import LogMemory, emit, log_step
 from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch, say_changed_after_cut
 from lightning_sparse_dp.step.replicate import Replicas
@@ -241,6 +241,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
                 "on_train_batch_end(outputs, batch, batch_idx), which gets the gathered outputs and the whole batch."
             )
         sites, self._step_sites = self._step_sites, None
+        # the set lookup before new_sites (which repeats it to note the sites): a steady step calls nothing in check.py
         if sites is not None and check.mode is not None and sites not in check.site_sets and check.new_sites(sites):
             if not checked:  # a term after a warm-up, alternating objectives: this step checked too, after its forward
                 check_training_step(self, args, kwargs, again=True)
@@ -271,7 +272,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
     def _check_first_eval_step(self, hook: str, args: tuple, kwargs: dict) -> None:
         """The exactness check of the first step of each evaluation hook and dataloader in a run (the set lookup first:
         every later step passes it)."""
-        index = int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+        index = dataloader_index(args, kwargs)
         if self._exactness.mode is not None and eval_key(hook, index) not in self._exactness.evaluated:
             check_eval_step(self, hook, args, kwargs)
 
@@ -324,7 +325,7 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
             if isinstance(prepared.source, PlacedChunks) and prepared.source.changed_since(args[0]):
                 say_changed_after_cut(name)
         else:
-            prepared = self._prepare(args[0], module, args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0),
+            prepared = self._prepare(args[0], module, dataloader_index(args, kwargs),
                                      devices)
         if prepared.whole is not None:
             return None, prepared.whole
@@ -332,9 +333,8 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         manual = name == "training_step" and not module.automatic_optimization  # chunks and weights known before it
         in_threads = self._in_threads() and not manual
         call = StepCall(name=name, batch=args[0], source=prepared.split_source(args[0]), module=module, args=args[1:],
-                        kwargs=kwargs,
-                        manual=manual, in_threads=in_threads, timer=self._timer, warnings=self._warning_cache,
-                        parallel_devices=devices, logged=self._log_memory)
+                        kwargs=kwargs, manual=manual, in_threads=in_threads, timer=self._timer,
+                        warnings=self._warning_cache, parallel_devices=devices, logged=self._log_memory)
         return StepContext(call), None
 
     def _run_replicas(self, step: StepContext) -> list[Any]:
