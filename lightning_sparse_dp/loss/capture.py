@@ -289,12 +289,16 @@ class TermCapture(StepObserver):
         ):
             return self._reduction(func, args, kwargs)
         plain = kind is None and (not self.forms or not self._touches_forms(args))
-        if plain and self.recording and not self.counts:
+        # no graph to read the chunk's statistics off (a step or block without autograd: an OHEM threshold under
+        # torch.no_grad), or an op on what such a block computed (``ce * weight``): followed
+        following = not self.recording or not torch.is_grad_enabled() or (
+            self.statistics is not None and self.statistics.touches(args, kwargs))
+        if plain and not following and not self.counts:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
         if kind is _SUM_KIND or self.counts:
             self._note_count(kind, args, out)
-        if not self.recording:  # no graph to read the chunk's statistics off: followed here
+        if following:
             self._followed().follow(func, args, kwargs, out)
             if func is torch.autograd.grad and self.forms and self._touches_forms(args[:1]):
                 _say_input_gradients()
@@ -328,8 +332,13 @@ class TermCapture(StepObserver):
             return self.counts.get(id(x)) is x
         return type(x) in (int, float) and x in self.count_values
 
+    def _of_statistics(self, arguments: Any) -> bool:
+        """Whether one of a loss call's ``arguments`` (its input, a target, a weight) is a statistic of the chunk
+        the step computed where autograd records nothing, or was computed from one (:attr:`statistics`)."""
+        return self.statistics is not None and any(self.statistics.holds(a) for a in arguments)
+
     def _followed(self) -> RowStatistics:
-        """:attr:`statistics`, made at the first torch call of a step that records no graph."""
+        """:attr:`statistics`, made at the first torch call the step makes where autograd records nothing."""
         if self.statistics is None:
             self.statistics = RowStatistics()
         return self.statistics
@@ -358,7 +367,7 @@ class TermCapture(StepObserver):
             torch.ones((), dtype=out.dtype, device=out.device),
             site,
             input_rows(func, bound),
-            reduces_rows(bound.get("input")) or (not self.recording and self._followed().holds(bound.get("input"))),
+            reduces_rows(bound.get("input")) or self._of_statistics(bound.values()),
             shared_arguments(func, bound),
         )
         return self._add(term, out, keep, checkpointed)
@@ -394,7 +403,7 @@ class TermCapture(StepObserver):
         term = Term(
             f"torch.{func.__name__}", float(x.numel()) if mean else None,
             torch.ones((), dtype=out.dtype, device=out.device), site, int(x.shape[0]),
-            reduces_rows(x) or (not self.recording and self._followed().holds(x)),  # read off the graph, else followed
+            reduces_rows(x) or self._of_statistics((x,)),  # read off the graph, else followed
         )
         return self._add(term, out, x.numel() > 0 or not mean, checkpointed)
 

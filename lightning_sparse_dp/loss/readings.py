@@ -169,9 +169,10 @@ def _matched_reading(
     for j in range(len(site.coeffs)):
         if len(sites) > 1 and site.coeffs[j] != 0.0 and any(s.statistic[j] for s in sites):
             raise NotExact(
-                f"the input of {site.name} at {site.where} is a reduction over the chunk's rows: a statistic of the "
-                "chunk (e.g. out.F.mean(0), or a top-k / sort of its rows' losses), which no split of the batch "
-                "computes as one device does"
+                f"the input of {site.name} at {site.where} (or a target or weight it was given) comes from a "
+                "reduction over the chunk's rows: a statistic of the chunk (e.g. out.F.mean(0), a top-k / sort of "
+                "its rows' losses, an OHEM threshold or class counts computed under torch.no_grad), which no split "
+                "of the batch computes as one device does"
             )
     divided = _divided_sums(sites, summaries, memory, who, out.notes)
     differ = any(s.coeffs != site.coeffs or s.sums != site.sums for s in sites)

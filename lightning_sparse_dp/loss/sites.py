@@ -246,6 +246,7 @@ _ROW_REDUCTIONS = {
     **dict.fromkeys(("sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "std", "var", "prod",
                      "logsumexp", "median", "nanmedian", "sort", "msort", "argsort"), 1),
     **dict.fromkeys(("norm", "topk", "kthvalue"), 2),
+    "bincount": 99,  # no dim: counts over every row (class frequencies of the chunk)
 }
 #: what a statistic passes through on its way to a loss without autograd (``_THROUGH``'s ops by their torch names)
 _PASSING = frozenset({
@@ -254,15 +255,26 @@ _PASSING = frozenset({
     "rsqrt", "sigmoid", "tanh", "relu", "abs", "clamp", "clamp_min", "clamp_max", "reciprocal", "view", "reshape",
     "unsqueeze", "squeeze", "expand", "expand_as", "permute", "transpose", "t", "clone", "to", "double", "float",
     "contiguous", "detach",
+    # and, where autograd records nothing, what selects or weighs rows by a statistic (an OHEM threshold:
+    # ``w[prob < thr] = 1``, ``y[prob >= thr] = ignore_index``, ``loss[idx]`` of a sort's indices)
+    "lt", "le", "gt", "ge", "eq", "ne", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__getitem__",
+    "where", "masked_fill", "maximum", "minimum", "fmax", "fmin", "logical_and", "logical_or", "logical_not",
+    "__and__", "__or__", "__invert__", "__xor__", "bool", "long", "int", "half", "type_as", "softmax", "log_softmax",
+    "index_select", "gather", "masked_select",
 })
+#: in-place ops by which a statistic reaches a tensor the step made itself (``w[mask] = 1.0``, ``w.masked_fill_(...)``)
+_WRITING = frozenset({"__setitem__", "index_put_", "masked_fill_", "copy_", "mul_", "add_", "div_", "sub_", "clamp_"})
 
 
 class RowStatistics:
-    """The statistics of the chunk a step computes where autograd records nothing (a validation or test step, under
-    ``torch.no_grad`` / ``torch.inference_mode``), for :func:`reduces_rows`' question without a graph: the results of a
-    reduction over the rows (dim 0, or every dim) of a tensor of several rows (``p.sum(0)``, ``err.sort()``), and what
-    the step computes from them through the ops autograd's walk passes (:data:`_THROUGH`: ``1 - 2 * inter / union``).
-    Fed every torch call of the step's thread by its capture (:meth:`follow`); held by weak reference."""
+    """The statistics of the chunk a step computes where autograd records nothing (a validation or test step, a
+    ``torch.no_grad`` / ``torch.inference_mode`` block of a training step), for :func:`reduces_rows`' question without
+    a graph: the results of a reduction over the rows (dim 0, or every dim) of a tensor of several rows (``p.sum(0)``,
+    ``err.sort()``, ``torch.bincount(y)``), and what the step computes from them (:data:`_PASSING`:
+    ``1 - 2 * inter / union``; a mask ``prob < thr`` of an OHEM threshold, a weight or target written through it,
+    ``w[mask] = 1``: :data:`_WRITING`), also where autograd records again (``ce * w``). Fed the torch calls of the
+    step's thread by its capture (:meth:`follow`: every call without autograd, and those given a statistic); held by
+    weak reference. A statistic read into a Python number (``.item()``) is followed no further."""
 
     def __init__(self) -> None:
         self._held: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
@@ -271,13 +283,24 @@ class RowStatistics:
         """Whether ``x`` is such a statistic, or computed from one as above."""
         return isinstance(x, Tensor) and self._held.get(id(x)) is x
 
+    def touches(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call's arguments include such a statistic (then its result is one: :meth:`follow`)."""
+        held = self._held
+        if not held:
+            return False
+        return any(isinstance(a, Tensor) and held.get(id(a)) is a for a in (*args, *kwargs.values()))
+
     def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note ``out`` (a tensor, or the values of a ``(values, indices)`` result) when ``func(*args, **kwargs)``
         reduced the rows of a tensor, or passed a statistic on."""
         name = getattr(func, "__name__", None)
         x = args[0] if args else kwargs.get("input")
+        if name in _WRITING:  # the statistic written into the tensor changed in place
+            if self.touches(args[1:], kwargs) and isinstance(x, Tensor):
+                self._held[id(x)] = x
+            return
         if name in _PASSING:
-            found = any(self.holds(a) for a in args)
+            found = self.touches(args, kwargs)
         elif name in _ROW_REDUCTIONS and isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] > 1:
             at = _ROW_REDUCTIONS[name]
             dim = kwargs.get("dim", args[at] if len(args) > at else None)
@@ -289,10 +312,10 @@ class RowStatistics:
             found = not dims or any(d % x.dim() == 0 for d in dims)
         else:
             return
-        if found:
-            values = out[0] if isinstance(out, tuple) and out else out
-            if isinstance(values, Tensor):
-                self._held[id(values)] = values
+        if found:  # the result, or a (values, indices) result's both: rows selected by a sort are a statistic too
+            for t in (out if isinstance(out, tuple) else (out,)):
+                if isinstance(t, Tensor):
+                    self._held[id(t)] = t
 
 
 __all__ = ["CallSite", "RowStatistics", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "locate",

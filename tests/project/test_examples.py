@@ -82,7 +82,7 @@ def test_registration_example_is_exact_against_one_device():
     data = reg.ScanPairs(16, seed=5)
     batches = [reg.collate_pairs([data[i] for i in range(s, s + 8)]) for s in (0, 8)]
     batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    ours, reference = same_start(reg.FeatureNet)
+    ours, reference = same_start(reg.FeatureNet, seed=0)  # not the start the tests before left in the generator
     strategy = reg.SparseDataParallelStrategy(layout=reg.LAYOUT, loss_weighting=reg.pairs_in)
     loader = lambda: torch.utils.data.DataLoader(batches, batch_size=None)  # noqa: E731
     trainer(strategy=strategy, devices=3, max_steps=2, precision="64-true", sync_batchnorm=True).fit(ours.double(), loader())
