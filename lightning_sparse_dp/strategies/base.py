@@ -81,6 +81,12 @@ class SparseStrategyMixin:
         #: the exactness check of training steps (:mod:`~lightning_sparse_dp.exactness.check`)
         self._exactness = ExactnessCheck(resolve_mode(check_exactness), check_exactness_every_n_steps, self.strategy_name)
 
+    def _memory_for(self, hook: str) -> SiteMemory:
+        """The site memory of a step of ``hook`` (``"training_step"``, ``"validation_step"``...): the training steps'
+        for the run, the evaluation steps' apart (each reads what its own steps showed of a call site, never the
+        other's: a loop whose count differs between them)."""
+        return self._site_memory if hook == "training_step" else self._eval_site_memory
+
     def _check_minkowski_build(self, device_type: str, count: int) -> None:
         """Before the first step: refuse CPU replicas / ranks (``count > 1``) on an ME without the CPU patches
         (unless ``allow_unpatched_me``, then warn); on GPUs warn once what the missing patches cost.

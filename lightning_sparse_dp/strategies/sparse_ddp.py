@@ -57,7 +57,7 @@ from lightning_sparse_dp.ddp.logged_means import HeldMeans, Row, rank_row, settl
 from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
-from lightning_sparse_dp.loss.decide import ChunkShape, Summary, summarize
+from lightning_sparse_dp.loss.decide import ChunkShape, SiteMemory, Summary, summarize
 from lightning_sparse_dp.loss.means import MEAN_NAMES
 from lightning_sparse_dp.loss.reweight import PartWeight, scaled
 from lightning_sparse_dp.loss.step import rank_scale
@@ -138,6 +138,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         self._capture: TermCapture | None = None  # the step's mean-reduced losses (loss_weighting="terms")
         self._batch: Any = None  # this rank's batch during a step
         self._plan: SplitPlan | None = None  # its split as one chunk, made when the terms need it
+        self._memory: SiteMemory | None = None  # the site memory its logged values are read with (_memory_for)
         self._collectives: list[str] = []  # torch.distributed calls of the user's code in this step
         self._iterating: list[str] = []  # steps written as step(self, dataloader_iter), found at setup
         self._loss_scale = 1.0
@@ -226,6 +227,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         means = (HeldMeans(results, self._log_row, self._on_all_ranks)
                  if results is not None and self.loss_weighting != "equal" else None)
         self._batch, self._plan, self._collectives = batch, plan, []
+        self._memory = self._memory_for(step_name)  # an evaluation step's logs: never the training steps' readings
         self._capture = TermCapture(self._collectives) if terms else None
         observer = self._capture or StepObserver(self._collectives)  # this rank's thread only: means, collectives
         step = run or partial(getattr(super(), step_name), *args, **kwargs)
@@ -241,7 +243,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         finally:
             self._count = None
             self._capture = None
-            self._batch = self._plan = None
+            self._batch = self._plan = self._memory = None
             self._collectives = []
 
     def _step_plan(self) -> SplitPlan:
@@ -349,7 +351,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
         plan = self._step_plan()
         points = [chunks[0] for chunks in plan.points_per_set]  # this rank's share (one chunk), per point set
         ranks = self._gather((ChunkShape.of(plan, 0).samples, rows, points))
-        settled = settle(ranks, partial(whole_value, memory=self._site_memory, warnings=self._warning_cache), means.calls,
+        settled = settle(ranks, partial(whole_value, memory=self._memory, warnings=self._warning_cache), means.calls,
                          self._constant_sizes, self._warning_cache)
         self._settling = True  # each value is already the global one: Lightning's on-step sync leaves it as it is
         try:
@@ -359,7 +361,7 @@ class SparseDDPStrategy(SparseStrategyMixin, DDPStrategy):
 
     def _rank_mean(self, tensor: Tensor) -> Tensor:
         """The whole batch's value of a logged mean, every rank's part in one gather (see :meth:`reduce`)."""
-        return whole_value(self._gather(self._log_row(tensor)), tensor, self._site_memory, warnings=self._warning_cache)
+        return whole_value(self._gather(self._log_row(tensor)), tensor, self._memory, warnings=self._warning_cache)
 
     def _log_row(self, tensor: Tensor) -> Row:
         """What this rank tells the others of a logged value (:func:`~lightning_sparse_dp.ddp.logged_means.rank_row`),

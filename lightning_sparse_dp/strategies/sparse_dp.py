@@ -21,7 +21,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_sparse_dp.exactness.check import eval_key
-from lightning_sparse_dp.loss.decide import SiteMemory
 from lightning_sparse_dp.loss.weights import HeldWeighting
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.replica.recorder import LogCall
@@ -264,10 +263,6 @@ class SparseDataParallelStrategy(SparseStrategyMixin, ReplicaStages, SingleProce
         self._check_first_eval_step("predict_step", args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", args, kwargs)
-
-    def _memory_for(self, hook: str) -> SiteMemory:
-        """The site memory of a step of ``hook``: the training steps' for the run, the evaluation steps' apart."""
-        return self._site_memory if hook == "training_step" else self._eval_site_memory
 
     def _check_first_eval_step(self, hook: str, args: tuple, kwargs: dict) -> None:
         """The exactness check of the first step of each evaluation hook and dataloader in a run (the set lookup first:

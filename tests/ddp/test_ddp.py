@@ -201,6 +201,24 @@ def test_what_no_split_computes_exactly_is_said_on_ranks(ddp_term_runs, name, wo
     )
 
 
+def test_validation_inside_a_fit_reads_its_losses_as_validate_does_on_ranks(ddp_term_runs):
+    """The training steps call the loss in a loop a number of times that changes from step to step (said), which the
+    site memory keeps; validation inside the fit read its own loop of three views by that memory, could not weigh it
+    term by term and weighted the ranks by their samples: val_loss 2.7e-4 off a validate() run on the same weights
+    (4.8e-4 off one device's fit at the first epoch), said as a hand-made mean. Evaluation steps keep a memory of their
+    own, as under sparse_dp (and a validation's loop no longer makes a fixed training loop fall back: terms_views)."""
+    s, rank = ALL_SCENARIOS["said_views"], _load(ddp_term_runs, "said_views", 0)
+    model = s.build(reference=True)
+    model.load_state_dict(rank["state"])
+    _, val = loaders(s.per_rank, world_size=2, model=s.model)
+    t = L.Trainer(**trainer_kwargs(devices=1, logger=False))
+    t.validate(model, val, verbose=False)
+    assert _logged(rank["history"])["val_loss"][-1] == pytest.approx(float(t.callback_metrics["val_loss"]), rel=RTOL)
+    messages = rank["messages"]
+    assert [m for m in messages if "is called in a loop a number of times that changes" in m], messages  # training's
+    assert not [m for m in messages if "self.log('val_loss'" in m], messages
+
+
 @pytest.mark.parametrize("name", ["terms_ignore", "terms_per_sample", "terms_manual"])
 def test_one_weight_per_rank_is_not_exact_here(ddp_term_runs, name):  # the comparison above can fail
     ref = _reference(name)

@@ -30,8 +30,10 @@ from tests.support.scene_models import (
     ScenesMasked,
     ScenesPerSample,
     ScenesRemainder,
+    ScenesSomeViews,
     ScenesStatistic,
     ScenesSum,
+    ScenesViews,
     ScenesWeights,
 )
 from tests.support.step_forms import FORMS, PooledNet
@@ -211,7 +213,8 @@ SCENARIOS = {
 TERM_MODELS = {
     "ignore": ScenesIgnoreSeg, "levels": LevelCompletion, "per_sample": ScenesPerSample, "manual": ScenesManual,
     "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic, "weights": ScenesWeights,
-    "heads": ScenesHeads, "detr": ScenesDetr, "masked": ScenesMasked, "logged": ScenesLogged,
+    "heads": ScenesHeads, "detr": ScenesDetr, "masked": ScenesMasked, "logged": ScenesLogged, "views": ScenesViews,
+    "some_views": ScenesSomeViews,
 }
 TERM_SCENARIOS = {
     s.name: s
@@ -224,6 +227,8 @@ TERM_SCENARIOS = {
         Scenario("terms_weights", "weights", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         Scenario("terms_heads", "heads", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         Scenario("terms_detr", "detr", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        # a loop of 2 calls in training, 3 in validation: each reads the loop by its own steps
+        Scenario("terms_views", "views", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 #: losses no split computes as one device does: each rank must say so (tests/ddp/test_ddp.py reads the messages)
@@ -234,6 +239,8 @@ SAID_SCENARIOS = {
         Scenario("said_statistic", "statistic", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
         Scenario("said_masked", "masked", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
         Scenario("logged", "logged", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
+        # a training loop whose count changes (said); validation's fixed loop read as validate() reads it
+        Scenario("said_views", "some_views", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 #: step code the loss capture was never shown (tests/support/step_forms.py), for the exactness check on ranks

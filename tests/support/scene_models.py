@@ -127,3 +127,34 @@ class ScenesLogged(LoggedAsUsersDo):
 
     def validation_step(self, batch, batch_idx):
         pass
+
+
+class ScenesViews(ScenesIgnoreSeg):
+    """A loss averaged over views of the scene (its features scaled), the criterion called once per view in a loop of
+    the step: the two views of :attr:`train_views` in training, three in validation. Each step calls it a fixed number
+    of times, so each is read as one device's: a validation inside the fit too, which reads its own steps only."""
+
+    train_views: tuple[float, ...] = (1.0, -1.0)
+    val_views: tuple[float, ...] = (1.0, -1.0, 0.5)
+
+    def views_loss(self, batch, views):
+        return sum(self.loss({**batch, "features": batch["features"] * v}) for v in views) / len(views)
+
+    def training_views(self, batch_idx: int) -> tuple[float, ...]:
+        return self.train_views
+
+    def training_step(self, batch, batch_idx):
+        loss = self.views_loss(batch, self.training_views(batch_idx))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.views_loss(batch, self.val_views), sync_dist=True)
+
+
+class ScenesSomeViews(ScenesViews):
+    """:class:`ScenesViews` with the second training view at every other step only: a loop whose count changes from
+    training step to training step (said: the training is not one device's), beside validation's fixed three views."""
+
+    def training_views(self, batch_idx: int) -> tuple[float, ...]:
+        return self.train_views[: 1 + batch_idx % 2]
