@@ -61,7 +61,15 @@ from lightning_sparse_dp.loss.means import (
     pass_mean,
     scalar_values,
 )
-from lightning_sparse_dp.loss.sites import CallSite, RowStatistics, input_rows, locate, peek_transform, reduces_rows
+from lightning_sparse_dp.loss.sites import (
+    ROW_REDUCTION_NAMES,
+    CallSite,
+    RowStatistics,
+    input_rows,
+    locate,
+    peek_transform,
+    reduces_rows,
+)
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _replica_call
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
@@ -291,8 +299,10 @@ class TermCapture(StepObserver):
         plain = kind is None and (not self.forms or not self._touches_forms(args))
         # no graph to read the chunk's statistics off (a step or block without autograd: an OHEM threshold under
         # torch.no_grad), or an op on what such a block computed (``ce * weight``): followed
-        following = not self.recording or not torch.is_grad_enabled() or (
-            self.statistics is not None and self.statistics.touches(args, kwargs))
+        stats = self.statistics
+        following = not self.recording or (
+            not torch.is_grad_enabled() and getattr(func, "__name__", None) in ROW_REDUCTION_NAMES
+        ) or (stats is not None and bool(stats.held) and stats.touches(args, kwargs))
         if plain and not following and not self.counts:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)

@@ -248,6 +248,9 @@ _ROW_REDUCTIONS = {
     **dict.fromkeys(("norm", "topk", "kthvalue"), 2),
     "bincount": 99,  # no dim: counts over every row (class frequencies of the chunk)
 }
+#: their names: where autograd records nothing in a step that records (a ``torch.no_grad`` block), one of them starts
+#: the following (:class:`RowStatistics`); ops inside an ``autograd.Function``'s forward (ME's layers) are not followed
+ROW_REDUCTION_NAMES = frozenset(_ROW_REDUCTIONS)
 #: what a statistic passes through on its way to a loss without autograd (``_THROUGH``'s ops by their torch names)
 _PASSING = frozenset({
     "add", "__add__", "__radd__", "sub", "__sub__", "rsub", "__rsub__", "mul", "__mul__", "__rmul__", "div",
@@ -277,15 +280,16 @@ class RowStatistics:
     weak reference. A statistic read into a Python number (``.item()``) is followed no further."""
 
     def __init__(self) -> None:
-        self._held: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        #: the statistics and what was computed from them, by id (empty: nothing to follow)
+        self.held: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     def holds(self, x: Any) -> bool:
         """Whether ``x`` is such a statistic, or computed from one as above."""
-        return isinstance(x, Tensor) and self._held.get(id(x)) is x
+        return isinstance(x, Tensor) and self.held.get(id(x)) is x
 
     def touches(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call's arguments include such a statistic (then its result is one: :meth:`follow`)."""
-        held = self._held
+        held = self.held
         if not held:
             return False
         return any(isinstance(a, Tensor) and held.get(id(a)) is a for a in (*args, *kwargs.values()))
@@ -297,7 +301,7 @@ class RowStatistics:
         x = args[0] if args else kwargs.get("input")
         if name in _WRITING:  # the statistic written into the tensor changed in place
             if self.touches(args[1:], kwargs) and isinstance(x, Tensor):
-                self._held[id(x)] = x
+                self.held[id(x)] = x
             return
         if name in _PASSING:
             found = self.touches(args, kwargs)
@@ -315,8 +319,10 @@ class RowStatistics:
         if found:  # the result, or a (values, indices) result's both: rows selected by a sort are a statistic too
             for t in (out if isinstance(out, tuple) else (out,)):
                 if isinstance(t, Tensor):
-                    self._held[id(t)] = t
+                    self.held[id(t)] = t
 
 
-__all__ = ["CallSite", "RowStatistics", "call_site", "in_checkpoint", "in_transform", "input_rows", "library_dirs", "locate",
-           "peek_transform", "reduces_rows", "unweighable"]
+__all__ = [
+    "ROW_REDUCTION_NAMES", "CallSite", "RowStatistics", "call_site", "in_checkpoint", "in_transform", "input_rows",
+    "library_dirs", "locate", "peek_transform", "reduces_rows", "unweighable",
+]
