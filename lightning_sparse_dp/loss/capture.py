@@ -65,6 +65,7 @@ from lightning_sparse_dp.loss.sites import (
     ROW_REDUCTION_NAMES,
     CallSite,
     RowStatistics,
+    from_step_code,
     input_rows,
     locate,
     peek_transform,
@@ -301,7 +302,7 @@ class TermCapture(StepObserver):
         # torch.no_grad), or an op on what such a block computed (``ce * weight``): followed
         stats = self.statistics
         following = not self.recording or (
-            not torch.is_grad_enabled() and getattr(func, "__name__", None) in ROW_REDUCTION_NAMES
+            not torch.is_grad_enabled() and getattr(func, "__name__", None) in ROW_REDUCTION_NAMES and from_step_code(1)
         ) or (stats is not None and bool(stats.held) and stats.touches(args, kwargs))
         if plain and not following and not self.counts:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow

@@ -46,6 +46,30 @@ def library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+def from_step_code(depth: int = 1) -> bool:
+    """Whether the torch call being observed (``depth``: frames between the caller and this call) was made by the
+    user's code (past torch's wrappers of its ops: ``Tensor`` methods, ``torch.functional``, ``torch.nn.functional``),
+    not inside a layer or utility of torch's, MinkowskiEngine's, Lightning's, torchmetrics' or this package's: an op
+    inside ME's ``autograd.Function`` forward or ``spectral_norm``'s power iteration runs without autograd too, but what
+    it computes is the layer's, which autograd records."""
+    frame = sys._getframe(depth + 1)
+    wrappers, library = _step_code_dirs()
+    while frame is not None and frame.f_code.co_filename in wrappers:
+        frame = frame.f_back
+    return frame is not None and not frame.f_code.co_filename.startswith(library)
+
+
+@functools.cache
+def _step_code_dirs() -> tuple[frozenset[str], tuple[str, ...]]:
+    """torch's files that wrap its ops, and the folders of the libraries (:func:`library_dirs`, MinkowskiEngine)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    wrappers = frozenset(os.path.join(torch_dir, *name) for name in (
+        ("_tensor.py",), ("functional.py",), ("nn", "functional.py"), ("overrides.py",), ("_jit_internal.py",)))
+    engine = importlib.util.find_spec("MinkowskiEngine")
+    extra = (os.path.dirname(engine.origin) + os.sep,) if engine is not None and engine.origin else ()
+    return wrappers, (*library_dirs(), *extra)
+
+
 _JUMPS = frozenset({"JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
 
 
@@ -323,6 +347,6 @@ class RowStatistics:
 
 
 __all__ = [
-    "ROW_REDUCTION_NAMES", "CallSite", "RowStatistics", "call_site", "in_checkpoint", "in_transform", "input_rows",
-    "library_dirs", "locate", "peek_transform", "reduces_rows", "unweighable",
+    "ROW_REDUCTION_NAMES", "CallSite", "RowStatistics", "call_site", "from_step_code", "in_checkpoint", "in_transform",
+    "input_rows", "library_dirs", "locate", "peek_transform", "reduces_rows", "unweighable",
 ]

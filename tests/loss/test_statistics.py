@@ -165,3 +165,29 @@ def test_a_selection_by_a_threshold_computed_under_no_grad_is_said(cls, caplog):
 def test_a_score_computed_under_no_grad_beside_the_loss_stays_exact_and_unsaid(caplog):
     worst, said = _fit_both(NoGradAccuracy, 3, caplog)
     assert worst <= REL and not said
+
+
+def test_only_the_steps_own_torch_calls_start_following_a_statistic():
+    """Where autograd records nothing in a training step, a row reduction starts the following only when the step's
+    own code made it (through torch's op wrappers: ``x.sort(0)``, ``torch.norm``), not inside MinkowskiEngine's code
+    (its layers' ``autograd.Function`` forwards run without autograd too, and their outputs are recorded)."""
+    import MinkowskiEngine as ME
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_sparse_dp.loss.sites import from_step_code
+
+    seen: list[tuple[str, bool]] = []
+
+    class Observe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append((getattr(func, "__name__", "?"), from_step_code(1)))
+            return func(*args, **(kwargs or {}))
+
+    x, coordinates, features = torch.rand(6, 3), [torch.zeros(2, 3, dtype=torch.int32)] * 2, [torch.ones(2, 1)] * 2
+    with Observe():
+        x.sort(0)
+        torch.norm(x, dim=0)
+        mark = len(seen)
+        ME.utils.sparse_collate(coordinates, features)
+    assert seen[:mark] and all(own for _, own in seen[:mark]), seen[:mark]
+    assert seen[mark:] and not any(own for _, own in seen[mark:]), seen[mark:]
