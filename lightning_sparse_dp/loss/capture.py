@@ -39,12 +39,14 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_sparse_dp.loss.classes import one_class
 from lightning_sparse_dp.loss.collectives import COLLECTIVE_FUNCTIONS, note_collective
 from lightning_sparse_dp.loss.denominators import (
     CAPTURED,
     CAPTURED_NAMES,
     UNCAPTURED,
     bind,
+    class_bounds,
     full_reduction,
     is_mean,
     loss_name,
@@ -147,7 +149,8 @@ class Term:
     loss over one sample's points from one over a decoder level's voxels; ``statistic`` whether its input
     is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk; ``shared`` the
     call's arguments that apply to all its rows alike (a class weight:
-    :func:`~lightning_sparse_dp.loss.denominators.shared_arguments`), which every replica must have been given alike.
+    :func:`~lightning_sparse_dp.loss.denominators.shared_arguments`), which every replica must have been given alike;
+    ``bounds`` a mean-reduced cross entropy's target classes in a loop (:meth:`target_class`), else ``None``.
     A full ``torch.sum`` / ``torch.mean`` of a tensor is named ``"torch.sum"`` / ``"torch.mean"`` (no loss of torch's
     is named ``torch.*``: :func:`~lightning_sparse_dp.loss.denominators.loss_name`).
 
@@ -159,18 +162,20 @@ class Term:
 
     __slots__ = (
         "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "checkpointed",
-        "unrecorded", "_scale", "_factor", "_numbers",
+        "unrecorded", "bounds", "_scale", "_factor", "_numbers", "_class",
     )
 
     def __init__(
         self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1,
-        statistic: bool = False, shared: tuple[Tensor, ...] = (),
+        statistic: bool = False, shared: tuple[Tensor, ...] = (), bounds: Tensor | None = None,
     ) -> None:
         self.name, self.denominator, self._factor = name, denominator, factor
         self.shared = tuple(t.detach() for t in shared)
         site = site or CallSite(0, "?", False)
         self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
         self.statistic = statistic
+        self.bounds = bounds
+        self._class: int | None = None  # read with the numbers (TermCapture.read_numbers)
         self.checkpointed = False  # called inside torch.utils.checkpoint: recomputed in backward, unscaled there
         #: called where autograd records nothing in a step that records (a custom Function's forward, torch.no_grad):
         #: the gradient that reaches it comes from elsewhere (a hand-written backward), past the term's factor
@@ -199,7 +204,16 @@ class Term:
         if self._numbers is None:
             d = self.denominator
             self._numbers = (1.0 if d is None else float(d), float(self.value))  # type: ignore[arg-type]
+            if self.bounds is not None:
+                self._class = one_class(float(self.bounds[0]), float(self.bounds[1]))
         return self._numbers
+
+    def target_class(self) -> int | None:
+        """The one class of all the call's targets (a per-class loss in a loop: :mod:`~lightning_sparse_dp.loss.classes`),
+        else ``None``: several classes or none, or targets not read (``bounds``:
+        :func:`~lightning_sparse_dp.loss.denominators.class_bounds`)."""
+        self.numbers()
+        return self._class
 
 
 def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
@@ -266,11 +280,15 @@ class TermCapture(StepObserver):
         if not todo:
             return
         tensors = [t.value for t in todo] + [t.denominator for t in todo if isinstance(t.denominator, Tensor)]
+        tensors += [b for t in todo if t.bounds is not None for b in t.bounds]
         read = iter(scalar_values(tensors))  # type: ignore[arg-type]
         values = [next(read) for _ in todo]
         for term, v in zip(todo, values):
             d = term.denominator
             term._numbers = (next(read) if isinstance(d, Tensor) else 1.0 if d is None else float(d), v)
+        for term in todo:
+            if term.bounds is not None:
+                term._class = one_class(next(read), next(read))
 
     def tensor_of(self, value: Any) -> Tensor | None:
         """The combination of terms whose ``.item()`` / ``float()`` ``value`` is (the latest computed), else ``None``:
@@ -372,6 +390,8 @@ class TermCapture(StepObserver):
             return out  # "none": what the step does with it is its own arithmetic
         d, keep = reduced
         site, checkpointed = locate(2)
+        # in a loop, a mean's target classes: a loop over each chunk's classes pairs its calls by them (loss/classes.py)
+        bounds = class_bounds(func, bound) if site.in_loop and d is not None else None
         term = Term(
             CAPTURED_NAMES[func],
             d,
@@ -380,6 +400,7 @@ class TermCapture(StepObserver):
             input_rows(func, bound),
             reduces_rows(bound.get("input")) or self._of_statistics(bound.values()),
             shared_arguments(func, bound),
+            bounds,
         )
         return self._add(term, out, keep, checkpointed)
 

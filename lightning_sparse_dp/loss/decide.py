@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from lightning_sparse_dp.loss.capture import TermCapture
+from lightning_sparse_dp.loss.classes import class_part
 from lightning_sparse_dp.loss.readings import NotExact, Reading, chunk_condition, read_site
 from lightning_sparse_dp.loss.sites import unweighable
 from lightning_sparse_dp.split import SplitPlan
@@ -122,6 +123,7 @@ class SiteTerms:
     shared: list[int] = field(default_factory=list)  # each call's arguments for all its rows alike, fingerprinted
     some_samples: bool = False  # the rows are some of the chunk's samples' points, one call each (ChunkShape.some_samples)
     counted: list[bool] = field(default_factory=list)  # each call's coefficient divided by a count of the chunk (Form)
+    classes: list[int | None] = field(default_factory=list)  # each call's one target class (Term.target_class), or None
 
 
 @dataclass
@@ -181,6 +183,7 @@ def summarize(
         site.statistic.append(term.statistic)
         site.shared.append(_fingerprint(term.shared) if term.shared else 0)
         site.counted.append(k in counted)
+        site.classes.append(term.target_class() if term.bounds is not None else None)
         site.in_loop = site.in_loop or term.in_loop
     for site in out.sites:
         site.per_sample = len(site.rows) == shape.samples and shape.per_sample(site.rows)  # one call per sample first
@@ -214,6 +217,8 @@ class SiteMemory(dict):
     ``torch.sum`` divided by different numbers at some step, or any site whose coefficients differed between the
     replicas at some step: a count of the chunk, said at every step after) or
     ``"constant"`` (one coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
+    ``classes``: per site of per-class losses (:mod:`~lightning_sparse_dp.loss.classes`), ``"mean"`` or ``"sum"``
+    where a step told which their coefficients are.
     ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
     :data:`RECALLED`, the oldest dropped first). ``last_sites``: the call sites of ``sparse_ddp``'s last decision on a
     step's loss (:attr:`Decision.sites`, set by :func:`~lightning_sparse_dp.loss.step.rank_scale`; its exactness
@@ -224,6 +229,7 @@ class SiteMemory(dict):
         super().__init__(*args, **kwargs)
         self.loops: dict[int, int] = {}
         self.sums: dict[int, str] = {}
+        self.classes: dict[int, str] = {}
         self.recalled: dict[tuple, tuple[list[Reading], list[str]]] = {}
         self.last_sites: frozenset | None = None
 
@@ -327,9 +333,8 @@ def _decide(
 
 def structure(summaries: Sequence[Summary], memory: SiteMemory, who: str) -> tuple:
     """What a decision on ``summaries`` reads apart from the calls' values and denominators, as a key: per replica its
-    chunk's samples and, per site, its place, name, calls (coefficients, reductions, rows of its sums, whether its
-    inputs are statistics, its shared arguments' fingerprints) and how its rows match the chunk's samples; and what
-    ``memory`` holds for the first replica's sites."""
+    chunk's samples and, per site, its place, name, calls (coefficients, reductions, rows of its sums, statistics, shared
+    arguments' fingerprints, classes) and how its rows match the chunk's samples; and ``memory`` for the first's sites."""
     keys = tuple(site.key for site in summaries[0].sites)
     return (
         who,
@@ -337,12 +342,12 @@ def structure(summaries: Sequence[Summary], memory: SiteMemory, who: str) -> tup
             (s.samples, tuple(
                 (site.key, site.where, site.name, site.in_loop, tuple(site.sums), tuple(site.coeffs),
                  tuple(site.rows) if any(site.sums) else None, site.per_sample, site.some_samples,
-                 tuple(site.statistic), tuple(site.shared), tuple(site.counted))
+                 tuple(site.statistic), tuple(site.shared), tuple(site.counted), tuple(site.classes))
                 for site in s.sites
             ))
             for s in summaries
         ),
-        tuple((memory.get(k), memory.loops.get(k), memory.sums.get(k)) for k in keys),
+        tuple((memory.get(k), memory.loops.get(k), memory.sums.get(k), memory.classes.get(k)) for k in keys),
     )
 
 
@@ -353,6 +358,8 @@ def site_part(reading: Reading, sites: Sequence[SiteTerms], out: Any) -> tuple[f
     :class:`~lightning_sparse_dp.loss.decide.Decision`)."""
     site = sites[0]
     part = 0.0
+    if reading.kind == "classes":
+        return class_part(reading, sites, out)
     if reading.kind == "samples":
         c, scales = reading.c, []
         for s in sites:

@@ -54,6 +54,25 @@ def _class_targets(a: Arguments) -> float | Tensor:
     return (weight.to(torch.float64)[safe] * keep).sum()
 
 
+def class_bounds(func: Callable[..., Any], a: Arguments) -> Tensor | None:
+    """The smallest and largest class of a ``cross_entropy`` / ``nll_loss`` call's class-index targets that are not
+    ``ignore_index``: an int64 tensor ``[2]`` on the target's device (no device sync), ``lo > hi`` where every target
+    is ignored; equal where the call is over one class (a per-class loss, ``F.cross_entropy(logits[y == c], y[y ==
+    c])``: :mod:`~lightning_sparse_dp.loss.classes` pairs such calls across replicas by their class). ``None`` for
+    another loss, probability targets, or a target that is not a tensor of indices."""
+    if func is not F.cross_entropy and func is not F.nll_loss:
+        return None
+    target = a.get("target")
+    if not isinstance(target, Tensor) or target.is_floating_point() or target.is_complex():
+        return None
+    t = target.reshape(-1).long()
+    keep = t != a["ignore_index"]
+    info = torch.iinfo(torch.int64)
+    return torch.stack([torch.where(keep, t, info.max).min(), torch.where(keep, t, info.min).max()]) if t.numel() else (
+        torch.tensor([info.max, info.min], device=t.device)
+    )
+
+
 def _elements(a: Arguments) -> float:
     return float(torch.broadcast_shapes(a["input"].shape, a["target"].shape).numel())
 
@@ -193,6 +212,6 @@ def full_reduction(args: tuple, kwargs: dict) -> bool:
 
 
 __all__ = [
-    "CAPTURED", "CAPTURED_NAMES", "UNCAPTURED", "Arguments", "bind", "denominator", "full_reduction", "is_mean", "is_sum",
-    "loss_name", "reduction_of", "shared_arguments",
+    "CAPTURED", "CAPTURED_NAMES", "UNCAPTURED", "Arguments", "bind", "class_bounds", "denominator", "full_reduction",
+    "is_mean", "is_sum", "loss_name", "reduction_of", "shared_arguments",
 ]

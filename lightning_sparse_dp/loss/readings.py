@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_sparse_dp.loss.classes import Group, Unpaired, pair_by_class, read_per_sample
+
 if TYPE_CHECKING:
     from lightning_sparse_dp.loss.decide import Decision, SiteMemory, SiteTerms, Summary
 
@@ -34,7 +36,8 @@ class Reading:
         kind: ``"samples"`` (each call its own criterion, of coefficient ``c``), ``"divided"`` (``reduction="sum"``
             calls each divided by their input's rows: ``calls[j] = ("k", k_j)``) or ``"matched"`` (the ``j``-th call
             of every replica one criterion: ``calls[j]`` is its use, ``"skip"`` (coefficient 0), ``"one"`` (one value
-            in every replica), ``"sum"`` or ``"mean"``, and its coefficient).
+            in every replica), ``"sum"`` or ``"mean"``, and its coefficient) or ``"classes"`` (per-class calls paired by
+            their class: ``groups``, :mod:`~lightning_sparse_dp.loss.classes`).
         steady: read without the calls' values, so that a step of the same structure reads it alike.
     """
 
@@ -42,6 +45,7 @@ class Reading:
     calls: tuple[tuple[str, float], ...] = ()
     c: float = 0.0
     steady: bool = True
+    groups: tuple[Group, ...] = ()
 
 
 #: how a reason no loss weighting can mend says so (the fallback line then names no weighting: loss/step.py)
@@ -79,7 +83,11 @@ def read_site(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: 
 
 
 def _per_sample(sites: Sequence[SiteTerms], summaries: Sequence[Summary], memory: SiteMemory, who: str, notes: list[str]) -> bool:
-    """Whether a site's calls are one per sample (each its own criterion), else matched by position."""
+    """Whether a site's calls are one per sample (each its own criterion), else matched by position (or by class:
+    :func:`~lightning_sparse_dp.loss.classes.read_per_sample`)."""
+    by_class = read_per_sample(sites, summaries, memory, who, notes)
+    if by_class is not None:
+        return by_class
     calls = [len(site.coeffs) for site in sites]
     if any(n != s.samples for n, s in zip(calls, summaries)):  # a loop over the samples that skips some: per sample
         return len(sites) > 1 and all(site.some_samples for site in sites)
@@ -162,8 +170,22 @@ def _matched_reading(
 ) -> Reading:
     """A site whose j-th call is one loss in every replica: how each call enters the value (refused where the
     replicas' calls are no one loss). A full ``torch.sum`` of ``reduction="sum"`` calls is read from its values (one
-    value in every replica: a penalty on the parameters), not :attr:`~lightning_sparse_dp.loss.recall.Reading.steady`."""
+    value in every replica: a penalty on the parameters), not :attr:`~lightning_sparse_dp.loss.recall.Reading.steady`.
+    Per-class losses in a loop are paired by their class instead (:func:`~lightning_sparse_dp.loss.classes.pair_by_class`).
+    """
     site = sites[0]
+    try:
+        groups = pair_by_class(sites, memory, who, out.notes)
+    except Unpaired as err:
+        raise NotExact(
+            f"{err}. {NO_WEIGHTING}: loop over a fixed list of classes (for c in range(num_classes)), skipping a class "
+            "on a count of the whole batch (batch['present'] = torch.bincount(y, minlength=num_classes) > 0 in "
+            f"on_before_batch_transfer, which every {who} gets alike): exact"
+        ) from None
+    if groups is not None:
+        if any(len(s.coeffs) != sm.samples for s, sm in zip(sites, summaries)):
+            memory.setdefault(site.key, ("matched", None))
+        return Reading("classes", groups=groups)
     if len({len(s.coeffs) for s in sites}) > 1:
         raise NotExact(f"the {who}s' steps called {site.name} at {site.where} different numbers of times: {chunk_condition(who)}")
     for j in range(len(site.coeffs)):

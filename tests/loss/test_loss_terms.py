@@ -17,7 +17,7 @@ from lightning_sparse_dp import SparseDataParallelStrategy, split_batch
 from tests.support.clients import fresh_loader
 from tests.support.exact import REL, relative_difference, state_differences
 from tests.support.exact import trainer64 as trainer
-from tests.support.helpers import NUM_CLASSES, random_samples, unchecked
+from tests.support.helpers import NUM_CLASSES, unchecked
 from tests.support.term_models import (
     MODE_DEPTHS,
     BatchClassWeights,
@@ -37,6 +37,7 @@ from tests.support.term_models import (
     SumReduction,
     WithMetrics,
     WithPenalty,
+    class_batch,
     seg_batch,
 )
 
@@ -410,17 +411,6 @@ def test_a_loss_per_sample_that_skips_unlabeled_samples_is_exact(even, caplog):
     assert relative_difference(t.logged_metrics["train_loss"], r.logged_metrics["train_loss"]) <= REL
 
 
-def _class_batch(labels_per_sample, seed):
-    """Six samples whose points take labels from each sample's list (``random_samples`` coordinates and features)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = random_samples(6, seed=seed, min_points=8, max_points=30)
-    coordinates, features = ME.utils.sparse_collate([c for c, _, _ in samples], [f for _, f, _ in samples])
-    counts = [len(c) for c, _, _ in samples]
-    labels = torch.cat([torch.tensor(ls)[torch.randint(0, len(ls), (n,), generator=g)]
-                        for n, ls in zip(counts, labels_per_sample)])
-    return {"coordinates": coordinates, "features": features.double(), "labels": labels}
-
-
 class ClassMeans(ScanNetSeg):
     """A mean over the classes the batch holds of each class's mean loss (a class-balanced loss)."""
 
@@ -436,7 +426,7 @@ def test_a_loop_over_what_the_chunk_holds_is_said_once_its_calls_change(caplog):
     number of calls changes from step to step is refused from then on, said once."""
     every = [list(range(NUM_CLASSES))] * 6
     fewer = [[0, 1, 2]] * 2 + [[0, 1, 3]] * 2 + [[0, 2, 3]] * 2  # each contiguous chunk of 2 samples lacks a class
-    batches = [_class_batch(every, 0), _class_batch(fewer, 1)]
+    batches = [class_batch(every, 0), class_batch(fewer, 1)]
     with caplog.at_level(logging.INFO):
         _compare(ClassMeans, batches, 3, strategy=SparseDataParallelStrategy(split="contiguous", check_exactness=False))
     said = _fallback_lines(caplog)

@@ -17,11 +17,11 @@ from tests.support.helpers import SparseNet, collate_dict, loader, random_sample
 
 def _summary(samples: int, sites: list[tuple], remainder: float = 0.0) -> Summary:
     """``sites``: per site ``(key, name, in_loop, per_sample, some_samples, calls)``, each call ``(coefficient, sum,
-    denominator, value, rows, statistic)``."""
+    denominator, value, rows, statistic[, class])`` (the one class of its targets, ``None`` where not one)."""
     out = Summary(None, samples, remainder=remainder, tolerance=1e-12)
     for p, (key, name, in_loop, per_sample, some, calls) in enumerate(sites):
         site = SiteTerms(key, f"step.py:{key}", name, in_loop, [], [], [], [], [], per_sample, [], [], some)
-        for j, (c, is_sum, d, v, rows, statistic) in enumerate(calls):
+        for j, (c, is_sum, d, v, rows, statistic, *one) in enumerate(calls):
             site.coeffs.append(c)
             site.sums.append(is_sum)
             site.denominators.append(1.0 if is_sum else d)
@@ -29,6 +29,7 @@ def _summary(samples: int, sites: list[tuple], remainder: float = 0.0) -> Summar
             site.rows.append(rows)
             site.statistic.append(statistic)
             site.shared.append(0)
+            site.classes.append(one[0] if one else None)
             out.order.append((p, j))
         out.sites.append(site)
     return out
@@ -118,7 +119,7 @@ def test_a_full_sum_of_one_value_over_rows_of_each_chunks_own_is_their_sum():
 
 _CALL = st.tuples(
     st.sampled_from([0.0, 0.5, 1.0, 0.25]), st.booleans(), st.sampled_from([0.0, 1.0, 2.0, 5.0]),
-    st.floats(-2, 2, allow_nan=False), st.sampled_from([1, 2, 3]), st.just(False),
+    st.floats(-2, 2, allow_nan=False), st.sampled_from([1, 2, 3]), st.just(False), st.sampled_from([None, 0, 1, 2]),
 )
 _SITE = st.tuples(
     st.sampled_from([1, 2]), st.sampled_from(["F.cross_entropy", "torch.sum"]), st.booleans(), st.booleans(),
@@ -141,10 +142,10 @@ def _steps(draw) -> list[list[Summary]]:
         scale = draw(st.sampled_from([1.0, 0.5, 2.0]))
         remainder = draw(st.sampled_from([0.0, 0.0, 1.0]))
         if draw(st.booleans()):  # every replica's calls of one value (a penalty), where their structures allow
-            sites = [[(k, n, loop, per, some, [(c, s, d, 0.5 * (j + 1), r, t) for j, (c, s, d, _, r, t) in enumerate(calls)])
+            sites = [[(k, n, loop, per, some, [(c, s, d, 0.5 * (j + 1), *rest) for j, (c, s, d, _, *rest) in enumerate(calls)])
                       for k, n, loop, per, some, calls in replica_sites] for replica_sites in sites]
         steps.append([
-            _summary(b, [(k, n, loop, per, some, [(c, s, d, v * scale, r, t) for c, s, d, v, r, t in calls])
+            _summary(b, [(k, n, loop, per, some, [(c, s, d, v * scale, r, t, o) for c, s, d, v, r, t, o in calls])
                          for k, n, loop, per, some, calls in replica_sites], remainder if i == 0 else 0.0)
             for i, (b, replica_sites) in enumerate(zip(samples, sites))
         ])

@@ -359,3 +359,36 @@ class ChunkStatistic(ScanNetSeg):
         return self.criterion(logits, batch["labels"]) + _statistic(logits)
 
 
+
+
+def class_batch(labels_per_sample, seed: int, num_samples: int = 6) -> dict:
+    """``num_samples`` samples whose points take labels drawn from each sample's list (``random_samples`` coordinates
+    and features, float64): ``labels_per_sample[s]`` are the classes sample ``s`` may hold."""
+    g = torch.Generator().manual_seed(seed)
+    samples = random_samples(num_samples, seed=seed, min_points=8, max_points=30)
+    coordinates, features = ME.utils.sparse_collate([c for c, _, _ in samples], [f for _, f, _ in samples])
+    counts = [len(c) for c, _, _ in samples]
+    labels = torch.cat([torch.tensor(ls)[torch.randint(0, len(ls), (n,), generator=g)]
+                        for n, ls in zip(counts, labels_per_sample)])
+    return {"coordinates": coordinates, "features": features.double(), "labels": labels}
+
+
+class PerClass(ScanNetSeg):
+    """A cross entropy per class the chunk holds (``for c in y.unique()``), summed, divided by the classes held
+    (``"mean"``, a class-balanced loss), or each weighted by its class (``"weighted"``); ``"single"``: one call over
+    every point."""
+
+    def __init__(self, form: str = "mean") -> None:
+        super().__init__()
+        self.form = form
+
+    def loss(self, batch):
+        logits, y = self.logits(batch), batch["labels"]
+        if self.form == "single":
+            return F.cross_entropy(logits, y)
+        loss = 0
+        for c in y.unique():
+            m = y == c
+            term = F.cross_entropy(logits[m], y[m])
+            loss = loss + (0.5 + 0.25 * float(c)) * term if self.form == "weighted" else loss + term
+        return loss / len(y.unique()) if self.form == "mean" else loss
