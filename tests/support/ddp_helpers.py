@@ -28,6 +28,7 @@ from tests.support.scene_models import (
     ScenesLogged,
     ScenesManual,
     ScenesMasked,
+    ScenesPerClass,
     ScenesPerSample,
     ScenesRemainder,
     ScenesSomeViews,
@@ -214,7 +215,7 @@ TERM_MODELS = {
     "ignore": ScenesIgnoreSeg, "levels": LevelCompletion, "per_sample": ScenesPerSample, "manual": ScenesManual,
     "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic, "weights": ScenesWeights,
     "heads": ScenesHeads, "detr": ScenesDetr, "masked": ScenesMasked, "logged": ScenesLogged, "views": ScenesViews,
-    "some_views": ScenesSomeViews,
+    "some_views": ScenesSomeViews, "classes": ScenesPerClass,
 }
 TERM_SCENARIOS = {
     s.name: s
@@ -229,6 +230,7 @@ TERM_SCENARIOS = {
         Scenario("terms_detr", "detr", loss_weighting="terms", trainer={"sync_batchnorm": True}),
         # a loop of 2 calls in training, 3 in validation: each reads the loop by its own steps
         Scenario("terms_views", "views", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        Scenario("terms_classes", "classes", loss_weighting="terms", trainer={"sync_batchnorm": True}),
     ]
 }
 #: losses no split computes as one device does: each rank must say so (tests/ddp/test_ddp.py reads the messages)

@@ -19,6 +19,17 @@ class ScenesPerSample(ScenesIgnoreSeg):
         return sum(losses) / len(losses)
 
 
+class ScenesPerClass(ScenesIgnoreSeg):
+    """A cross entropy per class a share holds (``for c in y.unique()``), their mean; a point's class is its scene's
+    label or the next one, so that ranks whose shares hold different scenes call it for different classes
+    (``loss/classes.py``)."""
+
+    def loss(self, batch):
+        scene = batch["labels"][batch["coordinates"][:, 0].long()]
+        logits, y = self.logits(batch), (scene + batch["point_labels"] % 2) % NUM_CLASSES
+        return sum(F.cross_entropy(logits[y == c], y[y == c]) for c in y.unique()) / len(y.unique())
+
+
 class ScenesManual(ManualOptimization, ScenesIgnoreSeg):
     """:class:`ScenesIgnoreSeg` under manual optimization: ``manual_backward`` inside the step."""
 
