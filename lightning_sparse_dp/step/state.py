@@ -26,8 +26,9 @@ from lightning_sparse_dp.replica.install import ReplicaState, enter_checked, rep
 from lightning_sparse_dp.replica.metrics import ReplicaMetrics
 from lightning_sparse_dp.split import SplitPlan
 from lightning_sparse_dp.step.context import StepContext
-from lightning_sparse_dp.step.gather import gather_outputs, rows_of_chunks
+from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.manual import manual_step
+from lightning_sparse_dp.step.output_roles import rows_of_chunks
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 from lightning_sparse_dp.syncbn.replicas import synchronized
@@ -44,7 +45,7 @@ def combine_values(
     a dict or list the same way, its ``"loss"`` key included: not the step's own loss).
 
     Raises:
-        ValueError: tensors that are not rows of their chunks (:func:`~lightning_sparse_dp.step.gather.rows_of_chunks`:
+        ValueError: tensors that are not rows of their chunks (:func:`~lightning_sparse_dp.step.output_roles.rows_of_chunks`:
             a confusion matrix, a histogram the step sets on ``self``), which the output merge would concatenate into a
             value of another size than any step's; the caller keeps the root replica's then.
     """

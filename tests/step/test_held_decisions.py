@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_sparse_dp.split import split_batch
 from lightning_sparse_dp.step import gather as gather_module
+from lightning_sparse_dp.step import output_roles as roles_module
 from lightning_sparse_dp.step.copies import BufferHandOff
 from lightning_sparse_dp.step.gather import gather_outputs
 from lightning_sparse_dp.step.replicate import Replicas
@@ -111,9 +112,10 @@ def _plan():
 
 def test_a_gather_prints_a_leaf_and_its_key_only_when_it_says_something(monkeypatch):
     calls: list = []
-    key, printed = gather_module._output_key, gather_module._printed
-    monkeypatch.setattr(gather_module, "_output_key", lambda path: calls.append(path) or key(path))
-    monkeypatch.setattr(gather_module, "_printed", lambda path: calls.append(path) or printed(path))
+    key, printed = roles_module.output_key, roles_module.printed
+    for module in (gather_module, roles_module):  # the gather's own lines, and the roles' (guess_role)
+        monkeypatch.setattr(module, "output_key", lambda path: calls.append(path) or key(path))
+        monkeypatch.setattr(module, "printed", lambda path: calls.append(path) or printed(path))
     plan = _plan()
     losses = [torch.tensor(float(i)) for i in range(3)]
     gather_outputs(losses, plan, [1 / 3] * 3, CPU)
