@@ -14,15 +14,25 @@ and torchmetrics metrics and their insides (merged by :mod:`~lightning_sparse_dp
 a module, nor what the strategy itself sets on the copies (:data:`OWN_KEYS`). A layer's lists and short dicts, which
 a refresh shares with its copies, get a copy per replica from :class:`~lightning_sparse_dp.replica.changes.ModuleChanges`
 before the step (``self.history.append(x)`` changes the replica's own), merged as the module's own lists and dicts are.
+
+Followed too: the ``__slots__`` of those submodules (:func:`slots_of`) that held a tensor when the replicas were built:
+torch's pruning (``torch.nn.utils.prune``, Lightning's ``ModelPruning``) and ``weight_norm`` put an ME convolution's
+``kernel`` there, a plain tensor that their forward pre-hook sets again (``kernel_orig * kernel_mask``) at every forward,
+on the replica's layer in a step; pruning the layer changes its parameters, which builds the replicas anew. ME layers'
+other slots hold their settings, which no step rebinds, and are not read. A refresh gives the copies their module's
+followed slots again (:meth:`SubmoduleChanges.refresh_slots`); what a step set there is merged as the ``__dict__``
+entries are (:meth:`SubmoduleChanges.value` reads either), a tensor of a replica's graph detached.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_sparse_dp.replica.watch import ReplicaWatch
@@ -34,6 +44,39 @@ _MINE, _THEIRS = object(), object()  # what a lookup of a missing key gives on a
 #: ``Module._replicate_for_data_parallel`` leaves on a copy, Lightning's device of a replica, and what the strategy sets
 #: on the copies' synchronized batch-norm layers each step (:func:`~lightning_sparse_dp.syncbn.replicas.synchronized`)
 OWN_KEYS = frozenset(nn.Module().__dict__) | {"_is_replica", "_device", "collective", "update_running_stats"}
+
+
+@functools.cache
+def slots_of(cls: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, descriptor)`` of every ``__slots__`` attribute of ``cls`` and its bases (not ``__dict__`` and
+    ``__weakref__``), each name once, with the descriptor attribute lookup finds (the most derived class's): what
+    ``Module._replicate_for_data_parallel`` does not copy (ME's layers keep ``dimension``, ``kernel_generator``,
+    ``conv``, ... there; a pruned ME convolution its ``kernel``). Empty for a class without slots."""
+    out: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in out and name in klass.__dict__:
+                out[name] = klass.__dict__[name]
+    return tuple(out.items())
+
+
+def slot_value(descriptor: Any, obj: Any, default: Any = None) -> Any:
+    """The value of the slot ``descriptor`` (:func:`slots_of`) of ``obj``; ``default`` where it holds none."""
+    try:
+        return descriptor.__get__(obj, type(obj))
+    except AttributeError:
+        return default
+
+
+def remove_attribute(target: nn.Module, key: str) -> None:
+    """``target``'s attribute ``key`` removed, from its ``__dict__`` or, where it is a slot (:func:`slots_of`), its
+    slot; nothing where it has none."""
+    if target.__dict__.pop(key, _MISSING) is not _MISSING:
+        return
+    descriptor = dict(slots_of(type(target))).get(key)
+    if descriptor is not None and slot_value(descriptor, target, _MISSING) is not _MISSING:
+        descriptor.__delete__(target)
 
 
 def followed_modules(names: Sequence[str], modules: Sequence[nn.Module]) -> list[int]:
@@ -68,13 +111,53 @@ class SubmoduleChanges:
         #: what else the replicas hold from step to step for their state (the module's entries listed, their trainer
         #: views and recorders), made anew with them
         self.watch = ReplicaWatch(len(self.copies))
+        # the followed submodules' slots that held a tensor when the replicas were built (module index, name,
+        # descriptor): a pruned ME convolution's kernel; none in an unpruned network (ME layers' other slots hold
+        # their settings, which no step rebinds), so a step reads none
+        self._slots = [
+            (i, name, descriptor) for i in self._followed
+            for name, descriptor in slots_of(type(self.sources[i]))
+            if name not in OWN_KEYS and isinstance(slot_value(descriptor, self.sources[i]), Tensor)
+        ]
+        self._slot_at = {(i, name): descriptor for i, name, descriptor in self._slots}
+
+    def value(self, module: nn.Module, i: int, key: str, default: Any) -> Any:
+        """``module``'s (submodule ``i`` of the module, or a replica's copy of it) attribute ``key``: its ``__dict__``
+        entry or, for a followed slot, the slot's value; ``default`` where it holds none."""
+        descriptor = self._slot_at.get((i, key))
+        return module.__dict__.get(key, default) if descriptor is None else slot_value(descriptor, module, default)
+
+    def refresh_slots(self, r: int) -> None:
+        """Replica ``r``'s copies given their module's slot values again (a refresh of ``__dict__`` entries does not
+        reach slots), so that a step starts from the module's (a value it set between steps, one merged after the last
+        step) and :meth:`changed` finds what the step set. Touches replica ``r`` only; run with its refresh."""
+        copies, sources = self.copies[r], self.sources
+        for i, _, descriptor in self._slots:
+            value = slot_value(descriptor, sources[i], _MISSING)
+            copy = copies[i]
+            if slot_value(descriptor, copy, _MISSING) is not value:
+                if value is _MISSING:
+                    descriptor.__delete__(copy)
+                else:
+                    descriptor.__set__(copy, value)
 
     def changed(self, r: int) -> list[tuple[int, str]]:
         """``(module index, key)`` of every followed attribute replica ``r``'s copies hold other than their module's:
-        set or replaced by the step (not the module's object), added, or removed. Reads replica ``r``'s copies only,
-        so each replica's thread takes its own after its step. While they hold what they held when last found clean,
-        this costs one identity comparison per followed entry and one count of their entries, in C (no Python call
-        per entry)."""
+        set or replaced by the step (not the module's object), added, or removed, in their ``__dict__`` or their slots
+        (:meth:`value` reads either). Reads replica ``r``'s copies only, so each replica's thread takes its own after
+        its step. While they hold what they held when last found clean, this costs one identity comparison per
+        followed entry and one count of their entries, in C (no Python call per entry), and one per slot."""
+        out = self._changed_entries(r)
+        if self._slots:
+            copies, sources = self.copies[r], self.sources
+            out.extend(
+                (i, name) for i, name, descriptor in self._slots
+                if slot_value(descriptor, copies[i], _MISSING) is not slot_value(descriptor, sources[i], _MISSING)
+            )
+        return out
+
+    def _changed_entries(self, r: int) -> list[tuple[int, str]]:
+        """:meth:`changed` of the ``__dict__`` entries."""
         mine = self._mine[r]
         clean = self._clean[r]
         if clean is not None:
@@ -123,4 +206,4 @@ class SubmoduleChanges:
         return f"self.{self.names[i]}.{key}"
 
 
-__all__ = ["OWN_KEYS", "SubmoduleChanges", "followed_modules"]
+__all__ = ["OWN_KEYS", "SubmoduleChanges", "followed_modules", "remove_attribute", "slot_value", "slots_of"]

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
 from lightning_sparse_dp.replica import snapshot
-from lightning_sparse_dp.replica.attributes import SubmoduleChanges
+from lightning_sparse_dp.replica.attributes import SubmoduleChanges, remove_attribute
 from lightning_sparse_dp.replica.watch import MISSING as _MISSING
 from lightning_sparse_dp.replica.watch import container_marks, list_entries, untouched_copies
 from lightning_sparse_dp.runtime.compat import update_count
@@ -256,7 +256,7 @@ class ModuleChanges:
         if not any(changed):
             return
         if all(v is _MISSING for v in values):
-            target.__dict__.pop(key, None)
+            remove_attribute(target, key)
             return
         if not all(changed) or any(v is _MISSING for v in values):
             warning_cache.warn(
@@ -265,7 +265,7 @@ class ModuleChanges:
             )
             value = next(v for v, c in zip(values, changed) if c)
             if value is _MISSING:
-                target.__dict__.pop(key, None)
+                remove_attribute(target, key)
             else:
                 setattr(target, key, self._to_root(value))
             return
@@ -323,9 +323,14 @@ class ModuleChanges:
             if (i, key) in handled:
                 continue
             target = found.sources[i]
-            before = target.__dict__.get(key, _MISSING)
-            values = [found.copies[r][i].__dict__.get(key, _MISSING) for r in range(count)]
+            before = found.value(target, i, key, _MISSING)
+            values = [found.value(found.copies[r][i], i, key, _MISSING) for r in range(count)]
             self._merge_attribute(target, key, found.name(i, key), values, [before] * len(values), combine, warning_cache)
+            now = found.value(target, i, key, _MISSING)
+            if isinstance(now, Tensor) and now.grad_fn is not None and any(now is v for v in values):
+                # a replica's tensor of its own graph (a pruned weight the forward pre-hook set, kernel_orig * mask):
+                # its value, detached, on the module's device, as DDP's rank 0 keeps its own; the graph is the replica's
+                setattr(target, key, self._to_root(now.detach()))
 
     def _combined(
         self, name: str, values: list[Any], combine: Callable[[list[Any]], tuple[Any, bool]], warning_cache: WarningCache,

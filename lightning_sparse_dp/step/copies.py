@@ -20,15 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-
-def _slot_names(cls: type) -> list[str]:
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        if isinstance(slots, str):
-            slots = (slots,)
-        names.extend(s for s in slots if s not in ("__dict__", "__weakref__") and s not in names)
-    return names
+from lightning_sparse_dp.replica.attributes import slots_of
 
 
 def copy_slots(source: nn.Module, replica: nn.Module) -> None:
@@ -38,7 +30,7 @@ def copy_slots(source: nn.Module, replica: nn.Module) -> None:
     shared, not copied (ME's kernel generators and functions hold no per-call state).
     """
     for src, dst in zip(source.modules(), replica.modules(), strict=True):
-        for name in _slot_names(type(src)):
+        for name, _ in slots_of(type(src)):
             try:
                 value = object.__getattribute__(src, name)
             except AttributeError:

@@ -308,7 +308,9 @@ class Replicas:
 
     def refresh_replica(self, r: int) -> None:
         """Replica ``r``'s modules given their module's ``__dict__`` entries but their own parameters / buffers /
-        children: touches replica ``r`` only, so each replica's thread can run its own (the strategy's prologue)."""
+        children, and their module's slot values (:meth:`~lightning_sparse_dp.replica.attributes.SubmoduleChanges.refresh_slots`:
+        a pruned ME convolution's ``kernel``): touches replica ``r`` only, so each replica's thread can run its own
+        (the strategy's prologue)."""
         per_replica = len(self._sources)
         for d, source, own in self._dicts[r * per_replica : (r + 1) * per_replica]:  # (copy's __dict__, module's, own)
             d.update(source)
@@ -316,6 +318,7 @@ class Replicas:
         if self.rank_optimizers[r] is not None:  # a new step: its param groups copied again at their first read
             self.rank_optimizers[r].copies.clear()
         self.attributes.prune(r)
+        self.attributes.refresh_slots(r)
         if "_device" in self.root.__dict__:  # Lightning's DeviceDtypeModuleMixin: a plain attribute
             self.modules[r].__dict__["_device"] = self.devices[r]
 

@@ -98,3 +98,38 @@ def test_followed_modules_are_the_submodules_but_the_module_itself_and_metrics()
     module.acc.inner = torch.nn.Linear(1, 1)  # inside a metric: the metric's own
     names, modules = zip(*module.named_modules())
     assert [names[i] for i in followed_modules(names, modules)] == ["layer", "layer.linear"]
+
+
+class _Slotted(torch.nn.Module):
+    """A layer that keeps a tensor in a slot, as a pruned ME convolution keeps its ``kernel``, and settings beside it."""
+
+    __slots__ = ("kernel", "setting")
+
+    def __init__(self):
+        super().__init__()
+        self.kernel, self.setting = torch.ones(2), 3
+
+
+def test_a_tensor_a_step_sets_in_a_slot_is_found_and_a_refresh_gives_the_modules_back():
+    """A slot of a submodule that held a tensor when the replicas were built (a pruned ME convolution's ``kernel``,
+    which the pruning's forward pre-hook sets at every forward, on the replica's layer) is followed as ``__dict__``
+    entries are: what a step sets there is found for that replica only (before, slots were never read, and the module's
+    tensor stayed as pruning left it), read by ``value``, and a refresh gives the copies the module's value again, one
+    the module got between steps included. Its other slots (settings) are not read."""
+    module = torch.nn.Sequential(_Slotted())
+    replicas = Replicas(module, [torch.device("cpu")] * 3)
+    replicas.refresh(3)
+    found = replicas.attributes
+    index = found.names.index("0")
+    copy = replicas._copies[1][index]
+    assert copy.kernel is module[0].kernel and [found.changed(r) for r in range(3)] == [[], [], []]
+    copy.kernel = torch.full((2,), 2.0)
+    copy.setting = 4  # not a tensor when built: not followed
+    assert found.changed(1) == [(index, "kernel")] and found.changed(0) == found.changed(2) == []
+    assert found.value(copy, index, "kernel", None) is copy.kernel and found.value(copy, index, "scale", None) is None
+    module[0].kernel = torch.zeros(2)  # between steps, on the module (a callback)
+    replicas.refresh_replica(1)
+    assert copy.kernel is module[0].kernel and found.changed(1) == []
+    del module[0].kernel
+    replicas.refresh_replica(1)
+    assert found.value(copy, index, "kernel", None) is None and found.changed(1) == []

@@ -11,7 +11,7 @@ import MinkowskiEngine as ME
 import pytest
 import torch
 
-from tests.support.exact import epoch_pair, same_start
+from tests.support.exact import assert_same_states, epoch_pair, same_start
 from tests.support.helpers import NUM_CLASSES, SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 pytestmark = pytest.mark.usefixtures("both_preparations")  # on the main thread and in the replicas' (conftest)
@@ -432,3 +432,80 @@ def test_a_metric_kept_in_a_plain_dict_and_updated_in_the_step_is_said():
         counts[plain] = int(ours.meters["loss"].weight)  # one per update of a scalar
         assert len(said) == (1 if plain else 0) and all("self.meters['loss']" in m for m in said), said
     assert counts == {True: 9, False: 3}  # the plain dict's metric: one update per replica, as the line says
+
+
+def _pruned(model):
+    """What :func:`test_a_pruned_layers_masked_weight_is_one_devices` prunes: both ME convolutions' ``kernel`` (a slot of
+    the layer once pruned) and the head's ``weight`` (a ``__dict__`` entry once pruned)."""
+    return [(model.net[0], "kernel"), (model.net[2], "kernel"), (model.net[-1].linear, "weight")]
+
+
+@pytest.mark.parametrize("lottery", [True, False], ids=["lottery-reset", "no-reset"])
+def test_a_pruned_layers_masked_weight_is_one_devices(lottery):
+    """Lightning's ``ModelPruning`` each epoch (``l1_unstructured``, 20 %): torch's pruning keeps the masked weight
+    (``kernel_orig * kernel_mask``) as a plain tensor on the layer, which its forward pre-hook sets again at every
+    forward, on the replica's layer in a step, and the next pruning scores. Float64, 3 replicas, 4 epochs of 2 batches,
+    with and without the lottery-ticket reset: the module's masked weights, masks and parameters are one device's. Before,
+    an ME convolution's ``kernel`` (a slot) kept the value of the last pruning, so the next pruning scored stale weights
+    and chose other masks (1.4e-3 relative off one device's parameters with the reset, other entries masked without)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    batches = [collate_dict(random_samples(9, seed=s)) for s in (1, 2)]
+    batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+    models = same_start(SparseNet)
+    for model, kwargs in zip(models, ({"strategy": "sparse_dp", "devices": 3}, {})):
+        model.double()
+        pruning = ModelPruning("l1_unstructured", amount=0.2, use_lottery_ticket_hypothesis=lottery,
+                               parameters_to_prune=_pruned(model), make_pruning_permanent=False, verbose=0)
+        trainer(precision="64-true", max_steps=-1, max_epochs=4, callbacks=[pruning], **kwargs).fit(model, loader(*batches))
+    ours, reference = models
+    assert_same_states(ours, reference, trained=False)  # pruned: kernel_orig, which same_start did not note
+    assert not torch.equal(ours.net[-1].linear.bias, ours._starting_parameters["net.5.linear.bias"])  # it trained
+    for (mine, name), (theirs, _) in zip(_pruned(ours), _pruned(reference)):
+        torch.testing.assert_close(getattr(mine, name), getattr(theirs, name).detach(), rtol=1e-10, atol=0)
+
+
+class _SlottedLayer(torch.nn.Module):
+    """A layer that keeps a plain tensor in a slot, set at every forward from its parameter, as torch's pruning sets a
+    pruned ME convolution's ``kernel``."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self):
+        super().__init__()
+        self.kernel_orig = torch.nn.Parameter(torch.arange(4.0))
+        self.kernel = self.kernel_orig.detach() * 2
+
+
+def test_a_tensor_the_step_sets_in_a_layers_slot_is_the_root_replicas_detached_or_said():
+    """ModuleChanges on a submodule's slot (replica/attributes.py follows it): tensors every replica's step set there
+    from its parameters, equal, give the module the root replica's value detached from the replica's graph (before:
+    nothing reached the module, whose tensor kept what pruning last set); tensors that differ between the replicas (a
+    value of each chunk) keep the root replica's, said as for any attribute set to different values; either way a
+    refresh gives the copies the module's value."""
+    from lightning.pytorch.utilities.rank_zero import WarningCache
+
+    from lightning_sparse_dp.replica.changes import ModuleChanges
+    from lightning_sparse_dp.step.replicate import Replicas
+
+    module = torch.nn.Sequential(_SlottedLayer())
+    replicas = Replicas(module, [torch.device("cpu")] * 3)
+
+    def fixed_size(values):  # as combine_values treats tensors that are not rows of the chunks
+        raise ValueError("fixed size")
+
+    for scale in (None, [1.0, 2.0, 3.0]):
+        copies = replicas.refresh(3)
+        state = ModuleChanges(module, copies, attributes=replicas.attributes)
+        for r, copy in enumerate(copies):
+            copy[0].kernel = copy[0].kernel_orig * (3.0 if scale is None else scale[r])  # the replica's own graph
+        cache = WarningCache()
+        with warnings.catch_warnings(record=True):  # counted in the cache below
+            state.merge(fixed_size, cache)
+        kernel = module[0].kernel
+        root = 3.0 if scale is None else scale[0]
+        assert kernel.grad_fn is None and torch.equal(kernel, torch.arange(4.0) * root)  # the root replica's value
+        said = [m for m in cache if "self.0.kernel was set to different values by the replicas' steps" in m]
+        assert len(said) == (0 if scale is None else 1)
+        replicas.refresh_replica(1)
+        assert replicas.modules[1][0].kernel is kernel
