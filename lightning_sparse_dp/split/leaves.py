@@ -7,6 +7,7 @@ dict key or beside tensors in a list / tuple (per-sample names, paths, labels) a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -205,7 +206,42 @@ def list_parent(leaf: Leaf) -> str | None:
     return None
 
 
+def numpy_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
+    """What the leaves of a batch without a tensor to split hold instead: numpy arrays, or a dataclass."""
+    kept = [leaf for leaf in leaves if dataclasses.is_dataclass(leaf.value) and not isinstance(leaf.value, type)]
+    if kept:
+        return (
+            f" {kept[0].name} is a dataclass ({type(kept[0].value).__name__}), which the split does not open: hold the "
+            "batch in a dict or a NamedTuple (the collate function's return), or split it yourself (split_fn=)."
+        )
+    arrays = [leaf.name for leaf in leaves if isinstance(leaf.value, np.ndarray) and leaf.value.ndim > 1]
+    if not arrays:
+        return ""
+    return (
+        f" {', '.join(arrays)} {'is a numpy array' if len(arrays) == 1 else 'are numpy arrays'}: convert coordinates, "
+        "features and labels with torch.as_tensor(...) in the collate function, or collate samples with "
+        "ME.utils.sparse_collate."
+    )
+
+
+def uncollated_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
+    """A hint when the tensors that disagree are the elements of one list / tuple: samples not collated."""
+    parents: dict[str, int] = {}
+    for leaf in leaves:
+        parent = list_parent(leaf)
+        if parent is not None:
+            parents[parent] = parents.get(parent, 0) + 1
+    lists = [p for p, n in parents.items() if n > 1]
+    if not lists:
+        return ""
+    return (
+        f"{lists[0]} looks like a list of per-sample tensors that were not collated. Collate samples into one batch "
+        "with ME.utils.sparse_collate(coordinates, features, labels) (coordinates [N, D+1] with the batch index in "
+        "column 0) or ME.utils.batched_coordinates, e.g. as the DataLoader's collate_fn."
+    )
+
+
 __all__ = [
     "flatten", "is_me_tensor", "is_sequence_leaf", "key_of", "layout_entry", "leaf_predicate", "list_parent",
-    "path_name", "tensor_lists",
+    "numpy_hint", "path_name", "tensor_lists", "uncollated_hint",
 ]

@@ -27,7 +27,6 @@ never sources: they get the role ``"indices"`` (:mod:`.indices`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection
 from typing import Any
 
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent, path_name
+from lightning_sparse_dp.split.leaves import is_me_tensor, key_of, list_parent, numpy_hint, path_name, uncollated_hint
 from lightning_sparse_dp.split.records import (
     COORDINATE_KEYS,
     BatchLayoutError,
@@ -323,8 +322,9 @@ def count_samples(
     Raises:
         BatchLayoutError: bad batch indices (:func:`check_batch_index`), sources or dense tensors that
             disagree on ``B``, no tensor to split, or an empty batch; lists of per-sample tensors that were not
-            collated (:func:`uncollated_hint`) whose tensors have more rows than any of the loaders' ``batch_sizes``
-            (fixed-size point clouds: their rows are points, not samples, and would be cut through every sample).
+            collated (:func:`~lightning_sparse_dp.split.leaves.uncollated_hint`) whose tensors have more rows than
+            any of the loaders' ``batch_sizes`` (fixed-size point clouds: their rows are points, not samples, and
+            would be cut through every sample).
     """
     if sources:
         sources = tuple(replace(s, counts=check_batch_index(s.batch_index, s.name)) for s in sources)
@@ -360,7 +360,7 @@ def count_samples(
     if not lengths:
         raise BatchLayoutError(
             "the batch has no tensor to split (and no coordinates). A batch must hold collated coordinates "
-            "[N, D+1], an ME.SparseTensor / ME.TensorField, or tensors [B, ...]." + _numpy_hint(leaves)
+            "[N, D+1], an ME.SparseTensor / ME.TensorField, or tensors [B, ...]." + numpy_hint(leaves)
         )
     if len(set(lengths.values())) > 1:
         raise BatchLayoutError(
@@ -368,7 +368,7 @@ def count_samples(
                 "Without coordinates every tensor is split along dim 0 and must have one row per sample. A tensor "
                 "that is not per-sample data (a constant every replica needs whole, e.g. a class-weight table) may "
                 "take the role 'replicate' in layout=; per-sample data passed whole would train every replica on "
-                "every sample." + _numpy_hint(leaves)
+                "every sample." + numpy_hint(leaves)
             ))
         )
     num_samples = next(iter(lengths.values()))
@@ -385,41 +385,6 @@ def count_samples(
             "before they reach the Trainer (in the Dataset, the sampler or the collate function)."
         )
     return num_samples, sources
-
-
-def _numpy_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
-    """What the leaves of a batch without a tensor to split hold instead: numpy arrays, or a dataclass."""
-    kept = [leaf for leaf in leaves if dataclasses.is_dataclass(leaf.value) and not isinstance(leaf.value, type)]
-    if kept:
-        return (
-            f" {kept[0].name} is a dataclass ({type(kept[0].value).__name__}), which the split does not open: hold the "
-            "batch in a dict or a NamedTuple (the collate function's return), or split it yourself (split_fn=)."
-        )
-    arrays = [leaf.name for leaf in leaves if isinstance(leaf.value, np.ndarray) and leaf.value.ndim > 1]
-    if not arrays:
-        return ""
-    return (
-        f" {', '.join(arrays)} {'is a numpy array' if len(arrays) == 1 else 'are numpy arrays'}: convert coordinates, "
-        "features and labels with torch.as_tensor(...) in the collate function, or collate samples with "
-        "ME.utils.sparse_collate."
-    )
-
-
-def uncollated_hint(leaves: tuple[Leaf, ...] | list[Leaf]) -> str:
-    """A hint when the tensors that disagree are the elements of one list / tuple: samples not collated."""
-    parents: dict[str, int] = {}
-    for leaf in leaves:
-        parent = list_parent(leaf)
-        if parent is not None:
-            parents[parent] = parents.get(parent, 0) + 1
-    lists = [p for p, n in parents.items() if n > 1]
-    if not lists:
-        return ""
-    return (
-        f"{lists[0]} looks like a list of per-sample tensors that were not collated. Collate samples into one batch "
-        "with ME.utils.sparse_collate(coordinates, features, labels) (coordinates [N, D+1] with the batch index in "
-        "column 0) or ME.utils.batched_coordinates, e.g. as the DataLoader's collate_fn."
-    )
 
 
 __all__ = ["check_batch_index", "check_coordinates", "count_samples", "find_sources", "looks_like_collated_coordinates",
