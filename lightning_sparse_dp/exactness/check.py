@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,15 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor, nn
 
 from lightning_sparse_dp.exactness.compare import StepRecord, differences, record_step
-from lightning_sparse_dp.exactness.probe import OptimizerGroups, RandomStates, float64_copy, given_back
+from lightning_sparse_dp.exactness.probe import (
+    OptimizerGroups,
+    RandomStates,
+    float64_copy,
+    given_back,
+    held_out,
+    hooked_modules,
+    kept_stop,
+)
 from lightning_sparse_dp.loss.values import loss_of
 from lightning_sparse_dp.replica.effects import StepEffects
 from lightning_sparse_dp.replica.recorder import install_recorder
@@ -288,7 +295,7 @@ class ExactnessCheck:
         reading = None
         # float64 defaults in this thread and the replicas' only, not set_default_dtype; a step that stops the fit
         # stops it once, itself, not in the check
-        with given_back(states, groups), float64_defaults(), _kept_stop(trainer):
+        with given_back(states, groups), float64_defaults(), kept_stop(trainer):
             for run in (one_device, replicas):
                 states.restore()
                 groups.restore()
@@ -376,54 +383,6 @@ class ExactnessCheck:
         if self.mode == "error":
             raise ExactnessError(message)
         warnings.warn(message)
-
-
-@contextmanager
-def _kept_stop(trainer: Any) -> Iterator[None]:
-    """``trainer.should_stop`` as it was before the block (the check's runs of the step may set it)."""
-    stop = getattr(trainer, "should_stop", None)
-    try:
-        yield
-    finally:
-        if stop is not None:
-            trainer.should_stop = stop
-
-
-def hooked_modules(module: nn.Module, shown: int = 3) -> list[str]:
-    """The modules of ``module`` with forward or backward hooks of their own (``register_forward_hook``, ...; torch's
-    global module hooks as ``"global"``), the first ``shown`` of them named and the rest counted: the check's deep
-    copies would call those hooks, whose calls reach what they hold (a callback's list), where the fit without the
-    check does not call them (the check leaves no trace)."""
-    found = [name or "the module itself" for name, m in module.named_modules() if any(
-        _users(getattr(m, hooks, None)) for hooks in _HOOKS)]
-    if any(_users(getattr(torch.nn.modules.module, hooks, None)) for hooks in _GLOBAL_HOOKS):
-        found.insert(0, "global")
-    return found[:shown] + ([f"{len(found) - shown} more"] if len(found) > shown else [])
-
-
-def _users(hooks: Any) -> bool:
-    """Whether a hook dict holds a hook that is not torch's own (``spectral_norm``'s and legacy ``weight_norm``'s, which
-    compute a weight from the copy's own parameters, as ``torch.nn.utils.prune``'s do): one that may reach what it
-    holds."""
-    return bool(hooks) and any(not (getattr(h, "__module__", None) or "").startswith("torch.") for h in hooks.values())
-
-
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-
-
-def held_out(module: nn.Module, batch_norm_eval: bool) -> list[str]:
-    """What both of the check's runs leave out of the step (:func:`~lightning_sparse_dp.exactness.probe.float64_copy`),
-    in words for its line (``{who}``: replica or rank): training's batch norm when it is not synchronized, and dropout;
-    so that "equals one device's" never claims them."""
-    held = []
-    if batch_norm_eval:
-        held.append("batch norm in eval mode (not synchronized, training normalizes each {who}'s chunk by itself, "
-                    "not the whole batch as one device does; sync_batchnorm=True makes it one device's)")
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules()):
-        held.append("dropout off (in training each {who} draws its own masks, as DDP ranks do)")
-    return held
 
 
 def _figure(d: float) -> str:
