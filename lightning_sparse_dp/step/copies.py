@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_sparse_dp.replica.attributes import slots_of
@@ -175,4 +177,23 @@ class BufferHandOff:
             )
 
 
-__all__ = ["BufferHandOff", "BufferMirror", "copy_slots"]
+def refuse_uninitialized(module: nn.Module) -> None:
+    """Refuse a module with parameters or buffers of a lazy module (``nn.LazyLinear``) not yet built: replicas are
+    copies of its tensors, which it does not have before its first forward (torch's ``DistributedDataParallel``
+    refuses such a module too).
+
+    Raises:
+        MisconfigurationException: naming the tensors and the fix.
+    """
+    lazy = [name for name, t in chain(module.named_parameters(), module.named_buffers())
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise MisconfigurationException(
+            f"sparse_dp: the module has uninitialized parameters or buffers ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}: a lazy module such as nn.LazyLinear, built at its first forward), "
+            "which replicas cannot copy, as DDP cannot. Build them before the fit: run one forward of a small batch in "
+            "the module's __init__ or configure_model(), or give the layer its input size (nn.Linear)."
+        )
+
+
+__all__ = ["BufferHandOff", "BufferMirror", "copy_slots", "refuse_uninitialized"]

@@ -31,8 +31,9 @@ removed or replaced, a parameter's ``requires_grad`` changed (fine-tuning that f
 its storage moved (``module.to(...)``, ``configure_model``, a precision plugin's conversion); the strategy takes that
 check while the replicas' threads make their chunks (:class:`~lightning_sparse_dp.step.check.DeferredCheck`).
 
-Also here: :func:`make_replicas`, one-off replicas; :func:`equal_tensors`, two tensors' values compared across devices;
-:func:`has_batch_norm`, whether a module has batch norm, which the replicas note when they are built.
+Also here: :func:`make_replicas`, one-off replicas. A module with lazy layers not yet built is refused
+(:func:`~lightning_sparse_dp.step.copies.refuse_uninitialized`); whether it has batch norm, which the replicas note
+when they are built, is :func:`~lightning_sparse_dp.syncbn.layer_sync.has_batch_norm`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from operator import itemgetter
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import comm  # torch.cuda.comm is this, but no module of torch imports it: an attribute error
@@ -53,7 +53,8 @@ from lightning_sparse_dp.replica.optimizers import RankOptimizers
 from lightning_sparse_dp.replica.snapshot import equal_tensors, tensor_mark
 from lightning_sparse_dp.runtime.devices import check_devices
 from lightning_sparse_dp.split.records import SplitPlan
-from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots
+from lightning_sparse_dp.step.copies import BufferHandOff, BufferMirror, copy_slots, refuse_uninitialized
+from lightning_sparse_dp.syncbn.layer_sync import has_batch_norm
 
 
 class Replicas:
@@ -375,25 +376,6 @@ class Replicas:
         return out
 
 
-def refuse_uninitialized(module: nn.Module) -> None:
-    """Refuse a module with parameters or buffers of a lazy module (``nn.LazyLinear``) not yet built: replicas are
-    copies of its tensors, which it does not have before its first forward (torch's ``DistributedDataParallel``
-    refuses such a module too).
-
-    Raises:
-        MisconfigurationException: naming the tensors and the fix.
-    """
-    lazy = [name for name, t in chain(module.named_parameters(), module.named_buffers())
-            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
-    if lazy:
-        raise MisconfigurationException(
-            f"sparse_dp: the module has uninitialized parameters or buffers ({', '.join(lazy[:3])}"
-            f"{', ...' if len(lazy) > 3 else ''}: a lazy module such as nn.LazyLinear, built at its first forward), "
-            "which replicas cannot copy, as DDP cannot. Build them before the fit: run one forward of a small batch in "
-            "the module's __init__ or configure_model(), or give the layer its input size (nn.Linear)."
-        )
-
-
 def _structure_key(dicts: list[dict[str, Any]]) -> tuple:
     """What must not change for replicas to stay valid (identity of children, parameters, buffers and storage).
 
@@ -434,10 +416,4 @@ def make_replicas(module: nn.Module, devices: Sequence[torch.device]) -> list[nn
     return Replicas(module, devices).modules
 
 
-def has_batch_norm(modules: Iterable[nn.Module]) -> bool:
-    """Whether any of ``modules`` is a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``: torch's and ME's,
-    whose ``MinkowskiBatchNorm`` holds one)."""
-    return any(isinstance(m, _BatchNorm) for m in modules)
-
-
-__all__ = ["Replicas", "has_batch_norm", "make_replicas"]
+__all__ = ["Replicas", "make_replicas"]

@@ -29,8 +29,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_sparse_dp.step.replicate import has_batch_norm
 from lightning_sparse_dp.strategies.base import dataloader_iter_steps
+from lightning_sparse_dp.syncbn.layer_sync import has_batch_norm
 
 
 def min_points_per_chunk(module: nn.Module, synchronized: bool, batch_norm: bool | None = None) -> int:

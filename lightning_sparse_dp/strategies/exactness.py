@@ -39,8 +39,8 @@ from lightning_sparse_dp.split import SparseSpec, split_batch
 from lightning_sparse_dp.split.presplit import PreSplitBatch, as_specs
 from lightning_sparse_dp.step.context import StepContext, dataloader_index
 from lightning_sparse_dp.step.prepare import lightning_transfer
-from lightning_sparse_dp.step.replicate import has_batch_norm
 from lightning_sparse_dp.step.scatter import build_sparse
+from lightning_sparse_dp.syncbn.layer_sync import has_batch_norm
 
 if TYPE_CHECKING:
     from torch import nn

@@ -17,10 +17,12 @@ with :func:`apply_layer_sync` / :func:`revert_layer_sync`, the steps of ``DDPStr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -80,4 +82,10 @@ def _needed(strategy: Any) -> bool:
     return trainer is not None and (trainer.state.fn == TrainerFn.FITTING or bool(eval_batch_statistics(module)))
 
 
-__all__ = ["SyncBatchNormSwap", "apply_layer_sync", "eval_batch_statistics", "revert_layer_sync"]
+def has_batch_norm(modules: Iterable[nn.Module]) -> bool:
+    """Whether any of ``modules`` is a batch-norm layer (``torch.nn.modules.batchnorm._BatchNorm``: torch's and ME's,
+    whose ``MinkowskiBatchNorm`` holds one)."""
+    return any(isinstance(m, _BatchNorm) for m in modules)
+
+
+__all__ = ["SyncBatchNormSwap", "apply_layer_sync", "eval_batch_statistics", "has_batch_norm", "revert_layer_sync"]
