@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lightning_sparse_dp.loss.decide import decide
 from lightning_sparse_dp.loss.means import count_of
+from lightning_sparse_dp.loss.step import log_fallback_message, refusal
 from lightning_sparse_dp.runtime.compat import inferred_batch_size, shadow_result_updates, synced_reduction
 from lightning_sparse_dp.step.log import constant_batch_size
 
@@ -140,16 +141,23 @@ def whole_value(
     replicas', else the values weighted by the means' element counts where every rank has one, else by ``n_r``;
     shaped, typed and placed like ``like``. The last, for values that differ between the ranks, is one device's only
     for a mean over what ``n_r`` counts (a hand-made ``correct / labeled`` is not): said once per ``name`` in
-    ``warnings`` (rank 0 says it; every rank reads the same rows), as ``sparse_dp`` says it of its replicas."""
+    ``warnings`` (rank 0 says it; every rank reads the same rows), as ``sparse_dp`` says it of its replicas; where every
+    row is a combination of captured losses that the decision refuses (ranks that called a loss different numbers of
+    times), its reason is said instead (:func:`~lightning_sparse_dp.loss.step.log_fallback_message`)."""
+    said = False
     if all(r[0] is not None for r in rows):
-        value = decide([r[0] for r in rows], memory, "rank").value
-        if value is not None:
-            return torch.tensor(value, dtype=like.dtype, device=like.device).reshape(like.shape)
+        decision = decide([r[0] for r in rows], memory, "rank")
+        if decision.value is not None:
+            return torch.tensor(decision.value, dtype=like.dtype, device=like.device).reshape(like.shape)
+        reason = refusal(decision)  # losses the ranks called otherwise than one device (a loop stopped early): said
+        if reason is not None and warnings is not None:
+            warnings.info(log_fallback_message("sparse_ddp", name or "<name>", reason))
+            said = True
     if not (like.is_floating_point() or like.is_complex()):  # a count over the rank's rows (mask.sum()): the batch's
         total = torch.tensor([r[1] for r in rows], dtype=torch.float64).sum(0)  # is their sum, as sparse_dp sums them
         return total.reshape(like.shape).to(device=like.device, dtype=like.dtype)
     counted = all(r[2] is not None for r in rows)
-    if not counted and warnings is not None and any(r[1] != rows[0][1] for r in rows[1:]):
+    if not counted and not said and warnings is not None and any(r[1] != rows[0][1] for r in rows[1:]):
         warnings.info(
             f"sparse_ddp: self.log({name or '<name>'!r}, ..., sync_dist=True) differs between ranks and is not a mean the "
             "step computed with torch.mean / .mean() (e.g. a hand-made sum / count): it is reduced as a mean weighted "

@@ -249,7 +249,9 @@ class Decision:
     reduction; ``None``: the term's gradient is the replica's weight, as the remainder's, for a full sum that has one
     value in every replica); ``empty`` names the terms
     the value uses with nothing to average over in the whole batch (the value is then NaN, as on one
-    device); ``notes``: readings of an ambiguous step, each to be said once.
+    device); ``notes``: readings of an ambiguous step, each to be said once; ``combined``: every replica's value was a
+    combination of its terms, so that a ``reason`` refuses how the replicas called them (different call counts,
+    coefficients), not the value's form.
     """
 
     value: float | None
@@ -260,6 +262,7 @@ class Decision:
     count: float = 0.0  # replicas or ranks
     n: float = 0.0  # sum of the n_i (the "auto" counts)
     sites: frozenset = frozenset()  # the loss call sites the first replica's step called (their _signature)
+    combined: bool = False  # every summary a combination of terms: a reason then refuses the replicas' calls of them
 
 
 def _signature(site: SiteTerms) -> tuple:
@@ -287,6 +290,7 @@ def decide(summaries: Sequence[Summary], memory: SiteMemory | None = None, who: 
     if reason is not None:
         out.reason = reason
         return out
+    out.combined = bool(summaries)
     key = structure(summaries, memory, who) if summaries else None
     recalled = memory.recalled.get(key) if key is not None else None
     try:

@@ -59,7 +59,8 @@ def chunk_condition(who: str) -> str:
         f"decides on its own chunk where one device decides once for the whole batch. {NO_WEIGHTING}: decide the "
         "condition on the whole batch in on_before_batch_transfer (batch['has_t'] = bool(batch['t'].any()): a Python "
         f"bool or number in the batch reaches every {who} as the whole batch's), loop over a fixed list, or call the "
-        "loss unconditionally"
+        "loss unconditionally (a loop that stops once the chunk has nothing left, such as a decoder's levels pruned "
+        "empty: call the loss at every level, on no rows where the chunk has none, which adds nothing)"
     )
 
 

@@ -71,6 +71,18 @@ def empty_message(strategy: str, names: Sequence[str]) -> str:
     )
 
 
+def log_fallback_message(strategy: str, name: str, reason: str) -> str:
+    """The one info line of a logged value that is a combination of the step's losses in every replica (rank) but whose
+    whole-batch value no combination of theirs gives (``reason``: the decision's, which names the fix)."""
+    who = "rank" if strategy == "sparse_ddp" else "replica"
+    return (
+        f"{strategy}: self.log({name!r}, ...) is a combination of mean-reduced losses (or torch.mean / torch.sum) in "
+        f"every {who}'s step, but no combination of the {who}s' calls of them gives its whole-batch value: {reason}. "
+        f"It is logged as a mean of the {who}s' values instead (weighted by their batch_size or their share of the "
+        "loss weighting), not one device's value."
+    )
+
+
 def collective_message(calls: Sequence[str]) -> str:
     """The one info line of a ``sparse_ddp`` step that reduces across ranks itself."""
     return (
@@ -122,6 +134,12 @@ def rank_scale(
     part = PartWeight.rank(world_size, shares=decision.scales[rank])
     part.scale_terms(capture)
     return part.loss_factor
+
+
+def refusal(decision: Decision) -> str | None:
+    """Why ``decision`` gives no value where every summary it read was a combination of terms (its reason), else
+    ``None``: a value that is no combination of terms at all (a hand-made ratio) is reduced by the logging rules."""
+    return decision.reason if decision.value is None and decision.combined else None
 
 
 class StepTerms:
@@ -252,6 +270,15 @@ class StepTerms:
 
     def log_value(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | None:
         """The whole batch's value of a name every replica logged, when it is a combination of terms; else ``None``."""
+        value = self.log_reading(replicas, values)
+        return value if isinstance(value, Tensor) else None
+
+    def log_reading(self, replicas: Sequence[int], values: Sequence[Any]) -> Tensor | str | None:
+        """As :meth:`log_value` (a 0-dim tensor, or ``None`` for a value that is no combination of terms), and the
+        reason (a ``str``) where every replica's value is a combination of its terms but the decision refused them
+        (e.g. replicas that called a loss different numbers of times: a loop that stops once its chunk has nothing
+        left), which :func:`~lightning_sparse_dp.step.log.reduce_log_calls` says once (:func:`log_fallback_message`).
+        The step's own loss, logged, is never such a reason: its fallback is said where it is weighted."""
         if len(replicas) != len(self.captures):
             return None
         dtype = values[0].dtype if isinstance(values[0], Tensor) else torch.float64
@@ -261,10 +288,14 @@ class StepTerms:
             tensors = [v if isinstance(v, Tensor) else self.captures[i].tensor_of(v) for i, v in zip(replicas, values)]
             if any(t is None or not t.is_floating_point() for t in tensors):
                 return None
-            value = self.decide(tensors, replicas).value
+            decision = self.decide(tensors, replicas)
+            if decision.value is None:
+                return refusal(decision)
+            value = decision.value
         return None if value is None else torch.tensor(value, dtype=dtype)
 
 
 __all__ = [
-    "FALLBACK_START", "StepTerms", "collective_message", "empty_message", "fallback_message", "rank_scale", "say",
+    "FALLBACK_START", "StepTerms", "collective_message", "empty_message", "fallback_message", "log_fallback_message",
+    "rank_scale", "refusal", "say",
 ]

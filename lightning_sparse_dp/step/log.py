@@ -55,6 +55,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
 from lightning_sparse_dp.loss.means import MEAN_NAMES
+from lightning_sparse_dp.loss.step import log_fallback_message
 from lightning_sparse_dp.loss.values import is_loss_value
 from lightning_sparse_dp.replica.recorder import LogCall, LogRecorder, MetricRef
 from lightning_sparse_dp.runtime.compat import forward_cache, update_count
@@ -165,7 +166,7 @@ def reduce_log_calls(
     root: torch.nn.Module | None = None,
     losses: Sequence[Tensor | None] | None = None,
     warning_cache: WarningCache | None = None,
-    exact: Callable[[list[int], list[Any]], Tensor | None] | None = None,
+    exact: Callable[[list[int], list[Any]], Tensor | str | None] | None = None,
     infer_batch_size: bool = False,
     chunk_samples: Sequence[int] | None = None,
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
@@ -185,7 +186,9 @@ def reduce_log_calls(
             value that is its replica's loss is reduced as the loss is (weighted mean).
         warning_cache: where one-time warnings go (a module-level cache when not given).
         exact: ``exact(replicas, values)``: the whole batch's value of a name, or ``None`` to reduce by
-            the rules above (``loss_weighting="terms"``: a logged combination of captured losses).
+            the rules above (``loss_weighting="terms"``: a logged combination of captured losses), or the reason (a
+            ``str``) a combination of captured losses in every replica has no whole-batch value: said once
+            (:func:`~lightning_sparse_dp.loss.step.log_fallback_message`), then reduced by the rules above.
         chunk_samples: each replica's samples (tells a ``batch_size=`` that is one constant, e.g.
             ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
         chunk_points: gives, per point set, each replica's points (a ``batch_size=`` that is each chunk's point
@@ -215,11 +218,15 @@ def reduce_log_calls(
                 "the chunk has nothing for it), or log a torchmetrics metric."
             )
         value = _metric_value(present, len(recorders), root)
+        said = False
         if value is None and exact is not None:
             value = exact([i for i, _ in present], [c.value for _, c in present])
+            if isinstance(value, str):  # losses the replicas called otherwise than one device (a loop stopped early)
+                warning_cache.info(log_fallback_message("sparse_dp", name, value))
+                value, said = None, True
         if value is None:
             value = _reduce_values(name, present, weights, losses, kwargs, device, warning_cache, num_samples,
-                                   chunk_samples, chunk_points, memory)
+                                   chunk_samples, chunk_points, memory, said)
         else:
             value = value.to(device)
         sizes = [c.kwargs.get("batch_size") for _, c in present]
@@ -273,9 +280,11 @@ def _reduce_values(
     chunk_samples: Sequence[int] | None = None,
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
     memory: LogMemory | None = None,
+    said: bool = False,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules; ``memory``: the
-    step's :class:`LogMemory`, given by :func:`reduce_log_calls`, its one caller)."""
+    step's :class:`LogMemory`, given by :func:`reduce_log_calls`, its one caller; ``said``: why the value is not the
+    whole batch's was said already, so the lines guessing at a hand-made mean are not)."""
     assert memory is not None
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
     w = [weights[i] for i, _ in present]
@@ -318,15 +327,16 @@ def _reduce_values(
             return _reduce(values, [float(n) for n in counts], reduce_fx)  # type: ignore[arg-type]
         per_chunk = memory.constant(name, sizes, [i for i, _ in present], num_samples, chunk_samples, chunk_points) is None
         if all(isinstance(s, numbers.Number) for s in sizes) and per_chunk:
-            warning_cache.info(
-                f"sparse_dp: self.log({name!r}, ..., batch_size=<each chunk's count>) differs between replicas and is "
-                "not a mean the step computed with torch.mean / .mean(): it is reduced as a mean weighted by the "
-                "replicas' batch_size, the whole batch's value only for a mean over those (a hand-made correct / "
-                "len(labels) is; an F1 score, an IoU or a maximum is not). For the whole batch's value of such a "
-                "score log a torchmetrics metric (its state is merged as one device's)."
-            )
+            if not said:
+                warning_cache.info(
+                    f"sparse_dp: self.log({name!r}, ..., batch_size=<each chunk's count>) differs between replicas and "
+                    "is not a mean the step computed with torch.mean / .mean(): it is reduced as a mean weighted by the "
+                    "replicas' batch_size, the whole batch's value only for a mean over those (a hand-made correct / "
+                    "len(labels) is; an F1 score, an IoU or a maximum is not). For the whole batch's value of such a "
+                    "score log a torchmetrics metric (its state is merged as one device's)."
+                )
             return _reduce(values, [float(s) for s in sizes], reduce_fx)  # the chunks' own batch_size= counts
-        if not all(_is_integer(c.value) for _, c in present):
+        if not said and not all(_is_integer(c.value) for _, c in present):
             warning_cache.info(
                 f"sparse_dp: self.log({name!r}, ...) differs between replicas and is not a mean the step computed with "
                 "torch.mean / .mean() (e.g. a hand-made sum / count): it is reduced as a mean weighted by each replica's "
@@ -352,7 +362,7 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
         return reduce_log_calls(
             step.replica_state.recorders, step.weights, step.plan.num_samples, root, step.call.module, step.losses,
             step.call.warnings,
-            step.terms.log_value if step.terms is not None else None,
+            step.terms.log_reading if step.terms is not None else None,
             infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
             chunk_points=lambda: step.plan.points_per_set,  # read where needed

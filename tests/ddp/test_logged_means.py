@@ -10,6 +10,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Result
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_sparse_dp.ddp.logged_means import HeldMeans, settle, whole_value
+from lightning_sparse_dp.loss.decide import SiteTerms, Summary
 
 
 def _log(results: _ResultCollection, name: str, value: float, **options) -> None:
@@ -101,6 +102,29 @@ def test_a_value_weighted_by_the_ranks_counts_is_said_once(caplog):
         whole_value([(None, [0.5], 10, 3.0), (None, [0.2], 30, 4.0)], like, None, "acc_mean", warnings)
     said = [r.getMessage() for r in caplog.records if "sync_dist=True) differs between ranks" in r.getMessage()]
     assert len(said) == 1 and "self.log('acc_ratio', ..., sync_dist=True)" in said[0], said
+
+
+def _levels(coeffs: list[float], values: list[float], rows: list[int]) -> Summary:
+    """A rank's summary of a logged ``sum(losses) / len(losses)`` over decoder levels: one call per level it reached."""
+    site = SiteTerms(7, "completion.py:157", "F.binary_cross_entropy_with_logits", True, [False] * len(coeffs),
+                     coeffs, [float(r) for r in rows], values, rows, False, [False] * len(coeffs), [0] * len(coeffs))
+    return Summary(None, 6, 6.0, [site], [(0, j) for j in range(len(coeffs))], tolerance=1e-15)
+
+
+def test_a_logged_loss_whose_ranks_called_it_different_numbers_of_times_is_said_with_its_reason(caplog):
+    """The completion example under sparse_ddp (2 gloo ranks, float64): validation's decoder prunes by its own scores
+    and stopped after the first level on one rank's share, so the logged val_loss (a mean over the levels reached) had
+    no global value and was weighted by n_r, 3.8e-3 off one device's, said only as a value that "differs between
+    ranks and is not a mean the step computed". The reason is said now, once per name, with the fix."""
+    like, warnings = torch.tensor(0.0, dtype=torch.float64), WarningCache()
+    rows = [(_levels([0.5, 0.5], [0.7, 0.6], [300, 120]), [0.65], None, 6.0), (_levels([1.0], [0.8], [250]), [0.8], None, 6.0)]
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            value = whole_value(rows, like, None, "val_loss", warnings)
+    said = [r.getMessage() for r in caplog.records if "self.log('val_loss', ...) is a combination" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("sparse_ddp:") and "different numbers of times" in said[0], said
+    assert "call the loss at every level" in said[0] and "differs between ranks" not in caplog.text
+    assert float(value) == (0.65 + 0.8) / 2  # weighted by n_r, as the line says
 
 
 def test_a_sum_or_maximum_of_the_loss_across_ranks_is_the_batch_s():
