@@ -7,7 +7,7 @@ plane removed. The network sees the partial voxels and generates the complete sh
 - an encoder of strided sparse convolutions (tensor stride 1 -> 2 -> 4);
 - a decoder of ``MinkowskiGenerativeConvolutionTranspose`` levels (stride 4 -> 2 -> 1), each
   generating new coordinates, scoring them with a 1x1 convolution and removing those scored
-  negative with ``MinkowskiPruning`` (in training, voxels of the target are kept too, as in ME's example);
+  negative with ``MinkowskiPruning`` (for the loss, voxels of the target are kept too, as in ME's example);
 - each level's target comes from the coordinate manager: the complete shape is inserted with
   ``insert_and_map``, strided to the level's tensor stride, and a kernel map of size 1 says which
   generated voxels are in it.
@@ -15,8 +15,16 @@ plane removed. The network sees the partial voxels and generates the complete sh
 The batch holds two coordinate tensors, ``coordinates`` (partial) and ``target_coordinates``
 (complete); ``sparse_dp`` finds both and cuts each by its own batch column. The loss is ME's: the
 binary cross-entropy of every level, each a mean over its generated voxels, averaged over levels.
-Validation logs ``val_loss`` and ``val_iou`` (voxel IoU of the completed shapes, averaged over
-samples); ``predict_step`` returns one ``(coordinates [n_i, 3], logits [n_i, 1])`` pair per sample.
+Validation logs ``val_loss`` (that loss on the validation shapes, target voxels kept as in training, so
+that every level is reached) and ``val_iou`` (voxel IoU of the shapes the network completes alone, pruning
+by its own scores, averaged over samples); ``predict_step`` returns one ``(coordinates [n_i, 3], logits
+[n_i, 1])`` pair per sample.
+
+Why ``val_loss`` keeps the target voxels: pruned by its own scores alone, the decoder stops at a level
+where nothing is left, and under ``sparse_dp`` each replica stops on its own chunk where one device goes on
+with the other samples, so the replicas' losses would hold fewer levels than one device's (said once, and
+weighted per replica instead). With the target kept, every chunk reaches every level, and ``val_loss`` is
+one device's.
 
     .venv/bin/python examples/train_completion.py                 # 3 CPU replicas
     .venv/bin/python examples/train_completion.py --devices 1
@@ -122,9 +130,11 @@ class CompletionNet(nn.Module):
             target[in_rows.long()] = True
         return target
 
-    def forward(self, x: ME.SparseTensor, target_key: ME.CoordinateMapKey | None = None):
+    def forward(self, x: ME.SparseTensor, target_key: ME.CoordinateMapKey | None = None, keep_target: bool | None = None):
         """``(scores, targets, out)``: every level's scores and targets (targets only with ``target_key``),
-        and the last level's scores after pruning (the completed shape; None when every voxel was pruned)."""
+        and the last level's scores after pruning (the completed shape; None when every voxel was pruned).
+        ``keep_target`` (default: in training): target voxels are kept at every level, whatever their scores."""
+        keep_target = self.training if keep_target is None else keep_target
         y = self.encoder(x)
         scores, targets = [], []
         for up, refine, score in zip(self.up, self.refine, self.score):
@@ -134,7 +144,7 @@ class CompletionNet(nn.Module):
             if target_key is not None:
                 target = self.occupancy(y, target_key)
                 targets.append(target)
-                if self.training:
+                if keep_target:
                     keep = keep | target
             scores.append(s)
             if not bool(keep.any()):  # nothing left to generate from (ME cannot prune to an empty tensor)
@@ -151,9 +161,10 @@ class Completion(L.LightningModule):
         self.val_iou = MeanMetric()  # over shapes: each sample's IoU weighs the same
 
     def step(self, batch):
+        """``(loss, out)``: the loss, target voxels kept at every level (in training and validation alike)."""
         x = ME.SparseTensor(batch["features"], batch["coordinates"])
         target_key, _ = x.coordinate_manager.insert_and_map(batch["target_coordinates"], string_id="target")
-        scores, targets, out = self.net(x, target_key)
+        scores, targets, out = self.net(x, target_key, keep_target=True)
         loss = sum(F.binary_cross_entropy_with_logits(s.F[:, 0], t.to(s.F.dtype)) for s, t in zip(scores, targets))
         return loss / len(scores), out
 
@@ -163,9 +174,9 @@ class Completion(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss, out = self.step(batch)
         b = num_samples(batch)
-        self.log("val_loss", loss, batch_size=b, sync_dist=True)
+        self.log("val_loss", self.step(batch)[0], batch_size=b, sync_dist=True)
+        _, _, out = self.net(ME.SparseTensor(batch["features"], batch["coordinates"]))  # completed by the network alone
         self.val_iou.update(voxel_iou(out, batch["target_coordinates"], b))
         self.log("val_iou", self.val_iou)
 
