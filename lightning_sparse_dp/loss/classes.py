@@ -65,11 +65,15 @@ def _positions_differ(sites: Sequence[SiteTerms]) -> bool:
     return False
 
 
+def _known(sites: Sequence[SiteTerms]) -> bool:
+    """Whether every call of the site is over one known class (a loop over classes calls each over one, ``y[y == c]``;
+    a call over several, or none, is no such loop: decoder levels, a call per view)."""
+    return all(len(s.classes) == len(s.coeffs) and all(k is not None for k in s.classes) for s in sites)
+
+
 def _why_not(sites: Sequence[SiteTerms]) -> str | None:
     """Why the site's calls cannot be paired by their class, or ``None`` when they can."""
     for s in sites:
-        if len(s.classes) != len(s.coeffs) or any(k is None for k in s.classes):
-            return "a call's targets are of several classes or of none (all ignore_index), so its class is not known"
         if any(s.sums):
             return "its calls reduce by reduction='sum'"
         if any(c == 0.0 for c in s.coeffs):
@@ -93,7 +97,7 @@ def read_per_sample(
     whose classes are each in one chunk reads alike both ways; else it is read per sample, said once.
     """
     site = sites[0]
-    if len(sites) < 2 or not all(s.in_loop for s in sites) or _why_not(sites) is not None:
+    if len(sites) < 2 or not all(s.in_loop for s in sites) or not _known(sites) or _why_not(sites) is not None:
         return None
     calls = [len(s.coeffs) for s in sites]
     if any(n != sm.samples for n, sm in zip(calls, summaries)):
@@ -133,8 +137,8 @@ def pair_by_class(sites: Sequence[SiteTerms], memory: SiteMemory, who: str, note
             neither one per class nor a mean over the classes each chunk holds.
     """
     site = sites[0]
-    if len(sites) < 2 or not site.in_loop or all(k is None for s in sites for k in s.classes):
-        return None
+    if len(sites) < 2 or not site.in_loop or not _known(sites):  # decoder levels whose coarse levels may happen
+        return None  # to hold one class each, another in each replica: matched by position
     differ = _positions_differ(sites)
     why = _why_not(sites)
     if why is not None:
