@@ -32,6 +32,7 @@ combines replicas' terms into whole-batch values.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -129,6 +130,8 @@ class StepObserver(TorchFunctionMode):
         kwargs = kwargs or {}
         if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
             _say_own_generator()
+        if func is _TENSOR_MAX:
+            _say_if_chunk_grid()
         out = func(*args, **kwargs)
         try:
             kind = _KINDS.get(func)
@@ -237,6 +240,26 @@ def _say_own_generator() -> None:
     )
 
 
+#: ``torch.Tensor.max``: what ME's ``SparseTensor.dense()`` sizes its grid with when it is given no ``shape``
+_TENSOR_MAX = torch.Tensor.max
+
+
+def _say_if_chunk_grid() -> None:
+    """Once per process: ``SparseTensor.dense()`` without ``shape`` in a step of several replicas (the caller of this
+    ``Tensor.max`` is ME's ``dense``, which calls it only to size the grid by the tensor's own coordinates)."""
+    code = sys._getframe(2).f_code
+    if code.co_name != "dense" or not code.co_filename.endswith("MinkowskiSparseTensor.py"):
+        return
+    if getattr(_replica_call, "replicas", 1) > 1:
+        _said.info(
+            "sparse_dp: SparseTensor.dense() without shape= sizes each replica's grid by its chunk's largest "
+            "coordinates, where one device's grid is sized by the whole batch's: a sample's cells are the same, but a "
+            "mean over the grid (F.mse_loss(dense, target), dense.mean(), an average over the spatial dimensions) "
+            "averages over a different number of cells than one device's. Pass a grid fixed for the dataset: "
+            "x.dense(shape=torch.Size([samples, channels, *size])), samples the chunk's (len(batch['labels']))."
+        )
+
+
 def _say_input_gradients() -> None:
     """Once per process: a step without a graph of its own (validation, test, predict) took ``torch.autograd.grad`` of
     a loss over its chunk: each replica's gradients are of its chunk's mean, not the batch's."""
@@ -303,6 +326,8 @@ class TermCapture(StepObserver):
         kwargs = kwargs or {}
         if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
             _say_own_generator()
+        if func is _TENSOR_MAX:
+            _say_if_chunk_grid()
         try:
             kind = _KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
