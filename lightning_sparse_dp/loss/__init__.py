@@ -6,8 +6,10 @@ One module per idea, in the order a step meets them:
   value is it;
 - :mod:`~lightning_sparse_dp.loss.denominators`: torch's mean-reduced losses and their denominators as torch defines
   them (which calls are captured);
-- :mod:`~lightning_sparse_dp.loss.capture`: each captured call of a replica's step becomes a term (value,
-  denominator, call site), its gradient scalable after the step; :mod:`~lightning_sparse_dp.loss.forms`: how the
+- :mod:`~lightning_sparse_dp.loss.observer`: the torch function mode every replica's step runs under, what it notes
+  of the step's calls; :mod:`~lightning_sparse_dp.loss.capture`: each captured call of a replica's step becomes a term
+  (:mod:`~lightning_sparse_dp.loss.term`: value, denominator, call site), its gradient scalable after the step;
+  :mod:`~lightning_sparse_dp.loss.forms`: how the
   step's arithmetic combines terms; :mod:`~lightning_sparse_dp.loss.sites`: where the user's code called a loss and
   what its input is;
 - :mod:`~lightning_sparse_dp.loss.means`: which elements a logged mean is over (each one-value ``torch.mean`` a step

@@ -1,6 +1,7 @@
 """Capture torch's mean-reduced losses inside a replica's step, and how its loss combines them.
 
-Every replica's step (a rank's, in ``sparse_ddp``) runs under a :class:`StepObserver`, the thread's
+Every replica's step (a rank's, in ``sparse_ddp``) runs under a
+:class:`~lightning_sparse_dp.loss.observer.StepObserver`, the thread's
 ``torch.overrides.TorchFunctionMode`` (modes are per thread, so each replica thread enters its own and no other
 thread sees anything): it counts the step's one-value means (:mod:`~lightning_sparse_dp.loss.means`) and notes the
 collectives its own code calls (:mod:`~lightning_sparse_dp.loss.collectives`). Nothing of torch is replaced:
@@ -9,7 +10,8 @@ With ``loss_weighting="terms"`` the observer is a :class:`TermCapture`.
 Every call of a loss in :data:`~lightning_sparse_dp.loss.denominators.CAPTURED` with a mean reduction,
 functional or through its ``nn.*Loss`` module (which calls the functional), becomes a *term*: its
 value ``L`` and its denominator ``D`` as torch defines it (:func:`~lightning_sparse_dp.loss.denominators.denominator`).
-The value handed back to the step is ``L`` times a factor of 1 whose value :attr:`Term.scale` sets
+The value handed back to the step is ``L`` times a factor of 1 whose value
+:attr:`~lightning_sparse_dp.loss.term.Term.scale` sets
 after the step, when every replica's ``D`` is known, so that it scales the gradient only; where
 ``D = 0`` (every label ignored, no voxel at a level) the value is 0, not NaN.
 
@@ -31,21 +33,14 @@ combines replicas' terms into whole-batch values.
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from lightning_sparse_dp.loss.classes import one_class
-from lightning_sparse_dp.loss.collectives import COLLECTIVE_FUNCTIONS, note_collective
 from lightning_sparse_dp.loss.denominators import (
-    CAPTURED,
     CAPTURED_NAMES,
-    UNCAPTURED,
     bind,
     class_bounds,
     full_reduction,
@@ -57,16 +52,25 @@ from lightning_sparse_dp.loss.denominators import (
 from lightning_sparse_dp.loss.forms import Form, follow
 from lightning_sparse_dp.loss.means import (
     MEAN_FUNCTIONS,
-    PASSING_FUNCTIONS,
-    counting,
     last_holding,
     note_mean,
-    pass_mean,
     scalar_values,
+)
+from lightning_sparse_dp.loss.observer import (
+    CAPTURED_KIND,
+    COLLECTIVE_KIND,
+    KINDS,
+    MEAN_KIND,
+    PASS_KIND,
+    SUM_KIND,
+    TENSOR_MAX,
+    UNCAPTURED_KIND,
+    StepObserver,
+    say_if_chunk_grid,
+    say_own_generator,
 )
 from lightning_sparse_dp.loss.sites import (
     ROW_REDUCTION_NAMES,
-    CallSite,
     RowStatistics,
     from_step_code,
     input_rows,
@@ -74,190 +78,9 @@ from lightning_sparse_dp.loss.sites import (
     peek_transform,
     reduces_rows,
 )
+from lightning_sparse_dp.loss.term import Term, scaled_value
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _replica_call
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
-from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
-
-T = TypeVar("T")
-_CAPTURED_KIND, _UNCAPTURED_KIND, _MEAN_KIND, _COLLECTIVE_KIND = "captured", "uncaptured", "mean", "collective"
-_SUM_KIND, _PASS_KIND = "sum", "pass"
-#: torch's sums whose one-value results over rows of the chunk are terms too (``x.sum()``, ``torch.sum(x)``)
-SUM_FUNCTIONS = frozenset({torch.sum, torch.Tensor.sum})
-#: what ``__torch_function__`` does first with a function it is handed; anything else passes straight through
-_KINDS: dict[Any, str] = {
-    **{f: _CAPTURED_KIND for f in CAPTURED}, **{f: _UNCAPTURED_KIND for f in UNCAPTURED},
-    **{f: _MEAN_KIND for f in MEAN_FUNCTIONS}, **{f: _COLLECTIVE_KIND for f in COLLECTIVE_FUNCTIONS},
-    **{f: _SUM_KIND for f in SUM_FUNCTIONS}, **{f: _PASS_KIND for f in PASSING_FUNCTIONS},
-}
-
-
-class StepObserver(TorchFunctionMode):
-    """The torch function mode of one step's thread: counts its one-value means (:func:`~lightning_sparse_dp.loss.means.
-    note_mean`) and, where ``collectives`` is a list, notes the ``torch.distributed`` collectives the user's code calls
-    (:func:`~lightning_sparse_dp.loss.collectives.note_collective`). Enter it with :meth:`run`, in the step's thread.
-
-    Every torch call of the step passes through :meth:`__torch_function__` (a dict lookup, then the call), which is
-    what observing per thread costs; torch's own functions are never replaced (that would be seen by every thread).
-    """
-
-    def __init__(self, collectives: list[str] | None = None) -> None:
-        super().__init__()
-        self.collectives = collectives
-        #: ``id(mean) -> (mean, element count)`` of the one-value means the last :meth:`run` computed (its outputs')
-        self.means: dict[int, tuple[Tensor, int]] = {}
-
-    def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
-        its means (:func:`~lightning_sparse_dp.loss.means.counting`, kept as :attr:`means`)."""
-        self.recording = torch.is_grad_enabled()  # whether the step records gradients (TermCapture's terms read it)
-        previous = getattr(_local, "active", None)
-        _local.active = self
-        try:
-            with counting() as self.means, self:
-                return fn()
-        finally:
-            _local.active = previous
-
-    def _observe(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        if kind is _MEAN_KIND:
-            note_mean(args, kwargs, out)
-        elif kind is _PASS_KIND:
-            pass_mean(args, out)
-        elif kind is _COLLECTIVE_KIND and self.collectives is not None:
-            note_collective(func, self.collectives)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
-            _say_own_generator()
-        if func is _TENSOR_MAX:
-            _say_if_chunk_grid()
-        out = func(*args, **kwargs)
-        try:
-            kind = _KINDS.get(func)
-        except TypeError:  # an unhashable callable: nothing to observe
-            return out
-        if kind is not None:
-            self._observe(kind, func, args, kwargs, out)
-        return out
-
-
-class Term:
-    """One captured call: ``name`` (``"F.cross_entropy"``), denominator ``D`` and value ``L`` (0 where ``D = 0``).
-
-    ``denominator`` is ``None`` for a ``reduction="sum"`` call (its value counts once per replica).
-    ``site`` (:func:`call_site`'s key) names the place in the user's code that called it, the same in every
-    process (``where``: ``file.py:line``), and ``in_loop`` whether that call ran inside a loop of the user's code; ``rows`` is the
-    number of rows its input has (``input.shape[0]``; 1 for an unbatched or 0-dim input), which tells a
-    loss over one sample's points from one over a decoder level's voxels; ``statistic`` whether its input
-    is a reduction over rows (:func:`reduces_rows`: ``out.F.mean(0)``), not rows of the chunk; ``shared`` the
-    call's arguments that apply to all its rows alike (a class weight:
-    :func:`~lightning_sparse_dp.loss.denominators.shared_arguments`), which every replica must have been given alike;
-    ``bounds`` a mean-reduced cross entropy's target classes in a loop (:meth:`target_class`), else ``None``.
-    A full ``torch.sum`` / ``torch.mean`` of a tensor is named ``"torch.sum"`` / ``"torch.mean"`` (no loss of torch's
-    is named ``torch.*``: :func:`~lightning_sparse_dp.loss.denominators.loss_name`).
-
-    The value handed to the step is ``L * s`` with ``s`` a 0-dim tensor of 1: :attr:`scale` sets ``s``
-    after the step, without a version bump, so the multiplication's backward (which reads ``s``
-    then) scales the gradient that reaches the call. A plain multiplication's backward costs less than a
-    Python autograd function's (docs/benchmarks.md, "Costs of the step's parts").
-    """
-
-    __slots__ = (
-        "name", "denominator", "value", "site", "where", "in_loop", "rows", "statistic", "shared", "checkpointed",
-        "unrecorded", "bounds", "_scale", "_factor", "_numbers", "_class",
-    )
-
-    def __init__(
-        self, name: str, denominator: float | Tensor | None, factor: Tensor, site: CallSite | None = None, rows: int = 1,
-        statistic: bool = False, shared: tuple[Tensor, ...] = (), bounds: Tensor | None = None,
-    ) -> None:
-        self.name, self.denominator, self._factor = name, denominator, factor
-        self.shared = tuple(t.detach() for t in shared)
-        site = site or CallSite(0, "?", False)
-        self.site, self.where, self.in_loop, self.rows = site.key, site.where, site.in_loop, rows
-        self.statistic = statistic
-        self.bounds = bounds
-        self._class: int | None = None  # read with the numbers (TermCapture.read_numbers)
-        self.checkpointed = False  # called inside torch.utils.checkpoint: recomputed in backward, unscaled there
-        #: called where autograd records nothing in a step that records (a custom Function's forward, torch.no_grad):
-        #: the gradient that reaches it comes from elsewhere (a hand-written backward), past the term's factor
-        self.unrecorded = False
-        self.value: Tensor | None = None
-        self._scale = 1.0
-        self._numbers: tuple[float, float] | None = None  # (D, L) once read (TermCapture.read_numbers)
-
-    @property
-    def is_sum(self) -> bool:
-        """Whether the call reduced by ``"sum"``: each replica's value counts once, no denominator."""
-        return self.denominator is None
-
-    @property
-    def scale(self) -> float:
-        """What multiplies the gradient that reaches the call's value (1 until the strategy sets it)."""
-        return self._scale
-
-    @scale.setter
-    def scale(self, scale: float) -> None:
-        self._scale = scale
-        self._factor.data.fill_(scale)  # .data: no version bump, or backward would refuse the saved factor
-
-    def numbers(self) -> tuple[float, float]:
-        """``(D, L)`` as Python floats (``D`` is 1 for a ``"sum"`` call), read once (:meth:`TermCapture.read_numbers`)."""
-        if self._numbers is None:
-            d = self.denominator
-            self._numbers = (1.0 if d is None else float(d), float(self.value))  # type: ignore[arg-type]
-            if self.bounds is not None:
-                self._class = one_class(float(self.bounds[0]), float(self.bounds[1]))
-        return self._numbers
-
-    def target_class(self) -> int | None:
-        """The one class of all the call's targets (a per-class loss in a loop: :mod:`~lightning_sparse_dp.loss.classes`),
-        else ``None``: several classes or none, or targets not read (``bounds``:
-        :func:`~lightning_sparse_dp.loss.denominators.class_bounds`)."""
-        self.numbers()
-        return self._class
-
-
-def _scaled(value: Tensor, keep: Tensor | bool, factor: Tensor) -> Tensor:
-    """``value * factor``; 0 where ``keep`` is false (a mean over nothing), still in the graph, with gradient 0."""
-    if keep is True:
-        return value * factor
-    if keep is False:
-        return value.nan_to_num(0.0, 0.0, 0.0) * 0.0
-    return torch.where(keep, value, torch.zeros_like(value)) * factor
-
-
-def _say_own_generator() -> None:
-    """Once per process: a replica's step drew random numbers from a ``torch.Generator`` it was given
-    (``torch.randn(..., generator=g)``)."""
-    _said.warn(
-        "sparse_dp: the step draws random numbers from a torch.Generator of its own (torch.randn(..., generator=g)): "
-        "a generator made and seeded in the step starts the same stream in every replica, so each chunk gets the "
-        "stream's first rows where one device's batch gets rows 0..B-1 (and one kept on the module is drawn from by "
-        "the replicas in thread order). Draw for the whole batch in on_before_batch_transfer and put the draws in the "
-        "batch (per-sample rows are cut with their samples), or train with sparse_ddp."
-    )
-
-
-#: ``torch.Tensor.max``: what ME's ``SparseTensor.dense()`` sizes its grid with when it is given no ``shape``
-_TENSOR_MAX = torch.Tensor.max
-
-
-def _say_if_chunk_grid() -> None:
-    """Once per process: ``SparseTensor.dense()`` without ``shape`` in a step of several replicas (the caller of this
-    ``Tensor.max`` is ME's ``dense``, which calls it only to size the grid by the tensor's own coordinates)."""
-    code = sys._getframe(2).f_code
-    if code.co_name != "dense" or not code.co_filename.endswith("MinkowskiSparseTensor.py"):
-        return
-    if getattr(_replica_call, "replicas", 1) > 1:
-        _said.info(
-            "sparse_dp: SparseTensor.dense() without shape= sizes each replica's grid by its chunk's largest "
-            "coordinates, where one device's grid is sized by the whole batch's: a sample's cells are the same, but a "
-            "mean over the grid (F.mse_loss(dense, target), dense.mean(), an average over the spatial dimensions) "
-            "averages over a different number of cells than one device's. Pass a grid fixed for the dataset: "
-            "x.dense(shape=torch.Size([samples, channels, *size])), samples the chunk's (len(batch['labels']))."
-        )
 
 
 def _say_input_gradients() -> None:
@@ -297,8 +120,9 @@ class TermCapture(StepObserver):
         self.count_values: set[float] = set()
 
     def read_numbers(self) -> None:
-        """Every term's ``(D, L)`` (:meth:`Term.numbers`) read at once: one copy to the host per device
-        (:func:`~lightning_sparse_dp.loss.means.scalar_values`) instead of two waits on the GPU per term and reader."""
+        """Every term's ``(D, L)`` (:meth:`~lightning_sparse_dp.loss.term.Term.numbers`) read at once: one copy to the
+        host per device (:func:`~lightning_sparse_dp.loss.means.scalar_values`) instead of two waits on the GPU per term
+        and reader."""
         todo = [t for t in self.terms if t._numbers is None and t.value is not None]
         if not todo:
             return
@@ -325,18 +149,18 @@ class TermCapture(StepObserver):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and getattr(_replica_call, "replicas", 1) > 1:
-            _say_own_generator()
-        if func is _TENSOR_MAX:
-            _say_if_chunk_grid()
+            say_own_generator()
+        if func is TENSOR_MAX:
+            say_if_chunk_grid()
         try:
-            kind = _KINDS.get(func)
+            kind = KINDS.get(func)
         except TypeError:  # an unhashable callable: not a loss
             kind = None
-        if (kind is _CAPTURED_KIND or kind is _SUM_KIND or kind is _MEAN_KIND) and peek_transform() is not None:
+        if (kind is CAPTURED_KIND or kind is SUM_KIND or kind is MEAN_KIND) and peek_transform() is not None:
             return func(*args, **kwargs)  # inside torch.func's vmap / grad: its own function of the inputs, not a term
-        if kind is _CAPTURED_KIND:
+        if kind is CAPTURED_KIND:
             return self._capture(func, args, kwargs)
-        if (kind is _SUM_KIND or kind is _MEAN_KIND) and full_reduction(args, kwargs) and not (
+        if (kind is SUM_KIND or kind is MEAN_KIND) and full_reduction(args, kwargs) and not (
             self.forms and self._touches_forms(args)
         ):
             return self._reduction(func, args, kwargs)
@@ -350,7 +174,7 @@ class TermCapture(StepObserver):
         if plain and not following and not self.counts:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
-        if kind is _SUM_KIND or self.counts:
+        if kind is SUM_KIND or self.counts:
             self._note_count(kind, args, out)
         if following:
             self._followed().follow(func, args, kwargs, out)
@@ -358,11 +182,11 @@ class TermCapture(StepObserver):
                 _say_input_gradients()
         if plain:
             return out
-        if kind is _MEAN_KIND or kind is _COLLECTIVE_KIND or kind is _PASS_KIND:
+        if kind is MEAN_KIND or kind is COLLECTIVE_KIND or kind is PASS_KIND:
             self._observe(kind, func, args, kwargs, out)
         if not isinstance(out, Tensor):
             return out
-        if kind is _UNCAPTURED_KIND and is_mean(bind(func, args, kwargs)):
+        if kind is UNCAPTURED_KIND and is_mean(bind(func, args, kwargs)):
             why = f"it calls {loss_name(func)}(reduction='mean'), which is not captured"
             self.forms[id(out)] = Form(out, None, why)
         elif self.forms:
@@ -374,7 +198,7 @@ class TermCapture(StepObserver):
         or one-element tensor computed from a count."""
         if isinstance(out, Tensor):
             if out.numel() == 1 and not out.requires_grad and (
-                kind is _SUM_KIND or any(isinstance(a, Tensor) and self._is_count(a) for a in args)
+                kind is SUM_KIND or any(isinstance(a, Tensor) and self._is_count(a) for a in args)
             ):
                 self.counts[id(out)] = out
         elif type(out) in (int, float) and args and isinstance(args[0], Tensor) and self._is_count(args[0]):
@@ -440,7 +264,7 @@ class TermCapture(StepObserver):
         term.checkpointed = checkpointed
         term.unrecorded = self.recording and not torch.is_grad_enabled() and not checkpointed
         self.weighable = self.weighable and not (checkpointed or term.unrecorded)  # else summarize says which, why
-        value = out if checkpointed else out * term._factor if keep is True else _scaled(out, keep, term._factor)
+        value = out if checkpointed else out * term._factor if keep is True else scaled_value(out, keep, term._factor)
         term.value = value.detach().clone()  # the step may change ``value`` in place
         self.forms[id(value)] = Form(value, {len(self.terms): 1.0})
         self.terms.append(term)
@@ -502,33 +326,4 @@ class TermCapture(StepObserver):
         return coeffs, r, scale
 
 
-def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` that runs with its thread's :class:`StepObserver` out of the way (for a metric's ``update`` / ``forward``).
-
-    What a torchmetrics metric computes in a step is its own state (merged across replicas by
-    :mod:`~lightning_sparse_dp.replica.metrics`), never a term of the loss, so the capture has nothing to follow in
-    it, while every torch call made under the mode costs a Python ``__torch_function__`` call (a metric's
-    update makes many small torch calls: docs/benchmarks.md, "Costs of the step's parts"). The wrapped call runs with the
-    observer popped from the thread's torch function mode stack when it is the innermost mode (else, a
-    mode the step entered after it is on top, the call runs under both). Without an observer in the thread it
-    calls ``fn`` directly.
-    """
-
-    @functools.wraps(fn)
-    def outside(*args: Any, **kwargs: Any) -> T:
-        active = getattr(_local, "active", None)
-        if active is None:
-            return fn(*args, **kwargs)
-        depth = torch._C._len_torch_function_stack()
-        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not active:
-            return fn(*args, **kwargs)
-        active.__exit__(None, None, None)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            active.__enter__()
-
-    return outside
-
-
-__all__ = ["StepObserver", "Term", "TermCapture", "outside_capture"]
+__all__ = ["TermCapture"]

@@ -12,7 +12,7 @@ sum term read as the one-device coefficient) would move it away. :func:`note_col
 frame outside torch, Lightning, torchmetrics and this package calls while a step runs, so ``sparse_ddp``
 (:mod:`lightning_sparse_dp.strategies.sparse_ddp`) can weight such a step's ranks as DDP does and say so. It is
 called by the step's own
-torch function mode (:class:`~lightning_sparse_dp.loss.capture.StepObserver`, per thread): ``torch.distributed``'s
+torch function mode (:class:`~lightning_sparse_dp.loss.observer.StepObserver`, per thread): ``torch.distributed``'s
 tensor collectives that dispatch ``__torch_function__`` (:data:`COLLECTIVE_FUNCTIONS`: ``all_reduce``, ``all_gather``,
 ``reduce``, ``broadcast``) are seen, under any name they were imported by, and nothing of ``torch.distributed`` is
 replaced; ``all_gather_object``, ``all_gather_into_tensor`` and ``reduce_scatter*``, which do not dispatch, are not.

@@ -5,7 +5,7 @@ selection's elements, not over the chunk's samples or points: the whole batch's 
 ``sum_i c_i v_i / sum_i c_i`` with ``c_i`` the element count of replica ``i``'s mean. While a step runs
 under :func:`counting` (in its own thread: each replica's, or a ``sparse_ddp`` rank's step), every
 ``torch.mean(x)`` / ``x.mean()`` that gives one value is recorded with ``x.numel()`` by :func:`note_mean`, which the
-step's own torch function mode calls (:class:`~lightning_sparse_dp.loss.capture.StepObserver`: modes are per thread,
+step's own torch function mode calls (:class:`~lightning_sparse_dp.loss.observer.StepObserver`: modes are per thread,
 so no other thread sees anything, and ``torch.mean`` stays torch's own object everywhere); :func:`count_of` then gives
 the count of a logged value, a tensor or its ``.item()``. A mean computed with other ops after it (``100 * acc``) is
 not followed.

@@ -15,7 +15,7 @@ optimization:
 
 Before the reduction the part's loss is multiplied by :attr:`PartWeight.loss_factor` (``w_i / g_i``; 1 when the terms
 carry the shares), each captured term's gradient by ``s_it / g_i`` (:meth:`PartWeight.scale_terms`; the capture's
-factor in the graph, :class:`~lightning_sparse_dp.loss.capture.Term`), and, where the gather's sum is the step's loss
+factor in the graph, :class:`~lightning_sparse_dp.loss.term.Term`), and, where the gather's sum is the step's loss
 (``sparse_dp``), every part's value shifted by one detached constant (:func:`shifted`). The invariant, tested in
 ``tests/loss/test_reweight.py``:
 

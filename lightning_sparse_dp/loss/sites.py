@@ -30,7 +30,7 @@ from lightning_sparse_dp.runtime.process import LOSS_SITES as _SITES
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from lightning_sparse_dp.loss.capture import Term
+    from lightning_sparse_dp.loss.term import Term
 
 
 @functools.cache

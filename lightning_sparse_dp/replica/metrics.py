@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.aggregation import BaseAggregator
 
-from lightning_sparse_dp.loss.capture import outside_capture
+from lightning_sparse_dp.loss.observer import outside_capture
 from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
 from lightning_sparse_dp.replica.metric_updates import (
     CHUNK_COLUMN,

@@ -4,7 +4,7 @@
 strategy runs on the replicas' threads (:class:`~lightning_sparse_dp.runtime.executor.ReplicaExecutor`). Each is
 wrapped, innermost first, in what the step does outside the module noted (the loggers' calls,
 :mod:`lightning_sparse_dp.replica.effects`), its thread's own torch function mode (the capture of its mean-reduced
-losses, or a :class:`~lightning_sparse_dp.loss.capture.StepObserver` counting its means), its preparation, its rank of
+losses, or a :class:`~lightning_sparse_dp.loss.observer.StepObserver` counting its means), its preparation, its rank of
 the batch-norm group and its clock (stage ``replica<i>``).
 
 The preparation runs in the replica's thread before its step: its chunk cut and placed first where it is still a
@@ -21,7 +21,7 @@ from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
 
-from lightning_sparse_dp.loss.capture import StepObserver
+from lightning_sparse_dp.loss.observer import StepObserver
 from lightning_sparse_dp.step.scatter import PendingChunk
 
 T = TypeVar("T")
@@ -61,7 +61,7 @@ def replica_steps(
     under, innermost first: what it does outside the module noted (``effects``: a
     :class:`~lightning_sparse_dp.replica.effects.StepEffects`), the thread's torch function mode that observes it (the
     capture of its losses, ``terms``: a :class:`~lightning_sparse_dp.loss.step.StepTerms`; else a
-    :class:`~lightning_sparse_dp.loss.capture.StepObserver` counting its means), its preparation (below), its rank of
+    :class:`~lightning_sparse_dp.loss.observer.StepObserver` counting its means), its preparation (below), its rank of
     the batch-norm group (``group``), its clock (``timer``: a :class:`~lightning_sparse_dp.runtime.timing.StepTimer`,
     ``replica<i>``).
 

@@ -56,9 +56,10 @@ from lightning_sparse_dp.ddp.exchange import (
 from lightning_sparse_dp.ddp.logged_means import HeldMeans, Row, rank_row, settle, whole_value
 from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
-from lightning_sparse_dp.loss.capture import StepObserver, TermCapture
+from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.decide import ChunkShape, SiteMemory, Summary, summarize
 from lightning_sparse_dp.loss.means import MEAN_NAMES
+from lightning_sparse_dp.loss.observer import StepObserver
 from lightning_sparse_dp.loss.reweight import PartWeight, scaled
 from lightning_sparse_dp.loss.step import rank_scale
 from lightning_sparse_dp.loss.values import loss_of

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse_dp.loss.capture import Term
 from lightning_sparse_dp.loss.reweight import PartWeight, scaled, shifted
+from lightning_sparse_dp.loss.term import Term
 from lightning_sparse_dp.loss.weights import weighted_sum
 
 REL = 1e-12

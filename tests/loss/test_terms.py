@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse_dp.loss.capture import TermCapture, outside_capture
+from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.denominators import CAPTURED, bind, denominator, shared_arguments
+from lightning_sparse_dp.loss.observer import outside_capture
 
 _DEFAULT_DTYPE = torch.get_default_dtype()
 torch.set_default_dtype(torch.float64)  # for the data below only (restored after it)
@@ -223,7 +224,7 @@ def test_a_loss_imported_by_name_before_any_other_is_captured():
 
 @pytest.mark.parametrize("keep", [True, False, torch.tensor(True), torch.tensor(False)])  # tensors: the CUDA path
 def test_scaled_value_and_gradient(keep):
-    from lightning_sparse_dp.loss.capture import _scaled
+    from lightning_sparse_dp.loss.term import scaled_value as _scaled
 
     a = torch.tensor(float("nan") if not bool(keep) else 2.0, dtype=torch.float64, requires_grad=True)
     factor = torch.ones((), dtype=torch.float64)

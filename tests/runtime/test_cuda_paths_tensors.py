@@ -126,7 +126,7 @@ def test_a_logged_item_is_looked_up_among_the_steps_means_with_one_copy_per_devi
     only CPU tensors were looked at, so on GPUs such a value was reduced by the loss weights instead of exactly),
     reading them with one device-to-host copy per device (one ``torch.stack``), not one per tensor."""
     from lightning_sparse_dp.loss import means
-    from lightning_sparse_dp.loss.capture import StepObserver
+    from lightning_sparse_dp.loss.observer import StepObserver
 
     values = [torch.tensor(0.25), torch.tensor([1.5], dtype=torch.float16), torch.tensor(3.0, dtype=torch.float64)]
     assert means.scalar_values(values) == [0.25, 1.5, 3.0] and stacks == [3]
@@ -171,7 +171,8 @@ def test_the_loss_terms_numbers_are_read_with_one_copy_per_device(stacks):
     """The terms' denominators and values (what the exact loss weights are decided from) are read to the host
     together, one ``torch.stack`` per device, not two waits on the GPU per term and reader; each term's numbers
     are then what ``float()`` gives, read once."""
-    from lightning_sparse_dp.loss.capture import Term, TermCapture
+    from lightning_sparse_dp.loss.capture import TermCapture
+    from lightning_sparse_dp.loss.term import Term
 
     capture = TermCapture()
     for d, v in [(torch.tensor(4.0), 0.5), (None, 2.0), (3, 1.25), (torch.tensor(7.0, dtype=torch.float64), 0.1)]:
