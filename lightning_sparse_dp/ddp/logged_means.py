@@ -147,6 +147,9 @@ def whole_value(
     said = False
     if all(r[0] is not None for r in rows):
         decision = decide([r[0] for r in rows], memory, "rank")
+        if warnings is not None:
+            for note in decision.notes:  # an ambiguous reading said, as the training step's decision says its own
+                warnings.info(note.replace("sparse_dp:", "sparse_ddp:", 1))
         if decision.value is not None:
             return torch.tensor(decision.value, dtype=like.dtype, device=like.device).reshape(like.shape)
         reason = refusal(decision)  # losses the ranks called otherwise than one device (a loop stopped early): said

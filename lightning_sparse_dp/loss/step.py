@@ -289,6 +289,7 @@ class StepTerms:
             if any(t is None or not t.is_floating_point() for t in tensors):
                 return None
             decision = self.decide(tensors, replicas)
+            say(decision, "sparse_dp", self.warning_cache)  # an ambiguous reading said, as the loss's own is
             if decision.value is None:
                 return refusal(decision)
             value = decision.value

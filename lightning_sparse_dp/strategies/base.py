@@ -84,8 +84,18 @@ class SparseStrategyMixin:
     def _memory_for(self, hook: str) -> SiteMemory:
         """The site memory of a step of ``hook`` (``"training_step"``, ``"validation_step"``...): the training steps'
         for the run, the evaluation steps' apart (each reads what its own steps showed of a call site, never the
-        other's: a loop whose count differs between them)."""
-        return self._site_memory if hook == "training_step" else self._eval_site_memory
+        other's: a loop whose count differs between them), except what the training steps settled of a loop's kind
+        (a loop over the classes each chunk holds, not one over its samples; a mean or a sum of them): one call site of
+        one code is such a loop in validation too, and a validation batch may not tell it."""
+        if hook == "training_step":
+            return self._site_memory
+        trained, memory = self._site_memory, self._eval_site_memory
+        for key, reading in trained.items():
+            if reading[0] == "classes" and key not in memory:
+                memory[key] = reading
+        for key, kind in trained.classes.items():
+            memory.classes.setdefault(key, kind)
+        return memory
 
     def _check_minkowski_build(self, device_type: str, count: int) -> None:
         """Before the first step: refuse CPU replicas / ranks (``count > 1``) on an ME without the CPU patches

@@ -220,3 +220,38 @@ def test_any_per_class_step_is_one_devices_or_said(held, form, data):
     again = decide(_class_step(held, form, values), memory)
     assert first.reason is None and again.value == first.value and again.scales == first.scales
     assert math.isclose(first.value, _one_device(held, form, values), rel_tol=1e-12) or first.notes
+
+
+class LoggedPerClass(PerClass):
+    """:class:`PerClass`, its loss logged in validation too."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+
+#: validation batches whose samples hold one class each, a class in several chunks: a call per class of the chunk is
+#: also a call per sample there, which such a batch cannot tell apart
+ONE_CLASS_EACH = [[0], [1], [1], [0], [2], [3]]
+
+
+def test_validation_reads_a_loop_over_classes_as_the_training_steps_showed_it(caplog):
+    """Validation keeps a site memory of its own, and began without what the training steps settled of the loop's
+    kind: batches whose samples hold one class each were read one loss per sample, 1.6e-2 off one device's val_loss
+    in the fit, silently. What the training steps settled stands in validation now; a validate() of such batches,
+    with nothing to settle it, says its reading once."""
+    train = [class_batch(FEWER, seed=s) for s in (1, 2)]
+    val = [class_batch(ONE_CLASS_EACH, seed=s) for s in (5, 6)]
+    ours, reference = same_start(LoggedPerClass, seed=0)
+    run = dict(max_epochs=1, max_steps=-1, limit_val_batches=None, sync_batchnorm=True)
+    ours_trainer = trainer64(strategy="sparse_dp", devices=3, **run)
+    ours_trainer.fit(ours, fresh_loader(train), fresh_loader(val))
+    reference_trainer = trainer64(**run)
+    reference_trainer.fit(reference, fresh_loader(train), fresh_loader(val))
+    assert max(state_differences(ours, reference).values()) <= REL
+    got, want = (float(t.callback_metrics["val_loss"]) for t in (ours_trainer, reference_trainer))
+    assert relative_difference(got, want) <= REL, (got, want)
+
+    with caplog.at_level(logging.INFO):
+        trainer64(strategy="sparse_dp", devices=3, limit_val_batches=None).validate(ours, fresh_loader(val), verbose=False)
+    said = [r.getMessage() for r in caplog.records if "called in a loop once per sample" in r.getMessage()]
+    assert len(said) == 1, said
