@@ -140,15 +140,18 @@ def _attribute_tensors(leaves: list[tuple[str, Any]]) -> dict[str, Tensor]:
 def output_tensors(output: Any, path: str = "output") -> dict[str, Tensor]:
     """``path -> tensor`` of a step's output: tensors and numbers in dicts, lists and tuples (``output['logits']``,
     ``output[0]``), an ME ``SparseTensor`` / ``TensorField`` as its features and coordinates (``.F`` / ``.C``), its
-    rows sorted (:func:`_row_order`: ME's row order differs between a chunk's tensor and the batch's)."""
+    rows sorted (:func:`_row_order`: ME's row order differs between a chunk's tensor and the batch's), and so are the
+    rows of coordinates returned with their features in one dict, list or tuple (:func:`_rows_aligned`)."""
     if isinstance(output, Tensor):
         return {path: output}
     if isinstance(output, numbers.Number) and not isinstance(output, bool):
         return {path: torch.tensor(float(output), dtype=torch.float64)}  # type: ignore[arg-type]
     if isinstance(output, Mapping):
-        return {k: v for key, value in output.items() for k, v in output_tensors(value, f"{path}[{key!r}]").items()}
+        keys, values = list(output), _rows_aligned(list(output.values()))
+        return {k: v for key, value in zip(keys, values) for k, v in output_tensors(value, f"{path}[{key!r}]").items()}
     if isinstance(output, (list, tuple)):
-        return {k: v for i, value in enumerate(output) for k, v in output_tensors(value, f"{path}[{i}]").items()}
+        values = _rows_aligned(list(output))
+        return {k: v for i, value in enumerate(values) for k, v in output_tensors(value, f"{path}[{i}]").items()}
     features, coordinates = getattr(output, "F", None), getattr(output, "C", None)
     if isinstance(features, Tensor) and isinstance(coordinates, Tensor):
         order = _row_order(coordinates, features)  # ME orders a tensor's rows by its coordinate map: compared as sets
@@ -156,14 +159,41 @@ def output_tensors(output: Any, path: str = "output") -> dict[str, Tensor]:
     return {}
 
 
-def _row_order(coordinates: Tensor, features: Tensor) -> Tensor:
-    """The rows of ``[coordinates, features]`` in lexicographic order (stable sorts from the last column to the first):
-    an ME tensor's rows as a set, whatever order its coordinate map gave them."""
-    rows = torch.cat([coordinates.detach().double(), features.detach().double().reshape(len(features), -1)], 1).cpu()
-    order = torch.arange(len(rows))
+def _is_coordinates(value: Any) -> bool:
+    """Whether ``value`` reads as coordinates: an integer tensor ``[n, d]`` (``x.C``, ``x.C[:, 1:]``)."""
+    return (isinstance(value, Tensor) and value.dim() == 2 and not value.is_floating_point()
+            and not value.is_complex() and value.dtype != torch.bool)
+
+
+def _rows_aligned(values: list[Any]) -> list[Any]:
+    """``values`` (one dict's, list's or tuple's entries) with the rows of coordinates and what comes with them sorted:
+    each integer tensor ``[n, d]`` (:func:`_is_coordinates`) and every tensor beside it with ``n`` rows (its features,
+    ``(out.C[i, 1:], out.F[i])`` of a sample; ``{"coords": out.C, "logits": out.F}``) are put in one order, the
+    lexicographic order of their rows (:func:`_row_order`: the coordinates first). ME gives a generated or strided
+    tensor's rows in its coordinate map's order, which differs between one device's batch and a replica's chunk: the
+    rows are compared by their coordinates, not by position; other coordinates, another value or a missing row still
+    differ. A new list; the other entries as they were."""
+    values = list(values)
+    for n in {len(v) for v in values if _is_coordinates(v)}:
+        rows = [i for i, v in enumerate(values) if isinstance(v, Tensor) and v.dim() >= 1 and len(v) == n]
+        keys = sorted(rows, key=lambda i: not _is_coordinates(values[i]))  # the coordinates first, then the rest
+        order = _row_order(*(values[i] for i in keys))
+        for i in rows:
+            values[i] = values[i][order.to(values[i].device)]
+    return values
+
+
+def _row_order(*columns: Tensor) -> Tensor:
+    """The order of the rows of ``columns`` (tensors of ``n`` rows each, ``[coordinates, features]``) put side by
+    side (each flattened to ``[n, -1]``), lexicographic (stable sorts from the last column to the first): an ME
+    tensor's rows as a set, whatever order its coordinate map gave them. ``[n]`` int64, on the first column's
+    device."""
+    n = len(columns[0])
+    rows = torch.cat([c.detach().cpu().double().reshape(n, -1) for c in columns], 1)
+    order = torch.arange(n)
     for c in reversed(range(rows.shape[1])):
         order = order[torch.argsort(rows[order, c], stable=True)]
-    return order.to(features.device)
+    return order.to(columns[0].device)
 
 
 def _state_tensor(value: Any) -> Tensor | None:

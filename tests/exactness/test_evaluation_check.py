@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_sparse_dp import SparseDataParallelStrategy
+from tests.support.clients import Completion, voxel_batch
 from tests.support.exact import same_start, trainer64
 from tests.support.helpers import collate_dict, loader, random_samples
 from tests.support.step_forms import PooledNet
@@ -254,3 +255,93 @@ def test_validation_inside_a_fit_reads_its_losses_as_a_validate_run_does():
     r = trainer64(max_steps=3, limit_val_batches=None, num_sanity_val_steps=0)
     r.fit(reference, loader(*train), loader(*val))
     assert float(t.callback_metrics["val_loss"]) == pytest.approx(float(r.callback_metrics["val_loss"]), rel=1e-10)
+
+
+
+class _CompletedShapes(Completion):
+    """The generative decoder of tests/support/clients.py (stride-2 encoder, ``MinkowskiGenerativeConvolutionTranspose``,
+    scores, ``MinkowskiPruning`` of the rows scored negative) predicting as examples/train_completion.py does: one
+    ``(coordinates [n_i, 3], logits [n_i, 1])`` pair per sample, and the last level as ``{"C", "F"}`` beside it."""
+
+    def kept(self, score: ME.SparseTensor) -> torch.Tensor:
+        return score.F[:, 0] > 0
+
+    def predict_step(self, batch, batch_idx):
+        x = ME.SparseTensor(batch["features"], batch["coordinates"])
+        score = self.score(self.gen(self.enc(x)))
+        out = self.prune(score, self.kept(score))
+        index, b = out.C[:, 0].long(), int(batch["coordinates"][:, 0].max()) + 1
+        return {"shapes": [(out.C[index == i, 1:], out.F[index == i]) for i in range(b)], "last": {"C": out.C, "F": out.F}}
+
+
+class _CompletedAboveTheBatchsMedian(_CompletedShapes):
+    """Rows kept above the median score of the batch: each replica keeps those above its chunk's median."""
+
+    def kept(self, score: ME.SparseTensor) -> torch.Tensor:
+        return score.F[:, 0] > score.F[:, 0].median()
+
+
+def _rows(output: dict) -> list[dict]:
+    """Each sample's ``(coordinates, logits)`` and the last level's ``(C, F)`` as ``{coordinate tuple: logits}``."""
+    pairs = [*output["shapes"], (output["last"]["C"], output["last"]["F"])]
+    return [{tuple(c.tolist()): f for c, f in zip(coords, feats)} for coords, feats in pairs]
+
+
+def _predicted(cls, caplog) -> tuple[list[dict], list[dict], list]:
+    """``cls``'s predictions on 3 replicas and on one device (plain Lightning) from the same start, in float64
+    (:func:`_rows`), and what the replicas' run said."""
+    ours, reference = same_start(cls, seed=0)
+    batch = {k: v for k, v in voxel_batch(range(300, 306)).items() if k != "labels"}
+    with caplog.at_level(logging.INFO):
+        got = trainer64(strategy="sparse_dp", devices=3).predict(ours, loader(batch))
+    want = trainer64().predict(reference, loader(batch))
+    return _rows(got[0]), _rows(want[0]), [got[0], want[0]]
+
+
+def test_generated_rows_in_another_order_than_one_devices_are_said_equal(caplog, recwarn):
+    """A generative decoder's pruned rows, returned as one ``(coordinates, logits)`` pair per sample (the completion
+    example's predict_step) and as ``{"C", "F"}``: one device's on 3 replicas, row by row (matched by coordinates,
+    1e-10), but ME gives them in its coordinate map's order, which differs between the batch and a chunk; the check
+    compared them position by position and said 'differs' (logits 0.9 to 1.0 relative) on every run. The rows of
+    coordinates returned with their features are compared by their coordinates now."""
+    ours, reference, (got, want) = _predicted(_CompletedShapes, caplog)
+    assert all(len(r) for r in reference) and [r.keys() for r in ours] == [r.keys() for r in reference]
+    for mine, theirs in zip(ours, reference):
+        for c in theirs:
+            torch.testing.assert_close(mine[c], theirs[c], rtol=1e-10, atol=0)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(got["shapes"], want["shapes"]))  # rows in another order
+    assert _checks(_said(caplog, recwarn)) == ["sparse_dp: exactness check of predict step 0: equals"]
+
+
+def test_other_generated_rows_than_one_devices_are_still_said_different(caplog, recwarn):
+    """Rows kept above the batch's median score: each replica keeps those above its chunk's, other coordinates than
+    one device's (and other numbers of rows): said 'differs', naming the pairs, with rows matched by coordinates."""
+    ours, reference, _ = _predicted(_CompletedAboveTheBatchsMedian, caplog)
+    assert [r.keys() for r in ours] != [r.keys() for r in reference]  # the difference the check is about is real
+    said = [m for m in _said(caplog, recwarn) if "exactness check of predict step 0" in m]
+    assert len(said) == 1 and "differs" in said[0] and "output['shapes']" in said[0], said
+
+
+def test_returned_coordinates_and_features_are_compared_as_rows():
+    """What the check reads of returned ``(coordinates, features)``: the same rows in another order are equal; another
+    value, another coordinate or a missing row differ; rows of a tensor returned without coordinates keep their order."""
+    from lightning_sparse_dp.exactness.compare import StepRecord, differences, output_tensors
+
+    coords = torch.tensor([[0, 0, 1], [0, 2, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.int32)
+    feats = torch.tensor([[0.5, 1.0], [-1.0, 2.0], [3.0, 0.25], [1.5, -2.0]], dtype=torch.float64)
+    order = torch.tensor([2, 0, 3, 1])
+
+    def worst(a, b) -> float:
+        return max(d for _, d in differences(StepRecord(None, outputs=output_tensors(a)),
+                                             StepRecord(None, outputs=output_tensors(b))))
+
+    changed_value, changed_coordinate = feats.clone(), coords.clone()
+    changed_value[1, 0] += 1e-6
+    changed_coordinate[3, 2] = 5
+    expected = [(coords, feats)]
+    assert worst([(coords[order], feats[order])], expected) == 0.0
+    assert worst({"C": coords[order], "F": feats[order]}, {"C": coords, "F": feats}) == 0.0
+    assert worst([(coords, changed_value)], expected) == pytest.approx(1e-6 / 3.0)
+    assert worst([(changed_coordinate, feats)], expected) > 0.1
+    assert worst([(coords[:3], feats[:3])], expected) == float("inf")
+    assert worst([feats[order]], [feats]) > 0.1  # features alone: no coordinates to match them by
