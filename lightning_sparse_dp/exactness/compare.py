@@ -185,11 +185,12 @@ def _rows_aligned(values: list[Any]) -> list[Any]:
 
 def _row_order(*columns: Tensor) -> Tensor:
     """The order of the rows of ``columns`` (tensors of ``n`` rows each, ``[coordinates, features]``) put side by
-    side (each flattened to ``[n, -1]``), lexicographic (stable sorts from the last column to the first): an ME
+    side (each flattened to ``[n, k]``; ``n`` may be 0), lexicographic (stable sorts from the last column to the first): an ME
     tensor's rows as a set, whatever order its coordinate map gave them. ``[n]`` int64, on the first column's
     device."""
     n = len(columns[0])
-    rows = torch.cat([c.detach().cpu().double().reshape(n, -1) for c in columns], 1)
+    rows = torch.cat([c.detach().cpu().double().reshape(n, 1) if c.dim() == 1 else c.detach().cpu().double().flatten(1)
+                      for c in columns], 1)
     order = torch.arange(n)
     for c in reversed(range(rows.shape[1])):
         order = order[torch.argsort(rows[order, c], stable=True)]

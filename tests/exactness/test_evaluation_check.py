@@ -324,7 +324,8 @@ def test_other_generated_rows_than_one_devices_are_still_said_different(caplog, 
 
 def test_returned_coordinates_and_features_are_compared_as_rows():
     """What the check reads of returned ``(coordinates, features)``: the same rows in another order are equal; another
-    value, another coordinate or a missing row differ; rows of a tensor returned without coordinates keep their order."""
+    value, another coordinate or a missing row differ; rows of a tensor returned without coordinates keep their order;
+    a sample left without rows (the completion example's per-sample pairs) is compared too."""
     from lightning_sparse_dp.exactness.compare import StepRecord, differences, output_tensors
 
     coords = torch.tensor([[0, 0, 1], [0, 2, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.int32)
@@ -345,3 +346,6 @@ def test_returned_coordinates_and_features_are_compared_as_rows():
     assert worst([(changed_coordinate, feats)], expected) > 0.1
     assert worst([(coords[:3], feats[:3])], expected) == float("inf")
     assert worst([feats[order]], [feats]) > 0.1  # features alone: no coordinates to match them by
+    empty = (torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.float64))  # a sample left without rows
+    assert worst([empty, (coords[order], feats[order])], [empty, (coords, feats)]) == 0.0
+    assert worst([empty], expected) == float("inf")
