@@ -300,6 +300,9 @@ PYEOF
     #  16 A convolution, pooling or global pooling of an empty SparseTensor (a chunk pruned away whole)
     #     crashed: the kernel map of an empty map was a reference to a temporary, and the CPU origin
     #     map walked an empty hash table. The empty kernel map is cached; an empty origin map has no pairs.
+    #  17 Global pooling / broadcasting of a tensor pruned of whole samples gave rows for the pruned samples
+    #     (-DBL_MAX from max pooling, a crashing backward; "invalid kernel map" from average pooling): the manager's
+    #     one origin map came from another coordinate map. The origin map now follows the input's samples.
     # Found with tests/project/test_me_invariance.py, tests/project/test_me_layers.py and ME's own tests
     # (scripts/run_me_upstream_tests.sh); docs/minkowskiengine.md has the account.
     for patch_file in "$PATCHES"/*.patch; do

@@ -2,9 +2,10 @@
 original computes, MinkowskiSyncBatchNorm.convert_sync_batchnorm converts, and building a coordinate
 map leaves other Python threads (the other replicas) running.
 
-A convolution or pooling of an empty SparseTensor (a chunk pruned away whole) runs and gives no rows.
+A convolution or pooling of an empty SparseTensor (a chunk pruned away whole) runs and gives no rows; global pooling of
+a tensor pruned of whole samples gives a row per remaining sample.
 
-ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04, 05, 13 and 16 fix them).
+ME 0.5.4 as released fails all of these (scripts/minkowski_patches/04, 05, 13, 16 and 17 fix them).
 """
 
 from __future__ import annotations
@@ -266,3 +267,63 @@ def test_a_layer_of_an_empty_sparse_tensor_gives_no_rows(layer, rows):
     done = subprocess.run([sys.executable, "-c", _EMPTY_INPUT, layer], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
     assert f"ROWS {rows} ZERO (5, 3)" in done.stdout, done.stdout
+
+
+#: a generative transposed convolution, pruning that removes every row of samples 1 and 3, and a global pooling,
+#: against the same samples 0 and 2 in a batch without 1 and 3 (run in a child process: ME as released crashes it)
+_PRUNED_SAMPLES = r"""
+import sys, torch, MinkowskiEngine as ME
+D = 3
+torch.manual_seed(0)
+net = torch.nn.Sequential(
+    ME.MinkowskiConvolution(3, 4, kernel_size=2, stride=2, dimension=D),
+    ME.MinkowskiGenerativeConvolutionTranspose(4, 4, kernel_size=2, stride=2, dimension=D)).double()
+pools = {"global max pooling": ME.MinkowskiGlobalMaxPooling(), "global average pooling": ME.MinkowskiGlobalAvgPooling(),
+         "global sum pooling": ME.MinkowskiGlobalSumPooling()}
+broadcast = sys.argv[1] == "broadcast addition"
+pool = pools["global average pooling" if broadcast else sys.argv[1]]
+g = torch.Generator().manual_seed(1)
+coords = [torch.randint(0, 8, (n, D), generator=g, dtype=torch.int32).unique(dim=0) for n in (20, 7, 33, 12)]
+feats = [torch.randn(len(c), 3, generator=g, dtype=torch.float64) for c in coords]
+
+def run(kept):  # the samples `kept` at their own batch indices: the batch has no others
+    C = torch.cat([torch.cat([torch.full((len(coords[b]), 1), b, dtype=torch.int32), coords[b]], 1) for b in kept])
+    F = torch.cat([feats[b] for b in kept]).requires_grad_(True)
+    u = net(ME.SparseTensor(F, C))
+    p = ME.MinkowskiPruning()(u, u.C[:, 0] % 2 == 0)  # removes samples 1 and 3 whole
+    pooled = pool(p)
+    out = ME.MinkowskiBroadcastAddition()(p, pooled) if broadcast else pooled
+    C_out, F_out = out.C, out.F
+    if broadcast:  # rows of out are p's rows (ME's order): by coordinates
+        order = sorted(range(len(C_out)), key=lambda i: C_out[i].tolist())
+        C_out, F_out = C_out[order], F_out[order]
+    weights = torch.randn(F_out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (F_out * weights).sum().backward()
+    grads = dict(zip(kept, F.grad.split([len(coords[b]) for b in kept])))  # each sample's input rows
+    return C_out, F_out.detach(), grads, pooled.C[:, 0].tolist(), pool(u)
+
+C, F, grads, samples, whole = run([0, 1, 2, 3])
+C_ref, F_ref, grads_ref, _, _ = run([0, 2])
+assert C.tolist() == C_ref.tolist(), f"rows {C[:, 0].tolist()} != {C_ref[:, 0].tolist()} (the pruned samples' rows?)"
+dF = ((F - F_ref).abs().max() / F_ref.abs().max()).item()
+dG = max(((grads[b] - grads_ref[b]).abs().max() / grads_ref[b].abs().max()).item() for b in (0, 2))
+assert dF < 1e-12 and dG < 1e-12, (dF, dG, F[:, 0].tolist(), F_ref[:, 0].tolist())
+assert not grads[1].abs().sum() and not grads[3].abs().sum(), "a gradient reached a pruned sample"
+assert whole.C[:, 0].tolist() == [0, 1, 2, 3], whole.C  # the unpruned tensor, same manager: all its samples
+print("SAMPLES", samples, "SAME", max(dF, dG) < 1e-12, f"{dF:.1e} {dG:.1e}")
+"""
+
+
+@pytest.mark.parametrize("layer", ["global max pooling", "global average pooling", "global sum pooling",
+                                   "broadcast addition"])
+def test_global_pooling_after_pruning_whole_samples_has_a_row_per_remaining_sample(layer):
+    """Global pooling of a tensor from which MinkowskiPruning removed every row of some samples (after a generative
+    transposed convolution) gave rows for the pruned samples too: -1.797e308 from max pooling, whose backward pass
+    then crashed the process ("double free or corruption"); "invalid kernel map" from average and sum pooling. ME's
+    origin map (one row per sample) came from another of the manager's coordinate maps, which had every sample
+    (scripts/minkowski_patches/17). Now the output has one row per sample the input has, forward and backward the same
+    as a batch in which the pruned samples were never there (float64, 1e-12), broadcasting back too, and the unpruned
+    tensor of the same manager still pools to a row per sample."""
+    done = subprocess.run([sys.executable, "-c", _PRUNED_SAMPLES, layer], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
+    assert "SAMPLES [0, 2] SAME True" in done.stdout, done.stdout
