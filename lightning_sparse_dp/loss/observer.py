@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -109,19 +110,26 @@ def say_own_generator() -> None:
 TENSOR_MAX = torch.Tensor.max
 
 def say_if_chunk_grid() -> None:
-    """Once per process: ``SparseTensor.dense()`` without ``shape`` in a step of several replicas (the caller of this
-    ``Tensor.max`` is ME's ``dense``, which calls it only to size the grid by the tensor's own coordinates)."""
+    """Once per process: ``SparseTensor.dense()`` without ``shape`` in a step of several replicas, or of a
+    ``sparse_ddp`` rank of several (the caller of this ``Tensor.max`` is ME's ``dense``, which calls it only to size
+    the grid by the tensor's own coordinates)."""
     code = sys._getframe(2).f_code
     if code.co_name != "dense" or not code.co_filename.endswith("MinkowskiSparseTensor.py"):
         return
     if getattr(_replica_call, "replicas", 1) > 1:
-        _said.info(
-            "sparse_dp: SparseTensor.dense() without shape= sizes each replica's grid by its chunk's largest "
-            "coordinates, where one device's grid is sized by the whole batch's: a sample's cells are the same, but a "
-            "mean over the grid (F.mse_loss(dense, target), dense.mean(), an average over the spatial dimensions) "
-            "averages over a different number of cells than one device's. Pass a grid fixed for the dataset: "
-            "x.dense(shape=torch.Size([samples, channels, *size])), samples the chunk's (len(batch['labels']))."
-        )
+        strategy, who, part = "sparse_dp", "replica", "chunk"
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        strategy, who, part = "sparse_ddp", "rank", "share"
+    else:
+        return
+    _said.info(
+        f"{strategy}: SparseTensor.dense() without shape= sizes each {who}'s grid by its {part}'s largest "
+        "coordinates, where one device's grid is sized by the whole batch's: a sample's cells are the same, but a "
+        "mean over the grid (F.mse_loss(dense, target), dense.mean(), an average over the spatial dimensions) "
+        "averages over a different number of cells than one device's. Pass a grid fixed for the dataset: "
+        f"x.dense(shape=torch.Size([samples, channels, *size])), samples the {part}'s (len(batch['labels']))."
+    )
+
 
 def outside_capture(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` that runs with its thread's :class:`StepObserver` out of the way (for a metric's ``update`` / ``forward``).

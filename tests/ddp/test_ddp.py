@@ -201,6 +201,14 @@ def test_what_no_split_computes_exactly_is_said_on_ranks(ddp_term_runs, name, wo
     )
 
 
+def test_a_mean_over_a_dense_grid_sized_by_each_share_is_said_on_ranks(ddp_term_runs):
+    """x.dense() without shape= sizes each rank's grid by its share's largest coordinates, a mean over it not one
+    device's: said once by rank 0, as sparse_dp says it of its replicas."""
+    messages = _load(ddp_term_runs, "said_dense", 0)["messages"]
+    said = [m for m in messages if "SparseTensor.dense() without shape=" in m]
+    assert len(said) == 1 and said[0].startswith("sparse_ddp:") and "each rank's grid" in said[0], messages
+
+
 def test_validation_inside_a_fit_reads_its_losses_as_validate_does_on_ranks(ddp_term_runs):
     """The training steps call the loss in a loop a number of times that changes from step to step (said), which the
     site memory keeps; validation inside the fit read its own loop of three views by that memory, could not weigh it

@@ -23,6 +23,7 @@ import lightning_sparse_dp  # noqa: F401  (registers "sparse_dp" and "sparse_ddp
 from tests.support.helpers import IN_CHANNELS, NUM_CLASSES, SparseNet, random_samples
 from tests.support.pairs import PairNet, PairScans, collate_pairs, pairs_in
 from tests.support.scene_models import (
+    ScenesDense,
     ScenesDetr,
     ScenesHeads,
     ScenesLogged,
@@ -215,7 +216,7 @@ TERM_MODELS = {
     "ignore": ScenesIgnoreSeg, "levels": LevelCompletion, "per_sample": ScenesPerSample, "manual": ScenesManual,
     "sum": ScenesSum, "remainder": ScenesRemainder, "statistic": ScenesStatistic, "weights": ScenesWeights,
     "heads": ScenesHeads, "detr": ScenesDetr, "masked": ScenesMasked, "logged": ScenesLogged, "views": ScenesViews,
-    "some_views": ScenesSomeViews, "classes": ScenesPerClass,
+    "some_views": ScenesSomeViews, "classes": ScenesPerClass, "dense": ScenesDense,
 }
 TERM_SCENARIOS = {
     s.name: s
@@ -243,6 +244,8 @@ SAID_SCENARIOS = {
         Scenario("logged", "logged", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
         # a training loop whose count changes (said); validation's fixed loop read as validate() reads it
         Scenario("said_views", "some_views", loss_weighting="terms", trainer={"sync_batchnorm": True}),
+        # a mean over x.dense() without shape=: each rank's grid sized by its share (said)
+        Scenario("said_dense", "dense", loss_weighting="terms", epochs=1, trainer={"sync_batchnorm": True}),
     ]
 }
 #: step code the loss capture was never shown (tests/support/step_forms.py), for the exactness check on ranks

@@ -3,6 +3,7 @@ two-rank scenarios of tests/support/ddp_helpers.py run them, and modules that lo
 
 from __future__ import annotations
 
+import MinkowskiEngine as ME
 import torch
 import torch.nn.functional as F
 
@@ -169,3 +170,13 @@ class ScenesSomeViews(ScenesViews):
 
     def training_views(self, batch_idx: int) -> tuple[float, ...]:
         return self.train_views[: 1 + batch_idx % 2]
+
+
+class ScenesDense(ScenesIgnoreSeg):
+    """:class:`ScenesIgnoreSeg` plus a penalty averaged over ``x.dense()`` without ``shape=``: each rank's grid is sized
+    by its share's largest coordinates (said)."""
+
+    def loss(self, batch):
+        field = ME.TensorField(batch["features"], batch["coordinates"].double())
+        grid = self.net(field.sparse()).dense()[0]
+        return super().loss(batch) + 0.1 * grid.pow(2).mean()
