@@ -39,6 +39,9 @@ from lightning_sparse_dp.runtime.compat import (
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
+#: One element of a tensor: its flat index and the tensor's shape
+Element = tuple[int, tuple[int, ...]]
+
 
 #: ``self.log``'s options (its parameters but ``self``, ``name`` and ``value``), which keyword options are checked against
 _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
@@ -52,9 +55,11 @@ class LogCall:
     value: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
     count: int | None = None  # the elements the value is a mean over, when the step computed it as one (means.py)
-    #: ``(how, path, the replica's metric, its update count then)`` when the value is what that metric's ``forward``
-    #: (``how == "forward"``) or ``compute`` (``"compute"``) returned
-    metric_value: tuple[str, str, Metric, int] | None = None
+    #: ``(how, path, the replica's metric, its update count then, element)`` when the value is what that metric's
+    #: ``forward`` (``how == "forward"``) or ``compute`` (``"compute"``) returned (``element`` ``None``), or one element
+    #: of it (``element``: its flat index and the value's shape: ``acc[c]`` of a per-class value, a
+    #: ``ClasswiseWrapper``'s entries)
+    metric_value: tuple[str, str, Metric, int, Element | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,14 +148,33 @@ class LogRecorder:
             )
         return self.metric_paths[id(metric)]
 
-    def _metric_value(self, value: Any) -> tuple[str, str, Metric, int] | None:
+    def _metric_value(self, value: Any) -> tuple[str, str, Metric, int, Element | None] | None:
         if not isinstance(value, Tensor):
             return None
         for path, m in self.metrics.items():
             for how, cached in (("forward", forward_cache(m)), ("compute", computed(m))):
                 if cached is value:
-                    return how, path, m, update_count(m)
+                    return how, path, m, update_count(m), None
+        for path, m in self.metrics.items():  # one element of such a value (a per-class value indexed or unbound)
+            for how, cached in (("forward", forward_cache(m)), ("compute", computed(m))):
+                index = element_of(value, cached)
+                if index is not None:
+                    return how, path, m, update_count(m), index
         return None
+
+
+def element_of(value: Tensor, whole: Any) -> Element | None:
+    """``(flat index, whole.shape)`` when ``value`` is a one-element view of one element of the contiguous tensor
+    ``whole`` (``whole[c]``, an entry of ``whole.unbind()``: what ``ClasswiseWrapper`` makes of a per-class metric
+    value), else ``None``."""
+    if not isinstance(whole, Tensor) or value._base is None or value.numel() != 1 or not whole.is_contiguous():
+        return None
+    if value._base is not whole and value._base is not whole._base:
+        return None
+    if value.dtype != whole.dtype or value.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+        return None
+    index = value.storage_offset() - whole.storage_offset()
+    return (index, tuple(whole.shape)) if 0 <= index < whole.numel() else None
 
 
 def _metadata(kwargs: dict[str, Any]) -> dict[str, Any]:

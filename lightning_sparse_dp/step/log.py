@@ -57,7 +57,7 @@ from torch import Tensor
 from lightning_sparse_dp.loss.means import MEAN_NAMES
 from lightning_sparse_dp.loss.step import log_fallback_message
 from lightning_sparse_dp.loss.values import is_loss_value
-from lightning_sparse_dp.replica.recorder import LogCall, LogRecorder, MetricRef
+from lightning_sparse_dp.replica.recorder import Element, LogCall, LogRecorder, MetricRef, element_of
 from lightning_sparse_dp.runtime.compat import forward_cache, update_count
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _WARNINGS
 from lightning_sparse_dp.split.presplit import PreSplitBatch
@@ -254,18 +254,31 @@ def _metric_value(present: list[tuple[int, LogCall]], replicas: int, root: torch
     if root is None or len(present) != replicas:
         return None
     sources = [c.metric_value for _, c in present]
-    if any(v is None for v in sources) or len({(how, path) for how, path, _, _ in sources}) != 1:  # type: ignore[misc]
+    if any(v is None for v in sources) or len({(how, path) for how, path, _, _, _ in sources}) != 1:  # type: ignore[misc]
         return None
-    how, path = sources[0][0], sources[0][1]  # type: ignore[index]
+    how, path, element = sources[0][0], sources[0][1], sources[0][4]  # type: ignore[index]
+    if any(s[4] != element for s in sources):  # type: ignore[index]
+        return None
     if how == "forward":
-        if not all(update_count(m) == 1 and forward_cache(m) is c.value for (_, _, m, _), (_, c) in zip(sources, present)):  # type: ignore[misc]
+        if not all(update_count(m) == 1 and _still(c.value, forward_cache(m), element)
+                   for (_, _, m, _, _), (_, c) in zip(sources, present)):  # type: ignore[misc]
             return None
         value = forward_cache(root.get_submodule(path))
     else:
-        if not all(0 < count == update_count(m) for _, _, m, count in sources):  # type: ignore[misc]
+        if not all(0 < count == update_count(m) for _, _, m, count, _ in sources):  # type: ignore[misc]
             return None
         value = root.get_submodule(path).compute()
+    if element is not None:  # one element of the value (a class's entry of a per-class value), as every replica took it
+        index, shape = element
+        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+            return None
+        value = value.reshape(-1)[index]
     return value if isinstance(value, Tensor) and value.numel() == 1 else None
+
+
+def _still(logged: Any, cached: Any, element: Element | None) -> bool:
+    """Whether ``logged`` is still ``cached`` (the metric's last ``forward`` value), or its ``element``."""
+    return cached is logged if element is None else element_of(logged, cached) == element
 
 
 def _reduce_values(
