@@ -2,10 +2,10 @@
 
 With ``automatic_optimization = False`` the step itself calls ``opt.zero_grad()``, ``self.manual_backward(loss)``
 and ``opt.step()`` (a GAN's two optimizers, a step that backpropagates twice). Each replica runs the step on its
-chunk, in its own thread, so each of those calls is made once per replica. :func:`installed` puts stand-ins on
-every replica for the step; at each such call the replicas meet (a call of the step's
-:class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup`, ``all_gather_apply``: the replica that completes it
-does the work once, the others wait):
+chunk, in its own thread, so each of those calls is made once per replica.
+:func:`~lightning_sparse_dp.step.stand_ins.installed` puts stand-ins on every replica for the step; at each such
+call the replicas meet (a call of the step's :class:`~lightning_sparse_dp.syncbn.collective.ThreadGroup`,
+``all_gather_apply``: the replica that completes it does the work once, the others wait):
 
 - ``manual_backward(loss)``: the whole batch's weights of the replicas' losses are decided once, from every
   replica's loss (``loss_weighting="terms"``: each captured loss's own share, as after an automatic step,
@@ -29,7 +29,6 @@ So a manual step on N replicas is the step on one device with the whole batch (`
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -41,10 +40,10 @@ from torch import Tensor, nn
 
 from lightning_sparse_dp.loss.step import StepTerms
 from lightning_sparse_dp.loss.weights import zeroed
-from lightning_sparse_dp.replica.optimizers import rank_view
 from lightning_sparse_dp.runtime.compat import call_after_backward, call_before_backward, trainer_of
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _OVERRIDE_SAID
 from lightning_sparse_dp.step.replicate import Replicas
+from lightning_sparse_dp.step.stand_ins import ONCE, installed, refuse_direct_step
 from lightning_sparse_dp.syncbn.collective import ThreadGroup
 
 #: ``LightningModule.backward`` as Lightning defines it (``loss.backward()``): a module that overrides it gets its own
@@ -100,14 +99,15 @@ class ManualStep:
 
     def once(self, rank: int, name: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` run once for the step's replicas (by the replica that arrives last), its result to every one; an
-        optimizer's step inside it is the replicas' one step (:func:`_refuse_direct_step` lets it through)."""
+        optimizer's step inside it is the replicas' one step
+        (:func:`~lightning_sparse_dp.step.stand_ins.refuse_direct_step` lets it through)."""
 
         def run(_: Any) -> Any:
-            _once.inside = True
+            ONCE.inside = True
             try:
                 return fn()
             finally:
-                _once.inside = False
+                ONCE.inside = False
 
         return self.group.all_gather_apply(rank, None, (name,), run)
 
@@ -225,178 +225,19 @@ class ManualStep:
 
 
 #: ``inside``: whether the calling thread runs a call the replicas make once (:meth:`ManualStep.once`)
-_once = threading.local()
-
-
-def _refuse_direct_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
-    """An optimizer's step pre-hook for a manual step on replicas: a step that is not the replicas' one step (through
-    ``self.optimizers()``) is one each replica makes, so it is refused before it changes anything."""
-    if not getattr(_once, "inside", False):
-        raise RuntimeError(
-            f"sparse_dp: the step called step() of a {type(optimizer).__name__} it reached outside self.optimizers() "
-            "(self.trainer.optimizers[0], an optimizer kept on the module): every replica runs the step, so every "
-            "replica would step it. Reach it through self.optimizers(), whose calls the strategy makes once for the "
-            "replicas, or train with strategy='sparse_ddp', where each rank steps its own."
-        )
-
-
-class _Once:
-    """Stands in for an optimizer or scheduler in a replica: ``step`` / ``zero_grad`` run once per step's replicas."""
-
-    def __init__(self, manual: ManualStep, rank: int, target: Any, name: str) -> None:
-        self._manual, self._rank, self._target, self._name = manual, rank, target, name
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        closure = kwargs.pop("closure", None) if "closure" in kwargs else args[0] if args and callable(args[0]) else None
-        if closure is not None:
-            return self._closure_step(closure, args[1:] if args and args[0] is closure else args, kwargs)
-
-        def run() -> Any:
-            if self._name.startswith("optimizer"):
-                self._manual.write_back()
-            out = self._target.step(*args, **kwargs)
-            if self._name.startswith("optimizer"):
-                self._manual.stepped()
-            return out
-
-        return self._manual.once(self._rank, f"{self._name}.step", run)
-
-    def _closure_step(self, closure: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        """``opt.step(closure)``: every replica runs its own closure in its thread first (its ``zero_grad`` and
-        ``manual_backward`` meet the others', as outside a closure), then the optimizer steps once with the reduced
-        gradients, handed a closure that gives the loss already computed (Lightning's wrapper around it runs the
-        ``on_before_optimizer_step`` hooks and the clipping once). Each replica gets its own loss back, as each DDP rank
-        does. An optimizer that evaluates the closure several times per step (``torch.optim.LBFGS``: a line search at
-        new parameters) is refused: the replicas cannot follow those evaluations."""
-        optimizer = getattr(self._target, "optimizer", self._target)
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise RuntimeError(
-                "sparse_dp: opt.step(closure) with torch.optim.LBFGS evaluates the closure several times per step, at "
-                "parameters its line search picks, which the replicas cannot follow together. Train an LBFGS module "
-                "with strategy='sparse_ddp' (each rank runs its own closure) or on one device."
-            )
-        with torch.enable_grad():  # as the optimizer calls it
-            loss = closure()
-
-        def run() -> Any:
-            self._manual.write_back()
-            self._target.step(lambda: loss, *args, **kwargs)  # the gradients are the replicas' reduced ones already
-            self._manual.stepped()
-
-        self._manual.once(self._rank, f"{self._name}.step", run)
-        return loss
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """An optimizer's groups as this replica's own copies (:class:`~lightning_sparse_dp.replica.optimizers.RankOptimizer`),
-        as each DDP rank changes its own optimizer's; a scheduler's target's groups as they are."""
-        return (rank_view(self._target) if self._name.startswith("optimizer") else self._target).param_groups
-
-    @property
-    def optimizer(self) -> Any:
-        """An optimizer's torch optimizer, or a scheduler's optimizer, as this replica's view
-        (:func:`~lightning_sparse_dp.replica.optimizers.rank_view`): its param groups the replica's own copies."""
-        return rank_view(self._target.optimizer)
-
-    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        def run() -> None:
-            self._target.zero_grad(*args, **kwargs)
-            if self._name.startswith("optimizer"):
-                self._manual.expose()  # the replicas' .grad as the module's now are
-
-        self._manual.once(self._rank, f"{self._name}.zero_grad", run)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-
-@contextmanager
-def installed(manual: ManualStep, replicas: Sequence[nn.Module]) -> Iterator[None]:
-    """For the ``with`` body (the replicas' step), each replica's ``manual_backward``, ``optimizers()``,
-    ``lr_schedulers()``, ``clip_gradients``, ``toggle_optimizer`` and ``untoggle_optimizer`` are :class:`ManualStep`'s
-    stand-ins (instance attributes, removed after, with the gradients the replicas were shown)."""
-    module = manual.module
-    for rank, replica in enumerate(replicas):
-        replica.manual_backward = _bound(manual.manual_backward, rank)
-        replica.optimizers = _optimizers(manual, rank, module)
-        replica.lr_schedulers = _schedulers(manual, rank, module)
-        replica.clip_gradients = _clip(manual, rank, module)
-        replica.toggle_optimizer = _toggle(manual, rank, module, "toggle_optimizer")
-        replica.untoggle_optimizer = _toggle(manual, rank, module, "untoggle_optimizer")
-    try:
-        yield
-    finally:
-        manual.hide()
-        for replica in replicas:
-            for name in _STAND_INS:
-                replica.__dict__.pop(name, None)
-
-
-_STAND_INS = ("manual_backward", "optimizers", "lr_schedulers", "clip_gradients", "toggle_optimizer", "untoggle_optimizer")
-
-
-def _bound(fn: Callable[..., Any], rank: int) -> Callable[..., Any]:
-    def bound(*args: Any, **kwargs: Any) -> Any:
-        return fn(rank, *args, **kwargs)
-
-    return bound
-
-
-def _optimizers(manual: ManualStep, rank: int, module: Any) -> Callable[..., Any]:
-    def optimizers(use_pl_optimizer: bool = True) -> Any:
-        found = type(module).optimizers(module, use_pl_optimizer)
-        if isinstance(found, list):
-            return [_Once(manual, rank, o, f"optimizer{i}") for i, o in enumerate(found)]
-        return _Once(manual, rank, found, "optimizer0")
-
-    return optimizers
-
-
-def _schedulers(manual: ManualStep, rank: int, module: Any) -> Callable[[], Any]:
-    def lr_schedulers() -> Any:
-        found = type(module).lr_schedulers(module)
-        if found is None:
-            return None
-        if isinstance(found, list):
-            return [_Once(manual, rank, s, f"scheduler{i}") for i, s in enumerate(found)]
-        return _Once(manual, rank, found, "scheduler0")
-
-    return lr_schedulers
-
-
-def _clip(manual: ManualStep, rank: int, module: Any) -> Callable[..., None]:
-    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        target = optimizer._target if isinstance(optimizer, _Once) else optimizer
-
-        def clip() -> None:
-            type(module).clip_gradients(module, target, *args, **kwargs)
-            manual.expose()  # every replica's .grad the clipped gradients, as each DDP rank's after its clipping
-
-        manual.once(rank, "clip_gradients", clip)
-
-    return clip_gradients
-
-
-def _toggle(manual: ManualStep, rank: int, module: Any, name: str) -> Callable[[Any], None]:
-    def toggle(optimizer: Any) -> None:
-        target = optimizer._target if isinstance(optimizer, _Once) else optimizer
-        manual.once(rank, name, lambda: manual.toggled(lambda: getattr(type(module), name)(module, target)))
-
-    return toggle
-
-
 @contextmanager
 def manual_step(
     module: nn.Module, replicas: Replicas, step_replicas: Sequence[nn.Module], group: ThreadGroup | None,
     weights: Sequence[float], terms: StepTerms | None, on_module: Callable[[Callable[[], Any]], Any],
 ) -> Iterator[ThreadGroup]:
     """A ``sparse_dp`` step under manual optimization: a :class:`ManualStep` installed on the step's replicas
-    (:func:`installed`), with the step's thread group (a new one when no batch norm is synchronized) and the chunks'
-    ``weights``, needed inside the step, so computed before it; yields the group. ``on_module(fn)`` runs the module's
-    own hooks the step calls once (:meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.once_on_module`)."""
+    (:func:`~lightning_sparse_dp.step.stand_ins.installed`), with the step's thread group (a new one when no batch
+    norm is synchronized) and the chunks' ``weights``, needed inside the step, so computed before it; yields the
+    group. ``on_module(fn)`` runs the module's own hooks the step calls once
+    (:meth:`~lightning_sparse_dp.replica.changes.ModuleChanges.once_on_module`)."""
     group = group if group is not None else ThreadGroup(len(step_replicas))
     trainer = trainer_of(module)
-    hooks = [o.register_step_pre_hook(_refuse_direct_step) for o in getattr(trainer, "optimizers", None) or ()]
+    hooks = [o.register_step_pre_hook(refuse_direct_step) for o in getattr(trainer, "optimizers", None) or ()]
     try:
         with installed(ManualStep(module, replicas, len(step_replicas), group, weights, terms, on_module), step_replicas):
             yield group
@@ -405,4 +246,4 @@ def manual_step(
             hook.remove()
 
 
-__all__ = ["ManualStep", "installed", "manual_step"]
+__all__ = ["ManualStep", "manual_step"]
