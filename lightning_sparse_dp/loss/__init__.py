@@ -15,7 +15,8 @@ One module per idea, in the order a step meets them:
 - :mod:`~lightning_sparse_dp.loss.means`: which elements a logged mean is over (each one-value ``torch.mean`` a step
   computes, counted), and the names a mean goes by (:data:`~lightning_sparse_dp.loss.means.MEAN_NAMES`);
 - :mod:`~lightning_sparse_dp.loss.decide`: the replicas' summaries read as matched terms or per-sample losses, and
-  each term's weight, a step's readings kept for later steps of the same structure;
+  each term's weight, a step's readings kept for later steps of the same structure (:mod:`~lightning_sparse_dp.loss.memory`:
+  what earlier steps told of each call site);
   :mod:`~lightning_sparse_dp.loss.readings`: how one call site is read in full (:mod:`~lightning_sparse_dp.loss.classes`:
   per-class losses in a loop, paired across replicas by their targets' class); :mod:`~lightning_sparse_dp.loss.step`:
   that decision applied to a step and said once where it falls back; :mod:`~lightning_sparse_dp.loss.reweight`: one

@@ -26,7 +26,7 @@ Where both fit (one coefficient everywhere, as many calls in every replica) ``c 
 (``/ len(y.unique())``) and ``c = 1`` as the sum, any other (or one call each, where the two are one) as the mean if
 ``c n = 1``, else the sum, said once; nothing is said where the two agree (the chunks hold the same classes) or an
 earlier step told them apart
-(:attr:`~lightning_sparse_dp.loss.decide.SiteMemory.classes`). Calls whose positions hold different classes but cannot
+(:attr:`~lightning_sparse_dp.loss.memory.SiteMemory.classes`). Calls whose positions hold different classes but cannot
 be paired so (a call over several classes or none, a class called twice by one replica, ``reduction="sum"``) are
 refused: :class:`Unpaired`, which the reading turns into the fallback's reason.
 """
@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_sparse_dp.loss.decide import SiteMemory, SiteTerms
+    from lightning_sparse_dp.loss.decide import SiteTerms
+    from lightning_sparse_dp.loss.memory import SiteMemory
 
 #: one class's whole-batch criterion: its coefficient ``k_c`` and its calls, ``(replica, call index)`` in replica order
 Group = tuple[float, tuple[tuple[int, int], ...]]

@@ -25,16 +25,17 @@ recorded it: ``F.mse_loss(out.F.mean(0), target)``, :func:`~lightning_sparse_dp.
 per replica as
 ``"auto"`` does, and the reason is said once. Readings of ambiguous steps (chunks of equal sizes) are
 said once too, and the reading of a site seen once without ambiguity is kept for later steps
-(:class:`SiteMemory`).
+(:class:`~lightning_sparse_dp.loss.memory.SiteMemory`).
 
 How each site enters the value (:class:`~lightning_sparse_dp.loss.readings.Reading`, read in full by
-:func:`~lightning_sparse_dp.loss.readings.read_site`) and the notes said on the way depend on the step's structure, not
-on the calls' values: which sites each replica called how often, with which coefficients and reductions, the rows of its
-sums, what the chunks hold and what :class:`SiteMemory` held for those sites (:func:`structure`, a key). A decision that
-read every site without its values (not a full ``torch.sum`` of one value in every replica) and left the memory of its
-sites as it found it is kept under its key; a later decision of the same key takes those readings and notes and
-computes only what the values give (:func:`site_part`). Any other is derived in full, with the same readings, notes,
-memory and refusals: a site whose calls, rows, coefficients or chunks' samples changed has another key.
+:func:`~lightning_sparse_dp.loss.readings.read_site`) and the notes said on the way depend on the step's structure,
+not on the calls' values: which sites each replica called how often, with which coefficients and reductions, the rows
+of its sums, what the chunks hold and what :class:`~lightning_sparse_dp.loss.memory.SiteMemory` held for those sites
+(:func:`structure`, a key). A decision that read every site without its values (not a full ``torch.sum`` of one value
+in every replica) and left the memory of its sites as it found it is kept under its key; a later decision of the same
+key takes those readings and notes and computes only what the values give (:func:`site_part`). Any other is derived in
+full, with the same readings, notes, memory and refusals: a site whose calls, rows, coefficients or chunks' samples
+changed has another key.
 
 ``sparse_dp`` decides on its replicas' :class:`Summary` objects in its process; ``sparse_ddp`` gathers the
 ranks' summaries (``all_gather_object``) and every rank decides alike.
@@ -52,6 +53,7 @@ import torch
 
 from lightning_sparse_dp.loss.capture import TermCapture
 from lightning_sparse_dp.loss.classes import class_part
+from lightning_sparse_dp.loss.memory import SiteMemory
 from lightning_sparse_dp.loss.readings import NotExact, Reading, chunk_condition, read_site
 from lightning_sparse_dp.loss.sites import unweighable
 from lightning_sparse_dp.split import SplitPlan
@@ -200,44 +202,6 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> int:
         values = t.detach().to("cpu", torch.float64).contiguous()
         out = zlib.crc32(values.numpy().tobytes(), zlib.crc32(repr(tuple(t.shape)).encode(), out))
     return out
-
-
-#: decisions kept per memory (the step's loss, its logged values and outputs; a few batch structures), oldest dropped
-RECALLED = 16
-
-
-class SiteMemory(dict):
-    """Per call site (its key), how it was read where the step left no doubt: ``("samples", "mean" | "sum" |
-    None)`` or ``("matched", None)``; kept by the strategy for the run, so that a later step of equal chunks reads
-    the site as before. Every rank of ``sparse_ddp`` builds the same memory from the same summaries.
-
-    ``loops``: per call site inside a loop of the user's code whose calls are matched by position, how many times each
-    replica's step called it (``-1`` once that changed from step to step: a loop over what the chunk holds).
-    ``sums``: per site of ``reduction="sum"`` calls, ``"divided"`` (by their inputs' rows), ``"counted"`` (a
-    ``torch.sum`` divided by different numbers at some step, or any site whose coefficients differed between the
-    replicas at some step: a count of the chunk, said at every step after) or
-    ``"constant"`` (one coefficient), where a step of unequal chunks told which (:mod:`~lightning_sparse_dp.loss.readings`).
-    ``classes``: per site of per-class losses (:mod:`~lightning_sparse_dp.loss.classes`), ``"mean"`` or ``"sum"``
-    where a step told which their coefficients are.
-    ``recalled``: per :func:`structure` key, the readings of its sites and the notes of their decision (at most
-    :data:`RECALLED`, the oldest dropped first). ``last_sites``: the call sites of ``sparse_ddp``'s last decision on a
-    step's loss (:attr:`Decision.sites`, set by :func:`~lightning_sparse_dp.loss.step.rank_scale`; its exactness
-    check reads them), ``None`` once read.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.loops: dict[int, int] = {}
-        self.sums: dict[int, str] = {}
-        self.classes: dict[int, str] = {}
-        self.recalled: dict[tuple, tuple[list[Reading], list[str]]] = {}
-        self.last_sites: frozenset | None = None
-
-    def recall(self, key: tuple, readings: list[Reading], notes: list[str]) -> None:
-        """Keep the ``readings`` and ``notes`` of a decision of structure ``key`` (read without the values)."""
-        if len(self.recalled) >= RECALLED:
-            del self.recalled[next(iter(self.recalled))]
-        self.recalled[key] = (readings, list(notes))
 
 
 @dataclass
@@ -402,6 +366,6 @@ def site_part(reading: Reading, sites: Sequence[SiteTerms], out: Any) -> tuple[f
 
 
 __all__ = [
-    "RECALLED", "ChunkShape", "Decision", "SiteMemory", "SiteTerms", "Summary", "decide", "site_part", "structure",
+    "ChunkShape", "Decision", "SiteTerms", "Summary", "decide", "site_part", "structure",
     "summarize",
 ]

@@ -4,7 +4,7 @@
 of the chunk (each its own criterion, the coefficient of each call), else the ``j``-th call of every replica one
 criterion (a mean, a sum, sums each divided by their rows, one value in every replica), or :class:`NotExact` with the
 reason no combination of the replicas' calls is the whole batch's. On the way it says what an ambiguous step was read
-as (the decision's notes) and keeps in :class:`~lightning_sparse_dp.loss.decide.SiteMemory` what a step told without
+as (the decision's notes) and keeps in :class:`~lightning_sparse_dp.loss.memory.SiteMemory` what a step told without
 doubt. A decision of a structure read before takes its :class:`Reading` objects as they were
 (:func:`~lightning_sparse_dp.loss.decide.structure`).
 """
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from lightning_sparse_dp.loss.classes import Group, Unpaired, pair_by_class, read_per_sample
 
 if TYPE_CHECKING:
-    from lightning_sparse_dp.loss.decide import Decision, SiteMemory, SiteTerms, Summary
+    from lightning_sparse_dp.loss.decide import Decision, SiteTerms, Summary
+    from lightning_sparse_dp.loss.memory import SiteMemory
 
 _SAME = 1e-12  # relative difference of two coefficients still taken as one (they come from the same Python numbers)
 

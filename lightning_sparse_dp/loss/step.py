@@ -17,8 +17,9 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 
 from lightning_sparse_dp.loss.capture import TermCapture
-from lightning_sparse_dp.loss.decide import ChunkShape, Decision, SiteMemory, Summary, decide, summarize
+from lightning_sparse_dp.loss.decide import ChunkShape, Decision, Summary, decide, summarize
 from lightning_sparse_dp.loss.means import scalar_values
+from lightning_sparse_dp.loss.memory import SiteMemory
 from lightning_sparse_dp.loss.readings import NO_WEIGHTING
 from lightning_sparse_dp.loss.reweight import PartWeight, shifted
 from lightning_sparse_dp.loss.values import is_loss_value, loss_of

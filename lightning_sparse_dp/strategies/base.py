@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from lightning_sparse_dp.exactness.check import ExactnessCheck, resolve_mode
-from lightning_sparse_dp.loss.decide import SiteMemory
+from lightning_sparse_dp.loss.memory import SiteMemory
 from lightning_sparse_dp.loss.weights import check_loss_weighting
 from lightning_sparse_dp.runtime.me import CPU_PATCHES, GPU_PATCHES, missing_patches, unpatched_message
 from lightning_sparse_dp.split import resolve_assignment

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_sparse_dp.exactness.check import OUTPUT_KEY, backward, one_device_step, quiet_step
 from lightning_sparse_dp.exactness.probe import float64_batch
-from lightning_sparse_dp.loss.decide import SiteMemory
+from lightning_sparse_dp.loss.memory import SiteMemory
 from lightning_sparse_dp.loss.reweight import scaled
 from lightning_sparse_dp.loss.step import FALLBACK_START
 from lightning_sparse_dp.loss.values import loss_of

@@ -57,7 +57,8 @@ from lightning_sparse_dp.ddp.logged_means import HeldMeans
 from lightning_sparse_dp.ddp.rank_loaders import dataset_point_counts, point_balanced_loader
 from lightning_sparse_dp.ddp.sampler import PointBalancedBatchSampler
 from lightning_sparse_dp.loss.capture import TermCapture
-from lightning_sparse_dp.loss.decide import ChunkShape, SiteMemory, Summary, summarize
+from lightning_sparse_dp.loss.decide import ChunkShape, Summary, summarize
+from lightning_sparse_dp.loss.memory import SiteMemory
 from lightning_sparse_dp.loss.observer import StepObserver
 from lightning_sparse_dp.loss.reweight import PartWeight, scaled
 from lightning_sparse_dp.loss.step import rank_scale

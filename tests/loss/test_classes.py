@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from lightning_sparse_dp import SparseDataParallelStrategy
 from lightning_sparse_dp.loss.classes import Unpaired, pair_by_class, read_per_sample
-from lightning_sparse_dp.loss.decide import SiteMemory, SiteTerms, Summary, decide
+from lightning_sparse_dp.loss.decide import SiteTerms, Summary, decide
+from lightning_sparse_dp.loss.memory import SiteMemory
 from tests.support.clients import fresh_loader
 from tests.support.exact import REL, relative_difference, same_start, state_differences, trainer64
 from tests.support.helpers import NUM_CLASSES, collate_dict, random_samples

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_sparse_dp.loss.decide as decide_module
-from lightning_sparse_dp.loss.decide import SiteMemory, SiteTerms, Summary, decide
+from lightning_sparse_dp.loss.decide import SiteTerms, Summary, decide
+from lightning_sparse_dp.loss.memory import SiteMemory
 from tests.support.helpers import SparseNet, collate_dict, loader, random_samples, trainer, unchecked
 
 
