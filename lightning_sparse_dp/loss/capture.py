@@ -79,6 +79,7 @@ from lightning_sparse_dp.loss.sites import (
     reduces_rows,
 )
 from lightning_sparse_dp.loss.term import Term, scaled_value
+from lightning_sparse_dp.replica.derived import note_derived
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _replica_call
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
 
@@ -163,7 +164,10 @@ class TermCapture(StepObserver):
         if (kind is SUM_KIND or kind is MEAN_KIND) and full_reduction(args, kwargs) and not (
             self.forms and self._touches_forms(args)
         ):
-            return self._reduction(func, args, kwargs)
+            out = self._reduction(func, args, kwargs)
+            if self.derived:  # (StepObserver's note: a reduction of a metric's value)
+                note_derived(self.derived, func, args, kwargs, out)
+            return out
         plain = kind is None and (not self.forms or not self._touches_forms(args))
         # no graph to read the chunk's statistics off (a step or block without autograd: an OHEM threshold under
         # torch.no_grad), or an op on what such a block computed (``ce * weight``): followed
@@ -171,9 +175,13 @@ class TermCapture(StepObserver):
         following = not self.recording or (
             not torch.is_grad_enabled() and getattr(func, "__name__", None) in ROW_REDUCTION_NAMES and from_step_code(1)
         ) or (stats is not None and bool(stats.held) and stats.touches(args, kwargs))
-        if plain and not following and not self.counts:
+        if plain and not following and not self.counts and not self.derived:
             return func(*args, **kwargs)  # most calls (the network, a metric's update): nothing to follow
         out = func(*args, **kwargs)
+        if self.derived:  # (StepObserver's note: what the step computes from a metric's value)
+            note_derived(self.derived, func, args, kwargs, out)
+        if plain and not following and not self.counts:
+            return out
         if kind is SUM_KIND or self.counts:
             self._note_count(kind, args, out)
         if following:

@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_sparse_dp.loss.collectives import COLLECTIVE_FUNCTIONS, note_collective
 from lightning_sparse_dp.loss.denominators import CAPTURED, UNCAPTURED
 from lightning_sparse_dp.loss.means import MEAN_FUNCTIONS, PASSING_FUNCTIONS, counting, note_mean, pass_mean
+from lightning_sparse_dp.replica.derived import note_derived
 from lightning_sparse_dp.runtime.process import REPLICA_CALL as _replica_call
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _said
 from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _local
@@ -59,6 +60,9 @@ class StepObserver(TorchFunctionMode):
         self.collectives = collectives
         #: ``id(mean) -> (mean, element count)`` of the one-value means the last :meth:`run` computed (its outputs')
         self.means: dict[int, tuple[Tensor, int]] = {}
+        #: ``id -> (tensor, how)`` of the values the step's metrics returned and of what the step computed from them
+        #: (:func:`~lightning_sparse_dp.replica.derived.note_derived`), while :meth:`run` runs
+        self.derived: dict[int, tuple[Tensor, Any]] = {}
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with this observer as the calling thread's innermost torch function mode, and the thread counting
@@ -66,11 +70,13 @@ class StepObserver(TorchFunctionMode):
         self.recording = torch.is_grad_enabled()  # whether the step records gradients (TermCapture's terms read it)
         previous = getattr(_local, "active", None)
         _local.active = self
+        self.derived = {}
         try:
             with counting() as self.means, self:
                 return fn()
         finally:
             _local.active = previous
+            self.derived = {}
 
     def _observe(self, kind: str | None, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if kind is MEAN_KIND:
@@ -87,6 +93,8 @@ class StepObserver(TorchFunctionMode):
         if func is TENSOR_MAX:
             say_if_chunk_grid()
         out = func(*args, **kwargs)
+        if self.derived:  # after a replica metric's forward / compute: what the step computes from its value
+            note_derived(self.derived, func, args, kwargs, out)
         try:
             kind = KINDS.get(func)
         except TypeError:  # an unhashable callable: nothing to observe

@@ -29,6 +29,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import BaseAggregator
 
 from lightning_sparse_dp.loss.observer import outside_capture
+from lightning_sparse_dp.replica.derived import noting_value
 from lightning_sparse_dp.replica.metric_merge import MetricReplicas, merge_into_root, metric_levels
 from lightning_sparse_dp.replica.metric_updates import (
     CHUNK_COLUMN,
@@ -125,7 +126,9 @@ class ReplicaMetrics:
                 copy.to(device)
             if index >= 0:  # a replica's: update and forward run outside the step's loss capture (terms.outside_capture)
                 copy.update = BatchColumns(outside_capture(copy.update), copy)
-                copy.forward = outside_capture(copy.forward)
+                # their values noted, for what the step computes from them (derived.py: recall.mean())
+                copy.forward = noting_value(outside_capture(copy.forward), "forward", copy)
+                copy.compute = noting_value(copy.compute, "compute", copy)
                 for _, level in metric_levels(copy):  # an aggregator's updates' values (a wrapper's inner one's too,
                     if isinstance(level, BaseAggregator):  # MinMaxMetric(MeanMetric())), for the whole batch's (metric_merge)
                         level.update = UpdateCalls(level.update)

@@ -11,7 +11,8 @@ A recorder checks each call as ``LightningModule.log`` does, with Lightning's ex
 a :class:`LogCall`: with the element count of a mean the step computed
 (:func:`~lightning_sparse_dp.loss.means.count_of`); a logged ``torchmetrics.Metric`` by its module path
 (:class:`MetricRef`); a tensor that a metric's ``forward`` or ``compute`` just returned with that metric, so that the
-root metric's merged value can be logged in its place.
+root metric's merged value can be logged in its place, and one the step computed from such values with how it did
+(:mod:`~lightning_sparse_dp.replica.derived`), so that the same calls on the root metric's value can be.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_sparse_dp.loss.means import count_of
+from lightning_sparse_dp.replica.derived import Recipe, recipe_of
 from lightning_sparse_dp.runtime.compat import (
     computed,
     current_hook,
@@ -36,6 +38,7 @@ from lightning_sparse_dp.runtime.compat import (
     trainer_of,
     update_count,
 )
+from lightning_sparse_dp.runtime.process import STEP_OBSERVER as _observer
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -60,6 +63,8 @@ class LogCall:
     #: of it (``element``: its flat index and the value's shape: ``acc[c]`` of a per-class value, a
     #: ``ClasswiseWrapper``'s entries)
     metric_value: tuple[str, str, Metric, int, Element | None] | None = None
+    #: how the value was computed from metric values (``self.recall(logits, y).mean()``), when it was
+    derived: Recipe | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,8 @@ class LogRecorder:
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
         metric_value = self._metric_value(value) if self.metrics else None  # (a value a metric gave)
-        self.calls[name] = LogCall(name, value, kwargs, count_of(value), metric_value)
+        derived = self._derived(value) if self.metrics and metric_value is None else None  # (computed from one)
+        self.calls[name] = LogCall(name, value, kwargs, count_of(value), metric_value, derived)
 
     def _metric_path(self, name: str, metric: Metric, attribute: str | None) -> str:
         """The module path of a logged metric (``metric_attribute`` when given), or Lightning's refusal."""
@@ -161,6 +167,14 @@ class LogRecorder:
                 if index is not None:
                     return how, path, m, update_count(m), index
         return None
+
+    def _derived(self, value: Any) -> Recipe | None:
+        """How ``value`` was computed from the values of the replica's metrics (:mod:`.derived`), else ``None``."""
+        active = getattr(_observer, "active", None)
+        if active is None or not active.derived or not isinstance(value, Tensor) or value.requires_grad:
+            return None
+        return recipe_of(value, active.derived, self.metric_paths, update_count,
+                         lambda root: forward_cache(root.metric) if root.how == "forward" else computed(root.metric))
 
 
 def element_of(value: Tensor, whole: Any) -> Element | None:

@@ -9,7 +9,10 @@ A ``torchmetrics.Metric`` logged from a replica (``self.log(name, self.acc)``) i
 module's metric of the same name, whose state :mod:`lightning_sparse_dp.replica.metric_merge` has merged; the value a
 metric's ``forward`` returned (``self.log(name, self.acc(preds, y))``, the chunk's value) as the root metric's value
 for the whole batch, when every replica logged it from the step's one ``forward`` call of that metric, and the value
-its ``compute`` returned after the step's updates (``self.acc.compute()``) as the root metric's ``compute()``.
+its ``compute`` returned after the step's updates (``self.acc.compute()``) as the root metric's ``compute()``; a
+number the step computed from such values (``self.recall(logits, y).mean()``, ``.sum()``, ``.max()``, ``100 * ...``) as
+the same calls on the root metric's value (:mod:`~lightning_sparse_dp.replica.derived`), or, where they cannot be made
+again (a mask from the chunk's labels), said once.
 
 Reduction across replicas, and when it gives the one-device (whole-batch) value:
 
@@ -57,6 +60,7 @@ from torch import Tensor
 from lightning_sparse_dp.loss.means import MEAN_NAMES
 from lightning_sparse_dp.loss.step import log_fallback_message
 from lightning_sparse_dp.loss.values import is_loss_value
+from lightning_sparse_dp.replica.derived import metric_named, whole_batch_value
 from lightning_sparse_dp.replica.recorder import Element, LogCall, LogRecorder, MetricRef, element_of
 from lightning_sparse_dp.runtime.compat import forward_cache, update_count
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _WARNINGS
@@ -219,6 +223,19 @@ def reduce_log_calls(
             )
         value = _metric_value(present, len(recorders), root)
         said = False
+        if value is None and root is not None and len(present) == len(recorders):  # (recall.mean(): derived.py)
+            recipes = [c.derived for _, c in present]
+            value = whole_batch_value(recipes, root, device, update_count, forward_cache)
+            if isinstance(value, str):
+                metric = metric_named(recipes)
+                warning_cache.warn(
+                    f"sparse_dp: self.log({name!r}, ...) is computed in the step from the value of {metric} {value}: "
+                    "it cannot be recomputed from the metric's whole-batch value, so the replicas' chunk values are "
+                    f"reduced instead, not one device's value. Log the metric object itself (self.log({name!r}, "
+                    f"{metric}), with the reduction in the metric, e.g. average='macro'), or compute the number in "
+                    f"on_train_epoch_end / on_validation_epoch_end from {metric}.compute()."
+                )
+                value, said = None, True
         if value is None and exact is not None:
             value = exact([i for i, _ in present], [c.value for _, c in present])
             if isinstance(value, str):  # losses the replicas called otherwise than one device (a loop stopped early)
