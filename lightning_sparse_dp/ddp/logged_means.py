@@ -34,7 +34,7 @@ from lightning_sparse_dp.loss.decide import decide
 from lightning_sparse_dp.loss.means import count_of
 from lightning_sparse_dp.loss.step import log_fallback_message, refusal
 from lightning_sparse_dp.runtime.compat import inferred_batch_size, shadow_result_updates, synced_reduction
-from lightning_sparse_dp.step.log import constant_batch_size
+from lightning_sparse_dp.step.log_memory import constant_batch_size
 
 #: one rank's reading of a logged value: (its summary where it is a combination of the step's captured losses, else
 #: ``None``; its values as floats; the element count of a mean the step computed, else ``None``; ``n_r``)

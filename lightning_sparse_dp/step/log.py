@@ -42,7 +42,7 @@ finite (a mean over nothing, e.g. every label ignored) are left out, so they nev
 value NaN; a mean with nothing left is 0. The ``batch_size`` given to Lightning (which weights
 epoch-level means) is the sum of the replicas' ``batch_size`` arguments, or the one value they all passed where it is
 not each chunk's count (the whole batch's, or a constant such as ``self.hparams.batch_size``:
-:func:`constant_batch_size`); without them Lightning infers it from the
+:func:`~lightning_sparse_dp.step.log_memory.constant_batch_size`); without them Lightning infers it from the
 whole batch, as it does on one device (a batch split in DataLoader workers: the number of its samples).
 """
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,6 +64,7 @@ from lightning_sparse_dp.replica.recorder import Element, LogCall, LogRecorder, 
 from lightning_sparse_dp.runtime.compat import forward_cache, update_count
 from lightning_sparse_dp.runtime.process import SAID_ONCE as _WARNINGS
 from lightning_sparse_dp.split.presplit import PreSplitBatch
+from lightning_sparse_dp.step.log_memory import LogMemory
 
 if TYPE_CHECKING:
     from lightning_sparse_dp.step.context import StepContext
@@ -93,54 +93,6 @@ def _reduce(values: Sequence[Tensor], weights: Sequence[float], reduce_fx: Any) 
             raise ValueError(f"reduce_fx={reduce_fx!r} is not supported; use 'mean', 'sum', 'max', 'min' or a callable.")
         reduce_fx = _NAMED[reduce_fx]
     return reduce_fx(stacked)
-
-
-@dataclass
-class LogMemory:
-    """What a strategy's steps showed of its logged names, kept for the run: values that equal each other in every
-    replica at one step by chance are read as earlier steps showed them.
-
-    Attributes:
-        counts: names logged as integers that differed between the replicas at some step (each chunk's count, summed),
-            summed also where every replica counts the same (one correct prediction each), not taken as one value.
-        own_sizes: names whose ``batch_size=`` differed between the replicas at some step (each chunk's count, summed),
-            summed also where the replicas' counts are equal (10 labeled points each), not taken as one constant.
-    """
-
-    counts: set[str] = field(default_factory=set)
-    own_sizes: set[str] = field(default_factory=set)
-
-    def constant(self, name: str, sizes: Sequence[Any], replicas: Sequence[int], num_samples: int,
-                 chunk_samples: Sequence[int] | None, chunk_points: Callable[[], Sequence[Sequence[int]]]) -> Any:
-        """:func:`constant_batch_size`, where this name's sizes differed between the replicas before: ``None``
-        (each chunk's count) unless the size is the whole batch's."""
-        if len(sizes) > 1 and any(s != sizes[0] for s in sizes[1:]):
-            self.own_sizes.add(name)
-        constant = constant_batch_size(sizes, replicas, num_samples, chunk_samples, chunk_points)
-        if constant is not None and name in self.own_sizes and constant != num_samples:
-            return None
-        return constant
-
-
-def constant_batch_size(
-    sizes: Sequence[Any], replicas: Sequence[int], num_samples: int, chunk_samples: Sequence[int] | None,
-    chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
-) -> Any:
-    """The ``batch_size=`` the replicas passed when it is one value for the whole batch, else ``None`` (each chunk's own
-    count, to be summed): every replica passed the same value, and it is the whole batch's sample or point count or, for
-    some replica, neither its chunk's sample count nor its chunk's point count of any point set (``chunk_points()``:
-    per point set, per chunk) (``self.hparams.batch_size`` on every step, the epoch's last batch short: one device
-    weighs that batch by the constant in epoch means, not by the replicas' sum of it). Equal point counts are each
-    chunk's (fixed-size point clouds: ``batch_size=len(labels)``)."""
-    if not sizes or any(s != sizes[0] for s in sizes[1:]):
-        return None
-    if sizes[0] == num_samples or any(sizes[0] == sum(c) for c in chunk_points()):  # the whole batch's samples or points
-        return sizes[0]
-    if chunk_samples is None or len(sizes) < 2:
-        return None
-    counts = [chunk_samples, *chunk_points()]
-    own = any(all(i < len(c) and sizes[0] == c[i] for i in replicas) for c in counts)
-    return None if own else sizes[0]
 
 
 def _is_integer(value: Any) -> bool:
@@ -194,10 +146,12 @@ def reduce_log_calls(
             ``str``) a combination of captured losses in every replica has no whole-batch value: said once
             (:func:`~lightning_sparse_dp.loss.step.log_fallback_message`), then reduced by the rules above.
         chunk_samples: each replica's samples (tells a ``batch_size=`` that is one constant, e.g.
-            ``self.hparams.batch_size``, from each chunk's own count: :func:`constant_batch_size`).
+            ``self.hparams.batch_size``, from each chunk's own count:
+            :func:`~lightning_sparse_dp.step.log_memory.constant_batch_size`).
         chunk_points: gives, per point set, each replica's points (a ``batch_size=`` that is each chunk's point
             count); called only where needed.
-        memory: the strategy's :class:`LogMemory` (a fresh one when not given: this step alone).
+        memory: the strategy's :class:`~lightning_sparse_dp.step.log_memory.LogMemory` (a fresh one when not given:
+            this step alone).
     """
     warning_cache = _WARNINGS if warning_cache is None else warning_cache
     memory = LogMemory() if memory is None else memory
@@ -313,8 +267,9 @@ def _reduce_values(
     said: bool = False,
 ) -> Tensor:
     """One logged value from the replicas' values of ``name`` (see the module docstring for the rules; ``memory``: the
-    step's :class:`LogMemory`, given by :func:`reduce_log_calls`, its one caller; ``said``: why the value is not the
-    whole batch's was said already, so the lines guessing at a hand-made mean are not)."""
+    step's :class:`~lightning_sparse_dp.step.log_memory.LogMemory`, given by :func:`reduce_log_calls`, its one caller;
+    ``said``: why the value is not the whole batch's was said already, so the lines guessing at a hand-made mean are
+    not)."""
     assert memory is not None
     values = [torch.as_tensor(c.value).to(device) for _, c in present]
     w = [weights[i] for i, _ in present]
@@ -400,4 +355,4 @@ def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
         )
 
 
-__all__ = ["LogMemory", "constant_batch_size", "log_step", "emit", "reduce_log_calls"]
+__all__ = ["emit", "log_step", "reduce_log_calls"]

@@ -32,7 +32,8 @@ from lightning_sparse_dp.split.presplit import presplit_loader
 from lightning_sparse_dp.step.backward import backward_in_replicas, clear_replica_gradients
 from lightning_sparse_dp.step.check import DeferredCheck, StaleReplicas
 from lightning_sparse_dp.step.context import StepCall, StepContext, dataloader_index
-from lightning_sparse_dp.step.log import LogMemory, emit, log_step
+from lightning_sparse_dp.step.log import emit, log_step
+from lightning_sparse_dp.step.log_memory import LogMemory
 from lightning_sparse_dp.step.prepare import PlacedChunks, PreparedBatch, prepare_batch, say_changed_after_cut
 from lightning_sparse_dp.step.replicate import Replicas
 from lightning_sparse_dp.step.scatter import step_cutters
