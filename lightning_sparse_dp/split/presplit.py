@@ -12,12 +12,14 @@ directly too.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils._pytree as pytree
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, default_collate
 
@@ -34,7 +36,13 @@ class PreSplitBatch:
     batch itself (``batch``, its SparseTensor / TensorField as whole-batch SparseSpec, as they cannot cross processes;
     ``None`` when not kept), which the strategy's exactness check runs one device's step on.
 
-    ``PreSplitBatch(chunks, plan, batch=None)``. Lightning's precision plugins convert a batch before the step
+    ``batch_size``: the batch size Lightning's ``self.log`` infers from the collated batch on one device
+    (``lightning.pytorch.utilities.data.extract_batch_size``: the first tensor's length, the points of a dict batch of
+    coordinates first), which weights epoch-level means of values logged without ``batch_size=``; Lightning cannot
+    infer it from a PreSplitBatch that kept no batch, so the strategy gives it this one (``None``: not known; the
+    batch's samples are given then, said once). :class:`PreSplitCollate` sets it on every batch.
+
+    ``PreSplitBatch(chunks, plan, batch=None, batch_size=None)``. Lightning's precision plugins convert a batch before the step
     (``convert_input``: ``apply_to_collection`` over dataclass fields, e.g. floating tensors to float64
     for ``precision="64-true"``); the chunks are converted as a whole batch would be, and the plan, a
     frozen dataclass that holds no floating-point data, is a non-init field, so it is passed on as it is
@@ -43,11 +51,13 @@ class PreSplitBatch:
 
     chunks: list[Any]
     batch: Any
+    batch_size: int | None
     plan: SplitPlan = field(init=False)
 
-    def __init__(self, chunks: list[Any], plan: SplitPlan, batch: Any = None) -> None:
+    def __init__(self, chunks: list[Any], plan: SplitPlan, batch: Any = None, batch_size: int | None = None) -> None:
         self.chunks = chunks
         self.batch = batch
+        self.batch_size = batch_size
         self.plan = plan
 
 
@@ -108,7 +118,7 @@ class PreSplitCollate:
                 spec.source = None
         keep = self.keep_batch == "always" or (self.keep_batch == "first" and self._calls == 0)
         self._calls += 1
-        return PreSplitBatch(chunks, plan, as_specs(batch) if keep else None)
+        return PreSplitBatch(chunks, plan, as_specs(batch) if keep else None, inferred_batch_size(batch))
 
 
 def presplit_loader(
@@ -140,6 +150,18 @@ def presplit_loader(
     return dataloader
 
 
+def inferred_batch_size(batch: Any) -> int | None:
+    """The batch size Lightning's ``self.log`` infers from the collated ``batch`` on one device (``extract_batch_size``:
+    the first tensor's length), or ``None`` where it finds none (one device's ``self.log`` raises there); its warning
+    about an ambiguous collection is not given here (in a worker process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return extract_batch_size(batch)
+        except Exception:  # noqa: BLE001 - Lightning's MisconfigurationException or a RecursionError: none to give
+            return None
+
+
 def as_specs(batch: Any) -> Any:
     """``batch`` with each ``ME.SparseTensor`` / ``ME.TensorField`` as a whole-batch
     :class:`~lightning_sparse_dp.split.SparseSpec` (features, coordinates, constructor keywords), which can cross
@@ -153,4 +175,4 @@ def _specs(chunk: Any) -> list[SparseSpec]:
     return [x for x in leaves if isinstance(x, SparseSpec)]
 
 
-__all__ = ["PreSplitBatch", "PreSplitCollate", "as_specs", "presplit_loader"]
+__all__ = ["PreSplitBatch", "PreSplitCollate", "as_specs", "inferred_batch_size", "presplit_loader"]

@@ -124,6 +124,7 @@ def reduce_log_calls(
     warning_cache: WarningCache | None = None,
     exact: Callable[[list[int], list[Any]], Tensor | str | None] | None = None,
     infer_batch_size: bool = False,
+    batch_size: int | None = None,
     chunk_samples: Sequence[int] | None = None,
     chunk_points: Callable[[], Sequence[Sequence[int]]] = tuple,
     memory: LogMemory | None = None,
@@ -136,6 +137,9 @@ def reduce_log_calls(
         num_samples: samples in the whole batch, the ``batch_size`` of a call no replica gave one unless
             ``infer_batch_size``: then Lightning infers it from the whole batch, as one device's ``self.log`` does
             (``extract_batch_size``: the first tensor's length, the points of a dict batch of coordinates first).
+        batch_size: where Lightning cannot infer it (a batch split in DataLoader workers without its collated batch),
+            the size it infers from the whole batch on one device (:attr:`PreSplitBatch.batch_size`), given to a call
+            no replica gave one instead of ``num_samples``.
         device: the root device; reduced values are put there.
         root: the root module, whose metrics stand for logged replica metrics.
         losses: each replica's step loss (:func:`lightning_sparse_dp.step.backward.loss_of` of its output); a logged
@@ -207,7 +211,7 @@ def reduce_log_calls(
         elif infer_batch_size:  # Lightning infers it from the step's whole batch (its warning included), as on one device
             kwargs.pop("batch_size", None)
         else:
-            kwargs["batch_size"] = num_samples
+            kwargs["batch_size"] = num_samples if batch_size is None else batch_size
         merged.append(LogCall(name, value, kwargs))
     return merged
 
@@ -340,15 +344,29 @@ def emit(module: Any, calls: Sequence[LogCall]) -> None:
 
 def log_step(step: StepContext, root: torch.device) -> list[LogCall]:
     """The replicas' ``self.log`` calls of the step (its recorders), reduced (stage ``log``, :func:`reduce_log_calls`;
-    no ``batch_size`` given: Lightning infers it from the batch, unless it was split in workers), for the hub to log
+    no ``batch_size`` given: Lightning infers it from the batch; for a batch split in workers, the size it infers from
+    the collated batch, :attr:`PreSplitBatch.batch_size`), for the hub to log
     through Lightning's own ``self.log`` once (stage ``emit``, :func:`emit`), as a one-device step logs inside the step."""
     assert step.replica_state is not None and step.plan is not None and step.weights is not None
+    batch = step.call.batch
+    presplit = isinstance(batch, PreSplitBatch)
+    if presplit and batch.batch_size is None and any(
+        c.kwargs.get("batch_size") is None for rec in step.replica_state.recorders for c in rec.calls.values()
+    ):
+        step.call.warnings.warn(
+            "sparse_dp: self.log(...) without batch_size= in a step whose batch was split in DataLoader workers "
+            "without the batch size Lightning would infer from it (a PreSplitBatch of your own, without batch= or "
+            f"batch_size=): it is given the batch's samples ({step.plan.num_samples}), where one device infers it from "
+            "the batch (the first tensor's length: points, for coordinates first), so epoch-level means can differ "
+            "from one device's. Pass batch_size= to self.log, or PreSplitBatch(..., batch_size=extract_batch_size(batch))."
+        )
     with step.call.timer.stage("log"):
         return reduce_log_calls(
             step.replica_state.recorders, step.weights, step.plan.num_samples, root, step.call.module, step.losses,
             step.call.warnings,
             step.terms.log_reading if step.terms is not None else None,
-            infer_batch_size=not isinstance(step.call.batch, PreSplitBatch),
+            infer_batch_size=not presplit,
+            batch_size=batch.batch_size if presplit else None,
             chunk_samples=[len(s) for s in step.plan.chunk_samples],
             chunk_points=lambda: step.plan.points_per_set,  # read where needed
             memory=step.call.logged,
