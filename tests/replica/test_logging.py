@@ -353,28 +353,7 @@ def test_per_class_metric_values_logged_one_class_at_a_time_are_one_devices():
     """A per-class metric value's entries (a ``ClasswiseWrapper``'s, ``recall[c]``, ``compute()[c]``) were the replicas'
     chunk values averaged: 0.14-0.71 relative off one device's on every step and epoch, said by the exactness check at
     the first step only (and ``compute()[c]`` not at all there); they are the root metric's whole-batch values."""
-    from tests.support.ddp_helpers import Capture
-
-    samples = random_samples(26, seed=70)
-    histories, metrics, modules = [], [], same_start(_PerClassValues)
-    for module, kwargs in zip(modules, ({"strategy": "sparse_dp", "devices": 3, "sync_batchnorm": True}, {})):
-        logger = Capture()
-        t = trainer(precision="64-true", max_steps=-1, max_epochs=2, limit_val_batches=1.0, logger=logger,
-                    log_every_n_steps=1, **kwargs)
-        t.fit(module, sample_loader(samples), sample_loader(samples[:12]))
-        histories.append(logger.history)
-        metrics.append({k: float(v) for k, v in t.callback_metrics.items()})
-    (ours, reference), (ours_metrics, reference_metrics) = histories, metrics
-    assert {"train_recall_3", "recall3", "seen_recall1", "val_acc_3"} <= reference_metrics.keys()
-    assert ours_metrics.keys() == reference_metrics.keys()
-    for name, value in reference_metrics.items():
-        assert ours_metrics[name] == pytest.approx(value, rel=1e-10, abs=1e-12), name
-    assert [step for step, _ in ours] == [step for step, _ in reference]
-    for (step, logged), (_, logged_ref) in zip(ours, reference):
-        assert logged.keys() == logged_ref.keys(), step
-        for name, value in logged_ref.items():
-            assert logged[name] == pytest.approx(value, rel=1e-10, abs=1e-12), (step, name)
-    assert_same_states(*modules)
+    _assert_logged_as_on_one_device(_PerClassValues, {"train_recall_3", "recall3", "seen_recall1", "val_acc_3"})
 
 
 class _ReducedPerClass(SparseNet):
@@ -423,17 +402,14 @@ def _fit_logged(module, samples, **kwargs):
     return logger.history, {k: float(v) for k, v in t.callback_metrics.items()}
 
 
-def test_mean_sum_max_of_per_class_metric_values_are_one_devices():
-    """A per-class metric value reduced in the step (``self.recall(logits, y).mean()``, ``.sum()``, ``.max()``,
-    ``.min()``, ``.nanmean()``, ``100 * ....mean()``, ``[fixed mask].mean()``, ``compute().mean()``) was logged as the
-    replicas' chunk values averaged: 0.33-0.67 relative off one device's on every step, said by the exactness check at
-    the first step only; it is that reduction of the root metric's whole-batch value."""
-    samples = random_samples(26, seed=70)
-    modules = same_start(_ReducedPerClass)
+def _assert_logged_as_on_one_device(cls, names):
+    """``cls`` fit on 3 replicas (sync BN) and on one device from the same start (:func:`_fit_logged`): every logged
+    step value, every callback metric (``names`` among them) and the module's state within 1e-10."""
+    modules = same_start(cls)
     (ours, ours_metrics), (reference, reference_metrics) = (
-        _fit_logged(module, samples, **kwargs)
+        _fit_logged(module, random_samples(26, seed=70), **kwargs)
         for module, kwargs in zip(modules, ({"strategy": "sparse_dp", "devices": 3, "sync_batchnorm": True}, {})))
-    assert {"macro_recall_step", "iou_sum_epoch", "kept_iou_step", "seen_macro", "val_miou"} <= reference_metrics.keys()
+    assert names <= reference_metrics.keys()
     assert ours_metrics.keys() == reference_metrics.keys()
     for name, value in reference_metrics.items():
         assert ours_metrics[name] == pytest.approx(value, rel=1e-10, abs=1e-12), name
@@ -443,6 +419,15 @@ def test_mean_sum_max_of_per_class_metric_values_are_one_devices():
         for name, value in logged_ref.items():
             assert logged[name] == pytest.approx(value, rel=1e-10, abs=1e-12), (step, name)
     assert_same_states(*modules)
+
+
+def test_mean_sum_max_of_per_class_metric_values_are_one_devices():
+    """A per-class metric value reduced in the step (``self.recall(logits, y).mean()``, ``.sum()``, ``.max()``,
+    ``.min()``, ``.nanmean()``, ``100 * ....mean()``, ``[fixed mask].mean()``, ``compute().mean()``) was logged as the
+    replicas' chunk values averaged: 0.33-0.67 relative off one device's on every step, said by the exactness check at
+    the first step only; it is that reduction of the root metric's whole-batch value."""
+    _assert_logged_as_on_one_device(
+        _ReducedPerClass, {"macro_recall_step", "iou_sum_epoch", "kept_iou_step", "seen_macro", "val_miou"})
 
 
 def test_a_per_class_metric_value_reduced_over_the_chunks_classes_is_said():
